@@ -1,0 +1,3 @@
+from paged_chat.cli import main
+
+main()

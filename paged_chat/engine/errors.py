@@ -1,0 +1,17 @@
+"""Exceptions the engine raises. The CLI and TUI turn each into one line for the user."""
+
+
+class PagedChatError(Exception):
+    """Base class: anything the user can act on, with a message that says how."""
+
+
+class ModelLoadError(PagedChatError):
+    """A model spec could not be resolved or its files could not be read."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The weights are readable but the architecture is not one the decoder implements."""
+
+
+class EngineDeadError(PagedChatError):
+    """The engine's step loop failed; every open stream gets this."""
