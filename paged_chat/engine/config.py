@@ -1,0 +1,89 @@
+"""EngineConfig: every knob of the engine, validated when it is made."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+_BLOCK_SIZES = (8, 16, 32, 64, 128)
+_MEMORY_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20,
+                 "mb": 10**6, "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30}
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Configuration of one Engine.
+
+    The KV pool is `num_blocks` blocks of `block_size` tokens. Leave `num_blocks` unset to
+    size it from `kv_cache_memory` (CPU; bytes or "2GiB"; default a capped fraction of free
+    RAM) or from `gpu_memory_utilization` (CUDA: the fraction of the card this process may
+    use, KV pool included).
+    """
+
+    model: str = "smollm2-135m"
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.90
+    max_model_len: int | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _choice("device", self.device, DEVICES)
+        _choice("dtype", self.dtype, DTYPES)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("block_size", self.block_size, _BLOCK_SIZES)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.num_blocks is not None:
+            _positive("num_blocks", self.num_blocks)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_memory("kv_cache_memory", self.kv_cache_memory)
+        if not (isinstance(self.gpu_memory_utilization, (int, float))
+                and 0 < self.gpu_memory_utilization <= 1):
+            raise ValueError(f"EngineConfig.gpu_memory_utilization={self.gpu_memory_utilization!r}"
+                             " is invalid: expected a fraction in (0, 1]")
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ValueError("EngineConfig.model is empty: expected an alias, a path or a hub id")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"EngineConfig.seed={self.seed!r} is invalid: expected an integer >= 0")
+
+
+def parse_memory(name: str, value: int | str) -> int:
+    """Bytes from an int or a string like "512MiB", "2GiB", "1.5GB"."""
+    if isinstance(value, bool):
+        value = -1
+    if isinstance(value, int):
+        number = value
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else None
+        if unit not in _MEMORY_UNITS:
+            raise ValueError(f"EngineConfig.{name}={value!r} is invalid: expected bytes or a "
+                             "size like '512MiB' or '2GiB'")
+        number = int(float(match.group(1)) * _MEMORY_UNITS[unit])
+    if number <= 0:
+        raise ValueError(f"EngineConfig.{name}={value!r} is invalid: expected a size > 0")
+    return number
+
+
+def _choice(name: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        shown = ", ".join(repr(a) for a in allowed)
+        raise ValueError(f"EngineConfig.{name}={value!r} is invalid: expected one of {shown}")
+
+
+def _positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"EngineConfig.{name}={value!r} is invalid: expected an integer >= 1")

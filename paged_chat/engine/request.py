@@ -1,0 +1,146 @@
+"""Sampling parameters, per-request state and the deltas the engine hands back."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick tokens for one request. `temperature=0` is greedy.
+
+    Every field is validated on construction; a bad value is a `ValueError` that names the
+    field. `top_k=0` and `top_p=1` disable those filters; `min_p=0` disables min-p.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(math.isfinite(self.temperature) and self.temperature >= 0,
+               "temperature", self.temperature, "a number >= 0 (0 is greedy)")
+        _check(0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+               "top_k", self.top_k, "an integer >= 0 (0 disables it)")
+        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1]")
+        _check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+               "repetition_penalty", self.repetition_penalty, "a number > 0 (1 disables it)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(math.isfinite(value) and -2 <= value <= 2, name, value, "a number in [-2, 2]")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+               "max_tokens", self.max_tokens, "an integer >= 1")
+        _check(self.seed is None or (isinstance(self.seed, int) and self.seed >= 0),
+               "seed", self.seed, "an integer >= 0 or None")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               "stop", self.stop, "a list of non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name}={value!r} is invalid: expected {allowed}")
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    """One sequence's life in the engine.
+
+    `all_token_ids` is prompt + generated so far. `num_computed_tokens` counts the leading
+    tokens whose K/V are in the cache (prefix hits included); the scheduler advances it.
+    `block_ids` is the request's block table: block `i` holds positions
+    `[i * block_size, (i + 1) * block_size)`.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sampling_seed: int
+    arrival_time: float
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    owner: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass(slots=True, frozen=True)
+class RequestOutput:
+    """What one request produced in one step (a delta), or in total from `Engine.generate`.
+
+    For a delta, `new_token_ids` and `new_text` are this step's; `token_ids` and `text` are
+    everything so far.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
