@@ -7,7 +7,7 @@ from typing import Any
 
 from paged_chat.engine.errors import UnsupportedModelError
 
-# model_type -> (qkv bias by default, q/k RMSNorm)
+# model_type -> (q/k/v projections always carry a bias, q/k RMSNorm)
 SUPPORTED_ARCHITECTURES: dict[str, tuple[bool, bool]] = {
     "llama": (False, False),
     "mistral": (False, False),
@@ -70,7 +70,7 @@ class ModelConfig:
             rope_scaling=dict(rope) if rope else None,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", default_bias)),
+            attention_bias=default_bias or bool(hf.get("attention_bias")),
             qk_norm=qk_norm,
             bos_token_id=hf.get("bos_token_id"),
             eos_token_ids=eos_ids,
