@@ -81,8 +81,8 @@ class Request:
 
     `all_token_ids` is prompt + generated so far. `num_computed_tokens` counts the leading
     tokens whose K/V are in the cache (prefix hits included); the scheduler advances it.
-    `block_ids` is the request's block table: block `i` holds positions
-    `[i * block_size, (i + 1) * block_size)`.
+    `block_hashes[i]` is the prefix hash of full block `i` of `all_token_ids`, filled in
+    as blocks fill up (the tokens never change, so it survives preemption).
     """
 
     request_id: str
@@ -92,7 +92,7 @@ class Request:
     arrival_time: float
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     error: str | None = None

@@ -1,0 +1,168 @@
+"""The pool of KV blocks: ref counts, an O(1) LRU free queue, and the prefix-cache index.
+
+Every physical block is in exactly one of three states:
+
+- in use: `ref_count > 0`; not in the free queue. It may have a hash (then other requests
+  with the same prefix can share it).
+- cached: `ref_count == 0`, has a hash, in the free queue. Its K/V are still valid, so a
+  request with the same prefix can take it back; it is evicted only when the queue's
+  head reaches it.
+- free: `ref_count == 0`, no hash, in the free queue.
+
+The free queue is a doubly linked list threaded through the blocks themselves, so popping
+the head, appending at the tail and unlinking a block from the middle (a cache hit on a
+cached block) are all O(1). Freed blocks go to the tail, so the head is always the least
+recently used; eviction is lazy: a block loses its hash only when it is popped for reuse.
+
+`cached_blocks` maps a block hash to the block holding that content. A hash is chained
+over the parent block's hash and this block's token ids (128-bit BLAKE2b), so equal
+hashes mean equal whole prefixes, not just equal blocks. Only full blocks are hashed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+    prev_free: "KVBlock | None" = None
+    next_free: "KVBlock | None" = None
+
+
+class FreeBlockQueue:
+    """Doubly linked list of blocks with ref_count 0, least recently used at the head."""
+
+    def __init__(self, blocks: list[KVBlock]) -> None:
+        self._head = KVBlock(-1)     # sentinels: no None checks in the hot paths
+        self._tail = KVBlock(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next_free
+        assert block is not self._tail, "popleft from an empty free queue"
+        self.remove(block)
+        return block
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev_free
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_blocks += 1
+
+    def remove(self, block: KVBlock) -> None:
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_blocks -= 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+
+class BlockPool:
+    """All `num_blocks` KV blocks of the cache and the prefix-cache index over them."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.enable_caching = enable_caching
+        self.cached_blocks: dict[bytes, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that `allocate` can hand out: free plus cached (evictable)."""
+        return self.free_queue.num_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Cached blocks nobody holds (in use blocks may be in the index too)."""
+        return sum(1 for block in self.cached_blocks.values() if block.ref_count == 0)
+
+    def lookup(self, block_hash: bytes) -> KVBlock | None:
+        return self.cached_blocks.get(block_hash) if self.enable_caching else None
+
+    def allocate(self, count: int) -> list[KVBlock]:
+        """Take `count` blocks from the LRU end, evicting cached content as needed."""
+        assert count <= self.num_free_blocks, f"asked for {count} blocks, {self.num_free_blocks} free"
+        taken = []
+        for _ in range(count):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:
+                del self.cached_blocks[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_count = 1
+            taken.append(block)
+        return taken
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take another reference to each block (a prefix hit), reviving cached ones."""
+        for block in blocks:
+            if block.ref_count == 0:
+                self.free_queue.remove(block)
+            block.ref_count += 1
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Drop one reference from each block; blocks nobody holds go to the queue's tail.
+
+        Pass a request's blocks in eviction order: callers give the tail of a sequence
+        first, so its prefix (the part most likely to be shared) is evicted last.
+        """
+        for block in blocks:
+            assert block.ref_count > 0, f"block {block.block_id} freed more often than taken"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue.append(block)
+
+    def cache(self, block: KVBlock, block_hash: bytes) -> None:
+        """Index a full block under its prefix hash (first one wins on a duplicate)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash not in self.cached_blocks:
+            block.block_hash = block_hash
+            self.cached_blocks[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (weights changed, or a test wants a cold cache)."""
+        for block in self.cached_blocks.values():
+            block.block_hash = None
+        self.cached_blocks.clear()
+
+    def ref_counts(self) -> np.ndarray:
+        return np.fromiter((b.ref_count for b in self.blocks), dtype=np.int32, count=len(self.blocks))
+
+    def hashed_mask(self) -> np.ndarray:
+        mask = np.zeros(len(self.blocks), dtype=bool)
+        mask[[b.block_id for b in self.cached_blocks.values()]] = True
+        return mask
+
+    def check_invariants(self) -> None:
+        """Assert the three-state invariant of the module docstring (tests call this)."""
+        in_queue = {block.block_id for block in self.free_queue}
+        assert len(in_queue) == self.free_queue.num_blocks, "free queue count is off"
+        for block in self.blocks:
+            assert block.ref_count >= 0
+            assert (block.ref_count == 0) == (block.block_id in in_queue), (
+                f"block {block.block_id}: ref_count {block.ref_count}, in free queue "
+                f"{block.block_id in in_queue}")
+            if block.block_hash is not None:
+                assert self.cached_blocks.get(block.block_hash) is block
+        for block_hash, block in self.cached_blocks.items():
+            assert block.block_hash == block_hash

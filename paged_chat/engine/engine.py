@@ -1,0 +1,313 @@
+"""Engine: the synchronous core. add_request / step / abort / generate / stats.
+
+One `step()` schedules work under the token budget, runs one forward over every scheduled
+token, samples, detokenizes, and returns the per-request deltas of that step. Finished
+requests leave at once (their blocks go back to the pool) and waiting ones join on the
+next step: continuous batching.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import time
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from paged_chat.engine.attention.torch_backend import TorchAttention
+from paged_chat.engine.config import EngineConfig
+from paged_chat.engine.detokenizer import IncrementalDetokenizer
+from paged_chat.engine.errors import PagedChatError
+from paged_chat.engine.kv_cache_manager import KVCacheManager
+from paged_chat.engine.models.llama import LlamaForCausalLM
+from paged_chat.engine.models.loader import ModelSource, load_model_source
+from paged_chat.engine.models.model_config import ModelConfig
+from paged_chat.engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from paged_chat.engine.runner import ModelRunner
+from paged_chat.engine.scheduler import Scheduler, SchedulerOutput
+from paged_chat.engine.stats import BlockMap, EngineStats, RateMeter
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DEFAULT_CPU_KV_FRACTION = 0.2
+_DEFAULT_CPU_KV_CAP = 2 * 2**30
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+        self.config = config
+        self.device = _resolve_device(config.device)
+        self.dtype = _resolve_dtype(config.dtype, self.device)
+        source = source or load_model_source(config.model)
+        self.model_name = source.name
+        self.model_config = source.config
+        self.tokenizer = source.tokenizer
+        self.chat_template = source.chat_template
+        model_len = min(config.max_model_len or source.config.max_position_embeddings,
+                        source.config.max_position_embeddings)
+        model = LlamaForCausalLM.from_weights(source.config, source.weights, self.dtype,
+                                              self.device, max_positions=model_len)
+        self.num_blocks = config.num_blocks or self._size_kv_pool(source.config)
+        self.block_size = config.block_size
+        # A request can never outgrow the pool: it is the one bound nothing can preempt.
+        self.max_model_len = min(model_len, self.num_blocks * self.block_size)
+        kv_cache = torch.zeros(
+            (source.config.num_layers, 2, self.num_blocks, self.block_size,
+             source.config.num_kv_heads, source.config.head_dim),
+            dtype=self.dtype, device=self.device)
+        self.runner = ModelRunner(model, kv_cache, self.block_size, self._attention(source.config))
+        self.kv_cache = KVCacheManager(self.num_blocks, self.block_size,
+                                       config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.eos_token_ids = frozenset(source.config.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        self.requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._pending: list[RequestOutput] = []
+        self._ids = itertools.count()
+        self._seeds = random.Random(config.seed)
+        self._prompt_rate = RateMeter()
+        self._generation_rate = RateMeter()
+        self._last_batch = (0, 0)
+        self._last_step_time = 0.0
+
+    # ---- requests -------------------------------------------------------------------
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, owner: str | None = None) -> str:
+        """Queue a prompt (text or token ids); return its request id.
+
+        A prompt that can never fit (max_model_len, the pool) is accepted and finishes on
+        the next step with finish_reason "error", so callers see one uniform stream.
+        """
+        params = params or SamplingParams()
+        token_ids = self._tokenize(prompt)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        request = Request(request_id, token_ids, params, seed, time.monotonic(), owner=owner)
+        self.requests[request_id] = request
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids,
+                                                                params.stop)
+        if len(token_ids) >= self.max_model_len:
+            self._pending.append(self._finish(request, "error", (
+                f"the prompt has {len(token_ids)} tokens; this engine holds at most "
+                f"{self.max_model_len} per sequence (max_model_len and the KV pool), "
+                "prompt and reply together")))
+        else:
+            self.scheduler.add(request)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request now and free its blocks; unknown or finished ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self._pending.append(self._finish(request, "abort"))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion together; return one final output per prompt, in order."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
+        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            final.update((out.request_id, out) for out in self.step() if out.finished)
+        return [final[request_id] for request_id in ids]
+
+    # ---- the step -------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; return this step's deltas (finished ones included)."""
+        outputs, self._pending = self._pending, []
+        if not self.scheduler.has_unfinished():
+            self._last_batch = (0, 0)
+            return outputs
+        started = time.perf_counter()
+        schedule = self.scheduler.schedule()
+        samplers = [item for item in schedule.scheduled if item.samples]
+        tables = [self.kv_cache.block_ids(item.request.request_id) for item in schedule.scheduled]
+        sampled = self.runner.execute(schedule.scheduled, tables)
+        self._record_prompt_work(schedule)
+        self.scheduler.update(schedule)
+        now = time.monotonic()
+        for item, token_id in zip(samplers, sampled):
+            try:
+                outputs.append(self._append_token(item.request, token_id, now))
+            except Exception as error:  # one request's fault must not take the batch down
+                outputs.append(self._finish(item.request, "error", f"{type(error).__name__}: {error}"))
+        self._generation_rate.add(len(sampled))
+        self._last_batch = (len(schedule.scheduled), schedule.num_tokens)
+        self._last_step_time = time.perf_counter() - started
+        return outputs
+
+    def _append_token(self, request: Request, token_id: int, now: float) -> RequestOutput:
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.all_token_ids.append(token_id)
+        detokenizer = self._detokenizers[request.request_id]
+        new_text, hit_stop_string = detokenizer.add_tokens([token_id])
+        params = request.params
+        reason: FinishReason | None = None
+        if hit_stop_string or token_id in params.stop_token_ids or (
+                not params.ignore_eos and token_id in self.eos_token_ids):
+            reason = "stop"
+        elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            reason = "length"
+        if reason is None:
+            return self._output(request, [token_id], new_text)
+        if not hit_stop_string:
+            new_text += detokenizer.flush()
+        return self._finish(request, reason, new_token_ids=[token_id], new_text=new_text)
+
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None,
+                new_token_ids: list[int] | None = None, new_text: str = "") -> RequestOutput:
+        self.scheduler.finish(request)
+        request.finish_reason = reason
+        request.error = error
+        del self.requests[request.request_id]
+        output = self._output(request, new_token_ids or [], new_text)
+        del self._detokenizers[request.request_id]
+        return output
+
+    def _output(self, request: Request, new_token_ids: list[int], new_text: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_token_ids,
+            new_text=new_text,
+            token_ids=request.output_token_ids,
+            text=self._detokenizers[request.request_id].text,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_prompt_tokens,
+            error=request.error,
+        )
+
+    def _record_prompt_work(self, schedule: SchedulerOutput) -> None:
+        prompt_tokens = 0
+        for item in schedule.scheduled:
+            start = item.request.num_computed_tokens
+            end = min(start + item.num_new_tokens, item.request.num_prompt_tokens)
+            prompt_tokens += max(0, end - start)
+        self._prompt_rate.add(prompt_tokens)
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            token_ids = [int(t) for t in prompt]
+            vocab = self.model_config.vocab_size
+            bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if not token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        return token_ids
+
+    # ---- stats ----------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """A snapshot of the pool, the queues and the rates after the last step."""
+        pool = self.kv_cache.pool
+        ref_counts = pool.ref_counts()
+        hashed = pool.hashed_mask()
+        in_use = int(np.count_nonzero(ref_counts))
+        cached = int(np.count_nonzero(hashed & (ref_counts == 0)))
+        tables = {rid: [b.block_id for b in table] for rid, table in self.kv_cache.tables.items()}
+        wasted = sum(len(table) * self.block_size - self.requests[rid].num_computed_tokens
+                     for rid, table in tables.items() if rid in self.requests)
+        owners = {rid: self.requests[rid].owner for rid in tables if rid in self.requests}
+        batch_size, batch_tokens = self._last_batch
+        return EngineStats(
+            num_blocks=self.num_blocks,
+            block_size=self.block_size,
+            blocks_in_use=in_use,
+            blocks_cached=cached,
+            blocks_free=self.num_blocks - in_use - cached,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_evictions=pool.num_evictions,
+            batch_size=batch_size,
+            batch_tokens=batch_tokens,
+            prompt_tokens_per_s=self._prompt_rate.rate(),
+            generation_tokens_per_s=self._generation_rate.rate(),
+            prefix_cache_queried_tokens=self.scheduler.prefix_cache_queried_tokens,
+            prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
+            kv_slots_wasted=wasted,
+            step_time_s=self._last_step_time,
+            blocks=BlockMap.build(ref_counts, hashed, tables, owners),
+        )
+
+    # ---- set-up ---------------------------------------------------------------------
+
+    def _attention(self, model: ModelConfig) -> TorchAttention:
+        backend = self.config.attention_backend
+        if backend == "triton":
+            raise PagedChatError("attention_backend='triton' is not available yet: use 'torch'")
+        return TorchAttention(model.num_heads, model.num_kv_heads, model.head_dim,
+                              scale=model.head_dim ** -0.5)
+
+    def _bytes_per_block(self, model: ModelConfig) -> int:
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * model.num_layers * self.config.block_size * model.num_kv_heads * model.head_dim * element
+
+    def _size_kv_pool(self, model: ModelConfig) -> int:
+        if self.device.type == "cuda":
+            budget = self._cuda_kv_budget()
+        elif self.config.kv_cache_memory is not None:
+            budget = self.config.kv_cache_memory
+        else:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            budget = min(int(available * _DEFAULT_CPU_KV_FRACTION), _DEFAULT_CPU_KV_CAP)
+        num_blocks = budget // self._bytes_per_block(model)
+        if num_blocks < 1:
+            raise PagedChatError(f"the KV cache budget ({budget} bytes) holds no block: "
+                                 "raise kv_cache_memory or gpu_memory_utilization")
+        return int(num_blocks)
+
+    def _cuda_kv_budget(self) -> int:
+        """What is left of `gpu_memory_utilization` of the card once the weights are loaded
+        and the activations of the largest step are counted (this process only)."""
+        torch.cuda.synchronize(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        weights = torch.cuda.memory_allocated(self.device)
+        # Activations of a max-size step scale with its tokens: hidden + qkv + 2 * mlp + logits.
+        model = self.model_config
+        width = model.hidden_size * 4 + (model.num_heads + 2 * model.num_kv_heads) * model.head_dim \
+            + 4 * model.intermediate_size
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        activations = self.config.max_num_batched_tokens * width * element \
+            + self.config.max_num_seqs * model.vocab_size * 4 * 2
+        budget = int(total * self.config.gpu_memory_utilization) - weights - activations
+        if budget <= 0:
+            raise PagedChatError(
+                f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no room for "
+                "the KV cache after the weights: raise it, or lower max_num_batched_tokens")
+        return budget
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PagedChatError("device='cuda' but torch sees no CUDA device: use device='cpu'")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+

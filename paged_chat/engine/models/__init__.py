@@ -1,0 +1,1 @@
+"""Model loading (aliases, GGUF, HF folders, hub ids) and the llama-family decoder."""

@@ -1,0 +1,96 @@
+"""ModelRunner: turns a scheduled step into flat batch tensors, runs the model, samples.
+
+The KV cache is one preallocated tensor `[layers, 2, num_blocks, block_size, kv_heads,
+head_dim]`; the runner owns it. Per step it builds, on the host and in one transfer:
+token ids, positions, slot mapping, query offsets, context lengths and block tables; the
+model computes logits only for the rows that sample (the last token of each sequence
+whose known tokens are all computed after this step).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from paged_chat.engine.attention.metadata import AttentionMetadata
+from paged_chat.engine.models.llama import AttentionFn, LlamaForCausalLM
+from paged_chat.engine.sampler import SamplingBatch, sample
+from paged_chat.engine.scheduler import ScheduledRequest
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
+                 attention: AttentionFn) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.attention = attention
+        self.device = kv_cache.device
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest],
+                block_tables: list[list[int]]) -> list[int]:
+        """Run one step; return the sampled token of each scheduled item that samples, in order.
+
+        `scheduled` must list single-token items first (the scheduler sorts it so).
+        """
+        input_ids, positions, meta = self._prepare(scheduled, block_tables)
+        samplers = [item for item in scheduled if item.samples]
+        if not samplers:
+            self.model(input_ids, positions, self.kv_cache, meta, self.attention,
+                       torch.empty(0, dtype=torch.long, device=self.device))
+            return []
+        ends = torch.tensor(meta.query_start_loc_list[1:])
+        sample_mask = torch.tensor([item.samples for item in scheduled])
+        logits_indices = (ends[sample_mask] - 1).to(self.device)
+        logits = self.model(input_ids, positions, self.kv_cache, meta, self.attention,
+                            logits_indices)
+        batch = self._sampling_batch(samplers, logits.shape[-1])
+        return sample(logits, batch).tolist()
+
+    def _prepare(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        starts = [item.request.num_computed_tokens for item in scheduled]
+        counts = [item.num_new_tokens for item in scheduled]
+        token_ids = list(itertools.chain.from_iterable(
+            item.request.all_token_ids[start:start + count]
+            for item, start, count in zip(scheduled, starts, counts)))
+        query_start_loc = [0, *itertools.accumulate(counts)]
+        seq_lens = [start + count for start, count in zip(starts, counts)]
+        width = max(len(table) for table in block_tables)
+        padded_tables = [table + [0] * (width - len(table)) for table in block_tables]
+
+        counts_t = torch.tensor(counts)
+        seq_index = torch.repeat_interleave(torch.arange(len(scheduled)), counts_t)
+        offsets = torch.repeat_interleave(torch.tensor(starts) - torch.tensor(query_start_loc[:-1]),
+                                          counts_t)
+        positions = torch.arange(len(token_ids)) + offsets
+        tables = torch.tensor(padded_tables, dtype=torch.int32)
+        slots = (tables[seq_index, positions // self.block_size].long() * self.block_size
+                 + positions % self.block_size)
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(self.device),
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
+            block_tables=tables.to(self.device),
+            num_decodes=sum(1 for count in counts if count == 1),
+            query_start_loc_list=query_start_loc,
+            seq_lens_list=seq_lens,
+            block_size=self.block_size,
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return input_ids, positions.to(self.device), meta
+
+    def _sampling_batch(self, samplers: list[ScheduledRequest], vocab_size: int) -> SamplingBatch:
+        requests = [item.request for item in samplers]
+        penalised = any(request.params.uses_penalties for request in requests)
+        return SamplingBatch.build(
+            params=[request.params for request in requests],
+            seeds=[request.sampling_seed for request in requests],
+            output_indices=[request.num_output_tokens for request in requests],
+            token_histories=[request.all_token_ids for request in requests] if penalised else None,
+            prompt_lens=[request.num_prompt_tokens for request in requests] if penalised else None,
+            vocab_size=vocab_size,
+            device=self.device,
+        )
