@@ -1,0 +1,39 @@
+"""Tiny random llama-family models, built with transformers and saved as HF folders.
+
+Random models with the default init have nearly flat logits, so greedy near-ties flip on
+rounding; a larger `initializer_range` gives them clear preferences.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+_CONFIGS = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+}
+
+
+def build_tiny_model(architecture: str, folder: Path, *, vocab_size: int = 512,
+                     num_heads: int = 6, num_kv_heads: int = 2, head_dim: int = 16,
+                     num_layers: int = 2, tie_word_embeddings: bool = False, seed: int = 0,
+                     **overrides) -> transformers.PreTrainedModel:
+    """Save a tiny random model of `architecture` to `folder` and return it (fp32, eval)."""
+    config_cls, model_cls = _CONFIGS[architecture]
+    config = config_cls(
+        vocab_size=vocab_size, hidden_size=num_heads * head_dim, intermediate_size=96,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=1024,
+        initializer_range=0.25, tie_word_embeddings=tie_word_embeddings, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0, **overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    return model
