@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import GenerationConfig
 
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.torch_backend import TorchAttention
@@ -57,8 +58,8 @@ def test_logits_and_greedy_tokens_match_transformers(architecture, tied, tmp_pat
     steps = 32
 
     with torch.inference_mode():
-        expected = reference.generate(prompt[None], max_new_tokens=steps, do_sample=False,
-                                      min_new_tokens=steps)[0]
+        expected = reference.generate(prompt[None], generation_config=GenerationConfig(
+            max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0))[0]
         reference_logits = reference(expected[None]).logits[0]
     sequence = PagedSequence(model, config, len(expected))
     logits = [sequence.feed(prompt.tolist())]
