@@ -128,6 +128,8 @@ class AsyncEngine:
         last_publish = 0.0
         while True:
             idle = not self.engine.has_unfinished()
+            if idle:
+                self._publish()
             for command in self._drain(block=idle):
                 if isinstance(command, _Shutdown):
                     self._fail_all(EngineDeadError("the engine has shut down"))
@@ -135,7 +137,6 @@ class AsyncEngine:
                     return
                 self._apply(command)
             if not self.engine.has_unfinished():
-                self._publish()
                 continue
             try:
                 outputs = self.engine.step()

@@ -1,0 +1,103 @@
+"""AsyncEngine: streaming, cancellation, errors reaching every stream, stats that never block."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from paged_chat.engine import AsyncEngine, EngineDeadError, SamplingParams
+
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+SHORT = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture
+def async_engine(make_engine):
+    engine = AsyncEngine(make_engine(), stats_interval_s=0.01)
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine: AsyncEngine, prompt, params=SHORT, owner=None) -> list:
+    return [out async for out in engine.stream(prompt, params, owner=owner)]
+
+
+async def test_stream_matches_the_sync_engine(async_engine, make_engine):
+    expected = make_engine().generate([[5, 6, 7], [8, 9]], SHORT)
+    streams = await asyncio.wait_for(asyncio.gather(
+        collect(async_engine, [5, 6, 7]), collect(async_engine, [8, 9])), 60)
+    for deltas, final in zip(streams, expected):
+        assert [t for d in deltas for t in d.new_token_ids] == final.token_ids
+        assert "".join(d.new_text for d in deltas) == final.text
+        assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+
+
+async def test_cancelling_the_consumer_aborts_and_frees(async_engine):
+    async def consume_a_few():
+        count = 0
+        async for _ in async_engine.stream(list(range(3, 50)), LONG):
+            count += 1
+            if count == 3:
+                break
+
+    await asyncio.wait_for(consume_a_few(), 60)
+    task = asyncio.create_task(collect(async_engine, [5, 6, 7], LONG))
+    await asyncio.sleep(0.2)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: async_engine.stats().blocks_in_use == 0
+                     and async_engine.stats().num_running == 0)
+
+
+async def test_bad_prompt_raises_in_the_stream(async_engine):
+    with pytest.raises(ValueError, match="empty"):
+        await asyncio.wait_for(collect(async_engine, []), 30)
+    assert len(await asyncio.wait_for(collect(async_engine, [5, 6]), 30)) == 12
+
+
+async def test_step_failure_reaches_every_stream_and_the_engine_recovers(async_engine):
+    runner = async_engine.engine.runner
+    original = runner.execute
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected fault")
+
+    runner.execute = broken
+    results = await asyncio.wait_for(asyncio.gather(
+        collect(async_engine, [5, 6, 7]), collect(async_engine, [8, 9]),
+        return_exceptions=True), 30)
+    assert all(isinstance(r, EngineDeadError) and "injected fault" in str(r) for r in results)
+    assert "injected fault" in async_engine.last_error
+    runner.execute = original
+    assert len(await asyncio.wait_for(collect(async_engine, [5, 6]), 30)) == 12
+    await wait_until(lambda: async_engine.stats().blocks_in_use == 0)
+
+
+async def test_stats_are_published_while_running(async_engine):
+    task = asyncio.create_task(collect(async_engine, list(range(3, 40)), LONG, owner="tab"))
+    await wait_until(lambda: async_engine.stats().num_running == 1)
+    stats = async_engine.stats()
+    assert stats.blocks_in_use > 0 and "tab" in stats.blocks.request_owners
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_shutdown_ends_open_streams(make_engine):
+    engine = AsyncEngine(make_engine())
+    task = asyncio.create_task(collect(engine, [5, 6, 7], LONG))
+    await wait_until(lambda: engine.stats().num_running == 1)
+    await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(task, 30)
+    with pytest.raises(EngineDeadError):
+        await collect(engine, [5])
+
+
+async def wait_until(condition, timeout_s: float = 30.0) -> None:
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.02)
+    await asyncio.wait_for(poll(), timeout_s)
