@@ -1,0 +1,21 @@
+"""Shared test setup: no network, and every paged-chat directory in a throwaway folder.
+
+Set at import time, before any test module imports huggingface_hub or paged_chat, so
+that nothing a test does can reach the network or the real home directory.
+"""
+
+import atexit
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+_TEST_HOME = Path(tempfile.mkdtemp(prefix="paged-chat-tests-"))
+atexit.register(shutil.rmtree, _TEST_HOME, ignore_errors=True)
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["PAGED_CHAT_CACHE_DIR"] = str(_TEST_HOME / "cache")
+os.environ["PAGED_CHAT_DATA_DIR"] = str(_TEST_HOME / "data")
+os.environ["PAGED_CHAT_CONFIG"] = str(_TEST_HOME / "config" / "config.toml")
+
+pytest_plugins = ["engine_fixtures"]
