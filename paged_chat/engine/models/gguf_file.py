@@ -27,7 +27,9 @@ from paged_chat.engine.models.model_config import SUPPORTED_ARCHITECTURES
 
 # GGUF architecture -> HF model_type. llama.cpp stores Mistral models as "llama".
 GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-_HF_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_HF_CLASSES = {
+    "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+}
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",

@@ -161,13 +161,11 @@ def _hub_snapshot(repo_id: str) -> Path:
                 f"HF_HUB_OFFLINE") from exc
         raise ModelLoadError(
             f"cannot download {repo_id!r} and it is not in the Hugging Face cache "
-            f"({_first_line(exc)}): "
-            f"check the network connection") from exc
+            f"({_first_line(exc)}): check the network connection") from exc
     except (HfHubHTTPError, HFValidationError) as exc:
         raise ModelLoadError(
             f"cannot fetch hub model {repo_id!r} ({_first_line(exc)}): check the id, and for "
-            f"gated models "
-            f"accept the license on huggingface.co and run `hf auth login`") from exc
+            f"gated models accept the license on huggingface.co and run `hf auth login`") from exc
 
 
 def _first_line(exc: BaseException) -> str:
@@ -255,8 +253,7 @@ def _load_folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(
             f"cannot load a tokenizer from {folder} ({_first_line(exc)}): the folder needs "
-            f"tokenizer.json "
-            f"and tokenizer_config.json next to config.json") from exc
+            f"tokenizer.json and tokenizer_config.json next to config.json") from exc
 
 
 def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -281,7 +278,8 @@ def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
         layer |= {"self_attn.q_proj.bias": (q_out,), "self_attn.k_proj.bias": (kv_out,),
                   "self_attn.v_proj.bias": (kv_out,)}
     if c.qk_norm:
-        layer |= {"self_attn.q_norm.weight": (c.head_dim,), "self_attn.k_norm.weight": (c.head_dim,)}
+        layer |= {"self_attn.q_norm.weight": (c.head_dim,),
+                  "self_attn.k_norm.weight": (c.head_dim,)}
     for i in range(c.num_layers):
         shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
     return shapes
