@@ -1,0 +1,107 @@
+"""Incremental detokenization with stop strings.
+
+Each step decodes only a short window of ids (vLLM's prefix/read offsets): a few tokens
+already turned into text, then the new ones. The new text is the window's text minus the
+text of its already-read part, so a decoder that treats the first token of a decode
+specially (sentencepiece strips its leading space) does so in both and the difference is
+what a full decode would add. The cost per token stays flat however long the output grows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+_REPLACEMENT = "\ufffd"  # what a byte-level decoder shows for an incomplete UTF-8 sequence
+
+
+class IncrementalDetokenizer:
+    """Turns one request's generated ids into text deltas and spots stop strings.
+
+    The pieces returned by `add_tokens` plus `flush()` concatenate to exactly
+    `tokenizer.decode(output_ids, skip_special_tokens=...)` when no stop string is hit.
+    `prompt_token_ids` is part of the engine's contract but is deliberately not used as
+    decoding context: a sentencepiece decoder would then keep the leading space it strips
+    from the first output token, and the text would no longer equal that decode.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
+                 stop: list[str], skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        # decode() drops these anyway; dropping them up front keeps them out of the window,
+        # where they could hide the first token from a decoder that strips a leading space
+        self._skipped_ids = ({i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+                             if skip_special_tokens else set())
+        self._stop = list(stop)
+        self._held_chars = max(map(len, self._stop), default=1) - 1
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # window start: emitted tokens that give the decoder context
+        self._read_offset = 0  # tokens before this are already turned into text
+        self._held = ""  # decoded text not yet emitted: a stop string may be starting in it
+        self._text = ""
+        self._stopped = False
+
+    @property
+    def text(self) -> str:
+        """All output text emitted so far (a stop string and anything after it excluded)."""
+        return self._text
+
+    def add_tokens(self, token_ids: list[int]) -> tuple[str, bool]:
+        """Feed the newly generated ids; return (new_text, hit_stop_string).
+
+        After a stop string was hit, further ids are ignored and ("", True) comes back.
+        """
+        if self._stopped:
+            return "", True
+        self._ids.extend(t for t in token_ids if t not in self._skipped_ids)
+        return self._release(self._decode_new(final=False))
+
+    def flush(self) -> str:
+        """At finish, return the text still held back (nothing if a stop string was hit)."""
+        if self._stopped:
+            return ""
+        text, stopped = self._release(self._decode_new(final=True))
+        if stopped:
+            return text
+        rest, self._held = self._held, ""
+        self._text += rest
+        return text + rest
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        """Decode ids[start:end] exactly as a full decode of the output would treat them."""
+        return self._tokenizer.decode(self._ids[start:end],
+                                      skip_special_tokens=self._skip_special_tokens)
+
+    def _decode_new(self, final: bool) -> str:
+        """Text added by the ids after the read offset, or "" while it ends mid-character.
+
+        Unless `final`, an incomplete UTF-8 sequence at the end (shown as U+FFFD) is held back
+        until the next ids complete it; the window grows meanwhile and shrinks once it is out.
+        """
+        context = self._decode(self._prefix_offset, self._read_offset)
+        window = self._decode(self._prefix_offset)
+        if len(window) <= len(context) or (window.endswith(_REPLACEMENT) and not final):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return window[len(context):]
+
+    def _release(self, new: str) -> tuple[str, bool]:
+        """Emit `new` after the held text, keeping back the last (longest stop - 1) characters,
+        which could be the start of a stop string.
+
+        The stop string that fires is the one that ends first (the longest of those ending
+        there), as if the text arrived one character at a time, so how the ids were split
+        into calls does not change the result.
+        """
+        pending = self._held + new
+        hits = [(i + len(s), i) for s in self._stop if (i := pending.find(s)) >= 0]
+        if hits:
+            out, self._held, self._stopped = pending[:min(hits)[1]], "", True
+        else:
+            cut = max(0, len(pending) - self._held_chars)
+            out, self._held = pending[:cut], pending[cut:]
+        self._text += out
+        return out, self._stopped

