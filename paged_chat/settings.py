@@ -1,15 +1,36 @@
-"""Where paged-chat keeps its files: platformdirs locations, each overridable by an env var.
+"""Where paged-chat keeps its files, and the settings in config.toml.
 
-The env vars let tests and scripted runs keep everything out of the real home directory.
-Each directory is created on first use, so callers can write into it straight away.
+Paths: platformdirs locations, each overridable by an env var, so tests and scripted runs
+keep everything out of the real home directory. Each directory is created on first use,
+so callers can write into it straight away.
+
+Settings: config.toml holds the user's defaults in three tables, `[engine]` (EngineConfig
+knobs), `[chat]` (system prompt and sampling defaults) and `[tui]` (theme, and
+`[tui.keys]`: action -> key). A missing file means defaults; an unknown key or a bad value
+is a SettingsError naming the file, the line and the key, so a typo never silently falls
+back to a default. Command-line options override the file through the `**overrides` of
+`Settings.engine_config` and `Settings.sampling_params`.
+
+This module imports neither torch nor the engine at import time (the CLI's `--help` must
+start fast); the engine's own validators run when settings are loaded.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
+import re
+import tomllib
+import typing
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import platformdirs
+
+if TYPE_CHECKING:
+    from paged_chat.engine import EngineConfig, SamplingParams
 
 APP_NAME = "paged-chat"
 
@@ -42,3 +63,258 @@ def config_path() -> Path:
 def config_dir() -> Path:
     """The directory holding config.toml."""
     return _ensure(config_path().parent)
+
+
+class SettingsError(ValueError):
+    """config.toml is unreadable, not TOML, or holds an unknown key or a bad value.
+
+    A ValueError like EngineConfig's own errors; the message names the file, the line (when
+    it can be found) and the key.
+    """
+
+
+@dataclass(slots=True)
+class EngineSettings:
+    """`[engine]`: the EngineConfig fields a user may set. Defaults equal EngineConfig's
+    (a test keeps them in step); None means "sized or chosen by the engine"."""
+
+    model: str = "smollm2-135m"
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.90
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
+
+
+@dataclass(slots=True)
+class ChatSettings:
+    """`[chat]`: what a new chat starts with. The sampling keys are SamplingParams fields."""
+
+    system_prompt: str | None = None
+    temperature: float = 0.7
+    top_p: float = 0.95
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 1024
+    repetition_penalty: float = 1.0
+
+    def sampling(self) -> dict[str, Any]:
+        """The sampling defaults as SamplingParams keyword arguments (what a chat stores)."""
+        return {name: getattr(self, name) for name in SAMPLING_KEYS}
+
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "repetition_penalty")
+
+
+@dataclass(slots=True)
+class TuiSettings:
+    """`[tui]`: the Textual theme name and `[tui.keys]` (action name -> key, e.g.
+    `new_chat = "ctrl+n"`); the TUI validates action names against its own bindings."""
+
+    theme: str = "textual-dark"
+    keys: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Settings:
+    """The effective settings: config.toml over the defaults. `path` is the file they came
+    from, None when there was none (all defaults)."""
+
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    chat: ChatSettings = field(default_factory=ChatSettings)
+    tui: TuiSettings = field(default_factory=TuiSettings)
+    path: Path | None = None
+
+    def engine_config(self, **overrides: Any) -> EngineConfig:
+        """An EngineConfig from `[engine]`, with `overrides` on top (None values are ignored,
+        so a CLI can pass every option it has, given or not)."""
+        from paged_chat.engine import EngineConfig
+
+        values = dataclasses.asdict(self.engine)
+        values.update(_given(overrides))
+        return EngineConfig(**values)
+
+    def sampling_params(self, **overrides: Any) -> SamplingParams:
+        """SamplingParams from the `[chat]` sampling defaults, with `overrides` on top (any
+        SamplingParams field; None values are ignored)."""
+        from paged_chat.engine import SamplingParams
+
+        return SamplingParams(**{**self.chat.sampling(), **_given(overrides)})
+
+    def to_toml(self) -> str:
+        """These settings as config.toml text; unset optional values appear commented out."""
+        lines: list[str] = []
+        for table, section in (("engine", self.engine), ("chat", self.chat), ("tui", self.tui)):
+            lines.append(f"[{table}]")
+            for name, value in _scalar_items(section):
+                lines.append(f"# {name} = (not set)" if value is None else f"{name} = {_toml_value(value)}")
+            lines.append("")
+        lines.append("[tui.keys]")
+        lines.extend(f"{_toml_key(action)} = {_toml_value(key)}"
+                     for action, key in sorted(self.tui.keys.items()))
+        return "\n".join(lines) + "\n"
+
+
+def load_settings(path: Path | None = None) -> Settings:
+    """Read config.toml (`path`, or `config_path()`); a missing file means defaults.
+
+    Raises SettingsError for an unreadable file, a TOML syntax error (its message has the
+    line and column), an unknown table or key, or a value of the wrong type or range.
+    """
+    path = path or config_path()
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        return Settings()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SettingsError(f"{path}: cannot read the config file ({exc})") from exc
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise SettingsError(f"{path}: invalid TOML: {exc}") from exc
+    return _Loader(path, text).settings(data)
+
+
+_SECTIONS = {"engine": EngineSettings, "chat": ChatSettings, "tui": TuiSettings}
+
+
+class _Loader:
+    """Checks parsed TOML against the settings dataclasses, locating errors in the text."""
+
+    def __init__(self, path: Path, text: str) -> None:
+        self.path = path
+        self.lines = text.splitlines()
+
+    def settings(self, data: dict[str, Any]) -> Settings:
+        self._known(data, _SECTIONS, table=None)
+        sections = {name: self._section(name, cls, data.get(name, {}))
+                    for name, cls in _SECTIONS.items()}
+        settings = Settings(**sections, path=self.path)
+        self._check_with_engine(settings)
+        return settings
+
+    def _section(self, table: str, cls: type, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise self._error(table, None, f"{table} must be a table: write [{table}]")
+        hints = typing.get_type_hints(cls)
+        self._known(data, hints, table)
+        values = {}
+        for key, value in data.items():
+            if table == "tui" and key == "keys":
+                values[key] = self._keys(value)
+            else:
+                values[key] = self._typed(table, key, value, hints[key])
+        return cls(**values)
+
+    def _keys(self, data: Any) -> dict[str, str]:
+        if not isinstance(data, dict):
+            raise self._error("tui", "keys", "tui.keys must be a table: write [tui.keys]")
+        for action, key in data.items():
+            if not isinstance(key, str) or not key.strip():
+                raise self._error("tui.keys", action, f"tui.keys.{action} = {_toml_value(key)} is "
+                                                      "invalid: expected a key like \"ctrl+n\"")
+        return dict(data)
+
+    def _typed(self, table: str, key: str, value: Any, hint: Any) -> Any:
+        """The value if it fits the field's type (an int is a fine float), else an error."""
+        allowed = [t for t in typing.get_args(hint) or (hint,) if t is not type(None)]
+        for kind in allowed:
+            if kind is float and isinstance(value, int) and not isinstance(value, bool):
+                return float(value)
+            if isinstance(value, kind) and (kind is bool or not isinstance(value, bool)):
+                return value
+        names = " or ".join(_TYPE_NAMES[t] for t in allowed)
+        raise self._error(table, key, f"{_dotted(table, key)} = {_toml_value(value)} is invalid: "
+                                      f"expected {names}")
+
+    def _check_with_engine(self, settings: Settings) -> None:
+        """Run each value through EngineConfig / SamplingParams, one key at a time, so the
+        ranges live in one place (the engine) and the error still names the key."""
+        from paged_chat.engine import EngineConfig, SamplingParams
+
+        checks = [("engine", EngineConfig, name, value) for name, value in _scalar_items(settings.engine)]
+        checks += [("chat", SamplingParams, name, value) for name, value in settings.chat.sampling().items()]
+        for table, validator, name, value in checks:
+            if value is None:
+                continue
+            try:
+                validator(**{name: value})
+            except ValueError as exc:
+                reason = str(exc).split(" is invalid: ", 1)[-1]
+                raise self._error(table, name, f"{_dotted(table, name)} = {_toml_value(value)} "
+                                               f"is invalid: {reason}") from exc
+
+    def _known(self, data: dict[str, Any], known: Any, table: str | None) -> None:
+        for key in data:
+            if key not in known:
+                near = difflib.get_close_matches(key, list(known), n=1)
+                hint = f"did you mean {near[0]!r}? " if near else ""
+                what = "section" if table is None else "key"
+                raise self._error(table, key, f"unknown {what} {_dotted(table, key)!r}: "
+                                              f"{hint}known {what}s: {', '.join(known)}")
+
+    def _error(self, table: str | None, key: str | None, message: str) -> SettingsError:
+        line = self._line_of(_dotted(table, key))
+        where = f"{self.path}, line {line}" if line else str(self.path)
+        return SettingsError(f"{where}: {message}")
+
+    def _line_of(self, target: str) -> int | None:
+        """The 1-based line that defines the dotted name `target` (a table header or a key
+        assignment, dotted keys and quoting included); None when the text hides it."""
+        table = ""
+        for number, line in enumerate(self.lines, start=1):
+            header = _HEADER.match(line)
+            assignment = None if header else _ASSIGNMENT.match(line)
+            if header:
+                table = _unquote(header.group(1))
+                name = table
+            elif assignment:
+                name = _dotted(table, _unquote(assignment.group(1)))
+            else:
+                continue
+            if name == target or name.startswith(target + "."):
+                return number
+        return None
+
+
+_HEADER = re.compile(r"\s*\[\s*([^\[\]]+?)\s*\]\s*(#.*)?$")
+_ASSIGNMENT = re.compile(r"\s*([A-Za-z0-9_\-\"'. ]+?)\s*=")
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
+
+
+def _dotted(*parts: str | None) -> str:
+    return ".".join(part for part in parts if part)
+
+
+def _unquote(name: str) -> str:
+    return name.replace(" ", "").replace('"', "").replace("'", "")
+
+
+def _given(overrides: dict[str, Any]) -> dict[str, Any]:
+    return {name: value for name, value in overrides.items() if value is not None}
+
+
+def _scalar_items(section: Any) -> list[tuple[str, Any]]:
+    return [(f.name, getattr(section, f.name)) for f in dataclasses.fields(section)
+            if not isinstance(getattr(section, f.name), dict)]
+
+
+def _toml_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_value(key)
+
+
+def _toml_value(value: Any) -> str:
+    """A TOML literal for the values settings hold (strings, numbers, booleans); the repr
+    of anything else, for error messages."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return '"' + re.sub(r"[\x00-\x1f\x7f]", lambda m: f"\\u{ord(m.group()):04x}", escaped) + '"'
+    return repr(value)

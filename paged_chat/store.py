@@ -1,0 +1,380 @@
+"""The chat store: chats and their messages in SQLite, shared by the TUI and `paged-chat ask`.
+
+One file, `data_dir()/chats.db`, in WAL mode so a reader (the CLI listing chats) never
+blocks a writer (the TUI streaming a reply), and two processes can use it at once.
+
+Exact history. Each message row keeps the token ids of its turn, so a chat picks up where
+it left off with its prompt ids unchanged and the engine's prefix cache hits:
+- a user row holds the ids that turn added to the prompt: the template's tail after the
+  previous reply, the new user turn and the generation prompt (for the first turn, the
+  whole rendered prompt, system prompt included);
+- an assistant row holds exactly the generated ids, end-of-turn token included.
+Concatenating every row's ids in order gives the chat's history (see
+`Conversation.from_chat`). A reply is written when it starts (finish_reason None) and
+updated as it streams; a row still None when loaded was cut by a crash or kill, and reads
+back as finish_reason "interrupted" with whatever content was committed.
+
+Durability. Every write is one transaction, so a crash or a kill at any moment leaves the
+file readable with every committed message intact (WAL with synchronous=NORMAL: a power
+cut may lose the last commits, a killed process loses nothing committed).
+
+Versions. `PRAGMA user_version` is the schema version; `MIGRATIONS[v]` takes a database
+from version v to v + 1, all in one transaction. A database from a newer paged-chat is
+refused and left byte-for-byte untouched. A corrupt file is never deleted: it is renamed
+aside (`chats.db.corrupt-<time>`), an empty store takes its place and `ChatStore.notice`
+says so, with both paths, for the UI to show.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+import threading
+import time
+import uuid
+from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from paged_chat.engine.errors import PagedChatError
+from paged_chat.settings import data_dir
+
+ROLES = ("system", "user", "assistant")
+INTERRUPTED = "interrupted"
+
+# MIGRATIONS[v]: the statements that take the schema from version v to v + 1. Append only:
+# a released migration never changes, so every database walks the same path.
+MIGRATIONS: list[tuple[str, ...]] = [
+    (
+        """CREATE TABLE chats (
+            id TEXT PRIMARY KEY,
+            title TEXT NOT NULL,
+            model TEXT NOT NULL,
+            system_prompt TEXT,
+            sampling TEXT NOT NULL,          -- JSON object of SamplingParams fields
+            created REAL NOT NULL,           -- Unix time
+            updated REAL NOT NULL
+        )""",
+        "CREATE INDEX chats_by_updated ON chats (updated)",
+        """CREATE TABLE messages (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,   -- never reused: UIs hold message ids
+            chat_id TEXT NOT NULL REFERENCES chats (id) ON DELETE CASCADE,
+            role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+            content TEXT NOT NULL,
+            token_ids BLOB NOT NULL,         -- int32, little-endian
+            finish_reason TEXT,              -- NULL on an assistant row: streaming, or cut
+            created REAL NOT NULL,
+            timings TEXT NOT NULL            -- JSON object
+        )""",
+        "CREATE INDEX messages_by_chat ON messages (chat_id, id)",
+    ),
+]
+
+_CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+_CHAT_COLUMNS = "id, title, model, system_prompt, sampling, created, updated"
+_MESSAGE_COLUMNS = "id, chat_id, role, content, token_ids, finish_reason, created, timings"
+
+
+class StoreError(PagedChatError):
+    """The chat store cannot be opened or written (newer schema, unwritable file)."""
+
+
+class ChatNotFound(StoreError, KeyError):
+    """No chat has this id (or, for `resolve_id`, this id prefix)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class MessageNotFound(StoreError, KeyError):
+    """No message has this id."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(slots=True)
+class Message:
+    id: int
+    chat_id: str
+    role: str
+    content: str
+    token_ids: list[int]
+    finish_reason: str | None
+    created: float
+    timings: dict
+
+
+@dataclass(slots=True)
+class Chat:
+    id: str
+    title: str
+    model: str
+    system_prompt: str | None
+    sampling: dict
+    created: float
+    updated: float
+    messages: list[Message] = field(default_factory=list)  # empty unless loaded
+
+
+class _CorruptDatabase(Exception):
+    pass
+
+
+class ChatStore:
+    """All reads and writes of chats.db. Thread-safe (one connection behind a lock), and
+    safe to use from several processes at once (SQLite's own locking, 5 s busy timeout)."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or data_dir() / "chats.db"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.moved_aside: Path | None = None
+        self.notice: str | None = None
+        self._lock = threading.RLock()
+        try:
+            self._conn = self._open()
+        except _CorruptDatabase as exc:
+            self.moved_aside = self._move_aside()
+            self.notice = (f"the chat store {self.path} is corrupt ({exc}): moved it to "
+                           f"{self.moved_aside} and started an empty one")
+            self._conn = self._open()
+
+    def __enter__(self) -> ChatStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---- chats ------------------------------------------------------------------------
+
+    def create_chat(self, title: str, model: str, system_prompt: str | None = None,
+                    sampling: dict | None = None) -> Chat:
+        chat = Chat(uuid.uuid4().hex[:12], title, model, system_prompt, dict(sampling or {}),
+                    created=time.time(), updated=time.time())
+        with self._transaction() as db:
+            db.execute(f"INSERT INTO chats ({_CHAT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       (chat.id, title, model, system_prompt, json.dumps(chat.sampling),
+                        chat.created, chat.updated))
+        return chat
+
+    def list_chats(self) -> list[Chat]:
+        """Every chat, most recently updated first, without messages."""
+        with self._transaction(write=False) as db:
+            rows = db.execute(f"SELECT {_CHAT_COLUMNS} FROM chats ORDER BY updated DESC, rowid DESC")
+            return [_chat(row) for row in rows]
+
+    def get_chat(self, chat_id: str) -> Chat:
+        """The chat with its messages in order; ChatNotFound if there is none."""
+        with self._transaction(write=False) as db:
+            return self._load_chat(db, chat_id)
+
+    def latest_chat(self) -> Chat | None:
+        """The most recently updated chat, with its messages; None when there is none."""
+        with self._transaction(write=False) as db:
+            row = db.execute("SELECT id FROM chats ORDER BY updated DESC, rowid DESC LIMIT 1").fetchone()
+            return None if row is None else self._load_chat(db, row[0])
+
+    def resolve_id(self, prefix: str) -> str:
+        """The id of the one chat whose id starts with `prefix` (so users can type a few
+        characters, as with git); ChatNotFound when none or several match."""
+        with self._transaction(write=False) as db:
+            ids = [row[0] for row in db.execute(
+                "SELECT id FROM chats WHERE substr(id, 1, length(?1)) = ?1 LIMIT 2", (prefix,))]
+        if len(ids) != 1:
+            what = "no chat" if not ids else "several chats"
+            raise ChatNotFound(f"{what} with an id starting {prefix!r}: `paged-chat chats` lists them")
+        return ids[0]
+
+    def rename_chat(self, chat_id: str, title: str) -> None:
+        self._update_chat(chat_id, "title = ?", (title,))
+
+    def update_chat_settings(self, chat_id: str, system_prompt: str | None, sampling: dict) -> None:
+        self._update_chat(chat_id, "system_prompt = ?, sampling = ?", (system_prompt, json.dumps(sampling)))
+
+    def fork_chat(self, chat_id: str, title: str | None = None) -> Chat:
+        """A new chat with a copy of every message, token ids included, so the fork's next
+        prompt shares the original's cached blocks."""
+        new_id = uuid.uuid4().hex[:12]
+        now = time.time()
+        with self._transaction() as db:
+            source = db.execute("SELECT title FROM chats WHERE id = ?", (chat_id,)).fetchone()
+            if source is None:
+                raise ChatNotFound(f"no chat with id {chat_id!r} to fork")
+            db.execute(f"INSERT INTO chats ({_CHAT_COLUMNS}) SELECT ?, ?, model, system_prompt, "
+                       "sampling, ?, ? FROM chats WHERE id = ?",
+                       (new_id, title or f"{source[0]} (fork)", now, now, chat_id))
+            db.execute("INSERT INTO messages (chat_id, role, content, token_ids, finish_reason, "
+                       "created, timings) SELECT ?, role, content, token_ids, finish_reason, "
+                       "created, timings FROM messages WHERE chat_id = ? ORDER BY id",
+                       (new_id, chat_id))
+        return self.get_chat(new_id)
+
+    def delete_chat(self, chat_id: str) -> None:
+        """Delete the chat and its messages."""
+        with self._transaction() as db:
+            if db.execute("DELETE FROM chats WHERE id = ?", (chat_id,)).rowcount == 0:
+                raise ChatNotFound(f"no chat with id {chat_id!r} to delete")
+
+    # ---- messages ---------------------------------------------------------------------
+
+    def add_message(self, chat_id: str, role: str, content: str, token_ids: list[int],
+                    finish_reason: str | None = None, timings: dict | None = None) -> Message:
+        """Append a message (see the module docstring for which token ids it holds)."""
+        if role not in ROLES:
+            raise ValueError(f"message role {role!r} is invalid: expected one of {', '.join(ROLES)}")
+        message = Message(0, chat_id, role, content, list(token_ids), finish_reason,
+                          time.time(), dict(timings or {}))
+        with self._transaction() as db:
+            self._touch(db, "id = ?", chat_id, message.created)
+            cursor = db.execute(
+                f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?)",
+                (chat_id, role, content, _pack(message.token_ids), finish_reason,
+                 message.created, json.dumps(message.timings)))
+            message.id = cursor.lastrowid
+        return message
+
+    def update_message(self, message_id: int, content: str, token_ids: list[int],
+                       finish_reason: str | None, timings: dict | None = None) -> None:
+        """Replace a message's content and ids (a streaming reply); timings=None keeps them."""
+        with self._transaction() as db:
+            cursor = db.execute(
+                "UPDATE messages SET content = ?, token_ids = ?, finish_reason = ?, "
+                "timings = coalesce(?, timings) WHERE id = ?",
+                (content, _pack(token_ids), finish_reason,
+                 None if timings is None else json.dumps(timings), message_id))
+            if cursor.rowcount == 0:
+                raise MessageNotFound(f"no message with id {message_id}")
+            self._touch(db, "id = (SELECT chat_id FROM messages WHERE id = ?)", message_id, time.time())
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    # ---- internals --------------------------------------------------------------------
+
+    @staticmethod
+    def _load_chat(db: sqlite3.Connection, chat_id: str) -> Chat:
+        row = db.execute(f"SELECT {_CHAT_COLUMNS} FROM chats WHERE id = ?", (chat_id,)).fetchone()
+        if row is None:
+            raise ChatNotFound(f"no chat with id {chat_id!r}: `paged-chat chats` lists them")
+        chat = _chat(row)
+        rows = db.execute(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE chat_id = ? ORDER BY id",
+                          (chat_id,))
+        chat.messages = [_message(row) for row in rows]
+        return chat
+
+    def _update_chat(self, chat_id: str, assignments: str, values: tuple) -> None:
+        with self._transaction() as db:
+            db.execute(f"UPDATE chats SET {assignments} WHERE id = ?", (*values, chat_id))
+            self._touch(db, "id = ?", chat_id, time.time())
+
+    @staticmethod
+    def _touch(db: sqlite3.Connection, where: str, key: object, now: float) -> None:
+        if db.execute(f"UPDATE chats SET updated = ? WHERE {where}", (now, key)).rowcount == 0:
+            raise ChatNotFound(f"no chat with id {key!r}: `paged-chat chats` lists them")
+
+    @contextmanager
+    def _transaction(self, write: bool = True) -> Iterator[sqlite3.Connection]:
+        """One transaction: all of it commits or none of it does. Writers take the write
+        lock up front (IMMEDIATE), so they wait on the busy timeout instead of failing on
+        upgrade; readers get one consistent snapshot across their statements."""
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    def _open(self) -> sqlite3.Connection:
+        """Connect, check the file, and migrate it to the current schema.
+
+        The version is read before anything writes (switching to WAL writes the header),
+        so a newer database is refused untouched.
+        """
+        conn = sqlite3.connect(self.path, timeout=5.0, isolation_level=None, check_same_thread=False)
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > len(MIGRATIONS):
+                raise StoreError(
+                    f"{self.path} was written by a newer paged-chat (schema version {version}; "
+                    f"this one reads up to {len(MIGRATIONS)}): upgrade paged-chat, or set "
+                    "PAGED_CHAT_DATA_DIR to use another store; the file was left untouched")
+            check = conn.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                raise _CorruptDatabase(f"integrity check: {check}")
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA synchronous = NORMAL")
+            conn.execute("PRAGMA foreign_keys = ON")
+            self._migrate(conn)
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            if getattr(exc, "sqlite_errorname", None) in _CORRUPT:
+                raise _CorruptDatabase(str(exc)) from exc
+            raise StoreError(f"cannot open the chat store {self.path}: {exc}") from exc
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    @staticmethod
+    def _migrate(conn: sqlite3.Connection) -> None:
+        """Walk the schema forward, all steps in one transaction (another process may have
+        migrated meanwhile, so the version is read again under the write lock)."""
+        if conn.execute("PRAGMA user_version").fetchone()[0] >= len(MIGRATIONS):
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            for statements in MIGRATIONS[version:]:
+                for statement in statements:
+                    conn.execute(statement)
+            if version < len(MIGRATIONS):
+                conn.execute(f"PRAGMA user_version = {len(MIGRATIONS)}")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def _move_aside(self) -> Path:
+        """Rename the corrupt file (and its WAL and shared-memory files) out of the way."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        for suffix in ("", "-wal", "-shm"):
+            source = self.path.with_name(self.path.name + suffix)
+            if source.exists():
+                source.rename(target.with_name(target.name + suffix))
+        return target
+
+
+def _chat(row: tuple) -> Chat:
+    chat_id, title, model, system_prompt, sampling, created, updated = row
+    return Chat(chat_id, title, model, system_prompt, json.loads(sampling), created, updated)
+
+
+def _message(row: tuple) -> Message:
+    message_id, chat_id, role, content, token_ids, finish_reason, created, timings = row
+    if role == "assistant" and finish_reason is None:
+        finish_reason = INTERRUPTED
+    return Message(message_id, chat_id, role, content, _unpack(token_ids), finish_reason,
+                   created, json.loads(timings))
+
+
+def _pack(token_ids: list[int]) -> bytes:
+    packed = array("i", token_ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpack(blob: bytes) -> list[int]:
+    unpacked = array("i")
+    unpacked.frombytes(blob)
+    if sys.byteorder == "big":
+        unpacked.byteswap()
+    return unpacked.tolist()
