@@ -22,11 +22,11 @@ class PagedSequence:
     def __init__(self, model: LlamaForCausalLM, config: ModelConfig, max_tokens: int) -> None:
         num_blocks = 2 * -(-max_tokens // BLOCK_SIZE)
         self.model = model
-        self.cache = torch.zeros(config.num_layers, 2, num_blocks, BLOCK_SIZE,
-                                 config.num_kv_heads, config.head_dim)
-        self.table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))
         self.attention = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim,
                                         config.head_dim ** -0.5)
+        self.cache = torch.zeros(config.num_layers, 2,
+                                 *self.attention.kv_cache_shape(num_blocks, BLOCK_SIZE))
+        self.table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))
         self.length = 0
 
     @torch.inference_mode()

@@ -53,11 +53,11 @@ class Engine:
         self.block_size = config.block_size
         # A request can never outgrow the pool: it is the one bound nothing can preempt.
         self.max_model_len = min(model_len, self.num_blocks * self.block_size)
+        attention = self._attention(source.config)
         kv_cache = torch.zeros(
-            (source.config.num_layers, 2, self.num_blocks, self.block_size,
-             source.config.num_kv_heads, source.config.head_dim),
+            (source.config.num_layers, 2, *attention.kv_cache_shape(self.num_blocks, self.block_size)),
             dtype=self.dtype, device=self.device)
-        self.runner = ModelRunner(model, kv_cache, self.block_size, self._attention(source.config))
+        self.runner = ModelRunner(model, kv_cache, self.block_size, attention)
         self.kv_cache = KVCacheManager(self.num_blocks, self.block_size,
                                        config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
@@ -252,12 +252,30 @@ class Engine:
 
     # ---- set-up ---------------------------------------------------------------------
 
-    def _attention(self, model: ModelConfig) -> TorchAttention:
+    def _attention(self, model: ModelConfig) -> "TorchAttention | TritonAttention":
+        """Triton kernels on CUDA when triton imports ("auto"), else the torch reference.
+
+        The Triton backend is imported here, not at module level: triton is an optional extra,
+        and TRITON_INTERPRET (the CPU interpreter the tests use) is read when kernels are
+        defined, so they must not be defined before a test has set it.
+        """
         backend = self.config.attention_backend
-        if backend == "triton":
-            raise PagedChatError("attention_backend='triton' is not available yet: use 'torch'")
-        return TorchAttention(model.num_heads, model.num_kv_heads, model.head_dim,
-                              scale=model.head_dim ** -0.5)
+        args = (model.num_heads, model.num_kv_heads, model.head_dim)
+        scale = model.head_dim ** -0.5
+        if backend == "torch" or (backend == "auto" and self.device.type != "cuda"):
+            return TorchAttention(*args, scale=scale)
+        try:
+            from paged_chat.engine.attention.triton_backend import TritonAttention
+        except ImportError as error:
+            if backend == "auto":
+                return TorchAttention(*args, scale=scale)
+            raise PagedChatError(f"attention_backend='triton' needs triton ({error}): install "
+                                 "paged-chat[gpu], or use attention_backend='torch'") from error
+        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise PagedChatError("attention_backend='triton' runs on CUDA (on CPU only under "
+                                 "TRITON_INTERPRET=1, for tests): use device='cuda' or "
+                                 "attention_backend='torch'")
+        return TritonAttention(*args, scale=scale)
 
     def _bytes_per_block(self, model: ModelConfig) -> int:
         element = torch.tensor([], dtype=self.dtype).element_size()

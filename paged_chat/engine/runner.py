@@ -1,7 +1,7 @@
 """ModelRunner: turns a scheduled step into flat batch tensors, runs the model, samples.
 
-The KV cache is one preallocated tensor `[layers, 2, num_blocks, block_size, kv_heads,
-head_dim]`; the runner owns it. Per step it builds, on the host and in one transfer:
+The KV cache is one preallocated tensor `[layers, 2, *attention.kv_cache_shape(...)]`
+(keys and values of every layer, in the attention backend's layout); the runner owns it. Per step it builds, on the host and in one transfer:
 token ids, positions, slot mapping, query offsets, context lengths and block tables; the
 model computes logits only for the rows that sample (the last token of each sequence
 whose known tokens are all computed after this step).

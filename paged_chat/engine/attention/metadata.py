@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,7 +20,8 @@ class AttentionMetadata:
     Sequences are ordered decodes first: the first `num_decodes` have exactly one query
     token, so backends can run them as one batched matrix product and loop only over the
     (few) prefill chunks. The `*_list` fields are host copies of the same numbers, so
-    backends never sync with the device to read a length.
+    backends never sync with the device to read a length. `per_step` holds whatever a
+    backend derives from these once per step (masks, gather indices) for every layer.
     """
 
     slot_mapping: torch.Tensor      # [num_tokens] int64
@@ -31,6 +32,7 @@ class AttentionMetadata:
     query_start_loc_list: list[int]
     seq_lens_list: list[int]
     block_size: int
+    per_step: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

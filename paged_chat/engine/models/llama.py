@@ -204,8 +204,8 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, attention: AttentionFn,
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [num_tokens]; kv_cache: [layers, 2, blocks, block_size,
-        kv_heads, head_dim]; returns fp32 logits [len(logits_indices), vocab]."""
+        """input_ids, positions: [num_tokens]; kv_cache: [layers, 2, ...] in the attention
+        backend's layout; returns fp32 logits [len(logits_indices), vocab]."""
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         x = self.embed_tokens(input_ids)

@@ -1,0 +1,269 @@
+"""Triton kernels for paged attention: KV store, one causal paged-attention kernel, split merge.
+
+Layouts (the torch backend's, see `torch_backend.py`):
+- query / output `[num_tokens, num_heads, head_dim]`, key / value `[num_tokens, num_kv_heads,
+  head_dim]`: the step's flat batch, sequences back to back (`query_start_loc`), decodes first.
+- one layer's key or value cache `[num_blocks, block_size, num_kv_heads, head_dim]`; token `i`
+  of sequence `s` lives in block `block_tables[s, i // block_size]` at row `i % block_size`.
+
+Every stride is passed explicitly, so views (the value half of a fused QKV projection, one
+layer of the stacked cache) are read in place. Cache offsets are computed in int64: a large
+cache has more than 2**31 elements.
+
+The attention kernel serves decode and prefill alike. One program owns one KV head, a tile
+of `BLOCK_Q` consecutive query tokens of one sequence and one split of its keys. Its rows
+are (query token, query head of the KV head's group) pairs, `BLOCK_Q * GROUP_PAD` of them, so
+each K/V tile is loaded once for the whole group (GQA) and both matrix products run on
+tensor cores (`tl.dot` needs at least 16 rows: a decode tile holds `16 // GROUP_PAD` token
+slots, of which only the first is real). Keys are walked in tiles of `TILE_N` positions; each
+position finds its block through the block table, so no contiguous copy of the context is
+ever made and a tile may span several blocks. Query token `j` of a chunk of `q_len` new
+tokens in a sequence of `seq_len` sits at position `seq_len - q_len + j` and sees keys up to
+it: a chunk that starts mid-sequence, even mid-block, sees its cached prefix. The softmax is
+online (running max and sum, in base 2 with `log2(e)` folded into the scale) and in fp32.
+
+Flash-decoding: with few programs (small batch) and long contexts most SMs would idle, so
+the keys of each program are cut into `NUM_SPLITS` ranges handled by separate programs that
+write a normalised partial output and its log-sum-exp; `_merge_splits_kernel` combines them.
+
+Head dims that are not powers of two (80, 96) are padded to the next power of two and
+masked, like the group of query heads and the tails of contexts, chunks and tiles. Inputs
+are fp16, bf16 or fp32; 16-bit products run in their own type with fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from paged_chat.engine.attention.metadata import AttentionMetadata
+
+MAX_SPLITS = 32
+# A split shorter than this costs more in launch and merge than it wins in parallelism.
+MIN_KEYS_PER_SPLIT = 256
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    num_kv_heads, head_dim,
+    BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    """One program per new token: copy its [kv_heads, head_dim] K and V into its slot."""
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, HEAD_DIM_PAD)[None, :]
+    mask = (heads < num_kv_heads) & (dims < head_dim)
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs \
+        + heads * stride_ch + dims * stride_cd
+    key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
+    tl.store(key_cache_ptr + dst, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
+    tl.store(value_cache_ptr + dst, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    query_ptr, key_cache_ptr, value_cache_ptr, output_ptr, partial_out_ptr, partial_lse_ptr,
+    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
+    first_seq, first_token, num_heads, scale_log2,
+    stride_qt, stride_qh, stride_qd,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_ot, stride_oh, stride_od,
+    stride_table,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    """Grid (sequences, query tiles, kv_heads * NUM_SPLITS); see the module docstring.
+
+    With one split the program writes its rows of `output`; with more it writes, per
+    (token - first_token, head, split), the normalised partial output and its base-2
+    log-sum-exp (-inf for a split that holds no key visible to the row).
+    """
+    seq = first_seq + tl.program_id(0)
+    q_tile = tl.program_id(1)
+    kv_head = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    q_index = q_tile * BLOCK_Q + rows // GROUP_PAD          # token within the chunk
+    head = kv_head * GROUP + rows % GROUP_PAD
+    row_valid = (q_index < q_len) & (rows % GROUP_PAD < GROUP)
+    q_pos = prefix_len + q_index                            # position in the sequence
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    q = tl.load(query_ptr + (q_start + q_index)[:, None] * stride_qt
+                + head[:, None] * stride_qh + dims[None, :] * stride_qd,
+                mask=row_valid[:, None] & dim_valid[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # Keys visible to any row of this tile, cut into NUM_SPLITS runs of whole tiles.
+    kv_len = tl.minimum(seq_len, prefix_len + (q_tile + 1) * BLOCK_Q)
+    num_tiles = (kv_len + TILE_N - 1) // TILE_N
+    tiles_per_split = (num_tiles + NUM_SPLITS - 1) // NUM_SPLITS
+    tile_lo = split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+
+    # A finite floor instead of -inf: a row that has seen no visible key yet keeps
+    # alpha = exp2(0) and p = 0, never exp2(-inf - -inf) = NaN.
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_table
+    for tile in range(tile_lo, tile_hi):
+        keys = tile * TILE_N + tl.arange(0, TILE_N)
+        key_valid = keys < kv_len
+        block = tl.load(table + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
+        kv_offset = block * stride_cb + (keys % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        k = tl.load(key_cache_ptr + kv_offset[None, :] + dims[:, None] * stride_cd,
+                    mask=dim_valid[:, None] & key_valid[None, :], other=0.0)   # [dim, keys]
+        v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :] * stride_cd,
+                    mask=key_valid[:, None] & dim_valid[None, :], other=0.0)   # [keys, dim]
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = tl.dot(q, k, input_precision="ieee" if DOT_FP32 else "tf32") * scale_log2
+        # Causal: key <= query position. It also hides keys past kv_len from every real
+        # row; padding rows see them as zeros (masked loads) and are never written.
+        scores = tl.where(keys[None, :] <= q_pos[:, None], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        p = tl.exp2(scores - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v,
+                                            input_precision="ieee" if DOT_FP32 else "tf32")
+        m_i = m_new
+
+    out_mask = row_valid[:, None] & dim_valid[None, :]
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(output_ptr + (q_start + q_index)[:, None] * stride_ot
+                 + head[:, None] * stride_oh + dims[None, :] * stride_od,
+                 out.to(output_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        seen = l_i > 0
+        l_safe = tl.where(seen, l_i, 1.0)
+        lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
+        partial = ((q_start + q_index - first_token) * num_heads + head) * NUM_SPLITS + split
+        tl.store(partial_lse_ptr + partial, lse, mask=row_valid)
+        tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM_PAD + dims[None, :],
+                 acc / l_safe[:, None], mask=out_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    partial_out_ptr, partial_lse_ptr, output_ptr,
+    first_token, num_heads,
+    stride_ot, stride_oh, stride_od,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """One program per (token, head): weight each split's output by exp2(its lse - max lse)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = (token * num_heads + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_valid = dims < HEAD_DIM
+    lse = tl.load(partial_lse_ptr + splits)
+    partial = tl.load(partial_out_ptr + splits[:, None] * HEAD_DIM_PAD + dims[None, :],
+                      mask=dim_valid[None, :], other=0.0)
+    weights = tl.exp2(lse - tl.max(lse, axis=0))        # the first split always has a key
+    out = tl.sum(partial * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    tl.store(output_ptr + (first_token + token) * stride_ot + head * stride_oh + dims * stride_od,
+             out.to(output_ptr.dtype.element_ty), mask=dim_valid)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+             value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write key/value [num_tokens, kv_heads, head_dim] into their flat slots; slot -1 skips."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    assert key_cache.stride() == value_cache.stride(), "K and V caches must share a layout"
+    _store_kv_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping,
+        *key.stride(), *value.stride(), *key_cache.stride(),
+        num_kv_heads, head_dim,
+        BLOCK_SIZE=key_cache.shape[1], HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim))
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
+    """How many key ranges each program's work is cut into (a power of two).
+
+    Doubles while the launch would still not fill the GPU once (`num_programs * splits` at
+    most `num_sms`, so a batch of many sequences or KV heads keeps one split) and every
+    split of the longest context keeps at least `MIN_KEYS_PER_SPLIT` keys. Powers of two
+    keep the number of compiled kernel variants small.
+    """
+    splits = 1
+    while (splits < MAX_SPLITS and num_programs * splits <= num_sms
+           and max_seq_len >= 2 * splits * MIN_KEYS_PER_SPLIT):
+        splits *= 2
+    return splits
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    output: torch.Tensor, meta: AttentionMetadata, seqs: range, scale: float,
+                    *, block_q: int, tile_n: int, num_splits: int = 1,
+                    num_warps: int = 4) -> None:
+    """Attend the query tokens of sequences `seqs` (consecutive in the flat batch) over their
+    paged context, writing their rows of `output`.
+
+    `block_q` query tokens (times the padded group of query heads, at least 16 rows) and
+    `tile_n` key positions (at least 16) make one program's tile; both are powers of two.
+    `num_splits` (a power of two) > 1 runs flash-decoding plus a merge.
+    """
+    if not seqs:
+        return
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    assert num_splits & (num_splits - 1) == 0 and tile_n >= 16 and block_q * group_pad >= 16
+    assert key_cache.stride() == value_cache.stride(), "K and V caches must share a layout"
+    starts = meta.query_start_loc_list
+    first_token, end_token = starts[seqs.start], starts[seqs.stop]
+    max_query_len = max(starts[s + 1] - starts[s] for s in seqs)
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    if num_splits > 1:
+        split_tokens = end_token - first_token
+        partial_out = torch.empty((split_tokens, num_heads, num_splits, head_dim_pad),
+                                  dtype=torch.float32, device=query.device)
+        partial_lse = torch.empty((split_tokens, num_heads, num_splits),
+                                  dtype=torch.float32, device=query.device)
+    else:  # never read: the kernel writes `output` directly
+        partial_out = partial_lse = output
+    # The interpreter (CPU) computes bf16 dots wrongly; fp32 caches want exact fp32 dots.
+    dot_fp32 = key_cache.dtype == torch.float32 or (
+        key_cache.device.type == "cpu" and key_cache.dtype == torch.bfloat16)
+    grid = (len(seqs), triton.cdiv(max_query_len, block_q), num_kv_heads * num_splits)
+    _paged_attention_kernel[grid](
+        query, key_cache, value_cache, output, partial_out, partial_lse,
+        meta.block_tables, meta.seq_lens, meta.query_start_loc,
+        seqs.start, first_token, num_heads, scale * math.log2(math.e),
+        *query.stride(), *key_cache.stride(), *output.stride(), meta.block_tables.stride(0),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_SIZE=key_cache.shape[1], BLOCK_Q=block_q, TILE_N=tile_n,
+        NUM_SPLITS=num_splits, DOT_FP32=dot_fp32, num_warps=num_warps)
+    if num_splits > 1:
+        _merge_splits_kernel[(end_token - first_token, num_heads)](
+            partial_out, partial_lse, output, first_token, num_heads, *output.stride(),
+            HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, NUM_SPLITS=num_splits)
