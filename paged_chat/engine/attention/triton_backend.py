@@ -45,27 +45,40 @@ class TritonAttention:
         self.decode_block_q = max(1, DECODE_ROWS // group_pad)
         self.prefill_block_q = max(1, PREFILL_ROWS // group_pad)
 
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's key (or value) cache: the torch backend's head-major layout, so
+        caches are interchangeable between backends and the kernels read one head's rows of a
+        block as one contiguous run."""
+        return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
+
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  key_cache: torch.Tensor, value_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         """query [T, heads, dim], key/value [T, kv_heads, dim] -> output [T, heads, dim]."""
         store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         output = torch.empty_like(query)
-        num_sms = _num_sms(query.device)
-        decodes = range(meta.num_decodes)
-        prefills = range(meta.num_decodes, meta.num_seqs)
-        if decodes:
-            splits = choose_num_splits(len(decodes) * self.num_kv_heads,
-                                       max(meta.seq_lens_list[:decodes.stop]), num_sms)
-            paged_attention(query, key_cache, value_cache, output, meta, decodes, self.scale,
-                            block_q=self.decode_block_q, tile_n=DECODE_TILE_N, num_splits=splits)
-        if prefills:
-            starts = meta.query_start_loc_list
-            q_tiles = sum(triton.cdiv(starts[s + 1] - starts[s], self.prefill_block_q)
-                          for s in prefills)
-            splits = choose_num_splits(q_tiles * self.num_kv_heads,
-                                       max(meta.seq_lens_list[prefills.start:]), num_sms)
-            paged_attention(query, key_cache, value_cache, output, meta, prefills, self.scale,
-                            block_q=self.prefill_block_q, tile_n=PREFILL_TILE_N,
-                            num_splits=splits)
+        for seqs, block_q, tile_n, num_splits in self._launches(meta, query.device):
+            paged_attention(query, key_cache, value_cache, output, meta, seqs, self.scale,
+                            block_q=block_q, tile_n=tile_n, num_splits=num_splits)
         return output
+
+    def _launches(self, meta: AttentionMetadata,
+                  device: torch.device) -> list[tuple[range, int, int, int]]:
+        """(sequences, block_q, tile_n, num_splits) of the decode and the prefill launch; the
+        same for every layer, so worked out once per step."""
+        launches = meta.per_step.get("triton_launches")
+        if launches is None:
+            launches = []
+            starts, num_sms = meta.query_start_loc_list, _num_sms(device)
+            for seqs, block_q, tile_n in ((range(meta.num_decodes), self.decode_block_q,
+                                           DECODE_TILE_N),
+                                          (range(meta.num_decodes, meta.num_seqs),
+                                           self.prefill_block_q, PREFILL_TILE_N)):
+                if not seqs:
+                    continue
+                q_tiles = sum(triton.cdiv(starts[s + 1] - starts[s], block_q) for s in seqs)
+                longest = max(meta.seq_lens_list[seqs.start:seqs.stop])
+                splits = choose_num_splits(q_tiles * self.num_kv_heads, longest, num_sms)
+                launches.append((seqs, block_q, tile_n, splits))
+            meta.per_step["triton_launches"] = launches
+        return launches

@@ -1,14 +1,16 @@
 """Triton kernels for paged attention: KV store, one causal paged-attention kernel, split merge.
 
-Layouts (the torch backend's, see `torch_backend.py`):
+Layouts:
 - query / output `[num_tokens, num_heads, head_dim]`, key / value `[num_tokens, num_kv_heads,
   head_dim]`: the step's flat batch, sequences back to back (`query_start_loc`), decodes first.
-- one layer's key or value cache `[num_blocks, block_size, num_kv_heads, head_dim]`; token `i`
-  of sequence `s` lives in block `block_tables[s, i // block_size]` at row `i % block_size`.
+- one layer's key or value cache `[num_kv_heads, num_blocks, block_size, head_dim]`, head-major
+  like the torch backend's: token `i` of sequence `s` lives in block
+  `block_tables[s, i // block_size]` at row `i % block_size`, and one head's rows of a block
+  are one contiguous run of `block_size * head_dim` elements.
 
-Every stride is passed explicitly, so views (the value half of a fused QKV projection, one
-layer of the stacked cache) are read in place. Cache offsets are computed in int64: a large
-cache has more than 2**31 elements.
+Every stride is passed explicitly (the kernels take the cache's as block, row, head, dim),
+so views (the value part of a fused QKV projection, one layer of the stacked cache) are
+read in place. Cache offsets are computed in int64: a large cache has over 2**31 elements.
 
 The attention kernel serves decode and prefill alike. One program owns one KV head, a tile
 of `BLOCK_Q` consecutive query tokens of one sequence and one split of its keys. Its rows
@@ -190,6 +192,12 @@ def _merge_splits_kernel(
              out.to(output_ptr.dtype.element_ty), mask=dim_valid)
 
 
+def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """A [kv_heads, blocks, block_size, head_dim] cache's strides as the kernels take them."""
+    heads, block, row, dim = cache.stride()
+    return block, row, heads, dim
+
+
 def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
              value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write key/value [num_tokens, kv_heads, head_dim] into their flat slots; slot -1 skips."""
@@ -199,9 +207,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     assert key_cache.stride() == value_cache.stride(), "K and V caches must share a layout"
     _store_kv_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
-        *key.stride(), *value.stride(), *key_cache.stride(),
+        *key.stride(), *value.stride(), *_cache_strides(key_cache),
         num_kv_heads, head_dim,
-        BLOCK_SIZE=key_cache.shape[1], HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        BLOCK_SIZE=key_cache.shape[2], HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim))
 
 
@@ -234,7 +242,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if not seqs:
         return
     num_tokens, num_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
+    num_kv_heads = key_cache.shape[0]
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     assert num_splits & (num_splits - 1) == 0 and tile_n >= 16 and block_q * group_pad >= 16
@@ -259,9 +267,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         query, key_cache, value_cache, output, partial_out, partial_lse,
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
         seqs.start, first_token, num_heads, scale * math.log2(math.e),
-        *query.stride(), *key_cache.stride(), *output.stride(), meta.block_tables.stride(0),
+        *query.stride(), *_cache_strides(key_cache), *output.stride(),
+        meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=key_cache.shape[1], BLOCK_Q=block_q, TILE_N=tile_n,
+        BLOCK_SIZE=key_cache.shape[2], BLOCK_Q=block_q, TILE_N=tile_n,
         NUM_SPLITS=num_splits, DOT_FP32=dot_fp32, num_warps=num_warps)
     if num_splits > 1:
         _merge_splits_kernel[(end_token - first_token, num_heads)](

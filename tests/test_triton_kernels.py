@@ -1,0 +1,258 @@
+"""The Triton kernels against the torch backend, under TRITON_INTERPRET=1 when there is no GPU.
+
+The interpreter does not catch out-of-bounds loads, so every input is poisoned around what
+a kernel may read: cache slots outside the live contexts, the padding block of the block
+tables, and the borders of strided query/key/value views hold NaN. A load that a mask
+should have stopped shows up as NaN in the output. Shapes are ragged on purpose: contexts
+that end mid-block, chunks whose cached prefix ends mid-block, GQA groups of 1, 3 and 7,
+head dims that are not powers of two, shuffled block tables, tiles that span blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    # Triton reads this when it defines a kernel, its own helpers (tl.sum, tl.zeros...)
+    # included. The fixtures already imported triton (torch._dynamo does, under
+    # transformers), so drop it and our kernels to define everything again, interpreted.
+    os.environ["TRITON_INTERPRET"] = "1"
+    # The compiled extension (triton._C) stays: it cannot be loaded twice.
+    for name in [n for n in sys.modules if n.startswith("paged_chat.engine.attention.triton_")
+                 or (n.split(".")[0] == "triton" and not n.startswith("triton._C"))]:
+        del sys.modules[name]
+
+pytest.importorskip("triton", reason="the Triton kernels need the triton package (extra 'gpu')")
+
+from paged_chat.engine import SamplingParams  # noqa: E402
+from paged_chat.engine.attention.metadata import AttentionMetadata  # noqa: E402
+from paged_chat.engine.attention.torch_backend import TorchAttention  # noqa: E402
+from paged_chat.engine.attention.triton_backend import TritonAttention  # noqa: E402
+from paged_chat.engine.attention.triton_kernels import (  # noqa: E402
+    MAX_SPLITS, choose_num_splits, paged_attention, store_kv)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# Reference in fp32 on the same (rounded) inputs; ours also rounds P and the output.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def poisoned(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    """Random values in a non-contiguous view whose neighbours in memory are NaN."""
+    padded = torch.full([n + 2 for n in shape], float("nan"), dtype=dtype)
+    inner = padded[tuple(slice(1, n + 1) for n in shape)]
+    inner.copy_(torch.randn(shape, generator=generator))
+    return padded.to(DEVICE)[tuple(slice(1, n + 1) for n in shape)]
+
+
+class Batch:
+    """One step's flat batch: sequences given as (cached prefix length, new tokens), decodes first.
+
+    Blocks are handed out in shuffled order; block 0 pads the tables (as the runner does)
+    and, like every slot no sequence owns, holds NaN.
+    """
+
+    def __init__(self, seqs: list[tuple[int, int]], *, num_heads: int, num_kv_heads: int,
+                 head_dim: int, block_size: int, dtype: torch.dtype, seed: int = 0,
+                 extra_table_columns: int = 2) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.dtype = dtype
+        seq_lens = [prefix + new for prefix, new in seqs]
+        blocks_per_seq = [-(-n // block_size) for n in seq_lens]
+        num_blocks = 1 + sum(blocks_per_seq) + 3
+        order = (1 + torch.randperm(num_blocks - 1, generator=generator)).tolist()
+        width = max(blocks_per_seq) + extra_table_columns
+        tables, cursor = [], 0
+        for count in blocks_per_seq:
+            tables.append(order[cursor:cursor + count] + [0] * (width - count))
+            cursor += count
+        self.block_tables = torch.tensor(tables, dtype=torch.int32)
+
+        shape = (num_kv_heads, num_blocks, block_size, head_dim)
+        self.key_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.value_cache = torch.full(shape, float("nan"), dtype=dtype)
+        slots, starts = [], [0]
+        for seq, (prefix, new) in enumerate(seqs):
+            positions = torch.arange(prefix + new)
+            seq_slots = self.block_tables[seq, positions // block_size].long() * block_size \
+                + positions % block_size
+            for cache in (self.key_cache, self.value_cache):
+                cache.view(num_kv_heads, -1, head_dim)[:, seq_slots[:prefix]] = torch.randn(
+                    num_kv_heads, prefix, head_dim, generator=generator).to(dtype)
+            slots.append(seq_slots[prefix:])
+            starts.append(starts[-1] + new)
+        num_tokens = starts[-1]
+        self.query = poisoned((num_tokens, num_heads, head_dim), dtype, generator)
+        self.key = poisoned((num_tokens, num_kv_heads, head_dim), dtype, generator)
+        self.value = poisoned((num_tokens, num_kv_heads, head_dim), dtype, generator)
+        self.meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(DEVICE),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+            block_tables=self.block_tables.to(DEVICE),
+            num_decodes=next((i for i, (_, new) in enumerate(seqs) if new != 1), len(seqs)),
+            query_start_loc_list=starts, seq_lens_list=seq_lens, block_size=block_size)
+        self.key_cache, self.value_cache = self.key_cache.to(DEVICE), self.value_cache.to(DEVICE)
+
+    def reference(self, num_heads: int, num_kv_heads: int,
+                  head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(output, key cache, value cache) as the torch backend makes them: the caches in
+        this batch's dtype (still NaN where nothing was stored), the output in fp32 from
+        NaN-free copies of them."""
+        caches = [c.clone() for c in (self.key_cache, self.value_cache)]
+        for cache, new in zip(caches, (self.key, self.value)):
+            cache.view(cache.shape[0], -1, cache.shape[-1])[:, self.meta.slot_mapping] = \
+                new.transpose(0, 1)
+        clean = [c.float().nan_to_num(0.0) for c in caches]
+        attention = TorchAttention(num_heads, num_kv_heads, head_dim, scale=head_dim ** -0.5)
+        out = attention(self.query.float(), self.key.float(), self.value.float(), *clean, self.meta)
+        return out, *caches
+
+    def check_caches(self, expected_k: torch.Tensor, expected_v: torch.Tensor) -> None:
+        """Every new token landed in its slot, and nothing else changed."""
+        for ours, expected in ((self.key_cache, expected_k), (self.value_cache, expected_v)):
+            torch.testing.assert_close(ours, expected, atol=0, rtol=0, equal_nan=True)
+
+
+def check_output(ours: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    assert not ours.isnan().any(), "a masked-off load reached the output"
+    torch.testing.assert_close(ours.float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def run_kernel(batch: Batch, seqs: range, num_heads: int, *, block_q: int, tile_n: int,
+               num_splits: int) -> torch.Tensor:
+    """Store the new K/V, then attend only `seqs`; rows of other sequences stay NaN."""
+    store_kv(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta.slot_mapping)
+    output = torch.full(batch.query.shape, float("nan"), dtype=batch.dtype, device=DEVICE)
+    head_dim = batch.query.shape[-1]
+    paged_attention(batch.query, batch.key_cache, batch.value_cache, output, batch.meta, seqs,
+                    head_dim ** -0.5, block_q=block_q, tile_n=tile_n, num_splits=num_splits)
+    return output
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(3, 80), (2, 16)])
+def test_store_kv_writes_slots_and_skips_minus_one(dtype, num_kv_heads, head_dim):
+    generator = torch.Generator().manual_seed(1)
+    shape = (num_kv_heads, 6, 16, head_dim)
+    key_cache = torch.randn(shape, generator=generator).to(dtype).to(DEVICE)
+    value_cache = torch.randn(shape, generator=generator).to(dtype).to(DEVICE)
+    key = poisoned((5, num_kv_heads, head_dim), dtype, generator)
+    value = poisoned((5, num_kv_heads, head_dim), dtype, generator)
+    slots = torch.tensor([17, -1, 95, 3, -1], device=DEVICE)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    kept = slots >= 0
+    expected_k.view(num_kv_heads, -1, head_dim)[:, slots[kept]] = key[kept].transpose(0, 1)
+    expected_v.view(num_kv_heads, -1, head_dim)[:, slots[kept]] = value[kept].transpose(0, 1)
+
+    store_kv(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected_k)
+    assert torch.equal(value_cache, expected_v)
+
+
+# (prefix, new) per sequence: contexts ending mid-block, one exactly at a block boundary,
+# one of a single token.
+DECODE_SEQS = [(36, 1), (15, 1), (63, 1), (0, 1)]
+
+
+@pytest.mark.parametrize("group", [1, 3, 7])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_matches_torch(group, num_splits):
+    num_kv_heads, head_dim, dtype = 2, 32, torch.float16
+    batch = Batch(DECODE_SEQS, num_heads=group * num_kv_heads, num_kv_heads=num_kv_heads,
+                  head_dim=head_dim, block_size=16, dtype=dtype, seed=group)
+    expected, expected_k, expected_v = batch.reference(group * num_kv_heads, num_kv_heads, head_dim)
+    ours = run_kernel(batch, range(len(DECODE_SEQS)), group * num_kv_heads,
+                      block_q=max(1, 16 // triton_pad(group)), tile_n=16, num_splits=num_splits)
+    check_output(ours, expected, dtype)
+    batch.check_caches(expected_k, expected_v)
+
+
+@pytest.mark.parametrize("head_dim,block_size,tile_n", [(80, 16, 32), (96, 32, 16), (64, 32, 64),
+                                                         (128, 16, 16)])
+def test_decode_head_dims_and_tiles(head_dim, block_size, tile_n):
+    """Non-power-of-two head dims; tiles spanning blocks (32 keys over 16-row blocks) and
+    blocks spanning tiles; three splits' worth of keys over four splits."""
+    batch = Batch([(40, 1), (9, 1)], num_heads=3, num_kv_heads=1, head_dim=head_dim,
+                  block_size=block_size, dtype=torch.float16, seed=head_dim)
+    expected, *_ = batch.reference(3, 1, head_dim)
+    ours = run_kernel(batch, range(2), 3, block_q=4, tile_n=tile_n, num_splits=4)
+    check_output(ours, expected, torch.float16)
+
+
+# A chunk whose cached prefix ends mid-block, a fresh prompt, one whose prefix ends on a
+# block boundary, and a two-token chunk, after two decodes.
+MIXED_SEQS = [(20, 1), (33, 1), (21, 19), (0, 13), (32, 5), (7, 2)]
+
+
+@pytest.mark.parametrize("group", [1, 3, 7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_prefill_matches_torch(group, dtype):
+    num_kv_heads, head_dim = 1 if group == 7 else 2, 16
+    num_heads = group * num_kv_heads
+    batch = Batch(MIXED_SEQS, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                  block_size=16, dtype=dtype, seed=10 + group)
+    expected, *_ = batch.reference(num_heads, num_kv_heads, head_dim)
+    prefills = range(2, len(MIXED_SEQS))
+    ours = run_kernel(batch, prefills, num_heads, block_q=max(1, 16 // triton_pad(group)),
+                      tile_n=16, num_splits=1)
+    rows = slice(batch.meta.query_start_loc_list[2], None)
+    check_output(ours[rows], expected[rows], dtype)
+    assert ours[:rows.start].isnan().all(), "wrote rows of sequences outside the launch"
+
+
+def test_prefill_with_splits_and_block_32():
+    """A short chunk over a long cached prefix: the case a chat turn makes, split four ways."""
+    batch = Batch([(70, 6), (45, 3)], num_heads=6, num_kv_heads=2, head_dim=80, block_size=32,
+                  dtype=torch.float16, seed=3)
+    expected, *_ = batch.reference(6, 2, 80)
+    ours = run_kernel(batch, range(2), 6, block_q=4, tile_n=16, num_splits=4)
+    check_output(ours, expected, torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_backend_matches_torch_on_a_mixed_batch(dtype):
+    """TritonAttention end to end (store, decode launch, prefill launch) with its own tiles."""
+    batch = Batch(MIXED_SEQS, num_heads=6, num_kv_heads=2, head_dim=16, block_size=16,
+                  dtype=dtype, seed=4)
+    expected, expected_k, expected_v = batch.reference(6, 2, 16)
+    ours = TritonAttention(6, 2, 16, scale=16 ** -0.5)(
+        batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta)
+    check_output(ours, expected, dtype)
+    batch.check_caches(expected_k, expected_v)
+
+
+def test_num_splits_follow_batch_and_context():
+    assert choose_num_splits(num_programs=8, max_seq_len=32768, num_sms=132) == MAX_SPLITS
+    assert choose_num_splits(num_programs=8, max_seq_len=2048, num_sms=132) == 8
+    assert choose_num_splits(num_programs=8, max_seq_len=2047, num_sms=132) == 4
+    assert choose_num_splits(num_programs=40, max_seq_len=32768, num_sms=132) == 4
+    assert choose_num_splits(num_programs=8, max_seq_len=300, num_sms=132) == 1
+    assert choose_num_splits(num_programs=256, max_seq_len=32768, num_sms=132) == 1
+    for programs in (1, 3, 40, 100):
+        for length in (1, 700, 5000, 100000):
+            splits = choose_num_splits(programs, length, 132)
+            assert splits & (splits - 1) == 0 and 1 <= splits <= MAX_SPLITS
+            assert splits == 1 or length >= splits * 256
+
+
+def test_engine_greedy_tokens_match_torch_backend(make_engine):
+    """A few engine steps on the tiny model: decodes, chunked prefill that ends mid-block,
+    and a prompt whose first block is a prefix-cache hit."""
+    shared = list(range(3, 23))
+    prompts = [shared + [40, 41, 42], list(range(100, 131)), shared + [50, 51]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    settings = dict(device=DEVICE.type, max_num_batched_tokens=24, num_blocks=32)
+    expected = make_engine(attention_backend="torch", **settings).generate(prompts, params)
+    engine = make_engine(attention_backend="triton", **settings)
+    assert isinstance(engine.runner.attention, TritonAttention)
+    outputs = engine.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    assert engine.stats().prefix_cache_hit_tokens > 0
+
+
+def triton_pad(n: int) -> int:
+    return 1 << (n - 1).bit_length()
