@@ -10,6 +10,7 @@ whose known tokens are all computed after this step).
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 
@@ -27,6 +28,7 @@ class ModelRunner:
         self.block_size = block_size
         self.attention = attention
         self.device = kv_cache.device
+        self.last_forward_s = 0.0
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest],
@@ -37,15 +39,15 @@ class ModelRunner:
         """
         input_ids, positions, meta = self._prepare(scheduled, block_tables)
         samplers = [item for item in scheduled if item.samples]
-        if not samplers:
-            self.model(input_ids, positions, self.kv_cache, meta, self.attention,
-                       torch.empty(0, dtype=torch.long, device=self.device))
-            return []
         ends = torch.tensor(meta.query_start_loc_list[1:])
         sample_mask = torch.tensor([item.samples for item in scheduled])
         logits_indices = (ends[sample_mask] - 1).to(self.device)
+        started = time.perf_counter()
         logits = self.model(input_ids, positions, self.kv_cache, meta, self.attention,
                             logits_indices)
+        self.last_forward_s = time.perf_counter() - started
+        if not samplers:
+            return []
         batch = self._sampling_batch(samplers, logits.shape[-1])
         return sample(logits, batch).tolist()
 
