@@ -47,7 +47,7 @@ def feed(detok: IncrementalDetokenizer, ids: list[int], chunks: list[int] | None
 def test_pieces_concatenate_to_the_full_decode(tokenizer) -> None:
     for text in TEXTS:
         ids = tokenizer.encode(text, add_special_tokens=False)
-        detok = IncrementalDetokenizer(tokenizer, [1, 2, 3], stop=[])
+        detok = IncrementalDetokenizer(tokenizer, stop=[])
         pieces, stopped = feed(detok, ids)
         pieces.append(detok.flush())
         full = tokenizer.decode(ids, skip_special_tokens=True)
@@ -66,7 +66,7 @@ def test_random_token_ids_in_random_chunks(tokenizer) -> None:
             ids = [rng.choice(byte_tokens) if rng.random() < 0.4 else rng.randrange(vocab)
                    for _ in range(rng.randrange(1, 60))]
             chunks = [rng.randrange(1, 4) for _ in ids]
-            detok = IncrementalDetokenizer(tokenizer, [], stop=[],
+            detok = IncrementalDetokenizer(tokenizer, stop=[],
                                            skip_special_tokens=skip_special_tokens)
             pieces, _ = feed(detok, ids, chunks)
             pieces.append(detok.flush())
@@ -77,7 +77,7 @@ def test_random_token_ids_in_random_chunks(tokenizer) -> None:
 def test_special_tokens_are_skipped(tokenizer) -> None:
     ids = tokenizer.encode("Hi there", add_special_tokens=False)
     special = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<file_sep>")]
-    detok = IncrementalDetokenizer(tokenizer, [], stop=[])
+    detok = IncrementalDetokenizer(tokenizer, stop=[])
     pieces, _ = feed(detok, [special[1]] + ids[:1] + special + ids[1:])
     assert "".join(pieces) + detok.flush() == "Hi there"
 
@@ -94,7 +94,7 @@ def test_each_step_decodes_a_bounded_window(tokenizer) -> None:
             Spy.window = max(Spy.window, len(token_ids))
             return tokenizer.decode(token_ids, **kwargs)
 
-    detok = IncrementalDetokenizer(Spy(), [], stop=[])
+    detok = IncrementalDetokenizer(Spy(), stop=[])
     pieces, _ = feed(detok, ids)
     assert len(ids) > 1000
     assert "".join(pieces) + detok.flush() == tokenizer.decode(ids, skip_special_tokens=True)
@@ -108,7 +108,7 @@ def check_stop(tokenizer, text: str, stop: list[str], chunks: list[int] | None =
     full = tokenizer.decode(ids, skip_special_tokens=True)
     hits = [(i + len(s), i) for s in stop if (i := full.find(s)) >= 0]
     expected = full[:min(hits)[1]] if hits else full
-    detok = IncrementalDetokenizer(tokenizer, [], stop=stop)
+    detok = IncrementalDetokenizer(tokenizer, stop=stop)
     emitted = ""
     pieces, stopped = feed(detok, ids, chunks)
     for piece in pieces:
@@ -137,14 +137,14 @@ def test_the_stop_string_that_ends_first_fires(tokenizer) -> None:
     text = "x 010 y"
     ids = tokenizer.encode(text, add_special_tokens=False)
     for chunks in (None, [len(ids)]):
-        detok = IncrementalDetokenizer(tokenizer, [], stop=["010", "1"])
+        detok = IncrementalDetokenizer(tokenizer, stop=["010", "1"])
         pieces, stopped = feed(detok, ids, chunks)
         assert stopped and "".join(pieces) == detok.text == "x 0"
 
 
 def test_nothing_comes_after_a_stop_string(tokenizer) -> None:
     ids = tokenizer.encode("abc STOP def ghi", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, [], stop=["STOP"])
+    detok = IncrementalDetokenizer(tokenizer, stop=["STOP"])
     _, stopped = feed(detok, ids)
     assert stopped and detok.text == "abc "
     assert detok.add_tokens(ids) == ("", True)
@@ -153,7 +153,7 @@ def test_nothing_comes_after_a_stop_string(tokenizer) -> None:
 
 def test_flush_releases_text_held_back_for_a_possible_stop_string(tokenizer) -> None:
     ids = tokenizer.encode("a b c d", add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer, [], stop=["d e f g h"])
+    detok = IncrementalDetokenizer(tokenizer, stop=["d e f g h"])
     pieces, stopped = feed(detok, ids)
     assert not stopped and "".join(pieces) == ""  # all of it could still start the stop
     assert detok.flush() == "a b c d" == detok.text

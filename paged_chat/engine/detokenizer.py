@@ -22,13 +22,13 @@ class IncrementalDetokenizer:
 
     The pieces returned by `add_tokens` plus `flush()` concatenate to exactly
     `tokenizer.decode(output_ids, skip_special_tokens=...)` when no stop string is hit.
-    `prompt_token_ids` is part of the engine's contract but is deliberately not used as
-    decoding context: a sentencepiece decoder would then keep the leading space it strips
-    from the first output token, and the text would no longer equal that decode.
+    The prompt is deliberately not used as decoding context: a sentencepiece decoder would
+    then keep the leading space it strips from the first output token, and the text would
+    no longer equal that decode.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_token_ids: list[int],
-                 stop: list[str], skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str],
+                 skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         # decode() drops these anyway; dropping them up front keeps them out of the window,

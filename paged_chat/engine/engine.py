@@ -91,8 +91,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(request_id, token_ids, params, seed, time.monotonic(), owner=owner)
         self.requests[request_id] = request
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, token_ids,
-                                                                params.stop)
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, params.stop)
         if len(token_ids) >= self.max_model_len:
             self._pending.append(self._finish(request, "error", (
                 f"the prompt has {len(token_ids)} tokens; this engine holds at most "
