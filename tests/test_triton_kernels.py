@@ -10,8 +10,11 @@ head dims that are not powers of two, shuffled block tables, tiles that span blo
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -252,6 +255,22 @@ def test_engine_greedy_tokens_match_torch_backend(make_engine):
     outputs = engine.generate(prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
     assert engine.stats().prefix_cache_hit_tokens > 0
+
+
+def test_kernels_compile_for_hopper(tmp_path):
+    """The interpreter never lowers the kernels; triton's compiler does, without a GPU. The
+    bf16 variants the backend launches compile for sm_90 and ptxas reports no spills."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    script = Path(__file__).resolve().parent.parent / "scripts" / "device_check.py"
+    summary = tmp_path / "device_check.json"
+    result = subprocess.run([sys.executable, str(script), "--compile-only", "--quick",
+                             "--out", str(summary)], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    compiled = json.loads(summary.read_text())["compile"]
+    assert {c["kernel"] for c in compiled} == {
+        "_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel"}
+    assert all(c["spill_bytes"] == 0 for c in compiled), compiled
 
 
 def triton_pad(n: int) -> int:

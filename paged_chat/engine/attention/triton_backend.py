@@ -17,10 +17,12 @@ import triton
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.triton_kernels import choose_num_splits, paged_attention, store_kv
 
-# Query rows per program (query tokens x padded group of heads) and keys per tile. A decode
-# has one token, so its tile is the group padded to tl.dot's minimum of 16 rows.
-DECODE_ROWS, DECODE_TILE_N = 16, 64
-PREFILL_ROWS, PREFILL_TILE_N = 64, 64
+# (query rows, keys per tile) of one program, rows being query tokens x the padded group of
+# query heads. A decode has one token: its rows are the group, padded to tl.dot's minimum
+# of 16. fp32 caches get exact fp32 dots, which run without tensor cores and need smaller
+# tiles to stay in registers (ptxas reports no spills with these on sm_90).
+TILES = {("decode", False): (16, 64), ("prefill", False): (64, 64),
+         ("decode", True): (16, 32), ("prefill", True): (32, 32)}
 
 
 @functools.cache
@@ -41,9 +43,12 @@ class TritonAttention:
         self.group_size = num_heads // num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        group_pad = triton.next_power_of_2(self.group_size)
-        self.decode_block_q = max(1, DECODE_ROWS // group_pad)
-        self.prefill_block_q = max(1, PREFILL_ROWS // group_pad)
+        self._group_pad = triton.next_power_of_2(self.group_size)
+
+    def tile(self, kind: str, dtype: torch.dtype) -> tuple[int, int]:
+        """(query tokens, keys) per program for a "decode" or "prefill" launch."""
+        rows, tile_n = TILES[kind, dtype == torch.float32]
+        return max(1, rows // self._group_pad), tile_n
 
     def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
         """Shape of one layer's key (or value) cache: the torch backend's head-major layout, so
@@ -57,25 +62,24 @@ class TritonAttention:
         """query [T, heads, dim], key/value [T, kv_heads, dim] -> output [T, heads, dim]."""
         store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         output = torch.empty_like(query)
-        for seqs, block_q, tile_n, num_splits in self._launches(meta, query.device):
+        for seqs, block_q, tile_n, num_splits in self._launches(meta, key_cache):
             paged_attention(query, key_cache, value_cache, output, meta, seqs, self.scale,
                             block_q=block_q, tile_n=tile_n, num_splits=num_splits)
         return output
 
     def _launches(self, meta: AttentionMetadata,
-                  device: torch.device) -> list[tuple[range, int, int, int]]:
+                  cache: torch.Tensor) -> list[tuple[range, int, int, int]]:
         """(sequences, block_q, tile_n, num_splits) of the decode and the prefill launch; the
         same for every layer, so worked out once per step."""
         launches = meta.per_step.get("triton_launches")
         if launches is None:
             launches = []
-            starts, num_sms = meta.query_start_loc_list, _num_sms(device)
-            for seqs, block_q, tile_n in ((range(meta.num_decodes), self.decode_block_q,
-                                           DECODE_TILE_N),
-                                          (range(meta.num_decodes, meta.num_seqs),
-                                           self.prefill_block_q, PREFILL_TILE_N)):
+            starts, num_sms = meta.query_start_loc_list, _num_sms(cache.device)
+            for kind, seqs in (("decode", range(meta.num_decodes)),
+                               ("prefill", range(meta.num_decodes, meta.num_seqs))):
                 if not seqs:
                     continue
+                block_q, tile_n = self.tile(kind, cache.dtype)
                 q_tiles = sum(triton.cdiv(starts[s + 1] - starts[s], block_q) for s in seqs)
                 longest = max(meta.seq_lens_list[seqs.start:seqs.stop])
                 splits = choose_num_splits(q_tiles * self.num_kv_heads, longest, num_sms)

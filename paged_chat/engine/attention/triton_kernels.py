@@ -73,7 +73,10 @@ def _store_kv_kernel(
     tl.store(value_cache_ptr + dst, value.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+# Integers that change from step to step (where a launch starts in the batch, the width of
+# the block tables) are not specialised on (== 1, multiple of 16): each new combination
+# would compile another kernel variant, a pause of a second or more mid-generation.
+@triton.jit(do_not_specialize=["first_seq", "first_token", "stride_table"])
 def _paged_attention_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, output_ptr, partial_out_ptr, partial_lse_ptr,
     block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
@@ -90,7 +93,7 @@ def _paged_attention_kernel(
 
     With one split the program writes its rows of `output`; with more it writes, per
     (token - first_token, head, split), the normalised partial output and its base-2
-    log-sum-exp (-inf for a split that holds no key visible to the row).
+    log-sum-exp.
     """
     seq = first_seq + tl.program_id(0)
     q_tile = tl.program_id(1)
@@ -161,16 +164,16 @@ def _paged_attention_kernel(
                  + head[:, None] * stride_oh + dims[None, :] * stride_od,
                  out.to(output_ptr.dtype.element_ty), mask=out_mask)
     else:
-        seen = l_i > 0
-        l_safe = tl.where(seen, l_i, 1.0)
-        lse = tl.where(seen, m_i + tl.log2(l_safe), float("-inf"))
+        # A split with no key visible to a row keeps m_i at the floor: its merge weight is 0.
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        lse = m_i + tl.log2(l_safe)
         partial = ((q_start + q_index - first_token) * num_heads + head) * NUM_SPLITS + split
         tl.store(partial_lse_ptr + partial, lse, mask=row_valid)
         tl.store(partial_out_ptr + partial[:, None] * HEAD_DIM_PAD + dims[None, :],
                  acc / l_safe[:, None], mask=out_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_token"])
 def _merge_splits_kernel(
     partial_out_ptr, partial_lse_ptr, output_ptr,
     first_token, num_heads,
@@ -259,9 +262,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                   dtype=torch.float32, device=query.device)
     else:  # never read: the kernel writes `output` directly
         partial_out = partial_lse = output
-    # The interpreter (CPU) computes bf16 dots wrongly; fp32 caches want exact fp32 dots.
+    # fp32 caches want exact fp32 dots (not tf32); the interpreter computes bf16 dots wrongly.
     dot_fp32 = key_cache.dtype == torch.float32 or (
-        key_cache.device.type == "cpu" and key_cache.dtype == torch.bfloat16)
+        key_cache.dtype == torch.bfloat16 and triton.knobs.runtime.interpret)
     grid = (len(seqs), triton.cdiv(max_query_len, block_q), num_kv_heads * num_splits)
     _paged_attention_kernel[grid](
         query, key_cache, value_cache, output, partial_out, partial_lse,
