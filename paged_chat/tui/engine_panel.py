@@ -1,0 +1,202 @@
+"""The engine panel: pool occupancy, batch, rates, prefix-cache hits, the block map and the
+details of the block under the pointer. It is fed `EngineStats` snapshots by the app's
+~10 Hz timer (`show_stats`); it never calls the engine."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Horizontal, Vertical
+from textual.reactive import reactive
+from textual.widgets import Label, Sparkline, Static
+
+from paged_chat.engine.stats import BlockMap, EngineStats
+from paged_chat.tui.block_map import TAB_COLOURS, BlockMapView
+
+HISTORY = 60  # sparkline points (6 s at 10 Hz)
+
+
+@dataclass(frozen=True, slots=True)
+class TabInfo:
+    """What the panel needs to know of a tab: its title, colour and live token ids."""
+
+    title: str
+    colour: int
+    tokens_of: Callable[[str], Sequence[int] | None] = lambda request_id: None
+
+
+def _n(value: float) -> str:
+    return f"{value:,.0f}"
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.0f}%" if whole else "0%"
+
+
+def format_numbers(stats: EngineStats) -> Text:
+    """The panel's numbers as a small aligned table."""
+    total = stats.num_blocks
+    busy = stats.num_running or stats.num_waiting
+    rows = [
+        ("blocks", f"used {_n(stats.blocks_in_use)} ({_pct(stats.blocks_in_use, total)})  "
+                   f"cached {_n(stats.blocks_cached)}  free {_n(stats.blocks_free)}"),
+        ("batch", f"{stats.batch_size if busy else 0} seqs · {_n(stats.batch_tokens if busy else 0)} tok"
+                  f" · step {stats.step_time_s * 1000:.0f} ms"),
+        ("tok/s", f"prompt {_n(stats.prompt_tokens_per_s if busy else 0)} · "
+                  f"gen {_n(stats.generation_tokens_per_s if busy else 0)}"),
+        ("prefix", f"hit {stats.prefix_cache_hit_rate:.0%} "
+                   f"({_n(stats.prefix_cache_hit_tokens)}/{_n(stats.prefix_cache_queried_tokens)} tok)"),
+        ("queue", f"running {stats.num_running} · waiting {stats.num_waiting} · "
+                  f"preempted {stats.num_preemptions}"),
+    ]
+    text = Text(no_wrap=True, overflow="ellipsis")
+    for index, (name, value) in enumerate(rows):
+        if index:
+            text.append("\n")
+        text.append(f"{name:<7}", style="bold")
+        text.append(value)
+    return text
+
+
+def format_legend(tabs: Mapping[str, TabInfo]) -> Text:
+    text = Text(overflow="fold")
+    for info in tabs.values():
+        text.append("█ ", style=TAB_COLOURS[info.colour % len(TAB_COLOURS)])
+        text.append(f"{info.title}  ")
+    text.append("◆ ", style="bold")
+    text.append("shared  ")
+    text.append("░ ", style="dim")
+    text.append("cached  ")
+    text.append("▁ free", style="dim")
+    return text
+
+
+def describe_block(block_id: int, blocks: BlockMap, block_size: int,
+                   tabs: Mapping[str, TabInfo], decode: Callable[[Sequence[int]], str] | None
+                   ) -> Text:
+    """Id, ref count, owners, cached, and the text of the block's tokens where it is known."""
+    ref = int(blocks.ref_counts[block_id])
+    cached = bool(blocks.cached[block_id])
+    state = "in use" if ref else ("cached (evictable)" if cached else "free")
+    text = Text(no_wrap=False)
+    text.append(f"block {block_id}", style="bold")
+    text.append(f" · ref {ref} · {state}")
+    if ref and cached:
+        text.append(" · hashed")
+    start, end = int(blocks.holder_ptr[block_id]), int(blocks.holder_ptr[block_id + 1])
+    if start == end:
+        return text
+    holders = [int(h) for h in blocks.holders[start:end]]
+    names = []
+    for holder in holders:
+        owner = blocks.request_owners[holder]
+        info = tabs.get(owner) if owner is not None else None
+        names.append(info.title if info else (owner or blocks.request_ids[holder]))
+    text.append("\nowners: " + ", ".join(dict.fromkeys(names)))
+    positions = getattr(blocks, "holder_positions", None)
+    if positions is None:
+        text.append("\ntokens: the engine does not report block positions", style="dim")
+        return text
+    for offset, holder in enumerate(holders):
+        owner = blocks.request_owners[holder]
+        info = tabs.get(owner) if owner is not None else None
+        ids = info.tokens_of(blocks.request_ids[holder]) if info else None
+        if ids is None:
+            continue
+        index = int(positions[start + offset])
+        chunk = list(ids[index * block_size:(index + 1) * block_size])
+        text.append(f"\ntokens {index * block_size}–{index * block_size + len(chunk) - 1}: ",
+                    style="bold")
+        text.append(repr(decode(chunk)) if decode and chunk else "(not yet written)")
+        break
+    return text
+
+
+class EnginePanel(Vertical):
+    """Always-visible side panel (collapsible by the app)."""
+
+    # The block (pinned by a click, else under the pointer) whose details are shown.
+    focus_block: reactive[int | None] = reactive(None)
+
+    def __init__(self, *, id: str | None = None) -> None:
+        super().__init__(id=id)
+        self.stats: EngineStats | None = None
+        self.tabs: Mapping[str, TabInfo] = {}
+        self.decode: Callable[[Sequence[int]], str] | None = None
+        self._pinned: int | None = None
+        self._history = {name: deque([0.0] * HISTORY, maxlen=HISTORY)
+                         for name in ("batch", "gen", "used")}
+
+    def compose(self) -> ComposeResult:
+        yield Static("KV cache: waiting for the engine", id="pool-title")
+        yield Static(id="numbers")
+        for name, label in (("batch", "batch"), ("gen", "gen tok/s"), ("used", "blocks used")):
+            with Horizontal(classes="spark-row"):
+                yield Label(label, classes="spark-label")
+                yield Sparkline(list(self._history[name]), id=f"spark-{name}")
+        yield BlockMapView(id="block-map")
+        yield Static(id="legend")
+        yield Static("hover or click a block", id="block-detail")
+
+    def show_stats(self, stats: EngineStats, tabs: Mapping[str, TabInfo]) -> None:
+        """Take a snapshot; cheap when nothing changed."""
+        tabs_changed = tabs != self.tabs
+        self.tabs = tabs
+        if tabs_changed:
+            self.query_one("#legend", Static).update(format_legend(tabs))
+        busy = bool(stats.num_running or stats.num_waiting)
+        if stats is self.stats and not tabs_changed and not busy:
+            return
+        self.stats = stats
+        self._history["batch"].append(stats.batch_size if busy else 0)
+        self._history["gen"].append(stats.generation_tokens_per_s if busy else 0.0)
+        self._history["used"].append(stats.blocks_in_use)
+        for name, values in self._history.items():
+            spark = self.query_one(f"#spark-{name}", Sparkline)
+            spark.data = list(values)
+            if name == "used":
+                spark.max_value = max(1, stats.num_blocks)
+        self.query_one("#pool-title", Static).update(Text.assemble(
+            ("KV cache ", "bold"),
+            f"{_n(stats.num_blocks)} blocks × {stats.block_size} tokens"))
+        self.query_one("#numbers", Static).update(format_numbers(stats))
+        owner_colour = {owner: info.colour for owner, info in tabs.items()}
+        self.query_one(BlockMapView).show(stats.blocks, owner_colour)
+        self._describe()
+
+    def on_block_map_view_hovered(self, message: BlockMapView.Hovered) -> None:
+        view = self.query_one(BlockMapView)
+        hovered = view.most_telling(message.block_ids)
+        self.focus_block = self._pinned if hovered is None else hovered
+
+    def on_block_map_view_selected(self, message: BlockMapView.Selected) -> None:
+        self._pinned = message.block_id
+        self.focus_block = message.block_id
+
+    def watch_focus_block(self) -> None:
+        self._describe()
+
+    def _describe(self) -> None:
+        detail = self.query_one("#block-detail", Static)
+        block = self.focus_block
+        if self.stats is None or block is None or block >= self.stats.num_blocks:
+            detail.update(Text("hover or click a block", style="dim"))
+            return
+        detail.update(describe_block(block, self.stats.blocks, self.stats.block_size,
+                                     self.tabs, self.decode))
+
+
+def blocks_owned(stats: EngineStats, owner: str) -> np.ndarray:
+    """Ids of the blocks held by a request of `owner` (tests and the tab header use it)."""
+    blocks = stats.blocks
+    request_of = np.asarray([o == owner for o in blocks.request_owners], dtype=bool)
+    if not request_of.any():
+        return np.zeros(0, dtype=np.int64)
+    ptr = np.asarray(blocks.holder_ptr)
+    block_of_entry = np.repeat(np.arange(len(ptr) - 1), np.diff(ptr))
+    return np.unique(block_of_entry[request_of[np.asarray(blocks.holders)]])
