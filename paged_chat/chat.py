@@ -2,59 +2,100 @@
 
 The engine's prefix cache hashes token ids, so a chat's next prompt must start with the
 very ids the engine already holds: the previous prompt and the generated reply, end of
-turn included. The next prompt is those ids plus the template's rendering of what comes
-after them (the template's tail after the reply, the new user turn and the generation
-prompt), never a re-tokenization of the whole text. Only the new tokens get prefilled.
+turn included. The next prompt is those ids plus the tokens of what the template renders
+after them (its tail after the reply, the new user turn and the generation prompt), never
+a re-tokenization of the whole text. Only the new tokens get prefilled.
+
+How a turn goes (the TUI and `paged-chat ask` both do this):
+
+    conversation = Conversation.from_chat(chat, engine.tokenizer, engine.chat_template)
+    prompt_ids = conversation.next_prompt_ids(user_text)
+    store.add_message(chat.id, "user", user_text, conversation.added_ids(prompt_ids))
+    ... stream the reply for prompt_ids ...
+    conversation.add_reply(prompt_ids, reply_ids, reply_text)
+    store.add_message(chat.id, "assistant", reply_text, reply_ids, finish_reason)
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from paged_chat.store import Chat
 
 
 @dataclass(slots=True)
 class Conversation:
+    """One chat's messages (`{"role", "content"}` dicts, system prompt excluded) and its
+    history ids (`token_ids`: every prompt and reply token so far, in order)."""
+
     tokenizer: Any
     chat_template: str
     system_prompt: str | None = None
     messages: list[dict[str, str]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    reply_start: int = 0
     _pending: list[dict[str, str]] = field(default_factory=list)
 
+    @classmethod
+    def from_chat(cls, chat: Chat, tokenizer: Any, chat_template: str) -> Conversation:
+        """Rebuild a stored chat: its messages, and its history ids as the concatenation of
+        every row's ids (see paged_chat.store). A user message with no reply after it (the
+        reply never started) gets an empty one, so the turns keep alternating; the next
+        prompt then closes that empty reply, exactly as the stored ids already imply."""
+        conversation = cls(tokenizer, chat_template, chat.system_prompt)
+        for index, message in enumerate(chat.messages):
+            conversation.messages.append({"role": message.role, "content": message.content})
+            conversation.token_ids.extend(message.token_ids)
+            following = chat.messages[index + 1] if index + 1 < len(chat.messages) else None
+            if message.role == "user" and (following is None or following.role != "assistant"):
+                conversation.messages.append({"role": "assistant", "content": ""})
+        return conversation
+
     def next_prompt_ids(self, user_text: str) -> list[int]:
-        """The prompt ids for a new user message: history ids + only what is new."""
+        """The prompt for a new user message: the history ids + the ids of what is new.
+
+        When the rendered chat no longer starts with the history's text (the system prompt
+        or the template changed, or a reply does not survive a decode round trip), the
+        whole chat is encoded afresh, with a warning: still the right prompt, but the
+        prefix cache misses.
+        """
         turn = {"role": "user", "content": user_text}
         self._pending = [turn]
-        full = self._render(self.messages + [turn], add_generation_prompt=True)
+        full = self._render(self.messages + [turn])
         if not self.token_ids:
             return self._encode(full)
-        previous = self._render(self.messages, add_generation_prompt=False)
-        reply = self.tokenizer.decode(self.token_ids[self.reply_start:], skip_special_tokens=False)
-        reply_at = previous.rfind(reply) if reply else -1
-        if reply_at < 0 or not full.startswith(previous):
-            warnings.warn("the chat template does not extend the previous turn; "
-                          "re-encoding the whole chat (the prefix cache will miss)")
+        history = self.tokenizer.decode(self.token_ids, skip_special_tokens=False)
+        if not full.startswith(history):
+            warnings.warn("the chat no longer matches its stored token ids (a changed system "
+                          "prompt or template?): re-encoding it, so the prefix cache misses")
             return self._encode(full)
-        tail = previous[reply_at + len(reply):] + full[len(previous):]
-        return self.token_ids + self.tokenizer.encode(tail, add_special_tokens=False)
+        return self.token_ids + self._encode(full[len(history):])
 
-    def add_reply(self, prompt_ids: list[int], reply_ids: list[int], reply_text: str) -> None:
-        """Record the turn the engine just answered: its exact prompt and reply ids."""
+    def added_ids(self, prompt_ids: Sequence[int]) -> list[int]:
+        """What `prompt_ids` (from next_prompt_ids) adds to the history: the ids a user row
+        of the store holds. Call it before add_reply. When the chat had to be re-encoded
+        this is the whole prompt (the stored rows then re-encode once more when loaded)."""
+        known = len(self.token_ids)
+        if list(prompt_ids[:known]) == self.token_ids:
+            return list(prompt_ids[known:])
+        return list(prompt_ids)
+
+    def add_reply(self, prompt_ids: Sequence[int], reply_ids: Sequence[int], reply_text: str) -> None:
+        """Record the turn the engine just answered: its exact prompt and reply ids (end of
+        turn included). A cut reply is recorded the same way, with what it had."""
         self.messages.extend(self._pending)
         self.messages.append({"role": "assistant", "content": reply_text})
         self._pending = []
         self.token_ids = list(prompt_ids) + list(reply_ids)
-        self.reply_start = len(prompt_ids)
 
-    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict[str, str]]) -> str:
         if self.system_prompt:
             messages = [{"role": "system", "content": self.system_prompt}] + messages
         return self.tokenizer.apply_chat_template(
-            messages, chat_template=self.chat_template, tokenize=False,
-            add_generation_prompt=add_generation_prompt)
+            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True)
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -1,102 +1,338 @@
-"""The `paged-chat` command line. Heavy imports (torch, transformers) happen inside commands,
-so `--help` and `--version` start fast."""
+"""The `paged-chat` command line: the TUI (bare command), `ask`, `models`, `chats`, `config`.
+
+Only typer and the settings module are imported up front; torch, transformers, textual
+and the store load inside the commands that need them, so `--help` and `--version` start
+at once. Per-invocation state (debug flag, config path, loaded settings, the engine
+factory tests replace) lives in `ctx.obj`, a CliState.
+
+Exit codes: 0 ok, 1 runtime error (one `Error: ...` line on stderr; the traceback only
+with --debug), 2 usage error, 130 Ctrl+C.
+"""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
 import time
-from typing import Annotated, Optional
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
 
+import click
 import typer
 
-from paged_chat import __version__
+from paged_chat.settings import Settings, config_path, load_settings
 
-app = typer.Typer(add_completion=False, no_args_is_help=False,
-                  context_settings={"help_option_names": ["-h", "--help"]},
-                  help="Chat with local LLMs in many tabs on one paged-KV-cache engine.")
+if TYPE_CHECKING:
+    from paged_chat.engine import Engine, EngineConfig
+    from paged_chat.store import Chat, ChatStore
 
-DEBUG = {"on": False}
+app = typer.Typer(name="paged-chat", add_completion=False, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+chats_app = typer.Typer()
+app.add_typer(chats_app, name="chats")
+
+
+@dataclass(slots=True)
+class CliState:
+    """What the commands of one invocation share. Tests pass their own in
+    `CliRunner.invoke(app, ..., obj=CliState(engine_factory=...))` to reuse one engine."""
+
+    debug: bool = False
+    config: Path | None = None
+    engine_factory: Callable[[EngineConfig], Engine] | None = None
+    _settings: Settings | None = None
+
+    def settings(self) -> Settings:
+        """config.toml (from --config, $PAGED_CHAT_CONFIG or the user config dir), read once."""
+        if self._settings is None:
+            self._settings = load_settings(self.config)
+        return self._settings
+
+    def make_engine(self, config: EngineConfig) -> Engine:
+        if self.engine_factory is not None:
+            return self.engine_factory(config)
+        from paged_chat.engine import Engine
+
+        return Engine(config)
+
+
+def _state(ctx: typer.Context) -> CliState:
+    return ctx.ensure_object(CliState)
+
+
+@contextmanager
+def _reported(ctx: typer.Context) -> Iterator[None]:
+    """Turn failures into exit codes: a usage error is one line and status 2, any other
+    error one line and status 1 (re-raised with --debug), Ctrl+C status 130."""
+    from paged_chat.ask import UsageError
+
+    try:
+        yield
+    except (click.exceptions.Exit, click.ClickException, click.Abort):
+        raise
+    except KeyboardInterrupt:
+        sys.stdout.write("\n")
+        raise typer.Exit(130) from None
+    except BrokenPipeError:  # `paged-chat ask ... | head`: the reader left; say nothing
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(1) from None
+    except UsageError as error:
+        typer.echo(f"Error: {error}", err=True)
+        raise typer.Exit(2) from None
+    except Exception as error:
+        if _state(ctx).debug:
+            raise
+        typer.echo(f"Error: {_describe(error)}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _describe(error: Exception) -> str:
+    """Our errors' messages are written for the user; anything else is a surprise, so it is
+    named, with the way to see more."""
+    from paged_chat.engine import PagedChatError
+
+    if isinstance(error, (PagedChatError, ValueError, OSError)):
+        return str(error)
+    return f"{type(error).__name__}: {error} (--debug shows the traceback)"
 
 
 def _version(value: bool) -> None:
     if value:
-        typer.echo(f"paged-chat {__version__}")
+        from importlib.metadata import version
+
+        typer.echo(f"paged-chat {version('paged-chat')}")
         raise typer.Exit()
 
 
 @app.callback(invoke_without_command=True)
 def root(ctx: typer.Context,
+         demo: Annotated[Optional[int], typer.Option(
+             min=1, help="Open the TUI with N demo chats generating at once.")] = None,
+         config: Annotated[Optional[Path], typer.Option(
+             "--config", exists=True, dir_okay=False,
+             help="The config.toml to read (default: $PAGED_CHAT_CONFIG, else the user config dir).")
+         ] = None,
+         debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
          version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                                help="Print the version and exit.")] = False,
-         debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
          ) -> None:
-    DEBUG["on"] = debug
-    if ctx.invoked_subcommand is None:
-        typer.echo(ctx.get_help())
+    """Chat with local LLMs in many terminal tabs on one paged-KV-cache engine.
+
+    Without a command, opens the chat TUI (it needs a terminal: in pipes and scripts use
+    `paged-chat ask`).
+    """
+    state = _state(ctx)
+    state.debug = debug
+    state.config = config
+    if ctx.invoked_subcommand is not None:
+        return
+    if not _has_terminal():
+        typer.echo("Error: the chat TUI needs a terminal; in pipes and scripts use "
+                   "`paged-chat ask` (see `paged-chat ask -h`)", err=True)
+        raise typer.Exit(2)
+    with _reported(ctx):
+        from paged_chat.tui.app import run_app
+
+        run_app(state.settings(), demo)
+
+
+def _has_terminal() -> bool:
+    return sys.stdin.isatty() and sys.stdout.isatty()
 
 
 @app.command()
-def ask(prompt: Annotated[Optional[str], typer.Argument(help="The question; stdin is read too.")] = None,
-        model: Annotated[str, typer.Option(help="Alias, .gguf path, HF folder or hub id.")] = "smollm2-135m",
-        system: Annotated[Optional[str], typer.Option(help="System prompt.")] = None,
-        max_tokens: Annotated[int, typer.Option(help="Most tokens to generate.")] = 512,
-        temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.0,
-        seed: Annotated[Optional[int], typer.Option(help="Sampling seed.")] = None,
-        device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
-        dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16 or float16.")] = "auto",
+def ask(ctx: typer.Context,
+        prompt: Annotated[Optional[str], typer.Argument(
+            help="The prompt. Piped stdin is read too and comes first.", show_default=False)] = None,
+        model: Annotated[Optional[str], typer.Option(
+            "--model", "-m", help="Alias, .gguf file, HF folder or cached hub id.")] = None,
+        system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")] = None,
+        max_tokens: Annotated[Optional[int], typer.Option(min=1, help="Most tokens to generate.")] = None,
+        temperature: Annotated[Optional[float], typer.Option(min=0.0, help="0 is greedy.")] = None,
+        top_p: Annotated[Optional[float], typer.Option(help="Nucleus sampling, in (0, 1].")] = None,
+        top_k: Annotated[Optional[int], typer.Option(min=0, help="Keep the k likeliest tokens; 0: off.")] = None,
+        seed: Annotated[Optional[int], typer.Option(min=0, help="Sampling seed, for repeatable output.")] = None,
+        device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda.")] = None,
+        dtype: Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
+        stats: Annotated[bool, typer.Option(
+            "--stats", help="Print prompt tokens, prefix-cache hits, time to first token and "
+                            "tokens/s to stderr.")] = False,
+        json_output: Annotated[bool, typer.Option(
+            "--json", help="Print one JSON object (text, token counts, timings, finish reason) "
+                           "instead of streaming text; JSONL with --file.")] = False,
+        continue_chat: Annotated[bool, typer.Option(
+            "--continue", "-c", help="Continue the most recent chat, reusing its exact token history.")] = False,
+        chat: Annotated[Optional[str], typer.Option(
+            "--chat", help="Continue this chat (an id or its first characters).")] = None,
+        no_save: Annotated[bool, typer.Option("--no-save", help="Do not save this turn.")] = False,
+        file: Annotated[Optional[typer.FileText], typer.Option(
+            "--file", "-f", help="Answer every prompt of this file at once (one per line, or JSONL "
+                                 'with {"prompt": ...}); "-" reads stdin. Not saved.')] = None,
         ) -> None:
-    """Answer one prompt on the default model, streaming the reply to stdout."""
-    text = _read_prompt(prompt)
-    _run(lambda: _ask(text, model, system, max_tokens, temperature, seed, device, dtype))
+    """Answer a prompt, streaming the reply to stdout. Saved as a chat unless --no-save.
+
+    Examples:
+
+        paged-chat ask "Why is the sky blue?"
+
+        git diff | paged-chat ask "Review this change"
+
+        paged-chat ask -c "And in one sentence?"
+
+        paged-chat ask --file prompts.txt --json
+    """
+    from paged_chat.ask import AskOptions, run_ask
+
+    state = _state(ctx)
+    options = AskOptions(
+        prompt=prompt, system=system, stats=stats, json=json_output, continue_chat=continue_chat,
+        chat_id=chat, save=not no_save, file=file,
+        engine={"model": model, "device": device, "dtype": dtype},
+        sampling={"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+                  "top_k": top_k, "seed": seed})
+    with _reported(ctx):
+        code = run_ask(options, state.settings(), state.make_engine, sys.stdin)
+    raise typer.Exit(code)
 
 
-def _read_prompt(prompt: str | None) -> str:
-    piped = "" if sys.stdin is None or sys.stdin.isatty() else sys.stdin.read()
-    text = "\n\n".join(part for part in (piped.strip(), prompt or "") if part)
-    if not text.strip():
-        typer.echo("Error: no prompt: give one as an argument or on stdin", err=True)
-        raise typer.Exit(2)
-    return text
+@app.command()
+def models(ctx: typer.Context) -> None:
+    """List the model aliases and the models found offline in the Hugging Face cache."""
+    from paged_chat.catalog import find_models
+
+    with _reported(ctx):
+        entries, notes = find_models()
+    _print_table(["MODEL", "KIND", "SIZE", "ARCH", "STATUS"],
+                 [[e.name, e.kind, e.size, e.architecture, e.status] for e in entries])
+    for note in notes:
+        typer.echo(note, err=True)
 
 
-def _ask(text: str, model: str, system: str | None, max_tokens: int, temperature: float,
-         seed: int | None, device: str, dtype: str) -> None:
-    from paged_chat.chat import Conversation
-    from paged_chat.engine import Engine, EngineConfig, SamplingParams
+@app.command("config")
+def show_config(ctx: typer.Context,
+                path_only: Annotated[bool, typer.Option("--path", help="Print only the path.")] = False,
+                ) -> None:
+    """Print the config file's path and the effective settings (as config.toml text)."""
+    from paged_chat.settings import cache_dir, data_dir
 
-    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
-    started = time.perf_counter()
-    typer.echo(f"loading {model} ...", err=True)
-    engine = Engine(EngineConfig(model=model, device=device, dtype=dtype))
-    typer.echo(f"loaded in {time.perf_counter() - started:.1f}s", err=True)
-    conversation = Conversation(engine.tokenizer, engine.chat_template, system)
-    request_id = engine.add_request(conversation.next_prompt_ids(text), params)
-    while engine.has_unfinished():
-        for output in engine.step():
-            if output.request_id != request_id:
-                continue
-            sys.stdout.write(output.new_text)
-            sys.stdout.flush()
-            if output.finished and output.finish_reason == "error":
-                raise RuntimeError(output.error)
-    sys.stdout.write("\n")
+    state = _state(ctx)
+    path = state.config or config_path()
+    if path_only:
+        typer.echo(str(path))
+        return
+    with _reported(ctx):
+        settings = state.settings()
+    where = "" if settings.path is not None else " (not found: defaults)"
+    typer.echo(f"# config: {path}{where}\n# chats:  {data_dir() / 'chats.db'}\n# cache:  {cache_dir()}\n")
+    typer.echo(settings.to_toml(), nl=False)
 
 
-def _run(action) -> None:
-    """Run a command; turn any failure into one line on stderr (traceback with --debug)."""
-    from paged_chat.engine.errors import PagedChatError
+class ExportFormat(str, Enum):
+    md = "md"
+    json = "json"
 
-    try:
-        action()
-    except KeyboardInterrupt:
-        sys.stdout.write("\n")
-        raise typer.Exit(130)
-    except (PagedChatError, ValueError, RuntimeError, OSError) as error:
-        if DEBUG["on"]:
-            raise
-        typer.echo(f"Error: {error}", err=True)
-        raise typer.Exit(1)
+
+ChatId = Annotated[str, typer.Argument(help="A chat id, or its first characters.", show_default=False)]
+
+
+@chats_app.callback(invoke_without_command=True)
+def chats(ctx: typer.Context) -> None:
+    """List, show, export and delete saved chats. Without a command, lists them."""
+    if ctx.invoked_subcommand is None:
+        list_chats(ctx)
+
+
+@chats_app.command("list")
+def list_chats(ctx: typer.Context) -> None:
+    """List saved chats, most recent first."""
+    with _open_store(ctx) as store:
+        rows = [[chat.id, _local_time(chat.updated), chat.model, chat.title] for chat in store.list_chats()]
+    if not rows:
+        typer.echo('no chats yet: `paged-chat ask "..."` starts one', err=True)
+        return
+    _print_table(["ID", "UPDATED", "MODEL", "TITLE"], rows)
+
+
+@chats_app.command("show")
+def show_chat(ctx: typer.Context, chat_id: ChatId) -> None:
+    """Print a chat as Markdown."""
+    with _open_store(ctx) as store:
+        chat = store.get_chat(store.resolve_id(chat_id))
+    typer.echo(_markdown(chat), nl=False)
+
+
+@chats_app.command("export")
+def export_chat(ctx: typer.Context, chat_id: ChatId,
+                export_format: Annotated[ExportFormat, typer.Option(
+                    "--format", help="md: readable Markdown; json: everything, token ids included.")
+                ] = ExportFormat.md,
+                ) -> None:
+    """Print a chat as Markdown or JSON (redirect it to a file to keep it)."""
+    from dataclasses import asdict
+
+    with _open_store(ctx) as store:
+        chat = store.get_chat(store.resolve_id(chat_id))
+    if export_format is ExportFormat.json:
+        typer.echo(json.dumps(asdict(chat), ensure_ascii=False, indent=2))
+    else:
+        typer.echo(_markdown(chat), nl=False)
+
+
+@chats_app.command("delete")
+def delete_chat(ctx: typer.Context, chat_id: ChatId,
+                yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+                ) -> None:
+    """Delete a chat and its messages."""
+    with _open_store(ctx) as store:
+        chat = store.get_chat(store.resolve_id(chat_id))
+        if not yes and sys.stdin.isatty():
+            typer.confirm(f"Delete chat {chat.id} ({chat.title!r}, {len(chat.messages)} messages)?",
+                          abort=True, err=True)
+        store.delete_chat(chat.id)
+    typer.echo(f"deleted chat {chat.id} ({chat.title})", err=True)
+
+
+@contextmanager
+def _open_store(ctx: typer.Context) -> Iterator[ChatStore]:
+    """The chat store for one command, with errors reported and a recovery notice shown."""
+    with _reported(ctx):
+        from paged_chat.store import ChatStore
+
+        store = ChatStore()
+        if store.notice:
+            typer.echo(f"Warning: {store.notice}", err=True)
+        try:
+            yield store
+        finally:
+            store.close()
+
+
+def _markdown(chat: Chat) -> str:
+    """A chat as Markdown: a heading, what it ran on, then each message under its role."""
+    lines = [f"# {chat.title}", "", f"chat `{chat.id}` · {chat.model} · {_local_time(chat.created)}", ""]
+    if chat.system_prompt:
+        lines += ["## System", "", chat.system_prompt, ""]
+    for message in chat.messages:
+        cut = "" if message.finish_reason in (None, "stop") else f" ({message.finish_reason})"
+        lines += [f"## {message.role.capitalize()}{cut}", "", message.content, ""]
+    return "\n".join(lines)
+
+
+def _local_time(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp))
+
+
+def _print_table(header: list[str], rows: list[list[str]]) -> None:
+    """Plain aligned columns: readable in a terminal, and easy to cut or grep in a pipe."""
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        typer.echo("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
 
 
 def main() -> None:
-    app()
+    app(prog_name="paged-chat")

@@ -94,14 +94,15 @@ class EngineSettings:
 
 @dataclass(slots=True)
 class ChatSettings:
-    """`[chat]`: what a new chat starts with. The sampling keys are SamplingParams fields."""
+    """`[chat]`: what a new chat starts with. The sampling keys are SamplingParams fields;
+    the defaults are what SmolLM2 (the default model) recommends: low temperature, top-p 0.9."""
 
     system_prompt: str | None = None
-    temperature: float = 0.7
-    top_p: float = 0.95
+    temperature: float = 0.2
+    top_p: float = 0.9
     top_k: int = 0
     min_p: float = 0.0
-    max_tokens: int = 1024
+    max_tokens: int = 512
     repetition_penalty: float = 1.0
 
     def sampling(self) -> dict[str, Any]:
