@@ -9,6 +9,7 @@ next step: continuous batching.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import random
 import time
@@ -17,6 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.torch_backend import TorchAttention
 from paged_chat.engine.config import EngineConfig
 from paged_chat.engine.detokenizer import IncrementalDetokenizer
@@ -49,11 +51,11 @@ class Engine:
                         source.config.max_position_embeddings)
         model = LlamaForCausalLM.from_weights(source.config, source.weights, self.dtype,
                                               self.device, max_positions=model_len)
-        self.num_blocks = config.num_blocks or self._size_kv_pool(source.config)
         self.block_size = config.block_size
+        attention = self._attention(source.config)
+        self.num_blocks = config.num_blocks or self._size_kv_pool(model, attention, model_len)
         # A request can never outgrow the pool: it is the one bound nothing can preempt.
         self.max_model_len = min(model_len, self.num_blocks * self.block_size)
-        attention = self._attention(source.config)
         kv_cache = torch.zeros(
             (source.config.num_layers, 2, *attention.kv_cache_shape(self.num_blocks, self.block_size)),
             dtype=self.dtype, device=self.device)
@@ -276,42 +278,58 @@ class Engine:
                                  "attention_backend='torch'")
         return TritonAttention(*args, scale=scale)
 
-    def _bytes_per_block(self, model: ModelConfig) -> int:
+    def _bytes_per_block(self, attention: TorchAttention) -> int:
+        layer = math.prod(attention.kv_cache_shape(1, self.block_size))
         element = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * model.num_layers * self.config.block_size * model.num_kv_heads * model.head_dim * element
+        return 2 * self.model_config.num_layers * layer * element
 
-    def _size_kv_pool(self, model: ModelConfig) -> int:
+    def _size_kv_pool(self, model: LlamaForCausalLM, attention: TorchAttention,
+                      model_len: int) -> int:
         if self.device.type == "cuda":
-            budget = self._cuda_kv_budget()
+            budget = self._cuda_kv_budget(model, attention, model_len)
         elif self.config.kv_cache_memory is not None:
             budget = self.config.kv_cache_memory
         else:
             available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             budget = min(int(available * _DEFAULT_CPU_KV_FRACTION), _DEFAULT_CPU_KV_CAP)
-        num_blocks = budget // self._bytes_per_block(model)
+        num_blocks = budget // self._bytes_per_block(attention)
         if num_blocks < 1:
             raise PagedChatError(f"the KV cache budget ({budget} bytes) holds no block: "
                                  "raise kv_cache_memory or gpu_memory_utilization")
         return int(num_blocks)
 
-    def _cuda_kv_budget(self) -> int:
-        """What is left of `gpu_memory_utilization` of the card once the weights are loaded
-        and the activations of the largest step are counted (this process only)."""
+    def _cuda_kv_budget(self, model: LlamaForCausalLM, attention: TorchAttention,
+                        model_len: int) -> int:
+        """Profile the largest step this config allows (a full token budget of prefill, logits
+        for max_num_seqs rows) against a scratch cache; the pool gets what is left of
+        `gpu_memory_utilization` of the card after that peak, counting this process only."""
+        tokens = min(self.config.max_num_batched_tokens, model_len)
+        blocks = -(-tokens // self.block_size)
+        scratch = torch.zeros((self.model_config.num_layers, 2,
+                               *attention.kv_cache_shape(blocks, self.block_size)),
+                              dtype=self.dtype, device=self.device)
+        positions = torch.arange(tokens, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=positions, block_size=self.block_size, num_decodes=0,
+            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
+            query_start_loc_list=[0, tokens], seq_lens_list=[tokens])
+        rows = torch.arange(min(self.config.max_num_seqs, tokens), device=self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        with torch.inference_mode():
+            model(torch.zeros_like(positions), positions, scratch, meta, attention, rows)
         torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch.nbytes
+        del scratch
+        torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
-        weights = torch.cuda.memory_allocated(self.device)
-        # Activations of a max-size step scale with its tokens: hidden + qkv + 2 * mlp + logits.
-        model = self.model_config
-        width = model.hidden_size * 4 + (model.num_heads + 2 * model.num_kv_heads) * model.head_dim \
-            + 4 * model.intermediate_size
-        element = torch.tensor([], dtype=self.dtype).element_size()
-        activations = self.config.max_num_batched_tokens * width * element \
-            + self.config.max_num_seqs * model.vocab_size * 4 * 2
-        budget = int(total * self.config.gpu_memory_utilization) - weights - activations
+        budget = int(total * self.config.gpu_memory_utilization) - peak
         if budget <= 0:
             raise PagedChatError(
                 f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no room for "
-                "the KV cache after the weights: raise it, or lower max_num_batched_tokens")
+                f"the KV cache: the weights and a {tokens}-token step take {peak / 2**30:.1f} GiB; "
+                "raise it, or lower max_num_batched_tokens")
         return budget
 
 
