@@ -46,7 +46,10 @@ SYSTEM_PROMPT = (
     "question touches safety, health or money, add a one-line note that the user should check "
     "with a qualified person. Use lists only when the order of steps matters, and never write "
     "more than five items in a list. Quote units with every number, prefer metric units, and "
-    "round sensibly. If the user writes in another language, answer in that language."
+    "round sensibly. If the user writes in another language, answer in that language. When "
+    "the user shares an error message, first explain what it means in one sentence, then give "
+    "the most likely cause and the fix, and only then mention rarer causes. When comparing "
+    "tools, name the trade-off that matters most for a small team."
 )
 TOPICS = ("caching", "compilers", "databases", "operating systems", "networking", "GPUs",
           "compression", "cryptography", "version control", "testing", "type systems",

@@ -167,3 +167,17 @@ def test_stats_snapshot(make_engine):
     engine.step()
     after = engine.stats()
     assert after.blocks_in_use == 0 and after.blocks_cached == 4  # four full blocks stay cached
+
+
+def test_long_prompt_is_chunked_and_never_stalls_decoding(make_engine):
+    engine = make_engine(max_num_batched_tokens=64, max_model_len=1024)
+    decoding = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=30,
+                                                           ignore_eos=True))
+    engine.step()
+    engine.add_request(random_prompts(1, seed=7, low=600, high=601)[0], GREEDY)
+    for _ in range(9):  # the 600-token prompt needs ten 63-token chunks
+        outputs = {o.request_id: o for o in engine.step()}
+        assert decoding in outputs, "the decode waited behind a prefill"
+        assert engine.stats().batch_tokens == 64
+    while engine.has_unfinished():
+        engine.step()
