@@ -273,10 +273,9 @@ class _Loader:
             header = _HEADER.match(line)
             assignment = None if header else _ASSIGNMENT.match(line)
             if header:
-                table = _unquote(header.group(1))
-                name = table
+                table = name = _key_path(header.group(1))
             elif assignment:
-                name = _dotted(table, _unquote(assignment.group(1)))
+                name = _dotted(table, _key_path(assignment.group(1)))
             else:
                 continue
             if name == target or name.startswith(target + "."):
@@ -284,8 +283,10 @@ class _Loader:
         return None
 
 
-_HEADER = re.compile(r"\s*\[\s*([^\[\]]+?)\s*\]\s*(#.*)?$")
-_ASSIGNMENT = re.compile(r"\s*([A-Za-z0-9_\-\"'. ]+?)\s*=")
+_QUOTED = r""""(?:[^"\\]|\\.)*"|'[^']*'"""
+_HEADER = re.compile(rf"\s*\[\s*((?:{_QUOTED}|[^\[\]\"'])+?)\s*\]\s*(#.*)?$")
+_ASSIGNMENT = re.compile(rf"\s*((?:{_QUOTED}|[A-Za-z0-9_\-. \t])+?)\s*=")
+_KEY_PART = re.compile(rf"\s*({_QUOTED}|[A-Za-z0-9_-]+)\s*(?:\.|$)")
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "true or false"}
 
 
@@ -293,8 +294,17 @@ def _dotted(*parts: str | None) -> str:
     return ".".join(part for part in parts if part)
 
 
-def _unquote(name: str) -> str:
-    return name.replace(" ", "").replace('"', "").replace("'", "")
+def _key_path(text: str) -> str:
+    """A TOML key as written (dotted, quoted parts allowed) as its dotted name."""
+    parts, position = [], 0
+    while position < len(text):
+        match = _KEY_PART.match(text, position)
+        if match is None or match.end() == position:
+            break
+        part = match.group(1)
+        parts.append(part[1:-1] if part[0] in "\"'" else part)
+        position = match.end()
+    return ".".join(parts)
 
 
 def _given(overrides: dict[str, Any]) -> dict[str, Any]:
