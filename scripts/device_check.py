@@ -6,9 +6,12 @@ platformdirs, which must travel as wheels, see the device README), from the repo
 
     python3 scripts/device_check.py                  # a few minutes
 
-On a machine without a GPU (CI runs this through tests/test_triton_kernels.py):
+On a machine without a GPU (CI runs the first through tests/test_triton_kernels.py; the
+second runs every stage at toy sizes under the interpreter, to find the script's own bugs
+before a lease is spent on them; its numbers mean nothing):
 
     .venv/bin/python scripts/device_check.py --compile-only [--quick]
+    TRITON_INTERPRET=1 .venv/bin/python scripts/device_check.py --cpu-dry-run
 
 Stages, in order; one that fails records its error and the others still run:
 
@@ -84,13 +87,46 @@ SHAPES = [
     Shape("d80-gqa5", 20, 4, 80, 32),
     Shape("phi3-mini", 32, 32, 96, 16),       # MHA, head dim 96
 ]
-QUICK_SHAPES = [Shape("d80-gqa3", 6, 2, 80, 16)]
-# (cached prefix, new tokens) per sequence, decodes first: ragged, mid-block, long.
-KERNEL_BATCHES = {
-    "decode-64": [(int(n), 1) for n in torch.linspace(0, 4095, 64).long().tolist()],
-    "decode-long": [(32000, 1), (17001, 1)],
-    "mixed": [(100, 1), (3000, 1), (0, 1), (0, 512), (3001, 77), (47, 300), (9000, 3)],
-}
+TINY_SHAPES = [Shape("tiny-d80-gqa3", 6, 2, 80, 16), Shape("tiny-d96-mha", 2, 2, 96, 32)]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much each stage does: the GPU run, or the CPU dry run at toy sizes."""
+
+    device: torch.device
+    shapes: list[Shape]
+    # (cached prefix, new tokens) per sequence, decodes first: ragged, mid-block, long.
+    kernel_batches: dict[str, list[tuple[int, int]]]
+    decode_cases: list[tuple[int, int]]                 # (batch size, context)
+    prefill_cases: dict[str, list[tuple[int, int]]]
+    copy_bytes: int
+    iters: int
+    engine_prompts: int
+    engine_prompt_lens: tuple[int, int]
+    engine_max_tokens: int
+    engine_batches: tuple[int, ...]
+    throughput_prompt_len: int
+
+
+GPU_PLAN = Plan(
+    device=torch.device("cuda"), shapes=SHAPES,
+    kernel_batches={
+        "decode-64": [(int(n), 1) for n in torch.linspace(0, 4095, 64).long().tolist()],
+        "decode-long": [(32000, 1), (17001, 1)],
+        "mixed": [(100, 1), (3000, 1), (0, 1), (0, 512), (3001, 77), (47, 300), (9000, 3)]},
+    decode_cases=[(1, 4096), (1, 32768), (32, 1024), (32, 4096), (128, 1024), (128, 4096)],
+    prefill_cases={"prompt-512": [(0, 512)], "4x-prompt-512": [(0, 512)] * 4,
+                   "chunk-512-after-3584": [(3584, 512)], "turn-64-after-8000": [(8000, 64)]},
+    copy_bytes=2**30, iters=20, engine_prompts=8, engine_prompt_lens=(20, 400),
+    engine_max_tokens=32, engine_batches=(1, 32, 128), throughput_prompt_len=128)
+DRY_PLAN = Plan(
+    device=torch.device("cpu"), shapes=TINY_SHAPES,
+    kernel_batches={"decode": [(37, 1), (15, 1), (0, 1)],
+                    "mixed": [(20, 1), (21, 19), (0, 13)]},
+    decode_cases=[(2, 40)], prefill_cases={"turn-5-after-33": [(33, 5)]},
+    copy_bytes=2**24, iters=2, engine_prompts=2, engine_prompt_lens=(5, 20),
+    engine_max_tokens=3, engine_batches=(1, 2), throughput_prompt_len=8)
 
 
 # ---- batches -----------------------------------------------------------------------------
@@ -274,39 +310,55 @@ def compile_stage(shapes: list[Shape], dtypes: list[torch.dtype]) -> list[dict[s
 # ---- timing helpers ----------------------------------------------------------------------
 
 
-def cuda_time_ms(fn: Callable[[], Any], warmup: int = 3, iters: int = 20) -> float:
-    """Median of `iters` timed calls (CUDA events), after `warmup` calls."""
+def time_ms(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int = 3) -> float:
+    """Median of `iters` timed calls (CUDA events on a GPU), after `warmup` calls."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            start_s = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start_s) * 1e3)
     return statistics.median(times)
 
 
-def bandwidth_stage() -> dict[str, float]:
-    """Device-to-device copy of 1 GiB: bytes read plus written per second."""
-    source = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def release(device: torch.device) -> None:
+    """Hand freed memory back, so the next stage's sizes and timings start clean."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bandwidth_stage(plan: Plan) -> dict[str, float]:
+    """Device-to-device copy: bytes read plus written per second."""
+    source = torch.empty(plan.copy_bytes, dtype=torch.uint8, device=plan.device)
     target = torch.empty_like(source)
-    ms = cuda_time_ms(lambda: target.copy_(source), iters=10)
+    ms = time_ms(lambda: target.copy_(source), plan.device, plan.iters)
     return {"copy_gb_per_s": round(2 * source.numel() / ms / 1e6, 1)}
 
 
 # ---- stage: kernels ----------------------------------------------------------------------
 
 
-def kernels_stage(shapes: list[Shape]) -> list[dict[str, Any]]:
+def kernels_stage(plan: Plan) -> list[dict[str, Any]]:
     """Triton (bf16) and torch (bf16) against an fp32 reference on the same bf16 cache."""
-    device = torch.device("cuda")
     results = []
-    for shape in shapes:
-        for name, seqs in KERNEL_BATCHES.items():
-            batch = Batch(shape, seqs, torch.bfloat16, device, seed=len(results))
+    for shape in plan.shapes:
+        for name, seqs in plan.kernel_batches.items():
+            batch = Batch(shape, seqs, torch.bfloat16, plan.device, seed=len(results))
             triton_backend, torch_backend = backends(shape)
             expected_k, expected_v = batch.key_cache.clone(), batch.value_cache.clone()
             for cache, new in ((expected_k, batch.key), (expected_v, batch.value)):
@@ -319,7 +371,7 @@ def kernels_stage(shapes: list[Shape]) -> list[dict[str, Any]]:
             torch_out = torch_backend(batch.query, batch.key, batch.value, *bf16_clean, batch.meta())
             triton_out = triton_backend(batch.query, batch.key, batch.value, batch.key_cache,
                                         batch.value_cache, batch.meta())
-            torch.cuda.synchronize()
+            synchronize(plan.device)
             stored = all(torch.equal(ours.nan_to_num(7.0), theirs.nan_to_num(7.0))
                          for ours, theirs in ((batch.key_cache, expected_k),
                                               (batch.value_cache, expected_v)))
@@ -331,8 +383,8 @@ def kernels_stage(shapes: list[Shape]) -> list[dict[str, Any]]:
                 "store_exact": stored,
                 "ok": stored and math.isfinite(triton_err)
                 and triton_err <= max(2 * torch_err, 2e-2)})
-            del batch, clean, reference, torch_out, triton_out, expected_k, expected_v
-            torch.cuda.empty_cache()
+            del batch, clean, bf16_clean, reference, torch_out, triton_out, expected_k, expected_v
+            release(plan.device)
     return results
 
 
@@ -355,62 +407,60 @@ def attention_flops(batch: Batch, shape: Shape) -> int:
     return 4 * total * shape.num_heads * shape.head_dim
 
 
-def timings_stage(copy_gb_per_s: float | None) -> list[dict[str, Any]]:
+def timings_stage(plan: Plan, copy_gb_per_s: float | None) -> list[dict[str, Any]]:
     """Backend calls (K/V store included) of both backends, then the attention kernel alone
     at the backend's tiles and at a few others (decode: K/V bandwidth; prefill: TFLOP/s)."""
-    device = torch.device("cuda")
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = (torch.cuda.get_device_properties(plan.device).multi_processor_count
+           if plan.device.type == "cuda" else 1)
     results = []
-    decode_cases = [(1, 4096), (1, 32768), (32, 1024), (32, 4096), (128, 1024), (128, 4096)]
-    prefill_cases = {"prompt-512": [(0, 512)], "4x-prompt-512": [(0, 512)] * 4,
-                     "chunk-512-after-3584": [(3584, 512)], "turn-64-after-8000": [(8000, 64)]}
-    cases = [("decode", f"b{b} ctx{n}", [(n - 1, 1)] * b) for b, n in decode_cases] + [
-        ("prefill", name, seqs) for name, seqs in prefill_cases.items()]
-    for shape in SHAPES[:2]:
+    cases = [("decode", f"b{b} ctx{n}", [(n - 1, 1)] * b) for b, n in plan.decode_cases] + [
+        ("prefill", name, seqs) for name, seqs in plan.prefill_cases.items()]
+    for shape in plan.shapes[:2]:
         triton_backend, torch_backend = backends(shape)
         scale = shape.head_dim ** -0.5
         for kind, name, seqs in cases:
-            batch = Batch(shape, seqs, torch.bfloat16, device)
+            batch = Batch(shape, seqs, torch.bfloat16, plan.device)
             batch.key_cache.nan_to_num_(0.0)
             batch.value_cache.nan_to_num_(0.0)
             meta = batch.meta()
             output = torch.empty_like(batch.query)
 
-            def backend_call(backend: Any) -> Callable[[], Any]:
-                return lambda: backend(batch.query, batch.key, batch.value, batch.key_cache,
-                                       batch.value_cache, batch.meta())
+            def backend_ms(backend: Any, iters: int) -> float:
+                return time_ms(lambda: backend(batch.query, batch.key, batch.value,
+                                               batch.key_cache, batch.value_cache, batch.meta()),
+                               plan.device, iters)
 
-            def kernel(block_q: int, tile_n: int, splits: int, warps: int = 4) -> float:
-                return cuda_time_ms(lambda: triton_kernels.paged_attention(
+            def kernel_ms(block_q: int, tile_n: int, splits: int, warps: int = 4) -> float:
+                return time_ms(lambda: triton_kernels.paged_attention(
                     batch.query, batch.key_cache, batch.value_cache, output, meta,
                     range(len(seqs)), scale, block_q=block_q, tile_n=tile_n,
-                    num_splits=splits, num_warps=warps))
+                    num_splits=splits, num_warps=warps), plan.device, plan.iters)
 
             block_q, tile_n = triton_backend.tile(kind, torch.bfloat16)
             programs = sum(triton.cdiv(new, block_q) for _, new in seqs) * shape.num_kv_heads
             splits = triton_kernels.choose_num_splits(programs, max(batch.seq_lens), sms)
             entry = {"kind": kind, "shape": shape.name, "case": name, "splits": splits,
-                     "triton_backend_ms": cuda_time_ms(backend_call(triton_backend)),
-                     "torch_backend_ms": cuda_time_ms(backend_call(torch_backend), iters=5),
-                     "kernel_ms": kernel(block_q, tile_n, splits)}
+                     "triton_backend_ms": backend_ms(triton_backend, plan.iters),
+                     "torch_backend_ms": backend_ms(torch_backend, max(1, plan.iters // 4)),
+                     "kernel_ms": kernel_ms(block_q, tile_n, splits)}
             if kind == "decode":
                 gb = attention_bytes(batch, shape) / 1e9
                 entry["kernel_gb_per_s"] = round(gb / entry["kernel_ms"] * 1e3, 1)
                 if copy_gb_per_s:
                     entry["fraction_of_copy"] = round(entry["kernel_gb_per_s"] / copy_gb_per_s, 3)
-                entry["kernel_ms_one_split"] = kernel(block_q, tile_n, 1)
+                entry["kernel_ms_one_split"] = kernel_ms(block_q, tile_n, 1)
                 for other in (32, 128):
-                    entry[f"kernel_ms_tile_n{other}"] = kernel(block_q, other, splits)
+                    entry[f"kernel_ms_tile_n{other}"] = kernel_ms(block_q, other, splits)
             else:
                 flops = attention_flops(batch, shape)
                 entry["kernel_tflops"] = round(flops / entry["kernel_ms"] / 1e9, 1)
                 group_pad = triton.next_power_of_2(shape.num_heads // shape.num_kv_heads)
                 for rows, other, warps in ((64, 32, 4), (128, 64, 8), (128, 32, 8)):
-                    entry[f"kernel_ms_rows{rows}_tile_n{other}_warps{warps}"] = kernel(
+                    entry[f"kernel_ms_rows{rows}_tile_n{other}_warps{warps}"] = kernel_ms(
                         max(1, rows // group_pad), other, splits, warps)
             results.append(entry)
             del batch, meta, output
-            torch.cuda.empty_cache()
+            release(plan.device)
     return results
 
 
@@ -466,75 +516,74 @@ def model_source(dtype: torch.dtype) -> Any:
                        weights=weights, tokenizer=tokenizer, chat_template="")
 
 
-def engine_stage() -> dict[str, Any]:
+def engine_stage(plan: Plan) -> dict[str, Any]:
+    """Greedy tokens on both backends, tokens/s by batch size, startup and KV pool sizing."""
     from paged_chat.engine import Engine, EngineConfig, SamplingParams
 
+    device = plan.device.type
     result: dict[str, Any] = {}
     generator = torch.Generator().manual_seed(0)
+    low, high = plan.engine_prompt_lens
     prompts = [torch.randint(3, 49000, (int(n),), generator=generator).tolist()
-               for n in torch.randint(20, 400, (8,), generator=generator)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-
-    def run(dtype: str, backend: str, **overrides: Any) -> tuple[Any, list[list[int]], float]:
-        source = model_source(getattr(torch, dtype))
-        settings = dict(model="device-check", device="cuda", dtype=dtype, num_blocks=4096,
-                        attention_backend=backend, max_num_seqs=128) | overrides
-        start = time.perf_counter()
-        engine = Engine(EngineConfig(**settings), source=source)
-        startup = time.perf_counter() - start
-        outputs = engine.generate(prompts, greedy)
-        return engine, [o.token_ids for o in outputs], startup
+               for n in torch.randint(low, high, (plan.engine_prompts,), generator=generator)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=plan.engine_max_tokens, ignore_eos=True)
 
     for dtype in ("float32", "bfloat16"):
         tokens = {}
+        source = model_source(getattr(torch, dtype))
         for backend in ("torch", "triton"):
-            engine, tokens[backend], startup = run(dtype, backend)
-            result[f"startup_s_{dtype}_{backend}"] = round(startup, 2)
-            result["model"] = engine.model_name
-            del engine
-            gc.collect()
-            torch.cuda.empty_cache()
-        same = [a == b for a, b in zip(tokens["torch"], tokens["triton"])]
-        first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                      for a, b in zip(tokens["torch"], tokens["triton"])]
-        result[f"greedy_{dtype}"] = {"identical": sum(same), "of": len(same),
-                                     "first_divergence": first_diff}
-
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    for backend in ("torch", "triton"):
-        source = model_source(torch.bfloat16)
-        engine = Engine(EngineConfig(model="device-check", device="cuda", dtype="bfloat16",
-                                     num_blocks=8192, attention_backend=backend,
-                                     max_num_seqs=128, max_num_batched_tokens=2048),
-                        source=source)
-        engine.generate([prompts[0][:16]], SamplingParams(max_tokens=4))  # compile, warm up
-        for batch_size in (1, 32, 128):
-            batch = [torch.randint(3, 49000, (128,), generator=generator).tolist()
-                     for _ in range(batch_size)]
-            torch.cuda.synchronize()
             start = time.perf_counter()
-            outputs = engine.generate(batch, params)
-            torch.cuda.synchronize()
-            elapsed = time.perf_counter() - start
-            produced = sum(len(o.token_ids) for o in outputs)
-            result[f"tokens_per_s_{backend}_batch{batch_size}"] = round(produced / elapsed, 1)
-        del engine
-        gc.collect()
-        torch.cuda.empty_cache()
+            engine = Engine(EngineConfig(model="device-check", device=device, dtype=dtype,
+                                         num_blocks=4096, attention_backend=backend,
+                                         max_num_seqs=128), source=source)
+            result[f"startup_s_{dtype}_{backend}"] = round(time.perf_counter() - start, 2)
+            result["model"] = engine.model_name
+            tokens[backend] = [o.token_ids for o in engine.generate(prompts, greedy)]
+            del engine
+            release(plan.device)
+        pairs = list(zip(tokens["torch"], tokens["triton"]))
+        result[f"greedy_{dtype}"] = {
+            "identical": sum(a == b for a, b in pairs), "of": len(pairs),
+            "first_divergence": [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                                 for a, b in pairs]}
 
-    source = model_source(torch.bfloat16)
-    start = time.perf_counter()
-    engine = Engine(EngineConfig(model="device-check", device="cuda", dtype="bfloat16",
-                                 gpu_memory_utilization=0.5), source=source)
-    result["sizing"] = {
-        "gpu_memory_utilization": 0.5, "startup_s": round(time.perf_counter() - start, 2),
-        "num_blocks": engine.num_blocks, "kv_bytes": engine.runner.kv_cache.numel()
-        * engine.runner.kv_cache.element_size(),
-        "process_reserved_bytes": torch.cuda.memory_reserved(),
-        "total_bytes": torch.cuda.get_device_properties(0).total_memory}
-    del engine
-    gc.collect()
-    torch.cuda.empty_cache()
+    throughput = SamplingParams(temperature=0.0, max_tokens=2 * plan.engine_max_tokens,
+                                ignore_eos=True)
+    for backend in ("torch", "triton"):
+        engine = Engine(EngineConfig(model="device-check", device=device, dtype="bfloat16",
+                                     num_blocks=8192, attention_backend=backend,
+                                     max_num_seqs=max(plan.engine_batches),
+                                     max_num_batched_tokens=2048),
+                        source=model_source(torch.bfloat16))
+        start = time.perf_counter()  # the first request pays for compiling the kernels
+        engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2))
+        result[f"first_request_s_{backend}"] = round(time.perf_counter() - start, 2)
+        for batch_size in plan.engine_batches:
+            batch = [torch.randint(3, 49000, (plan.throughput_prompt_len,),
+                                   generator=generator).tolist() for _ in range(batch_size)]
+            synchronize(plan.device)
+            start = time.perf_counter()
+            outputs = engine.generate(batch, throughput)
+            synchronize(plan.device)
+            produced = sum(len(o.token_ids) for o in outputs)
+            result[f"tokens_per_s_{backend}_batch{batch_size}"] = round(
+                produced / (time.perf_counter() - start), 1)
+        del engine
+        release(plan.device)
+
+    if device == "cuda":
+        source = model_source(torch.bfloat16)
+        start = time.perf_counter()
+        engine = Engine(EngineConfig(model="device-check", device="cuda", dtype="bfloat16",
+                                     gpu_memory_utilization=0.5), source=source)
+        cache = engine.runner.kv_cache
+        result["sizing"] = {
+            "gpu_memory_utilization": 0.5, "startup_s": round(time.perf_counter() - start, 2),
+            "num_blocks": engine.num_blocks, "kv_bytes": cache.numel() * cache.element_size(),
+            "process_reserved_bytes": torch.cuda.memory_reserved(),
+            "total_bytes": torch.cuda.get_device_properties(0).total_memory}
+        del engine, cache
+        release(plan.device)
     return result
 
 
@@ -574,31 +623,41 @@ def table(summary: dict[str, Any]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--compile-only", action="store_true",
-                        help="only compile the kernels (no GPU needed)")
-    parser.add_argument("--quick", action="store_true", help="one small shape")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--compile-only", action="store_true",
+                      help="only compile the kernels for the GPU (none needed)")
+    mode.add_argument("--cpu-dry-run", action="store_true",
+                      help="every stage at toy sizes on the CPU (needs TRITON_INTERPRET=1)")
+    parser.add_argument("--quick", action="store_true", help="compile one small shape, bf16")
     parser.add_argument("--out", type=Path, help="where to write the JSON summary")
     args = parser.parse_args()
     out = args.out or Path(os.environ.get("OUT", ".")) / "device_check.json"
     cuda = torch.cuda.is_available()
     summary: dict[str, Any] = {
         "env": {"torch": torch.__version__, "triton": triton.__version__,
-                "device": torch.cuda.get_device_name() if cuda else "none (compile only)",
+                "device": torch.cuda.get_device_name() if cuda else "none",
                 "sms": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None},
         "errors": {}}
-    shapes = QUICK_SHAPES if args.quick else SHAPES
-    if args.compile_only:
-        compiled = [("compile", lambda: compile_stage(
-            shapes, [torch.bfloat16] if args.quick else [torch.bfloat16, torch.float16]))]
-    else:  # the JIT compiles everything again below: report two shapes, spend little
-        compiled = [("compile", lambda: compile_stage(shapes[:2], [torch.bfloat16]))]
-    stages: list[tuple[str, Callable[[], Any]]] = compiled
-    if cuda and not args.compile_only:
-        stages += [("bandwidth", bandwidth_stage),
-                   ("kernels", lambda: kernels_stage(shapes)),
+    stages: list[tuple[str, Callable[[], Any]]] = []
+    if args.cpu_dry_run:
+        if not triton.knobs.runtime.interpret:
+            parser.error("--cpu-dry-run runs the kernels in the interpreter: set TRITON_INTERPRET=1")
+        plan = DRY_PLAN
+    else:
+        if args.quick:
+            stages.append(("compile", lambda: compile_stage(TINY_SHAPES[:1], [torch.bfloat16])))
+        elif args.compile_only or not cuda:
+            stages.append(("compile", lambda: compile_stage(SHAPES,
+                                                            [torch.bfloat16, torch.float16])))
+        else:  # the JIT compiles everything again below: report two shapes, spend little
+            stages.append(("compile", lambda: compile_stage(SHAPES[:2], [torch.bfloat16])))
+        plan = GPU_PLAN
+    if args.cpu_dry_run or (cuda and not args.compile_only and not args.quick):
+        stages += [("bandwidth", lambda: bandwidth_stage(plan)),
+                   ("kernels", lambda: kernels_stage(plan)),
                    ("timings", lambda: timings_stage(
-                       (summary.get("bandwidth") or {}).get("copy_gb_per_s"))),
-                   ("engine", engine_stage)]
+                       plan, (summary.get("bandwidth") or {}).get("copy_gb_per_s"))),
+                   ("engine", lambda: engine_stage(plan))]
     for name, stage in stages:
         start = time.perf_counter()
         try:

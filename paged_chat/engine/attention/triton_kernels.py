@@ -30,7 +30,9 @@ write a normalised partial output and its log-sum-exp; `_merge_splits_kernel` co
 
 Head dims that are not powers of two (80, 96) are padded to the next power of two and
 masked, like the group of query heads and the tails of contexts, chunks and tiles. Inputs
-are fp16, bf16 or fp32; 16-bit products run in their own type with fp32 accumulation.
+are fp16, bf16 or fp32. 16-bit products run in their own type with fp32 accumulation; fp32
+caches multiply in exact fp32 (not tf32), and so does bf16 under TRITON_INTERPRET, whose
+bf16 dot is wrong.
 """
 
 from __future__ import annotations
@@ -189,7 +191,7 @@ def _merge_splits_kernel(
     lse = tl.load(partial_lse_ptr + splits)
     partial = tl.load(partial_out_ptr + splits[:, None] * HEAD_DIM_PAD + dims[None, :],
                       mask=dim_valid[None, :], other=0.0)
-    weights = tl.exp2(lse - tl.max(lse, axis=0))        # the first split always has a key
+    weights = tl.exp2(lse - tl.max(lse, axis=0))   # the first split sees a key: a real max
     out = tl.sum(partial * weights[:, None], axis=0) / tl.sum(weights, axis=0)
     tl.store(output_ptr + (first_token + token) * stride_ot + head * stride_oh + dims * stride_od,
              out.to(output_ptr.dtype.element_ty), mask=dim_valid)
@@ -244,7 +246,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     """
     if not seqs:
         return
-    num_tokens, num_heads, head_dim = query.shape
+    num_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[0]
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
@@ -262,7 +264,6 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                   dtype=torch.float32, device=query.device)
     else:  # never read: the kernel writes `output` directly
         partial_out = partial_lse = output
-    # fp32 caches want exact fp32 dots (not tf32); the interpreter computes bf16 dots wrongly.
     dot_fp32 = key_cache.dtype == torch.float32 or (
         key_cache.dtype == torch.bfloat16 and triton.knobs.runtime.interpret)
     grid = (len(seqs), triton.cdiv(max_query_len, block_q), num_kv_heads * num_splits)
