@@ -18,7 +18,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -298,14 +298,14 @@ def _run_turn(options: AskOptions, settings: Settings, make_engine: EngineFactor
         raise UsageError('no prompt: give one as an argument or on stdin, or use --file '
                          '(e.g. paged-chat ask "Why is the sky blue?")')
     continuing = options.continue_chat or options.chat_id is not None
-    store = ChatStore() if options.save or continuing else None
-    if store is not None and store.notice:
-        _say(f"Warning: {store.notice}")
-    chat = _chat_to_continue(options, store) if continuing else None
-    engine_overrides = options.engine if chat is None else {**options.engine, "model": chat.model}
-    config, params = _configure(settings, engine_overrides,
-                                {**(chat.sampling if chat else {}), **options.sampling})
-    with _warnings_to_stderr():
+    with ExitStack() as cleanup, _warnings_to_stderr():
+        store = cleanup.enter_context(ChatStore()) if options.save or continuing else None
+        if store is not None and store.notice:
+            _say(f"Warning: {store.notice}")
+        chat = _chat_to_continue(options, store) if continuing else None
+        engine_overrides = options.engine if chat is None else {**options.engine, "model": chat.model}
+        config, params = _configure(settings, engine_overrides,
+                                    {**(chat.sampling if chat else {}), **options.sampling})
         engine, load_s = _load(make_engine, config)
         if chat is not None:
             conversation = Conversation.from_chat(chat, engine.tokenizer, engine.chat_template)
@@ -315,8 +315,9 @@ def _run_turn(options: AskOptions, settings: Settings, make_engine: EngineFactor
         prompt_ids = conversation.next_prompt_ids(user_text)
         recorder = None
         if options.save:
-            chat = chat or store.create_chat(_title(user_text), config.model, conversation.system_prompt,
-                                             {name: getattr(params, name) for name in SAMPLING_KEYS})
+            sampling = {name: getattr(params, name) for name in SAMPLING_KEYS}
+            chat = chat or store.create_chat(_title(user_text), _model_spec(config.model),
+                                             conversation.system_prompt, sampling)
             recorder = ChatRecorder(store, chat)
             recorder.start(conversation, user_text, prompt_ids)
         meta = {"model": config.model, "chat_id": chat.id if recorder is not None else None}
@@ -398,6 +399,12 @@ def _check_continuable(options: AskOptions, chat: Chat) -> None:
         raise UsageError(f"chat {chat.id} has its own system prompt: drop --system to continue it")
 
 
+def _model_spec(model: str) -> str:
+    """What a chat stores as its model: a path made absolute, so -c works from anywhere."""
+    path = Path(model).expanduser()
+    return str(path.resolve()) if path.exists() else model
+
+
 def _same_model(a: str, b: str) -> bool:
     return a == b or Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
@@ -426,10 +433,10 @@ def _print_stats(answers: list[Answer], engine: Engine) -> None:
     ended = max(answer.finished_at or started for answer in answers)
     generated = sum(len(answer.token_ids) for answer in answers)
     rate = generated / (ended - started) if ended > started else 0.0
-    stats = engine.stats()
+    cached = sum(answer.num_cached_tokens for answer in answers)
     _say(f"{len(answers)} prompts: {generated} tokens generated in {ended - started:.2f} s "
-         f"({rate:.1f} tokens/s together), {stats.prefix_cache_hit_tokens} prompt tokens from "
-         f"the prefix cache, {stats.num_preemptions} preemptions")
+         f"({rate:.1f} tokens/s together), {cached} prompt tokens from the prefix cache, "
+         f"{engine.stats().num_preemptions} preemptions")
 
 
 @contextmanager

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import click
 import typer
@@ -75,8 +75,7 @@ def _reported(ctx: typer.Context) -> Iterator[None]:
         yield
     except (click.exceptions.Exit, click.ClickException, click.Abort):
         raise
-    except KeyboardInterrupt:
-        sys.stdout.write("\n")
+    except KeyboardInterrupt:  # while loading; during a reply `ask` handles Ctrl+C itself
         raise typer.Exit(130) from None
     except BrokenPipeError:  # `paged-chat ask ... | head`: the reader left; say nothing
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -111,9 +110,9 @@ def _version(value: bool) -> None:
 
 @app.callback(invoke_without_command=True)
 def root(ctx: typer.Context,
-         demo: Annotated[Optional[int], typer.Option(
+         demo: Annotated[int | None, typer.Option(
              min=1, help="Open the TUI with N demo chats generating at once.")] = None,
-         config: Annotated[Optional[Path], typer.Option(
+         config: Annotated[Path | None, typer.Option(
              "--config", exists=True, dir_okay=False,
              help="The config.toml to read (default: $PAGED_CHAT_CONFIG, else the user config dir).")
          ] = None,
@@ -147,18 +146,21 @@ def _has_terminal() -> bool:
 
 @app.command()
 def ask(ctx: typer.Context,
-        prompt: Annotated[Optional[str], typer.Argument(
+        prompt: Annotated[str | None, typer.Argument(
             help="The prompt. Piped stdin is read too and comes first.", show_default=False)] = None,
-        model: Annotated[Optional[str], typer.Option(
+        model: Annotated[str | None, typer.Option(
             "--model", "-m", help="Alias, .gguf file, HF folder or cached hub id.")] = None,
-        system: Annotated[Optional[str], typer.Option("--system", "-s", help="System prompt.")] = None,
-        max_tokens: Annotated[Optional[int], typer.Option(min=1, help="Most tokens to generate.")] = None,
-        temperature: Annotated[Optional[float], typer.Option(min=0.0, help="0 is greedy.")] = None,
-        top_p: Annotated[Optional[float], typer.Option(help="Nucleus sampling, in (0, 1].")] = None,
-        top_k: Annotated[Optional[int], typer.Option(min=0, help="Keep the k likeliest tokens; 0: off.")] = None,
-        seed: Annotated[Optional[int], typer.Option(min=0, help="Sampling seed, for repeatable output.")] = None,
-        device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda.")] = None,
-        dtype: Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
+        system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")] = None,
+        max_tokens: Annotated[int | None, typer.Option(
+            min=1, help="Most tokens to generate.")] = None,
+        temperature: Annotated[float | None, typer.Option(min=0.0, help="0 is greedy.")] = None,
+        top_p: Annotated[float | None, typer.Option(help="Nucleus sampling, in (0, 1].")] = None,
+        top_k: Annotated[int | None, typer.Option(
+            min=0, help="Keep the k likeliest tokens; 0: off.")] = None,
+        seed: Annotated[int | None, typer.Option(
+            min=0, help="Sampling seed, for repeatable output.")] = None,
+        device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
+        dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
         stats: Annotated[bool, typer.Option(
             "--stats", help="Print prompt tokens, prefix-cache hits, time to first token and "
                             "tokens/s to stderr.")] = False,
@@ -166,11 +168,12 @@ def ask(ctx: typer.Context,
             "--json", help="Print one JSON object (text, token counts, timings, finish reason) "
                            "instead of streaming text; JSONL with --file.")] = False,
         continue_chat: Annotated[bool, typer.Option(
-            "--continue", "-c", help="Continue the most recent chat, reusing its exact token history.")] = False,
-        chat: Annotated[Optional[str], typer.Option(
+            "--continue", "-c",
+            help="Continue the most recent chat, reusing its exact token history.")] = False,
+        chat: Annotated[str | None, typer.Option(
             "--chat", help="Continue this chat (an id or its first characters).")] = None,
         no_save: Annotated[bool, typer.Option("--no-save", help="Do not save this turn.")] = False,
-        file: Annotated[Optional[typer.FileText], typer.Option(
+        file: Annotated[typer.FileText | None, typer.Option(
             "--file", "-f", help="Answer every prompt of this file at once (one per line, or JSONL "
                                  'with {"prompt": ...}); "-" reads stdin. Not saved.')] = None,
         ) -> None:
@@ -285,7 +288,8 @@ def export_chat(ctx: typer.Context, chat_id: ChatId,
 
 @chats_app.command("delete")
 def delete_chat(ctx: typer.Context, chat_id: ChatId,
-                yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask for confirmation.")] = False,
+                yes: Annotated[bool, typer.Option(
+                    "--yes", "-y", help="Do not ask for confirmation.")] = False,
                 ) -> None:
     """Delete a chat and its messages."""
     with _open_store(ctx) as store:

@@ -271,6 +271,14 @@ def test_continue_with_no_chat_yet(cli):
     assert result.exit_code == 2 and "no chat to continue" in one_line(result.stderr)
 
 
+def test_a_relative_model_path_is_stored_absolute(cli, monkeypatch):
+    monkeypatch.chdir(cli.model.parent)
+    cli.json("--model", cli.model.name, "Hi")
+    monkeypatch.chdir("/")
+    assert cli.store().latest_chat().model == str(cli.model)
+    assert cli.json("-c", "Still there?")["finish_reason"] in ("stop", "length")
+
+
 def test_no_save_saves_nothing(cli):
     assert cli("ask", "--no-save", "Hi").exit_code == 0
     assert cli.store().list_chats() == []
