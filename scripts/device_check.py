@@ -1,10 +1,18 @@
 #!/usr/bin/env python3
 """The Triton attention backend on a real GPU, in one run; or, without a GPU, a compile-only dry run.
 
-On a lent H200 (its python3 has torch and triton; paged-chat also imports gguf and
-platformdirs, which must travel as wheels, see the device README), from the repo root:
+On a lent H200, from the repo root. Its python3 has torch, triton, transformers and pytest,
+but paged-chat also imports gguf and platformdirs: fetch their (pure-Python) wheels here
+into an ignored folder, `pip download --no-deps --only-binary=:all: --python-version 3.12
+-d .whl gguf==0.19.0 platformdirs==4.14.8`, carry `.whl`, and there run
 
-    python3 scripts/device_check.py                  # a few minutes
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 &&
+    python3 scripts/device_check.py 2>&1 | tee $OUT/device_check.log       # 3-6 minutes
+    python3 -m pytest -q tests/test_triton_kernels.py -k "not engine"      # optional, ~1 min
+
+(The default model's 98 MB GGUF exceeds what a call may carry, so the engine stage runs
+random weights of its shape there; the pytest engine tests need that model and are left out.)
 
 On a machine without a GPU (CI runs the first through tests/test_triton_kernels.py; the
 second runs every stage at toy sizes under the interpreter, to find the script's own bugs

@@ -68,7 +68,7 @@ def _store_kv_kernel(
     dims = tl.arange(0, HEAD_DIM_PAD)[None, :]
     mask = (heads < num_kv_heads) & (dims < head_dim)
     dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs \
-        + heads * stride_ch + dims * stride_cd
+        + heads.to(tl.int64) * stride_ch + dims * stride_cd
     key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
     tl.store(key_cache_ptr + dst, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
     value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims * stride_vd, mask=mask)
@@ -135,11 +135,12 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_table
+    head_offset = kv_head.to(tl.int64) * stride_ch
     for tile in range(tile_lo, tile_hi):
         keys = tile * TILE_N + tl.arange(0, TILE_N)
         key_valid = keys < kv_len
         block = tl.load(table + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        kv_offset = block * stride_cb + (keys % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        kv_offset = block * stride_cb + (keys % BLOCK_SIZE) * stride_cs + head_offset
         k = tl.load(key_cache_ptr + kv_offset[None, :] + dims[:, None] * stride_cd,
                     mask=dim_valid[:, None] & key_valid[None, :], other=0.0)   # [dim, keys]
         v = tl.load(value_cache_ptr + kv_offset[:, None] + dims[None, :] * stride_cd,
