@@ -75,21 +75,21 @@ class SettingsError(ValueError):
 
 @dataclass(slots=True)
 class EngineSettings:
-    """`[engine]`: the EngineConfig fields a user may set. Defaults equal EngineConfig's
-    (a test keeps them in step); None means "sized or chosen by the engine"."""
+    """`[engine]`: the EngineConfig fields a user may set. None (not in the file) means
+    EngineConfig's own default, so the engine stays the one place defaults live."""
 
-    model: str = "smollm2-135m"
-    device: str = "auto"
-    dtype: str = "auto"
-    block_size: int = 16
+    model: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    block_size: int | None = None
     num_blocks: int | None = None
     kv_cache_memory: int | str | None = None
-    gpu_memory_utilization: float = 0.90
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
+    gpu_memory_utilization: float | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    attention_backend: str = "auto"
+    enable_prefix_caching: bool | None = None
+    attention_backend: str | None = None
 
 
 @dataclass(slots=True)
@@ -137,9 +137,7 @@ class Settings:
         so a CLI can pass every option it has, given or not)."""
         from paged_chat.engine import EngineConfig
 
-        values = dataclasses.asdict(self.engine)
-        values.update(_given(overrides))
-        return EngineConfig(**values)
+        return EngineConfig(**{**_given(dataclasses.asdict(self.engine)), **_given(overrides)})
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the `[chat]` sampling defaults, with `overrides` on top (any
@@ -149,11 +147,16 @@ class Settings:
         return SamplingParams(**{**self.chat.sampling(), **_given(overrides)})
 
     def to_toml(self) -> str:
-        """These settings as config.toml text; unset optional values appear commented out."""
+        """These settings as config.toml text, engine defaults filled in; values that stay
+        unset (the engine sizes or picks them) appear commented out."""
+        config = self.engine_config()
+        engine = [(name, getattr(config, name) if value is None else value)
+                  for name, value in _scalar_items(self.engine)]
         lines: list[str] = []
-        for table, section in (("engine", self.engine), ("chat", self.chat), ("tui", self.tui)):
+        for table, items in (("engine", engine), ("chat", _scalar_items(self.chat)),
+                             ("tui", _scalar_items(self.tui))):
             lines.append(f"[{table}]")
-            for name, value in _scalar_items(section):
+            for name, value in items:
                 lines.append(f"# {name} = (not set)" if value is None else f"{name} = {_toml_value(value)}")
             lines.append("")
         lines.append("[tui.keys]")
