@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The Triton attention backend on a real GPU, in one run; or, without a GPU, a compile-only dry run.
+"""The Triton attention backend on a real GPU in one run; without a GPU, compile-only or a dry run.
 
 On a lent H200, from the repo root. Its python3 has torch, triton, transformers and pytest,
 but paged-chat also imports gguf and platformdirs: fetch their (pure-Python) wheels here
@@ -376,7 +376,8 @@ def kernels_stage(plan: Plan) -> list[dict[str, Any]]:
             reference = torch_backend(batch.query.float(), batch.key.float(), batch.value.float(),
                                       *clean, batch.meta())
             bf16_clean = [c.nan_to_num(0.0) for c in (expected_k, expected_v)]
-            torch_out = torch_backend(batch.query, batch.key, batch.value, *bf16_clean, batch.meta())
+            torch_out = torch_backend(batch.query, batch.key, batch.value, *bf16_clean,
+                                      batch.meta())
             triton_out = triton_backend(batch.query, batch.key, batch.value, batch.key_cache,
                                         batch.value_cache, batch.meta())
             synchronize(plan.device)
@@ -649,7 +650,8 @@ def main() -> int:
     stages: list[tuple[str, Callable[[], Any]]] = []
     if args.cpu_dry_run:
         if not triton.knobs.runtime.interpret:
-            parser.error("--cpu-dry-run runs the kernels in the interpreter: set TRITON_INTERPRET=1")
+            parser.error("--cpu-dry-run runs the kernels in the interpreter: "
+                         "set TRITON_INTERPRET=1")
         plan = DRY_PLAN
     else:
         if args.quick:

@@ -45,7 +45,8 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-def poisoned(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+def poisoned(shape: tuple[int, ...], dtype: torch.dtype,
+             generator: torch.Generator) -> torch.Tensor:
     """Random values in a non-contiguous view whose neighbours in memory are NaN."""
     padded = torch.full([n + 2 for n in shape], float("nan"), dtype=dtype)
     inner = padded[tuple(slice(1, n + 1) for n in shape)]

@@ -34,7 +34,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 class TritonAttention:
-    """Paged attention with Triton kernels; `scale` is 1/sqrt(head_dim) unless the model says otherwise."""
+    """Paged attention on Triton kernels; `scale` is 1/sqrt(head_dim) unless the model says
+    otherwise. Constructor, cache layout and call are the torch backend's."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
