@@ -25,6 +25,7 @@ from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.containers import Horizontal
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer, Static, TabbedContent
 
@@ -53,7 +54,7 @@ ACTIONS: list[tuple[str, str, str, bool]] = [
     ("copy_reply", "alt+c", "Copy the last reply", False),
     ("copy_code", "alt+x", "Copy the last code block", False),
     ("broadcast", "ctrl+b", "Broadcast the prompt to every tab", True),
-    ("toggle_panel", "f6", "Show or hide the engine panel", False),
+    ("toggle_panel", "f8", "Show or hide the engine panel", False),
     ("help", "f1", "Help and keys", False),
 ]
 SHOWN = {"new_chat", "close_chat", "stop", "broadcast", "toggle_panel", "help"}
@@ -90,7 +91,7 @@ class StoredChats(Provider):
 
 
 class PagedChatApp(App):
-    CSS_PATH = "app.tcss"
+    CSS_PATH = Path(__file__).with_name("app.tcss")
     TITLE = "paged-chat"
     BINDINGS = make_bindings()
     COMMANDS = App.COMMANDS | {StoredChats}
@@ -168,10 +169,10 @@ class PagedChatApp(App):
             self.theme = theme
         else:
             self.notify(f"[tui] theme {theme!r} is unknown; themes: "
-                        f"{', '.join(sorted(self.available_themes))}", severity="warning")
+                        f"{', '.join(sorted(self.available_themes))}", severity="warning", markup=False)
         self._apply_keymap(self.settings.tui.keys)
         if getattr(self.store, "notice", None):
-            self.notify(self.store.notice, severity="warning", timeout=15)
+            self.notify(self.store.notice, severity="warning", timeout=15, markup=False)
         if self.engine is None:
             self._load_engine()
         else:
@@ -194,7 +195,7 @@ class PagedChatApp(App):
         unknown = sorted(set(keys) - known)
         if unknown:
             self.notify(f"[tui.keys]: unknown action(s) {', '.join(unknown)}; known: "
-                        f"{', '.join(sorted(known))}", severity="error", timeout=15)
+                        f"{', '.join(sorted(known))}", severity="error", timeout=15, markup=False)
         self.set_keymap({action: key for action, key in keys.items() if action in known})
 
     # ---- the engine -----------------------------------------------------------------
@@ -225,13 +226,13 @@ class PagedChatApp(App):
         self._engine_ready.set()
         self._update_status()
         if seconds:
-            self.notify(f"{engine.engine.model_name} is ready ({seconds:.1f} s)", timeout=3)
+            self.notify(f"{engine.engine.model_name} is ready ({seconds:.1f} s)", timeout=3, markup=False)
 
     def _engine_failed(self, message: str) -> None:
         self.load_error = message
         self._engine_ready.set()
         self._update_status()
-        self.notify(f"the model failed to load: {message}", severity="error", timeout=30)
+        self.notify(f"the model failed to load: {message}", severity="error", timeout=30, markup=False)
 
     async def wait_for_engine(self) -> "AsyncEngine":
         """The engine, once loaded; raises PagedChatError if it failed to load."""
@@ -262,7 +263,7 @@ class PagedChatApp(App):
         error = self.engine.last_error
         if error and error != self._last_engine_error:
             self._last_engine_error = error
-            self.notify(f"engine step failed: {error}", severity="error", timeout=10)
+            self.notify(f"engine step failed: {error}", severity="error", timeout=10, markup=False)
 
     def _update_status(self) -> None:
         status = self.query_one("#status", Static)
@@ -310,8 +311,11 @@ class PagedChatApp(App):
         return tab
 
     def _refresh_tab(self, tab: ChatTab) -> None:
-        self.tabs.get_tab(tab.id).label = tab.label()
         self._tab_infos = None
+        try:
+            self.tabs.get_tab(tab.id).label = tab.label()
+        except ValueError:  # its header is being added or removed
+            pass
 
     @on(ChatTab.Changed)
     def _tab_changed(self, event: ChatTab.Changed) -> None:
@@ -321,9 +325,13 @@ class PagedChatApp(App):
     @on(TabbedContent.TabActivated)
     async def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
         tab = event.pane
-        if isinstance(tab, ChatTab):
+        # Stale activations (restoring adds tabs one by one) load nothing: tabs load lazily.
+        if isinstance(tab, ChatTab) and tab is self.active_tab and tab.is_attached:
             await tab.ensure_loaded()
-            tab.prompt.focus()
+            try:
+                tab.prompt.focus()
+            except NoMatches:  # the tab is being removed
+                return
             self._save_session()
 
     def rekey_tab(self, tab: ChatTab, chat_id: str) -> None:
@@ -388,10 +396,12 @@ class PagedChatApp(App):
             pass
 
     async def _close_tab(self, tab: ChatTab) -> None:
+        if len(self.chat_tabs) == 1:  # there is always a tab: open the next one first
+            await self.action_new_chat()
+        elif tab is self.active_tab:
+            self._cycle(-1 if tab is self.chat_tabs[-1] else +1)
         await self.tabs.remove_pane(tab.id)
         self._tab_infos = None
-        if not self.chat_tabs:
-            await self.action_new_chat()
         self._save_session()
 
     # ---- actions (each has a key and a palette entry) ----------------------------------
@@ -399,7 +409,7 @@ class PagedChatApp(App):
     def _need_tab(self) -> ChatTab | None:
         tab = self.active_tab
         if tab is None:
-            self.notify("no chat is open", severity="warning")
+            self.notify("no chat is open", severity="warning", markup=False)
         return tab
 
     async def action_new_chat(self) -> None:
@@ -448,14 +458,14 @@ class PagedChatApp(App):
             return
         if tab.streaming:
             self.notify("wait for the reply to finish (or stop it) before forking",
-                        severity="warning")
+                        severity="warning", markup=False)
             return
         await tab.ensure_loaded()
         chat = self.store.fork_chat(tab.chat_id, f"{tab.title} (fork)")
         conversation = copy_conversation(tab.conversation) if tab.conversation else None
         fork = await self.open_chat_tab(chat, conversation=conversation)
         await fork.ensure_loaded()
-        self.notify(f"forked {tab.title!r}: the fork shares every full KV block of its history")
+        self.notify(f"forked {tab.title!r}: the fork shares every full KV block of its history", markup=False)
 
     @work(group="dialog")
     async def action_chat_settings(self) -> None:
@@ -482,19 +492,19 @@ class PagedChatApp(App):
         tab = self._need_tab()
         text = tab.last_reply() if tab else None
         if not text:
-            self.notify("no reply to copy yet", severity="warning")
+            self.notify("no reply to copy yet", severity="warning", markup=False)
             return
         self.copy_to_clipboard(text)
-        self.notify(f"copied the last reply ({len(text)} characters)")
+        self.notify(f"copied the last reply ({len(text)} characters)", markup=False)
 
     def action_copy_code(self, index: int = -1) -> None:
         tab = self._need_tab()
         blocks = tab.code_blocks() if tab else []
         if not blocks:
-            self.notify("no code block in this chat", severity="warning")
+            self.notify("no code block in this chat", severity="warning", markup=False)
             return
         self.copy_to_clipboard(blocks[index])
-        self.notify(f"copied a code block ({len(blocks[index].splitlines())} lines)")
+        self.notify(f"copied a code block ({len(blocks[index].splitlines())} lines)", markup=False)
 
     @work(group="dialog")
     async def action_broadcast(self) -> None:
@@ -509,7 +519,7 @@ class PagedChatApp(App):
             tab.prompt.remember(text)
         sent = [t for t in self.chat_tabs if not t.streaming and t.send(text)]
         busy = len(self.chat_tabs) - len(sent)
-        self.notify(f"sent to {len(sent)} tabs" + (f" ({busy} busy, skipped)" if busy else ""))
+        self.notify(f"sent to {len(sent)} tabs" + (f" ({busy} busy, skipped)" if busy else ""), markup=False)
 
     def action_toggle_panel(self) -> None:
         self.panel.toggle_class("collapsed")

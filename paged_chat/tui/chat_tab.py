@@ -223,7 +223,7 @@ class ChatTab(TabPane):
     def send(self, text: str) -> bool:
         """Start a turn with `text`; False (and a notice) while a reply is streaming."""
         if self.streaming:
-            self.notify("a reply is still streaming: Esc stops it", severity="warning")
+            self.notify("a reply is still streaming: Esc stops it", severity="warning", markup=False)
             return False
         self.streaming = True
         self._run_turn(text, regenerate=False)
@@ -231,10 +231,10 @@ class ChatTab(TabPane):
 
     def regenerate(self) -> bool:
         if self.streaming:
-            self.notify("a reply is still streaming: Esc stops it", severity="warning")
+            self.notify("a reply is still streaming: Esc stops it", severity="warning", markup=False)
             return False
         if self._last_user is None:
-            self.notify("nothing to regenerate yet", severity="warning")
+            self.notify("nothing to regenerate yet", severity="warning", markup=False)
             return False
         self.streaming = True
         self._run_turn(self._last_user, regenerate=True)
@@ -266,7 +266,7 @@ class ChatTab(TabPane):
             self.conversation = dataclasses.replace(self.conversation, system_prompt=system_prompt)
             if self.conversation.token_ids:
                 self.notify("the new system prompt applies from a fresh context "
-                            "(the next prompt is encoded in full)")
+                            "(the next prompt is encoded in full)", markup=False)
                 self.conversation = Conversation(self.conversation.tokenizer,
                                                  self.conversation.chat_template, system_prompt,
                                                  messages=list(self.conversation.messages))
@@ -327,7 +327,7 @@ class ChatTab(TabPane):
             prompt_ids = working.next_prompt_ids(text)
             if store is not None:
                 if not regenerate:
-                    store.add_message(self.chat_id, "user", text, prompt_ids[len(base.token_ids):])
+                    store.add_message(self.chat_id, "user", text, base.added_ids(prompt_ids))
                     message_id = store.add_message(self.chat_id, "assistant", "", []).id
                 elif self._last_assistant_id is not None:
                     message_id = self._last_assistant_id
@@ -370,19 +370,22 @@ class ChatTab(TabPane):
                     store.update_message(message_id, text_out, reply_ids, None)
         except asyncio.CancelledError:  # the tab closed, or Esc before the model was ready
             reply.footer = "stopped"
+            if working is not None:
+                working.add_reply(prompt_ids, reply_ids, text_out)
+                self.conversation = working
             self._finish_turn(store, message_id, text_out, reply_ids, "abort", None)
             raise
         except Exception as exc:  # engine errors (step failure, load failure) stay in the tab
             reason = "error"
             error = str(exc) if isinstance(exc, PagedChatError) else f"{type(exc).__name__}: {exc}"
         await reply.finish_stream()
-        if working is not None and reply_ids:  # a reply (even a stopped one) joins the context
+        if working is not None:  # the turn joins the context, even cut or empty, as stored
             working.add_reply(prompt_ids, reply_ids, text_out)
             self.conversation = working
         if error:
             self.error = error
             await messages.mount(ErrorMessage(error))
-            self.notify(f"{self.title}: {error}", severity="error", timeout=8)
+            self.notify(f"{self.title}: {error}", severity="error", timeout=8, markup=False)
         if not reply.text and reason == "error":
             await reply.remove()
         reply.footer = self._footer(streaming=False, reason=reason)

@@ -167,7 +167,7 @@ class HelpScreen(ModalScreen[None]):
                 "is large). Colour = the tab holding it; ◆/white = shared by several requests "
                 "(a common system prompt, a fork); dim ░ = cached, evictable; blank = free. "
                 "Hover or click a block for its id, ref count, owners and tokens.\n"
-                "Keys can be changed in config.toml under [tui.keys], e.g. new_tab = \"ctrl+t\"."))
+                "Keys can be changed in config.toml under \\[tui.keys], e.g. new_chat = \"ctrl+t\"."))
 
     def action_close(self) -> None:
         self.dismiss(None)

@@ -1,0 +1,644 @@
+"""The TUI, driven with Textual's Pilot on a tiny random model, plus a tmux smoke test of the
+real `paged-chat` command.
+
+The tiny model here has the default model's full vocabulary (the `tiny_model_dir` of the
+engine tests has 512 ids, too few for a chat template's special tokens), so real chat
+prompts run through the real tokenizer, template, Conversation and store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from textual import events
+
+from paged_chat.engine import AsyncEngine, Engine, EngineConfig
+from paged_chat.engine.stats import BlockMap
+from paged_chat.settings import ChatSettings, Settings, TuiSettings
+from paged_chat.store import ChatStore
+from paged_chat.tui.app import ACTIONS, PagedChatApp
+from paged_chat.tui.block_map import CACHED, FREE, SHARED, TAB0, BlockMapView, Layout, block_codes, cell_grid, downsample
+from paged_chat.tui.chat_tab import ChatTab
+from paged_chat.tui.dialogs import ChatSettingsScreen, HelpScreen, TextPromptScreen
+from paged_chat.tui.engine_panel import TabInfo, blocks_owned, describe_block
+from paged_chat.tui.messages import AssistantMessage, ErrorMessage, UserMessage, code_blocks
+from paged_chat.tui.prompt_input import PromptInput
+from tiny_models import build_tiny_model
+
+SYSTEM = ("You are a careful assistant. You answer in short sentences, you check your facts, "
+          "and you say when you do not know something. Keep every answer brief and friendly.")
+
+
+@pytest.fixture(scope="session")
+def tui_model_dir(tmp_path_factory, smollm2_source) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama-full-vocab")
+    build_tiny_model("llama", folder, vocab_size=len(smollm2_source.tokenizer))
+    smollm2_source.tokenizer.save_pretrained(folder)
+    return folder
+
+
+def engine_config(model_dir: Path, **overrides) -> EngineConfig:
+    values = dict(model=str(model_dir), device="cpu", dtype="float32", num_blocks=512,
+                  block_size=16, max_num_seqs=16, max_num_batched_tokens=512)
+    return EngineConfig(**{**values, **overrides})
+
+
+@pytest.fixture
+def make_async_engine(tui_model_dir):
+    engines: list[AsyncEngine] = []
+
+    def make(**overrides) -> AsyncEngine:
+        engine = AsyncEngine(Engine(engine_config(tui_model_dir, **overrides)))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+        assert engine.engine.stats().blocks_in_use == 0, "a block leaked"
+        engine.engine.kv_cache.pool.check_invariants()
+
+
+@pytest.fixture
+def engine(make_async_engine) -> AsyncEngine:
+    return make_async_engine()
+
+
+class TuiTestApp(PagedChatApp):
+    """The real app; replies ignore EOS so a random model's reply has a known length."""
+
+    def sampling_params(self, sampling: dict):
+        return self.settings.sampling_params(**{"ignore_eos": True, **sampling})
+
+
+def make_settings(max_tokens: int = 24, system_prompt: str | None = SYSTEM, **tui) -> Settings:
+    return Settings(chat=ChatSettings(system_prompt=system_prompt, temperature=0.0,
+                                      max_tokens=max_tokens),
+                    tui=TuiSettings(**tui))
+
+
+def make_app(engine, tmp_path: Path, settings: Settings | None = None, **kwargs) -> TuiTestApp:
+    return TuiTestApp(settings or make_settings(), engine=engine,
+                   store=ChatStore(tmp_path / "chats.db"),
+                   session_path=tmp_path / "session.json", **kwargs)
+
+
+async def wait_until(pilot, condition, timeout: float = 30.0, step: float = 0.02) -> None:
+    """Poll `condition` (plain sleeps: Pilot.pause waits for the screen to settle, which
+    takes seconds while replies stream)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {condition}")
+        await asyncio.sleep(step)
+
+
+async def press(pilot, *keys: str) -> None:
+    """Send keys the way the terminal driver does (Pilot.press waits for the screen to
+    settle, which takes seconds while replies stream)."""
+    for key in keys:
+        character = {"space": " ", "enter": "\r"}.get(key, key if len(key) == 1 else None)
+        pilot.app.post_message(events.Key(key, character))
+    await asyncio.sleep(0.05)
+
+
+async def type_prompt(pilot, text: str) -> None:
+    await press(pilot, *[{" ": "space"}.get(c, c) for c in text], "enter")
+    await asyncio.sleep(0.05)
+
+
+async def new_tab(pilot, key: str = "ctrl+n") -> ChatTab:
+    """Open a tab with `key`; return it once its prompt has the focus."""
+    app = pilot.app
+    count = len(app.chat_tabs)
+    await press(pilot, key)
+    await wait_until(pilot, lambda: len(app.chat_tabs) == count + 1
+                     and app.active_tab is app.chat_tabs[-1]
+                     and app.focused is app.chat_tabs[-1].prompt)
+    return app.chat_tabs[-1]
+
+
+def idle(app: PagedChatApp) -> bool:
+    return not any(tab.streaming for tab in app.chat_tabs)
+
+
+class Watcher:
+    """Samples the engine and the block map every 10 ms in the background of a test."""
+
+    def __init__(self, app: PagedChatApp, engine: AsyncEngine) -> None:
+        self.app, self.engine = app, engine
+        self.max_batch = 0
+        self.tab_codes: set[int] = set()
+        self.shared_seen = False
+        self.snapshots = []
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        view = self.app.query_one(BlockMapView)
+        while True:
+            stats = self.engine.stats()
+            if not self.snapshots or stats is not self.snapshots[-1]:
+                self.snapshots.append(stats)
+            self.max_batch = max(self.max_batch, stats.batch_size)
+            self.tab_codes |= {int(c) for c in np.unique(view.codes) if c >= TAB0}
+            self.shared_seen |= bool((view.codes == SHARED).any())
+            await asyncio.sleep(0.01)
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+def text_of(static) -> str:
+    content = static.content
+    return content.plain if hasattr(content, "plain") else str(content)
+
+
+def replies(tab: ChatTab) -> list[AssistantMessage]:
+    return list(tab.query(AssistantMessage))
+
+
+# ---- the block map, without an app ---------------------------------------------------
+
+
+def _block_map(num_blocks: int, tables: dict[str, list[int]], owners: dict[str, str],
+               cached: list[int] = ()) -> BlockMap:
+    ref = np.zeros(num_blocks, dtype=np.int32)
+    for table in tables.values():
+        for block in table:
+            ref[block] += 1
+    hashed = np.zeros(num_blocks, dtype=bool)
+    hashed[list(cached)] = True
+    return BlockMap.build(ref, hashed, tables, owners)
+
+
+@pytest.mark.timeout(30)
+def test_block_codes_colour_shared_cached_free():
+    blocks = _block_map(8, {"a/1": [0, 1, 2], "b/1": [0, 3], "x": [4]},
+                        {"a/1": "tab-a", "b/1": "tab-b", "x": "cli"}, cached=[5])
+    codes = block_codes(blocks, {"tab-a": 0, "tab-b": 1})
+    assert codes.tolist() == [SHARED, TAB0, TAB0, TAB0 + 1, 3, CACHED, FREE, FREE]
+
+
+@pytest.mark.timeout(30)
+def test_layout_fits_any_pool_size():
+    assert Layout.fit(100, 40, 10) == Layout(100, 40, 3, half=False)
+    half = Layout.fit(600, 40, 10)
+    assert half.half and half.per_pixel == 1 and half.rows == 8
+    assert half.blocks_at(0, 0) == (0, 40) and half.cell_of(41) == (1, 0)
+    for num_blocks in (10_000, 65_536, 1_000_003):
+        layout = Layout.fit(num_blocks, 44, 18)
+        assert layout.half and layout.rows <= 18
+        assert layout.rows * layout.width * 2 * layout.per_pixel >= num_blocks
+        top, bottom = cell_grid(np.zeros(num_blocks, dtype=np.uint8), layout)
+        assert top.shape == bottom.shape == (layout.rows, 44)
+    # A scaled cell shows the most telling block it stands for.
+    assert downsample(np.array([FREE, CACHED, TAB0, FREE, SHARED, TAB0 + 1], np.uint8), 3).tolist() \
+        == [TAB0, SHARED]
+
+
+@pytest.mark.timeout(30)
+def test_block_detail_shows_tokens_of_the_block():
+    blocks = _block_map(4, {"a/1": [2, 0]}, {"a/1": "tab-a"})
+    tokens = list(range(100, 132))
+    info = {"tab-a": TabInfo("Alpha", 0, lambda rid: tokens if rid == "a/1" else None)}
+    plain = describe_block(0, blocks, 16, info, lambda ids: " ".join(map(str, ids))).plain
+    assert "block 0" in plain and "ref 1" in plain and "owners: Alpha" in plain
+    # Positions in the request's table come with BlockMap.holder_positions (when the engine
+    # reports them): block 0 is the request's second block, tokens 16..31.
+    positioned = _WithPositions(blocks, np.array([1, 0], dtype=np.int32))
+    plain = describe_block(0, positioned, 16, info, lambda ids: " ".join(map(str, ids))).plain
+    assert "tokens 16–31" in plain and "116 117" in plain
+
+
+class _WithPositions:
+    """A BlockMap plus `holder_positions` (the block's index in each holder's table)."""
+
+    def __init__(self, blocks: BlockMap, holder_positions: np.ndarray) -> None:
+        self._blocks = blocks
+        self.holder_positions = holder_positions
+
+    def __getattr__(self, name):
+        return getattr(self._blocks, name)
+
+
+@pytest.mark.timeout(30)
+def test_code_blocks_are_found():
+    text = "Here:\n```python\nprint(1)\n```\nand\n~~~\nls -l\n~~~\n"
+    assert code_blocks(text) == ["print(1)\n", "ls -l\n"]
+
+
+# ---- Pilot tests ---------------------------------------------------------------------
+
+
+@pytest.mark.timeout(180)
+async def test_tabs_stream_concurrently_and_share_blocks(engine, tmp_path):
+    """Four tabs, prompts typed in each: every tab gets a reply, the engine batches them,
+    and the block map shows blocks of several tabs and the shared system-prompt blocks."""
+    app = make_app(engine, tmp_path, make_settings(max_tokens=300))
+    async with app.run_test(size=(140, 44)) as pilot:
+        watcher = Watcher(app, engine)
+        for index in range(4):
+            if index:
+                await new_tab(pilot)
+            await type_prompt(pilot, f"hello from tab {index}")
+        assert len(app.chat_tabs) == 4
+        await wait_until(pilot, lambda: idle(app), timeout=120)
+        watcher.stop()
+        assert watcher.max_batch > 1, "the engine never batched two tabs"
+        assert len(watcher.tab_codes) >= 2, "the block map never showed blocks of two tabs"
+        assert watcher.shared_seen, "the shared system-prompt blocks never showed"
+        for tab in app.chat_tabs:
+            [reply] = replies(tab)
+            assert tab.metrics.tokens == 300 and reply.text
+            assert "ttft" in reply.footer and "t/s" in app.tabs.get_tab(tab.id).label.plain
+        assert engine.stats().prefix_cache_hit_tokens > 0
+
+
+@pytest.mark.timeout(180)
+async def test_fork_shares_every_full_block(engine, tmp_path):
+    app = make_app(engine, tmp_path, make_settings(max_tokens=40))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await type_prompt(pilot, "tell me about paging")
+        await wait_until(pilot, lambda: idle(app))
+        original = app.active_tab
+        history = len(original.conversation.token_ids)
+        fork = await new_tab(pilot, "ctrl+f")
+        assert fork is not original and fork.title.endswith("(fork)")
+        assert [m.text for m in fork.query(UserMessage)] == ["tell me about paging"]
+        assert fork.conversation.token_ids == original.conversation.token_ids
+        # Both tabs answer the same follow-up at once: their histories' blocks are shared.
+        original.sampling = fork.sampling = {"max_tokens": 300}
+        shared = []
+
+        async def watch():
+            while True:
+                stats = engine.stats()
+                shared.append(len(np.intersect1d(blocks_owned(stats, original.chat_id),
+                                                 blocks_owned(stats, fork.chat_id))))
+                await asyncio.sleep(0.01)
+
+        watching = asyncio.get_running_loop().create_task(watch())
+        await type_prompt(pilot, "and segmentation?")
+        app.tabs.active = original.id
+        await wait_until(pilot, lambda: app.focused is original.prompt)
+        await type_prompt(pilot, "and segmentation?")
+        await wait_until(pilot, lambda: idle(app), timeout=120)
+        watching.cancel()
+        assert max(shared) >= history // 16
+        assert fork.metrics.cached_tokens >= history // 16 * 16
+
+
+@pytest.mark.timeout(120)
+async def test_stop_frees_blocks(engine, tmp_path):
+    app = make_app(engine, tmp_path, make_settings(max_tokens=5000))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await type_prompt(pilot, "go on forever")
+        tab = app.active_tab
+        await wait_until(pilot, lambda: tab.metrics.tokens > 8)
+        assert engine.stats().blocks_in_use > 0
+        await press(pilot, "escape")
+        await wait_until(pilot, lambda: idle(app))
+        await wait_until(pilot, lambda: engine.stats().blocks_in_use == 0, timeout=5)
+        [reply] = replies(tab)
+        assert reply.footer.endswith("stopped") and reply.text
+        [stored] = [m for m in app.store.get_chat(tab.chat_id).messages if m.role == "assistant"]
+        assert stored.finish_reason == "abort" and stored.token_ids == tab.conversation.token_ids[-len(stored.token_ids):]
+        # The stopped reply is part of the context: the next turn reuses its blocks.
+        await type_prompt(pilot, "short one")
+        tab.sampling = {"max_tokens": 4}
+        await wait_until(pilot, lambda: idle(app))
+        assert tab.metrics.cached_tokens > 0
+
+
+@pytest.mark.timeout(180)
+async def test_restart_restores_chats_lazily(engine, tmp_path):
+    settings = make_settings(max_tokens=16)
+    app = make_app(engine, tmp_path, settings)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await type_prompt(pilot, "first chat")
+        await wait_until(pilot, lambda: idle(app))
+        await new_tab(pilot)
+        await type_prompt(pilot, "second chat")
+        await wait_until(pilot, lambda: idle(app))
+        first, second = app.chat_tabs
+        ids = [first.chat_id, second.chat_id]
+        history = list(first.conversation.token_ids)
+        replies_before = [replies(t)[0].text for t in (first, second)]
+    app.store.close()
+
+    app = make_app(engine, tmp_path, settings)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        tabs = app.chat_tabs
+        assert [t.chat_id for t in tabs] == ids
+        assert [t.title for t in tabs] == ["first chat", "second chat"]
+        assert app.active_tab is tabs[1]           # the tab that was active
+        assert tabs[0]._loaded is False            # not loaded until shown
+        assert replies(tabs[1])[0].text == replies_before[1]
+        app.tabs.active = tabs[0].id
+        await wait_until(pilot, lambda: tabs[0]._loaded and replies(tabs[0])
+                         and app.focused is tabs[0].prompt)
+        assert replies(tabs[0])[0].text == replies_before[0]
+        # A follow-up prompt continues from the exact stored ids: the prefix cache hits.
+        await type_prompt(pilot, "and again")
+        await wait_until(pilot, lambda: idle(app))
+        assert tabs[0].conversation.token_ids[:len(history)] == history
+        assert tabs[0].metrics.cached_tokens >= len(history) // 16 * 16
+
+
+@pytest.mark.timeout(120)
+async def test_long_chat_mounts_lazily(engine, tmp_path):
+    store = ChatStore(tmp_path / "chats.db")
+    chat = store.create_chat("long", "tiny")
+    for index in range(100):
+        store.add_message(chat.id, "user", f"question {index}", [1])
+        store.add_message(chat.id, "assistant", f"answer {index}", [2], "stop")
+    store.close()
+    app = make_app(engine, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        tab = app.active_tab
+        assert len(tab.query(".message")) == 30
+        assert tab.query_one(UserMessage).text == "question 85"
+        tab.query_one(".earlier").press()
+        await wait_until(pilot, lambda: len(tab.query(".message")) == 60)
+        assert tab.query_one(UserMessage).text == "question 70"
+
+
+@pytest.mark.timeout(120)
+async def test_model_loads_in_a_worker_while_the_ui_is_open(tui_model_dir, tmp_path, monkeypatch):
+    from_config = AsyncEngine.from_config.__func__
+
+    def slow_load(cls, config):  # the tiny model loads too fast to see "loading"
+        time.sleep(1.5)
+        return from_config(cls, config)
+
+    monkeypatch.setattr(AsyncEngine, "from_config", classmethod(slow_load))
+    settings = make_settings(max_tokens=8)
+    app = TuiTestApp(settings, engine_config=engine_config(tui_model_dir),
+                  store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.pause()
+        assert "loading" in text_of(app.query_one("#status"))
+        await type_prompt(pilot, "typed before the model is ready")   # waits for the model
+        await wait_until(pilot, lambda: app.engine is not None, timeout=60)
+        await wait_until(pilot, lambda: idle(app))
+        assert "ready" in text_of(app.query_one("#status"))
+        assert replies(app.active_tab)[0].text
+        engine = app.engine
+    assert engine._thread.is_alive() is False   # the app shut down the engine it loaded
+
+
+@pytest.mark.timeout(60)
+async def test_model_load_failure_is_shown(tmp_path):
+    app = TuiTestApp(make_settings(), engine_config=EngineConfig(model=str(tmp_path / "missing")),
+                  store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.load_error is not None)
+        assert "failed to load" in text_of(app.query_one("#status"))
+        await type_prompt(pilot, "hello?")
+        await wait_until(pilot, lambda: idle(app))
+        assert "failed to load" in text_of(app.active_tab.query_one(ErrorMessage))
+
+
+@pytest.mark.timeout(120)
+async def test_engine_error_shows_in_the_tab_and_the_app_carries_on(engine, tmp_path):
+    runner = engine.engine.runner
+    execute = runner.execute
+    calls = {"n": 0}
+
+    def failing_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated device fault")
+        return execute(*args, **kwargs)
+
+    runner.execute = failing_once
+    app = make_app(engine, tmp_path, make_settings(max_tokens=8))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await type_prompt(pilot, "this one fails")
+        await wait_until(pilot, lambda: idle(app))
+        tab = app.active_tab
+        assert "simulated device fault" in text_of(tab.query_one(ErrorMessage))
+        await type_prompt(pilot, "this one works")
+        await wait_until(pilot, lambda: idle(app))
+        assert replies(tab)[-1].text and tab.metrics.tokens == 8
+
+
+@pytest.mark.timeout(60)
+async def test_prompt_input_keys(engine, tmp_path):
+    app = make_app(engine, tmp_path, make_settings(max_tokens=2))
+    async with app.run_test(size=(120, 40)) as pilot:
+        prompt = app.active_tab.prompt
+        await press(pilot, "a", "ctrl+j", "b", "shift+enter", "c")
+        assert prompt.text == "a\nb\nc"
+        await press(pilot, "enter")
+        await wait_until(pilot, lambda: idle(app))
+        assert prompt.text == "" and [m.text for m in app.active_tab.query(UserMessage)] == ["a\nb\nc"]
+        await type_prompt(pilot, "second")
+        await wait_until(pilot, lambda: idle(app))
+        await press(pilot, "x", "up")
+        assert prompt.text == "second"
+        await press(pilot, "up")
+        assert prompt.text == "a\nb\nc"
+        await press(pilot, "down", "down", "down")   # through the last line, back to the draft
+        assert prompt.text == "x"
+
+
+@pytest.mark.timeout(120)
+async def test_regenerate_copy_and_broadcast(engine, tmp_path):
+    app = make_app(engine, tmp_path, make_settings(max_tokens=12))
+    async with app.run_test(size=(120, 40)) as pilot:
+        await type_prompt(pilot, "hi")
+        await wait_until(pilot, lambda: idle(app))
+        tab = app.active_tab
+        first = replies(tab)[0].text
+        tab.sampling = {"temperature": 1.0, "seed": 7}
+        await press(pilot, "ctrl+r")
+        await wait_until(pilot, lambda: idle(app))
+        [reply] = replies(tab)
+        assert reply.text != first
+        stored = app.store.get_chat(tab.chat_id).messages
+        assert [m.role for m in stored] == ["user", "assistant"] and stored[1].content == reply.text
+        await press(pilot, "alt+c")
+        assert app.clipboard == reply.text
+        # Broadcast the typed prompt to every tab.
+        await new_tab(pilot)
+        await press(pilot, *"both", "ctrl+b")
+        await wait_until(pilot, lambda: all(len(replies(t)) >= 1 for t in app.chat_tabs))
+        await wait_until(pilot, lambda: idle(app))
+        assert [m.text for m in app.chat_tabs[0].query(UserMessage)][-1] == "both"
+        assert [m.text for m in app.chat_tabs[1].query(UserMessage)] == ["both"]
+
+
+@pytest.mark.timeout(120)
+async def test_dialogs_rename_settings_close(engine, tmp_path):
+    app = make_app(engine, tmp_path, make_settings(max_tokens=2000))
+    async with app.run_test(size=(120, 40)) as pilot:
+        tab = app.active_tab
+        await press(pilot, "f2")
+        await wait_until(pilot, lambda: isinstance(app.screen, TextPromptScreen))
+        app.screen.query_one("#text").value = "Renamed"
+        await press(pilot, "enter")
+        await wait_until(pilot, lambda: "Renamed" in app.tabs.get_tab(tab.id).label.plain)
+        assert tab.title == app.store.get_chat(tab.chat_id).title == "Renamed"
+        await press(pilot, "f4")
+        await wait_until(pilot, lambda: isinstance(app.screen, ChatSettingsScreen))
+        app.screen.query_one("#system-prompt").text = "Be terse."
+        app.screen.query_one("#f-temperature").value = "-1"
+        await press(pilot, "ctrl+s")
+        await wait_until(pilot, lambda: "temperature" in text_of(app.screen.query_one("#settings-error")))
+        app.screen.query_one("#f-temperature").value = "0.5"
+        await press(pilot, "ctrl+s")
+        await wait_until(pilot, lambda: not isinstance(app.screen, ChatSettingsScreen))
+        chat = app.store.get_chat(tab.chat_id)
+        assert chat.system_prompt == "Be terse." and chat.sampling == {"temperature": 0.5}
+        # Closing a streaming tab asks first.
+        await type_prompt(pilot, "long reply")
+        await wait_until(pilot, lambda: tab.metrics.tokens > 2)
+        await press(pilot, "ctrl+w")
+        await wait_until(pilot, lambda: app.screen.__class__.__name__ == "ConfirmScreen")
+        await press(pilot, "n")
+        assert tab.is_attached and tab.streaming
+        await press(pilot, "ctrl+w")
+        await wait_until(pilot, lambda: app.screen.__class__.__name__ == "ConfirmScreen")
+        await press(pilot, "y")
+        await wait_until(pilot, lambda: not tab.is_attached)
+        assert len(app.chat_tabs) == 1                           # a fresh tab replaced it
+        await wait_until(pilot, lambda: engine.stats().blocks_in_use == 0, timeout=5)
+        stored = app.store.get_chat(tab.chat_id).messages
+        assert stored[-1].finish_reason == "abort" and stored[-1].token_ids
+
+
+@pytest.mark.timeout(60)
+async def test_palette_help_keymap_and_theme(engine, tmp_path):
+    settings = make_settings(theme="gruvbox", keys={"new_chat": "ctrl+t", "help": "f10"})
+    app = make_app(engine, tmp_path, settings)
+    async with app.run_test(size=(120, 40)) as pilot:
+        assert app.theme == "gruvbox"
+        titles = {command.title for command in app.get_system_commands(app.screen)}
+        assert {description for _, _, description, _ in ACTIONS} <= titles
+        await new_tab(pilot, "ctrl+t")
+        await press(pilot, "f10")
+        await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen))
+        assert ("^t", "New chat") in app.key_help()
+        await press(pilot, "escape")
+        await wait_until(pilot, lambda: not isinstance(app.screen, HelpScreen))
+        await press(pilot, "f8")
+        await wait_until(pilot, lambda: app.panel.has_class("collapsed"))
+
+
+@pytest.mark.timeout(240)
+async def test_demo_tabs_chat_by_themselves(engine, tmp_path):
+    app = make_app(engine, tmp_path, make_settings(max_tokens=24), demo=4)
+    async with app.run_test(size=(140, 44)) as pilot:
+        assert len(app.chat_tabs) == 4
+        max_batch = 0
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+                len(replies(t)) >= 2 for t in app.chat_tabs):
+            max_batch = max(max_batch, engine.stats().batch_size)
+            await pilot.pause(0.02)
+        assert all(len(replies(t)) >= 2 for t in app.chat_tabs)
+        assert max_batch > 1
+        systems = [t.system_prompt for t in app.chat_tabs]
+        assert systems[0] == systems[2]   # shared system prompt across demo tabs
+
+
+@pytest.mark.timeout(240)
+async def test_keypress_echo_latency_while_eight_tabs_stream(engine, tmp_path):
+    """Time from a key event reaching the app to the character being in the input and the
+    screen refreshed, while eight tabs stream (the engine thread busy with a batch of 8)."""
+    app = make_app(engine, tmp_path, make_settings(max_tokens=400), demo=8)
+    async with app.run_test(size=(140, 44)) as pilot:
+        await wait_until(pilot, lambda: engine.stats().batch_size >= 6, timeout=60)
+        tab = app.active_tab
+        tab.autopilot.paused = True
+        await wait_until(pilot, lambda: not tab.streaming, timeout=120)
+        prompt = tab.prompt
+        prompt.focus()
+        samples = []
+        for index in range(30):
+            char = "abcdefghij"[index % 10]
+            before = prompt.text
+            started = time.perf_counter()
+            app.post_message(events.Key(char, char))
+            while prompt.text == before:
+                await asyncio.sleep(0.001)
+            samples.append(time.perf_counter() - started)
+            await asyncio.sleep(0.03)
+        busy = engine.stats().batch_size
+        median, worst = statistics.median(samples), max(samples)
+        print(f"\nkeypress->echo while {busy} sequences stream: median {median * 1000:.1f} ms, "
+              f"p90 {sorted(samples)[26] * 1000:.1f} ms, max {worst * 1000:.1f} ms")
+        assert median < 0.1
+
+
+# ---- the real command in tmux ----------------------------------------------------------
+
+
+def _tmux(*args: str) -> str:
+    return subprocess.run(["tmux", *args], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
+def test_paged_chat_in_tmux(tui_model_dir, tmp_path):
+    config = tmp_path / "config.toml"
+    config.write_text(f'[engine]\nmodel = "{tui_model_dir}"\ndevice = "cpu"\ndtype = "float32"\n'
+                      'num_blocks = 512\n\n[chat]\ntemperature = 0.0\nmax_tokens = 24\n')
+    env = {**os.environ, "PAGED_CHAT_CONFIG": str(config), "PAGED_CHAT_DATA_DIR": str(tmp_path / "data"),
+           "PAGED_CHAT_CACHE_DIR": os.environ["PAGED_CHAT_CACHE_DIR"], "TERM": "xterm-256color"}
+    session = f"paged-chat-test-{os.getpid()}"
+    command = f"{sys.executable} -m paged_chat"
+    socket = ["-L", session]
+    subprocess.run(["tmux", *socket, "new-session", "-d", "-s", session, "-x", "120", "-y", "40",
+                    *[arg for key in ("PAGED_CHAT_CONFIG", "PAGED_CHAT_DATA_DIR", "PAGED_CHAT_CACHE_DIR",
+                                      "HF_HUB_OFFLINE", "TERM") for arg in ("-e", f"{key}={env[key]}")],
+                    command], check=True)
+
+    def screen() -> str:
+        return _tmux(*socket, "capture-pane", "-p", "-t", session)
+
+    def wait_for(predicate, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            text = screen()
+            if predicate(text):
+                return text
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out; the screen was:\n{text}")
+            time.sleep(0.1)
+
+    try:
+        wait_for(lambda s: "ready" in s and "KV cache" in s)
+        _tmux(*socket, "send-keys", "-t", session, "-l", "hello from tmux one")
+        _tmux(*socket, "send-keys", "-t", session, "Enter")
+        wait_for(lambda s: "24 tok" in s)
+        _tmux(*socket, "send-keys", "-t", session, "C-n")
+        wait_for(lambda s: "Chat 2" in s)
+        _tmux(*socket, "send-keys", "-t", session, "-l", "second tab says hi")
+        _tmux(*socket, "send-keys", "-t", session, "Enter")
+        text = wait_for(lambda s: "second tab says hi" in s and "24 tok" in s)
+        assert "hello from tmux one" in text          # the first tab's title
+        assert "assistant" in text and "blocks × 16" in text
+        _tmux(*socket, "send-keys", "-t", session, "C-q")
+        wait_for(lambda s: "KV cache" not in s, timeout=20)
+    finally:
+        subprocess.run(["tmux", *socket, "kill-server"], capture_output=True)
+    store = ChatStore(tmp_path / "data" / "chats.db")
+    chats = store.list_chats()
+    assert sorted(c.title for c in chats) == ["hello from tmux one", "second tab says hi"]
+    for chat in chats:
+        roles = [m.role for m in store.get_chat(chat.id).messages]
+        assert roles == ["user", "assistant"]
+    store.close()
