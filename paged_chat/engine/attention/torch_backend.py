@@ -19,6 +19,8 @@ plus the new tokens, with a causal mask offset by the prefix length.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -66,35 +68,30 @@ class TorchAttention:
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        num_seqs = query.shape[0]
-        block_ids, padding = self._decode_layout(meta, num_seqs)
-        keys = self._gather(key_cache, block_ids, num_seqs)
-        values = self._gather(value_cache, block_ids, num_seqs)
-        context = keys.shape[2]
-        batch = self.num_kv_heads * num_seqs
-        grouped = (query.view(num_seqs, self.num_kv_heads, self.group_size, self.head_dim)
-                   .transpose(0, 1).reshape(batch, self.group_size, self.head_dim))
-        scores = torch.bmm(grouped, keys.view(batch, context, self.head_dim).transpose(1, 2))
-        scores = scores.float().view(self.num_kv_heads, num_seqs, self.group_size, context)
-        scores.masked_fill_(padding, float("-inf"))
+        num_seqs, kv_heads, group, dim = query.shape[0], self.num_kv_heads, self.group_size, self.head_dim
+        layout = _DecodeLayout.of(meta, num_seqs)
+        grouped = query.view(num_seqs, kv_heads, group, dim).transpose(0, 1).contiguous()
+        batch = kv_heads * num_seqs
+        keys = self._gather(key_cache, layout.unique_ids, num_seqs).view(batch, -1, dim)
+        values = self._gather(value_cache, layout.unique_ids, num_seqs).view(batch, -1, dim)
+        scores = torch.bmm(grouped.view(batch, group, dim), keys.transpose(1, 2))
+        scores = scores.view(kv_heads, num_seqs, group, -1)
+        if layout.shared_ids is not None:
+            # Cascade: the prefix every sequence shares is read once, for all their queries.
+            shared_keys = self._gather(key_cache, layout.shared_ids, 1).view(kv_heads, -1, dim)
+            shared_values = self._gather(value_cache, layout.shared_ids, 1).view(kv_heads, -1, dim)
+            shared_scores = torch.bmm(grouped.view(kv_heads, num_seqs * group, dim),
+                                      shared_keys.transpose(1, 2))
+            scores = torch.cat((shared_scores.view(kv_heads, num_seqs, group, -1), scores), dim=-1)
+        scores = scores.float().masked_fill_(layout.padding, float("-inf"))
         probs = torch.softmax(scores * self.scale, dim=-1).to(values.dtype)
-        out = torch.bmm(probs.view(batch, self.group_size, context),
-                        values.view(batch, context, self.head_dim))
-        return (out.view(self.num_kv_heads, num_seqs, self.group_size, self.head_dim)
-                .transpose(0, 1).reshape(num_seqs, self.num_heads, self.head_dim))
-
-    @staticmethod
-    def _decode_layout(meta: AttentionMetadata, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decode gather index and padding mask: the same for every layer, so built once."""
-        cached = meta.per_step.get("torch_decode")
-        if cached is None:
-            longest = max(meta.seq_lens_list[:num_seqs])
-            num_blocks = -(-longest // meta.block_size)
-            block_ids = meta.block_tables[:num_seqs, :num_blocks].reshape(-1).long()
-            positions = torch.arange(num_blocks * meta.block_size, device=block_ids.device)
-            padding = positions[None, :] >= meta.seq_lens[:num_seqs, None]
-            cached = meta.per_step["torch_decode"] = (block_ids, padding[None, :, None, :])
-        return cached
+        shared_len = scores.shape[-1] - keys.shape[1]
+        out = torch.bmm(probs[..., shared_len:].reshape(batch, group, -1), values)
+        if layout.shared_ids is not None:
+            out += torch.bmm(probs[..., :shared_len].reshape(kv_heads, num_seqs * group, -1),
+                             shared_values).view(batch, group, dim)
+        return out.view(kv_heads, num_seqs, group, dim).transpose(0, 1).reshape(
+            num_seqs, self.num_heads, dim)
 
     def _prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  meta: AttentionMetadata, seq: int) -> torch.Tensor:
@@ -110,3 +107,47 @@ class TorchAttention:
         out = F.scaled_dot_product_attention(query.transpose(0, 1), keys, values, attn_mask=mask,
                                              scale=self.scale, enable_gqa=self.group_size > 1)
         return out.transpose(0, 1)
+
+
+_MIN_SHARED_BLOCKS = 2
+
+
+@dataclass(slots=True)
+class _DecodeLayout:
+    """Where a step's decode sequences read their context: the same for every layer, so
+    built once per step (kept in `meta.per_step`).
+
+    `shared_ids` are the leading blocks every decode sequence has in its table (a shared
+    system prompt, a forked chat), or None; `unique_ids` the rest of each table up to the
+    longest context, flat; `padding` marks positions past each sequence's end, over the
+    shared and unique keys in that order.
+    """
+
+    shared_ids: torch.Tensor | None
+    unique_ids: torch.Tensor
+    padding: torch.Tensor
+
+    @classmethod
+    def of(cls, meta: AttentionMetadata, num_seqs: int) -> "_DecodeLayout":
+        layout = meta.per_step.get("torch_decode")
+        if layout is None:
+            layout = meta.per_step["torch_decode"] = cls._build(meta, num_seqs)
+        return layout
+
+    @classmethod
+    def _build(cls, meta: AttentionMetadata, num_seqs: int) -> "_DecodeLayout":
+        seq_lens = meta.seq_lens_list[:num_seqs]
+        num_blocks = -(-max(seq_lens) // meta.block_size)
+        tables = meta.block_tables[:num_seqs, :num_blocks].long()
+        full_in_all = min(seq_lens) // meta.block_size
+        shared = 0
+        if num_seqs > 1 and full_in_all >= _MIN_SHARED_BLOCKS:
+            same = (tables[:, :full_in_all] == tables[:1, :full_in_all]).all(dim=0)
+            shared = int(same.int().cumprod(0).sum())
+        if shared < _MIN_SHARED_BLOCKS:
+            shared = 0
+        positions = torch.arange(num_blocks * meta.block_size, device=tables.device)
+        padding = positions[None, :] >= meta.seq_lens[:num_seqs, None]
+        return cls(shared_ids=tables[0, :shared] if shared else None,
+                   unique_ids=tables[:, shared:].reshape(-1),
+                   padding=padding[None, :, None, :])

@@ -1,0 +1,72 @@
+"""The torch paged-attention backend against plain dense attention, sequence by sequence."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_chat.engine.attention.metadata import AttentionMetadata
+from paged_chat.engine.attention.torch_backend import TorchAttention
+
+BLOCK = 4
+HEADS, KV_HEADS, DIM = 6, 2, 8
+
+
+def dense_reference(query, keys, values, query_positions):
+    """Causal attention of each query over keys[:position + 1], GQA by repetition."""
+    group = HEADS // KV_HEADS
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    out = []
+    for q, position in zip(query, query_positions):
+        scores = torch.einsum("hd,lhd->hl", q, keys[:position + 1]) * DIM ** -0.5
+        out.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), values[:position + 1]))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("shared_blocks", [0, 3])
+@pytest.mark.parametrize("num_prefill", [0, 2])
+def test_paged_attention_matches_dense(shared_blocks, num_prefill):
+    generator = torch.Generator().manual_seed(shared_blocks * 10 + num_prefill)
+    attention = TorchAttention(HEADS, KV_HEADS, DIM, DIM ** -0.5)
+    num_blocks = 64
+    key_cache = torch.randn(attention.kv_cache_shape(num_blocks, BLOCK), generator=generator)
+    value_cache = torch.randn(attention.kv_cache_shape(num_blocks, BLOCK), generator=generator)
+    free = torch.randperm(num_blocks, generator=generator).tolist()
+    shared = [free.pop() for _ in range(shared_blocks)]
+    # Four decodes (some ending mid-block), then prefill chunks that start mid-sequence.
+    seq_lens = [shared_blocks * BLOCK + n for n in (5, 9, 14, 3)] + [shared_blocks * BLOCK + 11] * num_prefill
+    new_tokens = [1, 1, 1, 1] + [6] * num_prefill
+    tables, contexts = [], []
+    for length in seq_lens:
+        table = shared + [free.pop() for _ in range(-(-length // BLOCK) - shared_blocks)]
+        tables.append(table)
+        slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])
+        contexts.append(slots)
+    width = max(map(len, tables))
+    total = sum(new_tokens)
+    query = torch.randn(total, HEADS, DIM, generator=generator)
+    key = torch.randn(total, KV_HEADS, DIM, generator=generator)
+    value = torch.randn(total, KV_HEADS, DIM, generator=generator)
+    starts = [0]
+    for count in new_tokens:
+        starts.append(starts[-1] + count)
+    slot_mapping = torch.cat([slots[length - count:] for slots, length, count
+                              in zip(contexts, seq_lens, new_tokens)])
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping, query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        num_decodes=4, query_start_loc_list=starts, seq_lens_list=seq_lens, block_size=BLOCK)
+
+    out = attention(query, key, value, key_cache, value_cache, meta)
+
+    flat_keys = key_cache.permute(1, 2, 0, 3).reshape(num_blocks * BLOCK, KV_HEADS, DIM)
+    flat_values = value_cache.permute(1, 2, 0, 3).reshape(num_blocks * BLOCK, KV_HEADS, DIM)
+    for seq, (slots, length, count) in enumerate(zip(contexts, seq_lens, new_tokens)):
+        rows = slice(starts[seq], starts[seq + 1])
+        assert torch.equal(flat_keys[slots[length - count:]], key[rows]), "K stored in its slots"
+        expected = dense_reference(query[rows], flat_keys[slots], flat_values[slots],
+                                   range(length - count, length))
+        torch.testing.assert_close(out[rows], expected, rtol=1e-4, atol=1e-5)
+    if shared_blocks:
+        assert meta.per_step["torch_decode"].shared_ids.tolist() == shared
