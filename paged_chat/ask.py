@@ -316,7 +316,7 @@ def _run_turn(options: AskOptions, settings: Settings, make_engine: EngineFactor
         recorder = None
         if options.save:
             sampling = {name: getattr(params, name) for name in SAMPLING_KEYS}
-            chat = chat or store.create_chat(_title(user_text), _model_spec(config.model),
+            chat = chat or store.create_chat(_title(options.prompt or user_text), _model_spec(config.model),
                                              conversation.system_prompt, sampling)
             recorder = ChatRecorder(store, chat)
             recorder.start(conversation, user_text, prompt_ids)
@@ -419,6 +419,8 @@ def _load(make_engine: EngineFactory, config: EngineConfig) -> tuple[Engine, flo
 
 
 def _title(prompt: str) -> str:
+    """A new chat's title: the first line of the argument (what was asked, not the piped
+    material it was about) or else of stdin, shortened."""
     first = prompt.strip().splitlines()[0].strip()
     return first if len(first) <= _TITLE_LENGTH else first[:_TITLE_LENGTH - 1].rstrip() + "…"
 

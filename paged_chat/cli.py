@@ -97,7 +97,7 @@ def _describe(error: Exception) -> str:
 
     if isinstance(error, (PagedChatError, ValueError, OSError)):
         return str(error)
-    return f"{type(error).__name__}: {error} (--debug shows the traceback)"
+    return f"{type(error).__name__}: {error} (`paged-chat --debug ...` shows the traceback)"
 
 
 def _version(value: bool) -> None:
@@ -129,6 +129,8 @@ def root(ctx: typer.Context,
     state.debug = debug
     state.config = config
     if ctx.invoked_subcommand is not None:
+        if demo is not None:
+            raise typer.BadParameter("it opens the TUI, so it takes no command", param_hint="--demo")
         return
     if not _has_terminal():
         typer.echo("Error: the chat TUI needs a terminal; in pipes and scripts use "

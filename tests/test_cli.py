@@ -122,6 +122,7 @@ def test_tui_gets_the_settings_and_demo(cli, monkeypatch):
     assert [demo for _, demo in calls] == [3, None]
     assert calls[0][0].engine.model == str(cli.model)
     assert cli("--demo", "0").exit_code == 2
+    assert cli("--demo", "2", "chats").exit_code == 2 and len(calls) == 2
 
 
 # ---- ask -----------------------------------------------------------------------------
@@ -154,8 +155,9 @@ def test_ask_json_is_one_object(cli):
 def test_stdin_comes_before_the_argument(cli):
     cli("ask", "Review this", input="def f(): pass\n")
     cli("ask", input="only stdin\n")
-    contents = [cli.store().get_chat(chat.id).messages[0].content for chat in cli.store().list_chats()]
-    assert contents == ["only stdin", "def f(): pass\n\nReview this"]
+    chats = [cli.store().get_chat(chat.id) for chat in cli.store().list_chats()]
+    assert [chat.messages[0].content for chat in chats] == ["only stdin", "def f(): pass\n\nReview this"]
+    assert [chat.title for chat in chats] == ["only stdin", "Review this"]
 
 
 def test_no_prompt_is_a_usage_error(cli):
@@ -319,6 +321,35 @@ def test_ctrl_c_keeps_the_partial_answer_and_stops_the_engine(cli, monkeypatch):
     reply = cli.store().latest_chat().messages[1]
     assert reply.finish_reason == "abort" and 0 < len(reply.token_ids) < 50
     assert result.stdout == reply.content + "\n"
+
+
+def test_a_streaming_reply_is_saved_as_it_grows(cli, monkeypatch):
+    """A killed `ask` keeps what it had said: the reply row exists before the first token
+    and is updated while the answer streams (here after every step)."""
+    monkeypatch.setattr(ask_module, "SAVE_INTERVAL_S", 0.0)
+    seen = []
+
+    def engine_watching_the_store(config) -> Engine:
+        engine = cli._engine(config)
+        step = engine.step
+
+        def step_and_look():
+            outputs = step()
+            with cli.store() as store:
+                reply = store.latest_chat().messages[1]
+            seen.append((reply.content, reply.finish_reason))
+            return outputs
+
+        engine.step = step_and_look
+        return engine
+
+    assert cli("ask", "Hi", obj=CliState(engine_factory=engine_watching_the_store)).exit_code == 0
+    with cli.store() as store:
+        final = store.latest_chat().messages[1]
+    growing = [content for content, reason in seen if reason == "interrupted"]
+    assert growing[0] == "" and len(set(growing)) > 2
+    assert all(final.content.startswith(content) for content in growing)
+    assert final.finish_reason in ("stop", "length")
 
 
 # ---- ask --file ----------------------------------------------------------------------
