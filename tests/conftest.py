@@ -10,6 +10,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+
 _TEST_HOME = Path(tempfile.mkdtemp(prefix="paged-chat-tests-"))
 atexit.register(shutil.rmtree, _TEST_HOME, ignore_errors=True)
 
@@ -17,5 +19,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["PAGED_CHAT_CACHE_DIR"] = str(_TEST_HOME / "cache")
 os.environ["PAGED_CHAT_DATA_DIR"] = str(_TEST_HOME / "data")
 os.environ["PAGED_CHAT_CONFIG"] = str(_TEST_HOME / "config" / "config.toml")
+
+if not torch.cuda.is_available():
+    # Without a GPU the Triton kernels run interpreted. Triton reads this when it defines a
+    # kernel (its own helpers included), so it is set before anything imports triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 pytest_plugins = ["engine_fixtures"]

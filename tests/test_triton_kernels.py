@@ -19,24 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-    # Triton reads this when it defines a kernel, its own helpers (tl.sum, tl.zeros...)
-    # included. The fixtures already imported triton (torch._dynamo does, under
-    # transformers), so drop it and our kernels to define everything again, interpreted.
-    os.environ["TRITON_INTERPRET"] = "1"
-    # The compiled extension (triton._C) stays: it cannot be loaded twice.
-    for name in [n for n in sys.modules if n.startswith("paged_chat.engine.attention.triton_")
-                 or (n.split(".")[0] == "triton" and not n.startswith("triton._C"))]:
-        del sys.modules[name]
-
 triton = pytest.importorskip("triton", reason="the Triton kernels need the triton package "
                              "(extra 'gpu')")
 
-from paged_chat.engine import PagedChatError, SamplingParams  # noqa: E402
-from paged_chat.engine.attention.metadata import AttentionMetadata  # noqa: E402
-from paged_chat.engine.attention.torch_backend import TorchAttention  # noqa: E402
-from paged_chat.engine.attention.triton_backend import TritonAttention  # noqa: E402
-from paged_chat.engine.attention.triton_kernels import (  # noqa: E402
+from paged_chat.engine import PagedChatError, SamplingParams
+from paged_chat.engine.attention.metadata import AttentionMetadata
+from paged_chat.engine.attention.torch_backend import TorchAttention
+from paged_chat.engine.attention.triton_backend import TritonAttention
+from paged_chat.engine.attention.triton_kernels import (
     MAX_SPLITS, choose_num_splits, paged_attention, store_kv)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
