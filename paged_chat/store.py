@@ -153,8 +153,8 @@ class ChatStore:
 
     def create_chat(self, title: str, model: str, system_prompt: str | None = None,
                     sampling: dict | None = None) -> Chat:
-        chat = Chat(uuid.uuid4().hex[:12], title, model, system_prompt, dict(sampling or {}),
-                    created=time.time(), updated=time.time())
+        now = time.time()
+        chat = Chat(_new_id(), title, model, system_prompt, dict(sampling or {}), now, now)
         with self._transaction() as db:
             db.execute(f"INSERT INTO chats ({_CHAT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
                        (chat.id, title, model, system_prompt, json.dumps(chat.sampling),
@@ -198,8 +198,7 @@ class ChatStore:
     def fork_chat(self, chat_id: str, title: str | None = None) -> Chat:
         """A new chat with a copy of every message, token ids included, so the fork's next
         prompt shares the original's cached blocks."""
-        new_id = uuid.uuid4().hex[:12]
-        now = time.time()
+        new_id, now = _new_id(), time.time()
         with self._transaction() as db:
             source = db.execute("SELECT title FROM chats WHERE id = ?", (chat_id,)).fetchone()
             if source is None:
@@ -350,6 +349,11 @@ class ChatStore:
             if source.exists():
                 source.rename(target.with_name(target.name + suffix))
         return target
+
+
+def _new_id() -> str:
+    """12 hex digits: short enough to type (a unique prefix will do), 48 random bits."""
+    return uuid.uuid4().hex[:12]
 
 
 def _chat(row: tuple) -> Chat:
