@@ -18,6 +18,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.torch_backend import TorchAttention
 from paged_chat.engine.config import EngineConfig
@@ -253,7 +254,7 @@ class Engine:
 
     # ---- set-up ---------------------------------------------------------------------
 
-    def _attention(self, model: ModelConfig) -> "TorchAttention | TritonAttention":
+    def _attention(self, model: ModelConfig) -> AttentionBackend:
         """Triton kernels on CUDA when triton imports ("auto"), else the torch reference.
 
         The Triton backend is imported here, not at module level: triton is an optional extra,
@@ -278,12 +279,12 @@ class Engine:
                                  "attention_backend='torch'")
         return TritonAttention(*args, scale=scale)
 
-    def _bytes_per_block(self, attention: TorchAttention) -> int:
+    def _bytes_per_block(self, attention: AttentionBackend) -> int:
         layer = math.prod(attention.kv_cache_shape(1, self.block_size))
         element = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * self.model_config.num_layers * layer * element
 
-    def _size_kv_pool(self, model: LlamaForCausalLM, attention: TorchAttention,
+    def _size_kv_pool(self, model: LlamaForCausalLM, attention: AttentionBackend,
                       model_len: int) -> int:
         if self.device.type == "cuda":
             budget = self._cuda_kv_budget(model, attention, model_len)
@@ -298,7 +299,7 @@ class Engine:
                                  "raise kv_cache_memory or gpu_memory_utilization")
         return int(num_blocks)
 
-    def _cuda_kv_budget(self, model: LlamaForCausalLM, attention: TorchAttention,
+    def _cuda_kv_budget(self, model: LlamaForCausalLM, attention: AttentionBackend,
                         model_len: int) -> int:
         """Profile the largest step this config allows (a full token budget of prefill, logits
         for max_num_seqs rows) against a scratch cache; the pool gets what is left of

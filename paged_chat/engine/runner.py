@@ -15,14 +15,15 @@ import time
 import torch
 
 from paged_chat.engine.attention.metadata import AttentionMetadata
-from paged_chat.engine.models.llama import AttentionFn, LlamaForCausalLM
+from paged_chat.engine.attention.backend import AttentionBackend
+from paged_chat.engine.models.llama import LlamaForCausalLM
 from paged_chat.engine.sampler import SamplingBatch, sample
 from paged_chat.engine.scheduler import ScheduledRequest
 
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
-                 attention: AttentionFn) -> None:
+                 attention: AttentionBackend) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size

@@ -1,9 +1,8 @@
 """Paged attention in plain torch: the reference for every kernel, and the CPU path.
 
-Layout: each layer's key (and value) cache is `[kv_heads, num_blocks, block_size,
-head_dim]`, head-major, so gathering a batch's blocks with one `index_select` yields
-`[kv_heads, seqs, context, head_dim]`, contiguous and ready for batched matrix products
-with no transpose copy.
+The head-major cache layout (attention/backend.py) lets one `index_select` gather a
+batch's blocks into `[kv_heads, seqs, context, head_dim]`, contiguous and ready for
+batched matrix products with no transpose copy.
 
 A step first writes the new tokens' K/V into their slots, then attends; so a sequence
 that reuses a block another sequence fills in this same step reads it after it was
@@ -24,28 +23,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata
 
 
-class TorchAttention:
-    """Reference paged attention; `scale` is 1/sqrt(head_dim) unless the model says otherwise."""
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.group_size = num_heads // num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
-
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of one layer's key (or value) cache."""
-        return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
+class TorchAttention(AttentionBackend):
+    """Reference paged attention in plain torch."""
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  key_cache: torch.Tensor, value_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        """query [T, heads, dim], key/value [T, kv_heads, dim] -> output [T, heads, dim]."""
         self._store(key, key_cache, meta.slot_mapping)
         self._store(value, value_cache, meta.slot_mapping)
         output = torch.empty_like(query)

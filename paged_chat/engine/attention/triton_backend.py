@@ -14,6 +14,7 @@ import functools
 import torch
 import triton
 
+from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.triton_kernels import choose_num_splits, paged_attention, store_kv
 
@@ -33,17 +34,11 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-class TritonAttention:
-    """Paged attention on Triton kernels; `scale` is 1/sqrt(head_dim) unless the model says
-    otherwise. Constructor, cache layout and call are the torch backend's."""
+class TritonAttention(AttentionBackend):
+    """Paged attention on Triton kernels, with the torch backend's cache layout and call."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.group_size = num_heads // num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self._group_pad = triton.next_power_of_2(self.group_size)
 
     def tile(self, kind: str, dtype: torch.dtype) -> tuple[int, int]:
@@ -51,16 +46,9 @@ class TritonAttention:
         rows, tile_n = TILES[kind, dtype == torch.float32]
         return max(1, rows // self._group_pad), tile_n
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of one layer's key (or value) cache: the torch backend's head-major layout, so
-        caches are interchangeable between backends and the kernels read one head's rows of a
-        block as one contiguous run."""
-        return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
-
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  key_cache: torch.Tensor, value_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        """query [T, heads, dim], key/value [T, kv_heads, dim] -> output [T, heads, dim]."""
         store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
         output = torch.empty_like(query)
         for seqs, block_q, tile_n, num_splits in self._launches(meta, key_cache):

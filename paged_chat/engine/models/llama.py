@@ -12,18 +12,15 @@ Q/K/V and gate/up projections are fused at load time: one matmul instead of thre
 from __future__ import annotations
 
 import math
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.errors import UnsupportedModelError
 from paged_chat.engine.models.model_config import ModelConfig
 
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                        AttentionMetadata], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -85,7 +82,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                attention: AttentionFn) -> torch.Tensor:
+                attention: AttentionBackend) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -120,7 +117,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                attention: AttentionFn) -> torch.Tensor:
+                attention: AttentionBackend) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, key_cache, value_cache, meta,
                                attention)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -202,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, attention: AttentionFn,
+                kv_cache: torch.Tensor, meta: AttentionMetadata, attention: AttentionBackend,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; kv_cache: [layers, 2, ...] in the attention
         backend's layout; returns fp32 logits [len(logits_indices), vocab]."""

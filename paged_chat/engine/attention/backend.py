@@ -1,0 +1,37 @@
+"""What every paged-attention backend shares: its shape and the KV cache layout.
+
+Layout: each layer's key (and value) cache is `[kv_heads, num_blocks, block_size,
+head_dim]`, head-major. Both backends use it, so a cache is interchangeable between them:
+the torch path gathers a batch's blocks with one `index_select` into contiguous
+`[kv_heads, seqs, context, head_dim]`, and the Triton kernels read one head's rows of a
+block as one contiguous run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paged_chat.engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend:
+    """Stores a step's K/V by slot mapping, then attends. `scale` is 1/sqrt(head_dim)
+    unless the model says otherwise."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group_size = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        """Shape of one layer's key (or value) cache."""
+        return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """query [T, heads, dim], key/value [T, kv_heads, dim] -> output [T, heads, dim]."""
+        raise NotImplementedError
