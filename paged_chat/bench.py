@@ -159,6 +159,7 @@ def run_paged_chat(engine: Engine, workload: Workload) -> SystemResult:
     engine.kv_cache.pool.reset_prefix_cache()
     peak = {"blocks": 0, "waste": 0.0, "batch": 0}
     forward_s = step_s = 0.0
+    timeline: list[tuple[float, int, int, int]] = []
     with RssMonitor() as rss:
         start = time.perf_counter()
         ids = [engine.add_request(p, sp) for p, sp in zip(workload.prompts, params)]
@@ -172,6 +173,7 @@ def run_paged_chat(engine: Engine, workload: Workload) -> SystemResult:
                 if out.finished:
                     tokens[out.request_id] = out.token_ids
             stats = engine.stats()
+            timeline.append((now - start, stats.blocks_in_use, stats.blocks_cached, stats.num_running))
             forward_s += engine.runner.last_forward_s
             step_s += stats.step_time_s
             peak["batch"] = max(peak["batch"], stats.batch_size)
@@ -188,6 +190,8 @@ def run_paged_chat(engine: Engine, workload: Workload) -> SystemResult:
                             "kv_waste_at_peak": peak["waste"],
                             "peak_blocks_in_use": peak["blocks"],
                             "host_overhead": 1 - forward_s / step_s if step_s else 0.0,
+                            "num_blocks": engine.num_blocks,
+                            "timeline": timeline,
                         })
 
 
@@ -416,7 +420,10 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
             results.append(run_paged_chat(engine, workload))
         elif name == "hf-cb":
             model = build_hf_model(source, baseline_dtype, "paged|eager")
-            results.append(run_hf_cb(model, workload, options.block_size, engine.num_blocks,
+            # Room for the whole workload twice over: it never preempts, and its own memory
+            # check (which assumes a GPU-sized budget) stays satisfied.
+            workload_blocks = (workload.num_prompt_tokens + workload.num_output_tokens) // options.block_size
+            results.append(run_hf_cb(model, workload, options.block_size, 2 * workload_blocks + 64,
                                      options.max_num_batched_tokens, options.num_chats))
         else:
             # transformers' SDPA decode in bf16 is pathologically slow on CPU (~30x eager here).
@@ -497,6 +504,38 @@ def format_report(report: dict) -> str:
                      f"{roof['decode_step_ms']:.1f} ms vs floor {roof['floor_ms']:.1f} ms "
                      f"({100 * roof['of_floor']:.0f}% of the machine's limit)")
     return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    """Output tokens/s per system, and paged-chat's KV blocks over time, as one PNG."""
+    try:
+        import matplotlib
+    except ImportError as error:
+        raise RuntimeError("--plot needs matplotlib: pip install 'paged-chat[bench]'") from error
+    matplotlib.use("Agg")
+    from matplotlib import pyplot
+
+    figure, (bars, occupancy) = pyplot.subplots(1, 2, figsize=(12, 4.5))
+    systems = report["systems"]
+    bars.bar([s["system"] for s in systems], [s["output_tokens_per_s"] for s in systems],
+             color=["#d9534f" if s["system"] == "paged-chat" else "#8c8c8c" for s in systems])
+    bars.set_ylabel("output tokens/s")
+    bars.set_title(f"{report['workload']['chats']} concurrent chats, {report['options']['dtype']}")
+    paged = next((s for s in systems if s["system"] == "paged-chat"), None)
+    if paged:
+        times, in_use, cached, running = zip(*paged["timeline"])
+        occupancy.stackplot(times, in_use, cached, labels=["in use", "cached"],
+                            colors=["#d9534f", "#f0ad4e"])
+        occupancy.set_ylim(0, max(max(in_use) + max(cached), 1) * 1.1)
+        occupancy.set_xlabel("seconds")
+        occupancy.set_ylabel("KV blocks")
+        occupancy.set_title(f"paged-chat KV pool ({paged['num_blocks']} blocks)")
+        running_axis = occupancy.twinx()
+        running_axis.plot(times, running, color="#337ab7", label="running")
+        running_axis.set_ylabel("running requests")
+        occupancy.legend(loc="upper right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
 
 
 def write_json(report: dict, path: str) -> None:

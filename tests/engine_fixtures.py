@@ -30,6 +30,16 @@ def tiny_model_dir(tmp_path_factory, smollm2_source) -> Path:
 
 
 @pytest.fixture(scope="session")
+def chat_model_dir(tmp_path_factory, smollm2_source) -> Path:
+    """A tiny random llama with the default model's full vocabulary and tokenizer, so real
+    chat templates (whose tokens are ids in the thousands) run through it."""
+    folder = tmp_path_factory.mktemp("tiny-chat-llama")
+    build_tiny_model("llama", folder, vocab_size=len(smollm2_source.tokenizer), tie_word_embeddings=True)
+    smollm2_source.tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def tiny_reference(tiny_model_dir) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype="float32").eval()
 

@@ -1,0 +1,59 @@
+"""`paged-chat bench` on a tiny model: every system runs the same workload, the report holds
+the figures the table prints, and the scenarios measure what they claim."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from paged_chat.bench import BenchOptions, format_report, run_bench, write_json
+
+
+@pytest.fixture(scope="module")
+def report(chat_model_dir):
+    options = BenchOptions(model=str(chat_model_dir), num_chats=4, min_output=3, max_output=6,
+                           dtype="float32", threads=1, roofline=True)
+    return run_bench(options, log=lambda line: None)
+
+
+def test_every_system_produces_the_workload(report):
+    systems = {s["system"]: s for s in report["systems"]}
+    assert set(systems) == {"paged-chat", "hf-seq", "hf-static", "hf-cb"}
+    for summary in systems.values():
+        assert summary["output_tokens"] == report["workload"]["output_tokens"]
+        assert summary["output_tokens_per_s"] > 0 and summary["mean_ttft_s"] > 0
+    assert systems["hf-seq"]["vs_hf_seq"] == 1.0
+    # Same fp32 weights, greedy: the engine reproduces transformers token for token.
+    assert systems["paged-chat"]["same_tokens_as_hf_seq"] == 1.0
+    assert systems["hf-static"]["decode_padding_waste"] > 0
+
+
+def test_paged_chat_figures(report):
+    paged = next(s for s in report["systems"] if s["system"] == "paged-chat")
+    shared = report["workload"]["shared_system_prompt_tokens"]
+    assert paged["prefix_cache_hit_tokens"] >= 3 * (shared // 16 * 16)
+    assert paged["peak_batch_size"] == 4
+    assert 0 <= paged["kv_waste_at_peak"] < 1 and 0 <= paged["host_overhead"] < 1
+
+
+def test_scenarios(report):
+    scenarios = report["scenarios"]
+    assert scenarios["fit"]["paged_chats_resident_at_once"] > scenarios["fit"]["contiguous_chats"]
+    assert scenarios["system_prompt_ttft"]["cold_s"] > scenarios["system_prompt_ttft"]["cached_s"]
+    turns = scenarios["five_turn_chat"]
+    assert len(turns) == 5
+    assert all(turn["prefilled"] <= turn["prompt_tokens"] - 100 for turn in turns[1:])
+    assert report["roofline"]["floor_ms"] > 0
+
+
+def test_report_prints_and_saves(report, tmp_path):
+    table = format_report(report)
+    assert "paged-chat" in table and "hf-cb" in table and "x" in table
+    write_json(report, str(tmp_path / "bench.json"))
+    assert json.loads((tmp_path / "bench.json").read_text())["workload"]["chats"] == 4
+
+
+def test_unknown_system_is_rejected(chat_model_dir):
+    with pytest.raises(ValueError, match="unknown system"):
+        run_bench(BenchOptions(model=str(chat_model_dir), systems=("vllm",)), log=lambda _: None)
