@@ -526,7 +526,7 @@ async def test_palette_help_keymap_and_theme(engine, tmp_path):
     async with app.run_test(size=(120, 40)) as pilot:
         assert app.theme == "gruvbox"
         titles = {command.title for command in app.get_system_commands(app.screen)}
-        assert {description for _, _, description, _ in ACTIONS} <= titles
+        assert {description for _, _, _, description, _ in ACTIONS} <= titles
         await new_tab(pilot, "ctrl+t")
         await press(pilot, "f10")
         await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen))
@@ -556,31 +556,33 @@ async def test_demo_tabs_chat_by_themselves(engine, tmp_path):
 
 @pytest.mark.timeout(240)
 async def test_keypress_echo_latency_while_eight_tabs_stream(engine, tmp_path):
-    """Time from a key event reaching the app to the character being in the input and the
-    screen refreshed, while eight tabs stream (the engine thread busy with a batch of 8)."""
-    app = make_app(engine, tmp_path, make_settings(max_tokens=400), demo=8)
+    """Time from a key event reaching the app to its character being in the input, while
+    eight other tabs stream (nine demo tabs; the one typed into is paused)."""
+    app = make_app(engine, tmp_path, make_settings(max_tokens=400), demo=9)
     async with app.run_test(size=(140, 44)) as pilot:
-        await wait_until(pilot, lambda: engine.stats().batch_size >= 6, timeout=60)
         tab = app.active_tab
         tab.autopilot.paused = True
         await wait_until(pilot, lambda: not tab.streaming, timeout=120)
+        await wait_until(pilot, lambda: engine.stats().num_running >= 6, timeout=60)
         prompt = tab.prompt
         prompt.focus()
-        samples = []
-        for index in range(30):
+        samples, running = [], []
+        for index in range(40):
             char = "abcdefghij"[index % 10]
             before = prompt.text
             started = time.perf_counter()
             app.post_message(events.Key(char, char))
             while prompt.text == before:
-                await asyncio.sleep(0.001)
+                await asyncio.sleep(0.0005)
             samples.append(time.perf_counter() - started)
-            await asyncio.sleep(0.03)
-        busy = engine.stats().batch_size
-        median, worst = statistics.median(samples), max(samples)
-        print(f"\nkeypress->echo while {busy} sequences stream: median {median * 1000:.1f} ms, "
-              f"p90 {sorted(samples)[26] * 1000:.1f} ms, max {worst * 1000:.1f} ms")
-        assert median < 0.1
+            running.append(engine.stats().num_running)
+            await asyncio.sleep(0.05)
+        samples.sort()
+        print(f"\nkeypress->echo while {min(running)}-{max(running)} sequences stream "
+              f"(mean {statistics.mean(running):.1f}): median {samples[20] * 1000:.1f} ms, "
+              f"p90 {samples[36] * 1000:.1f} ms, max {samples[-1] * 1000:.1f} ms")
+        assert statistics.mean(running) >= 5
+        assert samples[20] < 0.1
 
 
 # ---- the real command in tmux ----------------------------------------------------------

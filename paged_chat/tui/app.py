@@ -39,25 +39,26 @@ if TYPE_CHECKING:
     from paged_chat.settings import Settings
     from paged_chat.store import ChatStore
 
-# (action, default keys, description, priority): every action also has a palette entry.
-# The action name is the binding id, so `[tui.keys] new_chat = "ctrl+t"` rebinds it.
-ACTIONS: list[tuple[str, str, str, bool]] = [
-    ("new_chat", "ctrl+n", "New chat", True),
-    ("close_chat", "ctrl+w", "Close chat", True),
-    ("next_chat", "ctrl+pagedown,alt+right", "Next chat", True),
-    ("prev_chat", "ctrl+pageup,alt+left", "Previous chat", True),
-    ("rename_chat", "f2", "Rename chat", False),
-    ("fork_chat", "ctrl+f", "Fork chat", True),
-    ("chat_settings", "f4", "System prompt and sampling", False),
-    ("stop", "escape", "Stop the reply", False),
-    ("regenerate", "ctrl+r", "Regenerate the last reply", True),
-    ("copy_reply", "alt+c", "Copy the last reply", False),
-    ("copy_code", "alt+x", "Copy the last code block", False),
-    ("broadcast", "ctrl+b", "Broadcast the prompt to every tab", True),
-    ("toggle_panel", "f8", "Show or hide the engine panel", False),
-    ("help", "f1", "Help and keys", False),
+# (action, default keys, footer label, description, priority): every action also has a
+# palette entry. The action name is the binding id: `[tui.keys] new_chat = "ctrl+t"`.
+ACTIONS: list[tuple[str, str, str, str, bool]] = [
+    ("new_chat", "ctrl+n", "New", "New chat", True),
+    ("close_chat", "ctrl+w", "Close", "Close chat", True),
+    ("next_chat", "ctrl+pagedown,alt+right", "Next", "Next chat", True),
+    ("prev_chat", "ctrl+pageup,alt+left", "Prev", "Previous chat", True),
+    ("rename_chat", "f2", "Rename", "Rename chat", False),
+    ("fork_chat", "ctrl+f", "Fork", "Fork chat (shares its KV blocks)", True),
+    ("chat_settings", "f4", "Settings", "System prompt and sampling", False),
+    ("stop", "escape", "Stop", "Stop the reply", False),
+    ("regenerate", "ctrl+r", "Regenerate", "Regenerate the last reply", True),
+    ("copy_reply", "alt+c", "Copy", "Copy the last reply", False),
+    ("copy_code", "alt+x", "Copy code", "Copy the last code block", False),
+    ("broadcast", "ctrl+b", "Broadcast", "Broadcast the prompt to every tab", True),
+    ("toggle_panel", "f8", "Panel", "Show or hide the engine panel", False),
+    ("help", "f1", "Help", "Help and keys", False),
 ]
-SHOWN = {"new_chat", "close_chat", "stop", "broadcast", "toggle_panel", "help"}
+SHOWN = {"new_chat", "close_chat", "fork_chat", "chat_settings", "stop", "regenerate",
+         "broadcast", "toggle_panel", "help"}
 PALETTE_ONLY = [
     ("delete_chat", "Delete this chat from the store"),
     ("quit", "Quit paged-chat"),
@@ -65,8 +66,8 @@ PALETTE_ONLY = [
 
 
 def make_bindings() -> list[Binding]:
-    return [Binding(keys, action, description, show=action in SHOWN, priority=priority,
-                    id=action) for action, keys, description, priority in ACTIONS]
+    return [Binding(keys, action, label, show=action in SHOWN, priority=priority, id=action,
+                    tooltip=description) for action, keys, label, description, priority in ACTIONS]
 
 
 class StoredChats(Provider):
@@ -255,6 +256,8 @@ class PagedChatApp(App):
             if self.load_error is None:
                 self._update_status()
             return
+        if not self.screen.is_attached or not self.query(EnginePanel):
+            return  # shutting down
         stats = self.engine.stats()
         if self._tab_infos is None:
             self._tab_infos = {tab.chat_id: TabInfo(tab.title, tab.colour, tab.tokens_of)
@@ -545,7 +548,7 @@ class PagedChatApp(App):
         """(keys, description) per action, as currently bound (keymap applied)."""
         keymap = getattr(self, "_keymap", {})
         rows = []
-        for action, keys, description, _ in ACTIONS:
+        for action, keys, _, description, _ in ACTIONS:
             bound = keymap.get(action, keys)
             rows.append((", ".join(self.get_key_display(Binding(k, action)) for k in bound.split(",")),
                          description))
@@ -556,7 +559,7 @@ class PagedChatApp(App):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        for action, _, description, _ in ACTIONS:
+        for action, _, _, description, _ in ACTIONS:
             yield SystemCommand(description, f"action: {action}", partial(self.run_action, action))
         yield SystemCommand("Delete chat", PALETTE_ONLY[0][1], partial(self.run_action, "delete_chat"))
         tab = self.active_tab

@@ -113,7 +113,8 @@ def describe_block(block_id: int, blocks: BlockMap, block_size: int,
         text.append(f"\ntokens {index * block_size}–{index * block_size + len(chunk) - 1}: ",
                     style="bold")
         text.append(repr(decode(chunk)) if decode and chunk else "(not yet written)")
-        break
+        return text
+    text.append("\ntokens: not known (no open tab streams through this block)", style="dim")
     return text
 
 

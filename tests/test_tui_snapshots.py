@@ -1,0 +1,170 @@
+"""Snapshot tests (pytest-textual-snapshot) of the main screen, from a deterministic engine
+state: a fake AsyncEngine whose `stats()` replays a fixed series of snapshots, and a store
+with three chats. Update the SVGs with `pytest tests/test_tui_snapshots.py --snapshot-update`
+after an intended change of the layout, and look at them before committing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from paged_chat.engine.stats import BlockMap, EngineStats
+from paged_chat.settings import Settings
+from paged_chat.store import ChatStore
+from paged_chat.tui.app import PagedChatApp
+from paged_chat.tui.prompt_input import PromptInput
+
+SIZE = (140, 44)
+NUM_BLOCKS = 640
+BLOCK_SIZE = 16
+
+
+class FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=False) -> str:
+        return "".join(f"t{i} " for i in ids)
+
+
+class FakeEngine:
+    """What the app reads of an AsyncEngine, with `stats()` replaying `series` in order
+    (staying on the last one)."""
+
+    def __init__(self, series: list[EngineStats]) -> None:
+        self.series = series
+        self.calls = 0
+        self.last_error = None
+        self.tokenizer = FakeTokenizer()
+        self.engine = SimpleNamespace(model_name="smollm2-135m", device=SimpleNamespace(type="cuda"),
+                                      dtype="torch.bfloat16", num_blocks=NUM_BLOCKS,
+                                      block_size=BLOCK_SIZE, max_model_len=8192, chat_template="")
+
+    def stats(self) -> EngineStats:
+        stats = self.series[min(self.calls, len(self.series) - 1)]
+        self.calls += 1
+        return stats
+
+    def abort(self, request_id: str) -> None:
+        pass
+
+
+class PositionedBlockMap:
+    """A BlockMap plus `holder_positions` (each holder entry's index in its request's
+    table), the small addition the TUI asks of the engine to show a block's tokens."""
+
+    def __init__(self, blocks: BlockMap, positions: np.ndarray) -> None:
+        self._blocks = blocks
+        self.holder_positions = positions
+
+    def __getattr__(self, name):
+        return getattr(self._blocks, name)
+
+
+def snapshot(step: int, owners: list[str]) -> EngineStats:
+    """Three streaming tabs: the first two share a 3-block system prompt, the third is a
+    fork of the first (sharing its whole 6-block history); all grow with `step`."""
+    system = [0, 1, 2]
+    history = [3, 4, 5]
+    grow = lambda start, n: list(range(start, start + n))  # noqa: E731
+    tables = {
+        f"{owners[0]}/1": system + history + grow(10, 2 + step // 8),
+        f"{owners[1]}/1": system + grow(40, 4 + step // 6),
+        f"{owners[2]}/1": system + history + grow(80, 1 + step // 10),
+    }
+    ref = np.zeros(NUM_BLOCKS, dtype=np.int32)
+    positions = []
+    for table in tables.values():
+        for index, block in enumerate(table):
+            ref[block] += 1
+        positions.append(np.arange(len(table), dtype=np.int32))
+    cached = np.zeros(NUM_BLOCKS, dtype=bool)
+    cached[:6] = True
+    cached[200:260] = True          # an earlier chat's blocks, evictable
+    blocks = BlockMap.build(ref, cached, tables, {rid: rid.split("/")[0] for rid in tables})
+    flat = np.concatenate(positions)
+    block_ids = np.concatenate([np.asarray(t) for t in tables.values()])
+    order = np.argsort(block_ids, kind="stable")
+    in_use = int(np.count_nonzero(ref))
+    cached_free = int(np.count_nonzero(cached & (ref == 0)))
+    return EngineStats(
+        num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, blocks_in_use=in_use,
+        blocks_cached=cached_free, blocks_free=NUM_BLOCKS - in_use - cached_free,
+        num_running=3, num_waiting=1, num_preemptions=2, num_evictions=0,
+        batch_size=3 if step % 7 else 4, batch_tokens=3 if step % 7 else 260,
+        prompt_tokens_per_s=180.0 + step, generation_tokens_per_s=90.0 + (step % 13) * 5,
+        prefix_cache_queried_tokens=1200, prefix_cache_hit_tokens=780, kv_slots_wasted=20,
+        step_time_s=0.021, blocks=PositionedBlockMap(blocks, flat[order]))
+
+
+def populated_store(path: Path) -> tuple[ChatStore, list[str]]:
+    store = ChatStore(path / "chats.db")
+    ids = []
+    for title, question, answer in [
+        ("Paging explained", "How does paged attention work?",
+         "It splits the **KV cache** into fixed-size blocks:\n\n- a block table per sequence\n"
+         "- shared prefix blocks\n\n```python\nblock = pool.allocate()\n```"),
+        ("Haiku", "Write a haiku about caches.", "Blocks fill, then they free —\nthe prefix stays warm."),
+        ("Paging explained (fork)", "How does paged attention work?", "Forked reply."),
+    ]:
+        chat = store.create_chat(title, "smollm2-135m", "You are concise.", {"temperature": 0.7})
+        store.add_message(chat.id, "user", question, [1, 2, 3])
+        store.add_message(chat.id, "assistant", answer, [4, 5, 6], "stop",
+                          {"ttft_s": 0.123, "tokens_per_s": 45.6})
+        ids.append(chat.id)
+    (path / "session.json").write_text(json.dumps({"open": ids, "active": ids[0]}))
+    return store, ids
+
+
+def make_app(tmp_path: Path) -> tuple[PagedChatApp, FakeEngine]:
+    store, ids = populated_store(tmp_path)
+    engine = FakeEngine([snapshot(step, ids) for step in range(60)])
+    app = PagedChatApp(Settings(), engine=engine, store=store,
+                       session_path=tmp_path / "session.json", poll_s=3600)
+    return app, engine
+
+
+async def settle(pilot) -> None:
+    app = pilot.app
+    await pilot.pause()
+    for prompt in app.query(PromptInput):
+        prompt.cursor_blink = False
+    for index, tab in enumerate(app.chat_tabs):   # each tab's live request, as in snapshot()
+        tab.request_id = f"{tab.chat_id}/1"
+        tab.live_ids = list(range(1000 * index, 1000 * index + 200))
+    for _ in range(60):   # the panel's history: 60 deterministic polls
+        app._poll()
+    await pilot.pause()
+
+
+@pytest.mark.timeout(120)
+def test_main_screen(snap_compare, tmp_path):
+    app, _ = make_app(tmp_path)
+    assert snap_compare(app, terminal_size=SIZE, run_before=settle)
+
+
+@pytest.mark.timeout(120)
+def test_main_screen_with_a_block_pinned(snap_compare, tmp_path):
+    app, _ = make_app(tmp_path)
+
+    async def run_before(pilot) -> None:
+        await settle(pilot)
+        view = app.query_one("#block-map")
+        await pilot.click("#block-map", offset=(1, 0))   # block 1 or 47: shared system prompt
+        assert view.selected is not None
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+@pytest.mark.timeout(120)
+def test_help_screen(snap_compare, tmp_path):
+    app, _ = make_app(tmp_path)
+
+    async def run_before(pilot) -> None:
+        await settle(pilot)
+        await pilot.press("f1")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
