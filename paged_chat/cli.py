@@ -1,4 +1,5 @@
-"""The `paged-chat` command line: the TUI (bare command), `ask`, `models`, `chats`, `config`.
+"""The `paged-chat` command line: the TUI (bare command), `ask`, `models`, `chats`, `config`,
+`bench`.
 
 Only typer and the settings module are imported up front; torch, transformers, textual
 and the store load inside the commands that need them, so `--help` and `--version` start
@@ -235,6 +236,48 @@ def show_config(ctx: typer.Context,
     where = "" if settings.path is not None else " (not found: defaults)"
     typer.echo(f"# config: {path}{where}\n# chats:  {data_dir() / 'chats.db'}\n# cache:  {cache_dir()}\n")
     typer.echo(settings.to_toml(), nl=False)
+
+
+@app.command()
+def bench(ctx: typer.Context,
+          model: Annotated[str, typer.Option(help="Alias, .gguf, HF folder or hub id.")] = "smollm2-135m",
+          chats: Annotated[int, typer.Option("--chats", min=1, help="Concurrent chats.")] = 32,
+          min_output: Annotated[int, typer.Option(min=1, help="Shortest reply, tokens.")] = 32,
+          max_output: Annotated[int, typer.Option(min=1, help="Longest reply, tokens.")] = 256,
+          dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "bfloat16",
+          baseline_dtype: Annotated[str | None, typer.Option(
+              help="The baselines' dtype (default: --dtype).")] = None,
+          threads: Annotated[int, typer.Option(min=1, help="torch threads for every system.")] = 2,
+          systems: Annotated[str, typer.Option(
+              help="Comma-separated: paged-chat, hf-seq, hf-static, hf-cb.")] = "paged-chat,hf-seq,hf-static,hf-cb",
+          quick: Annotated[bool, typer.Option(
+              "--quick", help="8 chats, replies of 16-48 tokens: under two minutes on 2 cores.")] = False,
+          scenarios: Annotated[bool, typer.Option(help="Run the memory scenarios too.")] = True,
+          roofline: Annotated[bool, typer.Option(
+              "--roofline", help="Measure bandwidth and matmul peak; compare a decode step.")] = False,
+          json_path: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
+          plot_path: Annotated[Path | None, typer.Option("--plot", help="Draw a PNG here.")] = None,
+          seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+          ) -> None:
+    """Run one seeded chat workload through paged-chat and the Hugging Face baselines, side
+    by side in one process, and print absolute figures and ratios."""
+    from paged_chat.bench import BenchOptions, format_report, plot, run_bench, write_json
+
+    with _reported(ctx):
+        sizes = (dict(num_chats=8, min_output=16, max_output=48) if quick else
+                 dict(num_chats=chats, min_output=min_output, max_output=max_output))
+        if sizes["min_output"] > sizes["max_output"]:
+            raise typer.BadParameter("must not exceed --max-output", param_hint="--min-output")
+        options = BenchOptions(model=model, dtype=dtype, baseline_dtype=baseline_dtype,
+                               threads=threads, seed=seed, scenarios=scenarios, roofline=roofline,
+                               systems=tuple(name.strip() for name in systems.split(",") if name.strip()),
+                               **sizes)
+        report = run_bench(options, log=lambda line: typer.echo(line, err=True))
+        typer.echo(format_report(report))
+        if json_path is not None:
+            write_json(report, str(json_path))
+        if plot_path is not None:
+            plot(report, str(plot_path))
 
 
 class ExportFormat(str, Enum):

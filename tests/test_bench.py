@@ -57,3 +57,19 @@ def test_report_prints_and_saves(report, tmp_path):
 def test_unknown_system_is_rejected(chat_model_dir):
     with pytest.raises(ValueError, match="unknown system"):
         run_bench(BenchOptions(model=str(chat_model_dir), systems=("vllm",)), log=lambda _: None)
+
+
+def test_bench_command(chat_model_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from paged_chat.cli import app
+
+    out = tmp_path / "report.json"
+    result = CliRunner().invoke(app, ["bench", "--model", str(chat_model_dir), "--quick",
+                                      "--systems", "paged-chat,hf-seq", "--dtype", "float32",
+                                      "--no-scenarios", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "paged-chat" in result.stdout and "hf-seq" in result.stdout
+    assert [s["system"] for s in json.loads(out.read_text())["systems"]] == ["paged-chat", "hf-seq"]
+    bad = CliRunner().invoke(app, ["bench", "--model", str(chat_model_dir), "--systems", "vllm"])
+    assert bad.exit_code == 1 and "unknown system" in bad.output
