@@ -49,6 +49,11 @@ class IncrementalDetokenizer:
         """All output text emitted so far (a stop string and anything after it excluded)."""
         return self._text
 
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop string was hit: by `add_tokens`, or by `flush` in the text it held."""
+        return self._stopped
+
     def add_tokens(self, token_ids: list[int]) -> tuple[str, bool]:
         """Feed the newly generated ids; return (new_text, hit_stop_string).
 

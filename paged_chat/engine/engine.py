@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import os
 import random
 import time
-from typing import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -50,16 +52,18 @@ class Engine:
         self.chat_template = source.chat_template
         model_len = min(config.max_model_len or source.config.max_position_embeddings,
                         source.config.max_position_embeddings)
-        model = LlamaForCausalLM.from_weights(source.config, source.weights, self.dtype,
-                                              self.device, max_positions=model_len)
+        with _out_of_memory(f"loading the weights onto {self.device}", "the model does not fit; "
+                            "use a smaller model or dtype, or device='cpu'"):
+            model = LlamaForCausalLM.from_weights(source.config, source.weights, self.dtype,
+                                                  self.device, max_positions=model_len)
         self.block_size = config.block_size
         attention = self._attention(source.config)
-        self.num_blocks = config.num_blocks or self._size_kv_pool(model, attention, model_len)
+        with _out_of_memory("profiling a step to size the KV cache",
+                            "lower max_num_batched_tokens (the largest step)"):
+            self.num_blocks = config.num_blocks or self._size_kv_pool(model, attention, model_len)
         # A request can never outgrow the pool: it is the one bound nothing can preempt.
         self.max_model_len = min(model_len, self.num_blocks * self.block_size)
-        kv_cache = torch.zeros(
-            (source.config.num_layers, 2, *attention.kv_cache_shape(self.num_blocks, self.block_size)),
-            dtype=self.dtype, device=self.device)
+        kv_cache = self._allocate_kv_cache(attention)
         self.runner = ModelRunner(model, kv_cache, self.block_size, attention)
         self.kv_cache = KVCacheManager(self.num_blocks, self.block_size,
                                        config.enable_prefix_caching)
@@ -110,6 +114,19 @@ class Engine:
         if request is not None:
             self._pending.append(self._finish(request, "abort"))
 
+    def reset(self) -> None:
+        """Abort every request, discarding their outputs, and forget the prefix cache.
+
+        For a caller that has given up on everything in flight (AsyncEngine after a failed
+        step, or a restart) and has told the consumers itself. The cached prefixes go
+        too: after a failure nobody can vouch that the blocks they index were written.
+        """
+        for request_id in list(self.requests):
+            self.abort(request_id)
+        self._pending.clear()
+        self.kv_cache.pool.reset_prefix_cache()
+        assert not self.scheduler.has_unfinished() and not self.kv_cache.tables
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
@@ -139,14 +156,23 @@ class Engine:
         schedule = self.scheduler.schedule()
         samplers = [item for item in schedule.scheduled if item.samples]
         tables = [self.kv_cache.block_ids(item.request.request_id) for item in schedule.scheduled]
-        sampled = self.runner.execute(schedule.scheduled, tables)
+        try:
+            sampled = self.runner.execute(schedule.scheduled, tables)
+        except Exception:
+            # The scheduler indexed the blocks this step fills before the forward that should
+            # have written them: forget the index, or a later request could hit unwritten
+            # blocks. The requests keep their places, so a retried step redoes this work.
+            self.kv_cache.pool.reset_prefix_cache()
+            raise
         self._record_prompt_work(schedule)
         self.scheduler.update(schedule)
         now = time.monotonic()
-        for item, token_id in zip(samplers, sampled):
-            try:
-                outputs.append(self._append_token(item.request, token_id, now))
-            except Exception as error:  # one request's fault must not take the batch down
+        for item, token in zip(samplers, sampled):
+            try:  # one request's fault (its sampling, its detokenizer) must not take the batch down
+                if isinstance(token, Exception):
+                    raise token
+                outputs.append(self._append_token(item.request, token, now))
+            except Exception as error:
                 outputs.append(self._finish(item.request, "error", f"{type(error).__name__}: {error}"))
         self._generation_rate.add(len(sampled))
         self._last_batch = (len(schedule.scheduled), schedule.num_tokens)
@@ -170,6 +196,8 @@ class Engine:
             return self._output(request, [token_id], new_text)
         if not hit_stop_string:
             new_text += detokenizer.flush()
+            if detokenizer.stopped:  # in text held back until now (an unfinished character)
+                reason = "stop"
         return self._finish(request, reason, new_token_ids=[token_id], new_text=new_text)
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None,
@@ -205,10 +233,21 @@ class Engine:
         self._prompt_rate.add(prompt_tokens)
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a prompt, validated: the model would index its embedding with them.
+
+        Ids must be integers proper: `int()` would turn 3.7 into 3 and "12" into 12, and
+        bytes iterate as ints, so each of those would be a different prompt than meant.
+        """
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, (bytes, bytearray)):
+            raise ValueError("the prompt is bytes: decode it to text, or pass token ids")
         else:
-            token_ids = [int(t) for t in prompt]
+            try:
+                token_ids = [operator.index(t) for t in prompt]
+            except TypeError as error:
+                raise ValueError("the prompt must be text or a sequence of integer token ids "
+                                 f"({error})") from None
             vocab = self.model_config.vocab_size
             bad = next((t for t in token_ids if not 0 <= t < vocab), None)
             if bad is not None:
@@ -284,6 +323,26 @@ class Engine:
         element = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * self.model_config.num_layers * layer * element
 
+    def _allocate_kv_cache(self, attention: AttentionBackend) -> torch.Tensor:
+        """The KV pool, allocated once, here, at exactly the bytes its sizing counted: the
+        engine never allocates KV memory past its budget afterwards. When it does not fit,
+        the error names the setting that sized it."""
+        nbytes = self.num_blocks * self._bytes_per_block(attention)
+        setting = ("num_blocks" if self.config.num_blocks is not None
+                   else "gpu_memory_utilization" if self.device.type == "cuda"
+                   else "kv_cache_memory")
+        size = f"{self.num_blocks} blocks, {nbytes / 2**30:.2f} GiB"
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if self.device.type == "cpu" and nbytes > ram:  # zeroing it would wake the OOM killer
+            raise PagedChatError(f"the KV cache ({size}) is larger than this machine's "
+                                 f"{ram / 2**30:.1f} GiB of RAM: lower {setting}")
+        with _out_of_memory(f"allocating the KV cache ({size})", f"lower {setting}"):
+            kv_cache = torch.zeros((self.model_config.num_layers, 2,
+                                    *attention.kv_cache_shape(self.num_blocks, self.block_size)),
+                                   dtype=self.dtype, device=self.device)
+        assert kv_cache.nbytes == nbytes, "the KV layout is not linear in num_blocks"
+        return kv_cache
+
     def _size_kv_pool(self, model: LlamaForCausalLM, attention: AttentionBackend,
                       model_len: int) -> int:
         if self.device.type == "cuda":
@@ -332,6 +391,15 @@ class Engine:
                 f"the KV cache: the weights and a {tokens}-token step take {peak / 2**30:.1f} GiB; "
                 "raise it, or lower max_num_batched_tokens")
         return budget
+
+
+@contextmanager
+def _out_of_memory(doing: str, advice: str) -> Iterator[None]:
+    """Turn an out-of-memory error at start-up into one line that says what to change."""
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        raise PagedChatError(f"out of memory while {doing}: {advice}") from error
 
 
 def _resolve_device(device: str) -> torch.device:

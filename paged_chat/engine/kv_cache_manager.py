@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections import Counter
 
 from paged_chat.engine.block_pool import BlockPool, KVBlock
 from paged_chat.engine.request import Request
@@ -80,6 +81,21 @@ class KVCacheManager:
         table = self.tables.pop(request.request_id, [])
         self._num_hashed.pop(request.request_id, None)
         self.pool.free(table[::-1])
+
+    def check_invariants(self) -> None:
+        """Assert the pool's invariants and that the tables account for every reference:
+        a block's ref count is the number of tables holding it, none twice (soak and fault
+        tests call this between steps; a leak or a double free shows up here first)."""
+        self.pool.check_invariants()
+        holders: Counter[int] = Counter()
+        for request_id, table in self.tables.items():
+            assert len({block.block_id for block in table}) == len(table), (
+                f"{request_id} holds a block twice")
+            holders.update(block.block_id for block in table)
+        for block in self.pool.blocks:
+            assert block.ref_count == holders[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count}, "
+                f"held by {holders[block.block_id]} tables")
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Index the blocks that are full once this step's tokens are written.

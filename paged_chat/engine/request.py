@@ -8,11 +8,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+# Below this a temperature is greedy (as in vLLM): dividing logits by ~1e-38 overflows them
+# to inf, and the draw over the NaN probabilities that follow would leave the vocabulary.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(slots=True)
 class SamplingParams:
-    """How to pick tokens for one request. `temperature=0` is greedy.
+    """How to pick tokens for one request. `temperature=0` (or below 1e-5) is greedy.
 
     Every field is validated on construction; a bad value is a `ValueError` that names the
     field. `top_k=0` and `top_p=1` disable those filters; `min_p=0` disables min-p.
@@ -56,7 +59,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
     @property
     def uses_penalties(self) -> bool:
@@ -124,6 +127,17 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def phase(self) -> str:
+        """Where the request is, finer than `status`: "waiting" (never scheduled),
+        "preempted" (waiting to recompute), "prefilling" (its known tokens are not all
+        computed yet), "decoding" or "finished". Aborts and faults must be safe in each."""
+        if self.status is RequestStatus.WAITING:
+            return "preempted" if self.num_preemptions else "waiting"
+        if self.status is RequestStatus.RUNNING:
+            return "prefilling" if self.num_computed_tokens < self.num_tokens - 1 else "decoding"
+        return "finished"
 
 
 @dataclass(slots=True, frozen=True)

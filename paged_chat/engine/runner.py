@@ -5,6 +5,10 @@ The KV cache is one preallocated tensor `[layers, 2, *attention.kv_cache_shape(.
 token ids, positions, slot mapping, query offsets, context lengths and block tables; the
 model computes logits only for the rows that sample (the last token of each sequence
 whose known tokens are all computed after this step).
+
+Sampling faults stay with their request: a row whose logits are not finite, or a batch
+whose sampling raises, yields an exception in that row's place (the batch is then sampled
+row by row to find the culprits) and the engine finishes only those requests with an error.
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ from paged_chat.engine.sampler import SamplingBatch, sample
 from paged_chat.engine.scheduler import ScheduledRequest
 
 
+class SamplingError(Exception):
+    """One request's sampling went wrong; the engine finishes that request with an error."""
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
                  attention: AttentionBackend) -> None:
@@ -33,10 +41,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest],
-                block_tables: list[list[int]]) -> list[int]:
-        """Run one step; return the sampled token of each scheduled item that samples, in order.
+                block_tables: list[list[int]]) -> list[int | Exception]:
+        """Run one step; return the sampled token of each scheduled item that samples, in order,
+        or the exception that sampling that item raised.
 
-        `scheduled` must list single-token items first (the scheduler sorts it so).
+        `scheduled` must list single-token items first (the scheduler sorts it so). An
+        exception from the forward propagates: it concerns the whole batch.
         """
         input_ids, positions, meta = self._prepare(scheduled, block_tables)
         samplers = [item for item in scheduled if item.samples]
@@ -49,8 +59,32 @@ class ModelRunner:
         self.last_forward_s = time.perf_counter() - started
         if not samplers:
             return []
-        batch = self._sampling_batch(samplers, logits.shape[-1])
-        return sample(logits, batch).tolist()
+        try:
+            return self._sample(logits, samplers)
+        except Exception:  # find the rows at fault; the others keep their tokens
+            return [self._sample_row(logits[row:row + 1], item)
+                    for row, item in enumerate(samplers)]
+
+    def _sample_row(self, logits: torch.Tensor, item: ScheduledRequest) -> int | Exception:
+        try:
+            return self._sample(logits, [item])[0]
+        except Exception as error:
+            return error
+
+    def _sample(self, logits: torch.Tensor, samplers: list[ScheduledRequest]
+                ) -> list[int | Exception]:
+        """Sample the rows together. A row whose logits hold NaN or inf (an overflowing model)
+        gets a SamplingError instead of a token: its draw is meaningless (NaN probabilities
+        give an id past the vocabulary), and fed back as input it would fail the next forward
+        for the whole batch. Checking the chosen logit finds it at the cost of one gather:
+        argmax picks a NaN or +inf when there is one, and a draw over NaN leaves the vocabulary.
+        """
+        vocab_size = logits.shape[-1]
+        tokens = sample(logits, self._sampling_batch(samplers, vocab_size))
+        chosen = logits.gather(1, tokens.clamp(max=vocab_size - 1)[:, None]).squeeze(1)
+        bad = (tokens >= vocab_size) | ~torch.isfinite(chosen)
+        return [SamplingError("the model's logits for this request are not finite (NaN or inf)")
+                if token < 0 else token for token in torch.where(bad, -1, tokens).tolist()]
 
     def _prepare(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
