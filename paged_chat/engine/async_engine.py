@@ -9,7 +9,10 @@ blocks. `stats()` returns the last snapshot the thread published (at most every
 
 If a step raises, every open stream gets an EngineDeadError, all requests are aborted
 and the prefix cache is dropped (a failed forward may have left indexed blocks
-unwritten); the thread keeps serving, so the UI can carry on without a restart.
+unwritten); the thread keeps serving, so the UI can carry on without a restart. The
+thread never dies silently: an error outside a step (an engine bug) ends every stream with
+EngineDeadError and marks the engine stopped (`running` is False, `last_error` says why);
+`restart()` brings it back, as it does after `shutdown()`.
 """
 
 from __future__ import annotations
@@ -49,8 +52,9 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
 class _Shutdown:
-    pass
+    reason: str  # what the open streams are told
 
 
 class AsyncEngine:
@@ -61,10 +65,10 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
+        self._stopped: str | None = None  # why the thread stopped; None while it serves
         self._ids = itertools.count()
         self._stats = engine.stats()
-        self._thread = threading.Thread(target=self._run, name="paged-chat-engine", daemon=True)
-        self._thread.start()
+        self._thread = self._start_thread()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncEngine":
@@ -74,18 +78,33 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def running(self) -> bool:
+        """Whether the engine thread serves requests (False after shutdown or a crash)."""
+        return self._stopped is None
+
+    def is_idle(self) -> bool:
+        """No request in the engine and no command waiting for its thread. Once every stream
+        is closed, this turning True means every cancellation has been applied: a test or
+        a soak can then look at the engine (its thread sleeps) and find nothing held."""
+        return self._commands.empty() and not self.engine.has_unfinished()
+
     def stats(self) -> EngineStats:
         return self._stats
 
     async def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                      request_id: str | None = None, owner: str | None = None
                      ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's deltas until it finishes; stop early to abort it."""
-        if not self._thread.is_alive():
-            raise EngineDeadError("the engine has shut down")
+        """Yield the request's deltas until it finishes; stop early to abort it.
+
+        Raises EngineDeadError when a step fails or the engine stops; the request is then
+        gone from the engine too.
+        """
         request_id = request_id or f"stream-{next(self._ids)}"
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._streams_lock:
+        with self._streams_lock:  # the thread marks itself stopped under this lock: no race
+            if self._stopped is not None:
+                raise EngineDeadError(self._stopped)
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already streaming")
             self._streams[request_id] = stream
@@ -95,14 +114,13 @@ class AsyncEngine:
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
-                    finished = True
                     raise item
                 finished = item.finished
                 yield item
         finally:
             with self._streams_lock:
                 self._streams.pop(request_id, None)
-            if not finished:
+            if not finished:  # also after an error: its add may still be queued behind it
                 self._commands.put(_Abort(request_id))
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
@@ -118,13 +136,57 @@ class AsyncEngine:
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort everything, stop the thread and wait for it."""
+        self._stop("the engine has shut down", timeout_s)
+
+    def restart(self, timeout_s: float = 30.0) -> None:
+        """Serve again after `shutdown()` or a crash of the engine thread, or start afresh.
+
+        A failed step needs no restart: the thread ends the open streams and keeps serving
+        by itself. This is for the rest (`running` is False), or for a user who wants a clean
+        slate: every open stream ends with EngineDeadError, every request is aborted, the
+        prefix cache is dropped, and a new thread serves the same model (no reload). If the
+        engine's state cannot be reset (the crash left it inconsistent), a new Engine is built
+        from the same config, which loads the model again. Blocks until the old thread has
+        stopped (a step in progress finishes first): call it from a worker thread, not from the
+        event loop. Raises EngineDeadError if the old thread does not stop within `timeout_s`.
+        """
+        self._stop("the engine was restarted", timeout_s)
         if self._thread.is_alive():
-            self._commands.put(_Shutdown())
+            raise EngineDeadError(f"the engine thread did not stop within {timeout_s} s "
+                                  "(a step is stuck?); restart the app")
+        try:
+            self.engine.reset()
+            self.engine.kv_cache.check_invariants()
+        except Exception:  # an inconsistent engine: rebuild it rather than trust it
+            self.engine = Engine(self.engine.config)
+        self.last_error = None
+        self._stats = self.engine.stats()
+        with self._streams_lock:  # no stream opened since the stop: the old queue is all stale
+            self._commands = queue.SimpleQueue()
+            self._stopped = None
+        self._thread = self._start_thread()
+
+    def _start_thread(self) -> threading.Thread:
+        thread = threading.Thread(target=self._run, name="paged-chat-engine", daemon=True)
+        thread.start()
+        return thread
+
+    def _stop(self, reason: str, timeout_s: float) -> None:
+        if self._thread.is_alive():
+            self._commands.put(_Shutdown(reason))
             self._thread.join(timeout_s)
 
     # ---- the engine thread ----------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except Exception as error:  # an engine bug outside a step: say so, never die silently
+            self.last_error = f"{type(error).__name__}: {error}"
+            self._end_streams(f"the engine stopped after an internal error ({self.last_error});"
+                              " restart it")
+
+    def _serve(self) -> None:
         last_publish = 0.0
         while True:
             idle = not self.engine.has_unfinished()
@@ -132,8 +194,9 @@ class AsyncEngine:
                 self._publish()
             for command in self._drain(block=idle):
                 if isinstance(command, _Shutdown):
-                    self._fail_all(EngineDeadError("the engine has shut down"))
+                    self.engine.reset()
                     self._publish()
+                    self._end_streams(command.reason)
                     return
                 self._apply(command)
             if not self.engine.has_unfinished():
@@ -170,8 +233,8 @@ class AsyncEngine:
         try:
             self.engine.add_request(command.prompt, command.params, command.request_id,
                                     command.owner)
-        except Exception as error:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+        except Exception as error:  # a bad prompt: that stream raises it
+            _send([stream], error)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
@@ -183,24 +246,43 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that event loop has closed; its streams are gone
-                pass
+            except RuntimeError:  # that event loop has closed: nobody reads these streams again
+                self._drop_loop(loop)
 
-    def _fail_all(self, error: BaseException) -> None:
-        for request_id in list(self.engine.requests):
+    def _drop_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Abort the requests of a closed event loop's streams: their consumers can no longer
+        run the `finally` that would have aborted them (an app that exited mid-stream)."""
+        with self._streams_lock:
+            orphans = [rid for rid, stream in self._streams.items() if stream.loop is loop]
+            for request_id in orphans:
+                del self._streams[request_id]
+        for request_id in orphans:
             self.engine.abort(request_id)
-        self.engine.step()  # collects the abort outputs; nothing is scheduled
-        self.engine.kv_cache.pool.reset_prefix_cache()
+
+    def _fail_all(self, error: EngineDeadError) -> None:
+        """After a failed step: abort everything and tell every open stream; keep serving."""
+        self.engine.reset()
         with self._streams_lock:
             streams = list(self._streams.values())
-        for stream in streams:
-            try:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
-            except RuntimeError:
-                pass
+        _send(streams, error)
+
+    def _end_streams(self, reason: str) -> None:
+        """Mark the thread stopped (no new stream can open) and end every open stream."""
+        with self._streams_lock:
+            self._stopped = reason
+            streams = list(self._streams.values())
+        _send(streams, EngineDeadError(reason))
 
     def _publish(self) -> None:
         self._stats = self.engine.stats()
+
+
+def _send(streams: list[_Stream], error: Exception) -> None:
+    for stream in streams:
+        try:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
+        except RuntimeError:  # that event loop has closed
+            pass
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
