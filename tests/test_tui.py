@@ -98,7 +98,8 @@ async def wait_until(pilot, condition, timeout: float = 30.0, step: float = 0.02
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {condition}")
+            raise AssertionError(f"timed out after {timeout} s waiting for the condition on "
+                                 f"line {condition.__code__.co_firstlineno}")
         await asyncio.sleep(step)
 
 
@@ -259,6 +260,8 @@ async def test_tabs_stream_concurrently_and_share_blocks(engine, tmp_path):
         for tab in app.chat_tabs:
             [reply] = replies(tab)
             assert tab.metrics.tokens == 300 and reply.text
+            # Hidden tabs buffer while streaming; every reply ends fully rendered.
+            assert "".join(chunk.source for chunk in reply._chunks) == reply.text
             assert "ttft" in reply.footer and "t/s" in app.tabs.get_tab(tab.id).label.plain
         assert engine.stats().prefix_cache_hit_tokens > 0
 
@@ -344,7 +347,8 @@ async def test_restart_restores_chats_lazily(engine, tmp_path):
         assert app.active_tab is tabs[1]           # the tab that was active
         assert tabs[0]._loaded is False            # not loaded until shown
         assert replies(tabs[1])[0].text == replies_before[1]
-        app.tabs.active = tabs[0].id
+        await asyncio.sleep(0.3)   # the tab bar's own activation messages from the restore
+        await press(pilot, "ctrl+pageup")
         await wait_until(pilot, lambda: tabs[0]._loaded and replies(tabs[0])
                          and app.focused is tabs[0].prompt)
         assert replies(tabs[0])[0].text == replies_before[0]
@@ -558,7 +562,7 @@ async def test_demo_tabs_chat_by_themselves(engine, tmp_path):
 async def test_keypress_echo_latency_while_eight_tabs_stream(engine, tmp_path):
     """Time from a key event reaching the app to its character being in the input, while
     eight other tabs stream (nine demo tabs; the one typed into is paused)."""
-    app = make_app(engine, tmp_path, make_settings(max_tokens=400), demo=9)
+    app = make_app(engine, tmp_path, make_settings(max_tokens=900), demo=9)
     async with app.run_test(size=(140, 44)) as pilot:
         tab = app.active_tab
         tab.autopilot.paused = True
@@ -567,22 +571,27 @@ async def test_keypress_echo_latency_while_eight_tabs_stream(engine, tmp_path):
         prompt = tab.prompt
         prompt.focus()
         samples, running = [], []
-        for index in range(40):
-            char = "abcdefghij"[index % 10]
+        deadline = time.monotonic() + 120
+        while len(samples) < 40 and time.monotonic() < deadline:
+            streaming = engine.stats().num_running
+            if streaming < 6:   # between demo turns: wait for the batch to refill
+                await asyncio.sleep(0.05)
+                continue
+            char = "abcdefghij"[len(samples) % 10]
             before = prompt.text
             started = time.perf_counter()
             app.post_message(events.Key(char, char))
             while prompt.text == before:
                 await asyncio.sleep(0.0005)
             samples.append(time.perf_counter() - started)
-            running.append(engine.stats().num_running)
+            running.append(streaming)
             await asyncio.sleep(0.05)
         samples.sort()
         print(f"\nkeypress->echo while {min(running)}-{max(running)} sequences stream "
-              f"(mean {statistics.mean(running):.1f}): median {samples[20] * 1000:.1f} ms, "
-              f"p90 {samples[36] * 1000:.1f} ms, max {samples[-1] * 1000:.1f} ms")
-        assert statistics.mean(running) >= 5
-        assert samples[20] < 0.1
+              f"(mean {statistics.mean(running):.1f}): median {samples[len(samples) // 2] * 1000:.1f} ms, "
+              f"p90 {samples[int(len(samples) * 0.9)] * 1000:.1f} ms, max {samples[-1] * 1000:.1f} ms")
+        assert len(samples) >= 20
+        assert samples[len(samples) // 2] < 0.1
 
 
 # ---- the real command in tmux ----------------------------------------------------------
@@ -598,7 +607,9 @@ def test_paged_chat_in_tmux(tui_model_dir, tmp_path):
     config = tmp_path / "config.toml"
     config.write_text(f'[engine]\nmodel = "{tui_model_dir}"\ndevice = "cpu"\ndtype = "float32"\n'
                       'num_blocks = 512\n\n[chat]\ntemperature = 0.0\nmax_tokens = 24\n')
-    env = {**os.environ, "PAGED_CHAT_CONFIG": str(config), "PAGED_CHAT_DATA_DIR": str(tmp_path / "data"),
+    # Without COLUMNS/LINES (set by pytest plugins): Textual would take them over the pane's size.
+    env = {key: value for key, value in os.environ.items() if key not in ("COLUMNS", "LINES")}
+    env = {**env, "PAGED_CHAT_CONFIG": str(config), "PAGED_CHAT_DATA_DIR": str(tmp_path / "data"),
            "PAGED_CHAT_CACHE_DIR": os.environ["PAGED_CHAT_CACHE_DIR"], "TERM": "xterm-256color"}
     session = f"paged-chat-test-{os.getpid()}"
     command = f"{sys.executable} -m paged_chat"
@@ -606,7 +617,7 @@ def test_paged_chat_in_tmux(tui_model_dir, tmp_path):
     subprocess.run(["tmux", *socket, "new-session", "-d", "-s", session, "-x", "120", "-y", "40",
                     *[arg for key in ("PAGED_CHAT_CONFIG", "PAGED_CHAT_DATA_DIR", "PAGED_CHAT_CACHE_DIR",
                                       "HF_HUB_OFFLINE", "TERM") for arg in ("-e", f"{key}={env[key]}")],
-                    command], check=True)
+                    command], check=True, env=env)
 
     def screen() -> str:
         return _tmux(*socket, "capture-pane", "-p", "-t", session)

@@ -65,6 +65,11 @@ PALETTE_ONLY = [
 ]
 
 
+LABEL_TICKS = 10            # polls between refreshes of streaming tabs' headers
+DEMO_NUM_BLOCKS = 1536      # --demo's KV pool unless config.toml sizes it
+DEMO_SAMPLING = {"max_tokens": 256}   # demo replies stay short so the tabs keep cycling
+
+
 def make_bindings() -> list[Binding]:
     return [Binding(keys, action, label, show=action in SHOWN, priority=priority, id=action,
                     tooltip=description) for action, keys, label, description, priority in ACTIONS]
@@ -107,8 +112,13 @@ class PagedChatApp(App):
         self.settings = settings or Settings()
         self.engine = engine
         self._owns_engine = engine is None
-        self.engine_config = engine_config if engine_config is not None else (
-            self.settings.engine_config() if engine is None else None)
+        if engine_config is None and engine is None:
+            pool = {}
+            if demo and self.settings.engine.num_blocks is None \
+                    and self.settings.engine.kv_cache_memory is None:
+                pool = {"num_blocks": DEMO_NUM_BLOCKS}  # a pool the block map shows block by block
+            engine_config = self.settings.engine_config(**pool)
+        self.engine_config = engine_config
         self.demo = demo
         self._demo_dir: Path | None = None
         if store is None:
@@ -130,6 +140,7 @@ class PagedChatApp(App):
         self._tab_infos: dict[str, TabInfo] | None = None
         self._last_engine_error: str | None = None
         self._chat_number = 0
+        self._ticks = 0
 
     # ---- layout ---------------------------------------------------------------------
 
@@ -262,11 +273,25 @@ class PagedChatApp(App):
         if self._tab_infos is None:
             self._tab_infos = {tab.chat_id: TabInfo(tab.title, tab.colour, tab.tokens_of)
                                for tab in self.chat_tabs}
-        self.panel.show_stats(stats, self._tab_infos)
+        try:
+            self.panel.show_stats(stats, self._tab_infos)
+        except NoMatches:  # the panel is being built or torn down
+            return
+        self._ticks += 1
+        if self._ticks % LABEL_TICKS == 0:
+            self._refresh_streaming_labels()
         error = self.engine.last_error
         if error and error != self._last_engine_error:
             self._last_engine_error = error
             self.notify(f"engine step failed: {error}", severity="error", timeout=10, markup=False)
+
+    def _refresh_streaming_labels(self) -> None:
+        """Streaming tabs' headers (TTFT, tokens/s), all in one layout pass about once a second
+        (a tab label change re-lays the tab bar)."""
+        with self.batch_update():
+            for tab in self.chat_tabs:
+                if tab.streaming:
+                    self._refresh_tab(tab)
 
     def _update_status(self) -> None:
         status = self.query_one("#status", Static)
@@ -292,7 +317,7 @@ class PagedChatApp(App):
         if self.demo:
             text.append(f" · demo: {self.demo} tabs chat by themselves (Esc pauses one)",
                         style="italic")
-        status.update(text)
+        status.update(text, layout=False)
 
     # ---- tabs -----------------------------------------------------------------------
 
@@ -314,11 +339,17 @@ class PagedChatApp(App):
         return tab
 
     def _refresh_tab(self, tab: ChatTab) -> None:
-        self._tab_infos = None
         try:
-            self.tabs.get_tab(tab.id).label = tab.label()
-        except ValueError:  # its header is being added or removed
-            pass
+            header = self.tabs.get_tab(tab.id)
+        except (ValueError, NoMatches):  # its header is being added or removed
+            return
+        label = tab.label()
+        if getattr(header, "_paged_chat_label", None) != label:
+            header._paged_chat_label = label
+            header.label = label
+        if self._tab_infos is not None and (tab.chat_id not in self._tab_infos
+                                            or self._tab_infos[tab.chat_id].title != tab.title):
+            self._tab_infos = None
 
     @on(ChatTab.Changed)
     def _tab_changed(self, event: ChatTab.Changed) -> None:
@@ -330,12 +361,12 @@ class PagedChatApp(App):
         tab = event.pane
         # Stale activations (restoring adds tabs one by one) load nothing: tabs load lazily.
         if isinstance(tab, ChatTab) and tab is self.active_tab and tab.is_attached:
-            await tab.ensure_loaded()
-            try:
+            try:  # focus first: the hidden tab's prompt must not keep it while this one loads
                 tab.prompt.focus()
             except NoMatches:  # the tab is being removed
                 return
             self._save_session()
+            await tab.ensure_loaded()
 
     def rekey_tab(self, tab: ChatTab, chat_id: str) -> None:
         """The tab now shows another chat (the demo starting over)."""
@@ -374,7 +405,7 @@ class PagedChatApp(App):
         from paged_chat.tui.demo import demo_tabs
 
         for title, system, autopilot in demo_tabs(count, seed=int(time.time())):
-            chat = self.store.create_chat(title, self.model_name, system, {})
+            chat = self.store.create_chat(title, self.model_name, system, dict(DEMO_SAMPLING))
             tab = await self.open_chat_tab(chat, activate=False, loaded=True, autopilot=autopilot)
             tab.send(autopilot.first_prompt())
         first = self.chat_tabs[0]

@@ -223,13 +223,7 @@ class BlockMapView(Widget):
                         found = (glyph, base + pool + styles[code])
                 else:
                     upper, lower = divmod(key, NUM_CODES + 1)
-                    upper, lower = upper - 1, lower - 1
-                    if upper < 0:
-                        found = (" ", base)
-                    else:
-                        fg = styles[upper].color
-                        bg = styles[lower].color if lower >= 0 else base.bgcolor
-                        found = ("▀", base + Style(color=fg, bgcolor=bg))
+                    found = self._half_cell(upper - 1, lower - 1, styles, base)
                 pair_cache[key] = found
             return found
 
@@ -257,6 +251,26 @@ class BlockMapView(Widget):
                 strip = Strip.join([left, cell, right])
             strips.append(strip)
         return strips
+
+    @staticmethod
+    def _half_cell(upper: int, lower: int, styles: list[Style], base: Style) -> tuple[str, Style]:
+        """The glyph and style of a cell holding two pixels (codes; -1 = past the pool).
+        Free halves show the pool's background, so a free cell is blank."""
+        pool = styles[FREE].color
+
+        def background(code: int):
+            return pool if code == FREE else base.bgcolor
+
+        upper_blank, lower_blank = upper in (FREE, -1), lower in (FREE, -1)
+        if upper_blank and lower_blank:
+            return " ", base + Style(bgcolor=background(max(upper, lower)))
+        if upper_blank:
+            return "▄", base + Style(color=styles[lower].color, bgcolor=background(upper))
+        if lower_blank:
+            return "▀", base + Style(color=styles[upper].color, bgcolor=background(lower))
+        if upper == lower:
+            return "█", base + Style(color=styles[upper].color)
+        return "▀", base + Style(color=styles[upper].color, bgcolor=styles[lower].color)
 
     # ---- pointer --------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from paged_chat.tui.app import PagedChatApp
 
 SAVE_EVERY_S = 0.5     # how often a streaming reply is written to the store
-LABEL_EVERY_S = 0.5    # how often the tab header's TTFT and tokens/s refresh
+LABEL_EVERY_S = 0.5    # how often the reply's footer (TTFT, tokens/s) refreshes
 MOUNT_AT_ONCE = 30     # messages mounted when a chat opens; older ones on demand
 
 
@@ -357,14 +357,14 @@ class ChatTab(TabPane):
                     self.metrics.tokens = len(reply_ids)
                     if now > first_at:
                         self.metrics.tokens_per_s = (len(reply_ids) - 1) / (now - first_at)
-                await reply.write(out.new_text)
+                # A hidden tab only buffers: its Markdown catches up when it is shown.
+                await reply.write(out.new_text, render=self.display)
                 text_out += out.new_text
                 if out.finished:
                     reason, error = out.finish_reason, out.error
-                if now - label_at >= LABEL_EVERY_S:
+                if now - label_at >= LABEL_EVERY_S:  # the tab header: the app's timer
                     label_at = now
                     reply.footer = self._footer(streaming=True)
-                    self.post_message(self.Changed(self))
                 if message_id is not None and now - saved >= SAVE_EVERY_S:
                     saved = now
                     store.update_message(message_id, text_out, reply_ids, None)

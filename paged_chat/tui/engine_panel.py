@@ -13,10 +13,11 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
-from textual.widgets import Label, Sparkline, Static
+from textual.widgets import Label, Static
 
 from paged_chat.engine.stats import BlockMap, EngineStats
 from paged_chat.tui.block_map import TAB_COLOURS, BlockMapView
+from paged_chat.tui.sparkline import Spark
 
 HISTORY = 60  # sparkline points (6 s at 10 Hz)
 
@@ -65,14 +66,15 @@ def format_numbers(stats: EngineStats) -> Text:
 
 def format_legend(tabs: Mapping[str, TabInfo]) -> Text:
     text = Text(overflow="fold")
+    nbsp = "\u00a0"   # each entry wraps as a whole
     for info in tabs.values():
-        text.append("█ ", style=TAB_COLOURS[info.colour % len(TAB_COLOURS)])
-        text.append(f"{info.title}  ")
-    text.append("◆ ", style="bold")
+        text.append(f"█{nbsp}", style=TAB_COLOURS[info.colour % len(TAB_COLOURS)])
+        text.append(info.title.replace(" ", nbsp) + "  ")
+    text.append(f"◆{nbsp}", style="bold")
     text.append("shared  ")
-    text.append("░ ", style="dim")
+    text.append(f"░{nbsp}", style="dim")
     text.append("cached  ")
-    text.append("▁ free", style="dim")
+    text.append(f"blank{nbsp}={nbsp}free", style="dim")
     return text
 
 
@@ -139,7 +141,7 @@ class EnginePanel(Vertical):
         for name, label in (("batch", "batch"), ("gen", "gen tok/s"), ("used", "blocks used")):
             with Horizontal(classes="spark-row"):
                 yield Label(label, classes="spark-label")
-                yield Sparkline(list(self._history[name]), id=f"spark-{name}")
+                yield Spark(id=f"spark-{name}")
         yield BlockMapView(id="block-map")
         yield Static(id="legend")
         yield Static("hover or click a block", id="block-detail")
@@ -158,14 +160,12 @@ class EnginePanel(Vertical):
         self._history["gen"].append(stats.generation_tokens_per_s if busy else 0.0)
         self._history["used"].append(stats.blocks_in_use)
         for name, values in self._history.items():
-            spark = self.query_one(f"#spark-{name}", Sparkline)
-            spark.data = list(values)
-            if name == "used":
-                spark.max_value = max(1, stats.num_blocks)
+            self.query_one(f"#spark-{name}", Spark).data = tuple(values)
+        # Fixed-size readouts: repaint without a layout pass (10 Hz layouts cost real time).
         self.query_one("#pool-title", Static).update(Text.assemble(
             ("KV cache ", "bold"),
-            f"{_n(stats.num_blocks)} blocks × {stats.block_size} tokens"))
-        self.query_one("#numbers", Static).update(format_numbers(stats))
+            f"{_n(stats.num_blocks)} blocks × {stats.block_size} tokens"), layout=False)
+        self.query_one("#numbers", Static).update(format_numbers(stats), layout=False)
         owner_colour = {owner: info.colour for owner, info in tabs.items()}
         self.query_one(BlockMapView).show(stats.blocks, owner_colour)
         self._describe()
@@ -186,10 +186,10 @@ class EnginePanel(Vertical):
         detail = self.query_one("#block-detail", Static)
         block = self.focus_block
         if self.stats is None or block is None or block >= self.stats.num_blocks:
-            detail.update(Text("hover or click a block", style="dim"))
+            detail.update(Text("hover or click a block", style="dim"), layout=False)
             return
         detail.update(describe_block(block, self.stats.blocks, self.stats.block_size,
-                                     self.tabs, self.decode))
+                                     self.tabs, self.decode), layout=False)
 
 
 def blocks_owned(stats: EngineStats, owner: str) -> np.ndarray:

@@ -55,6 +55,7 @@ class AssistantMessage(Vertical):
         self._chunks: list[Markdown] = []
         self._chunk_text = ""
         self._stream: MarkdownStream | None = None
+        self._backlog = ""   # written while hidden, not yet rendered
 
     def compose(self):
         markdown = Markdown(self.text or None)
@@ -70,11 +71,16 @@ class AssistantMessage(Vertical):
     def footer(self, value: str) -> None:
         self.border_subtitle = value
 
-    async def write(self, fragment: str) -> None:
-        """Stream a fragment of the reply."""
+    async def write(self, fragment: str, render: bool = True) -> None:
+        """Stream a fragment of the reply; with render=False only keep it (the tab is
+        hidden) until a later write or finish_stream renders the backlog at once."""
+        self.text += fragment
+        if not render:
+            self._backlog += fragment
+            return
+        fragment, self._backlog = self._backlog + fragment, ""
         if not fragment:
             return
-        self.text += fragment
         if len(self._chunk_text) >= CHUNK_CHARS and "\n\n" in fragment:
             cut = fragment.index("\n\n") + 2
             if not _inside_fence(self._chunk_text + fragment[:cut]):
@@ -100,9 +106,13 @@ class AssistantMessage(Vertical):
 
     async def finish_stream(self) -> None:
         """Flush the stream, then render the last chunk once more from its whole text."""
-        if self._stream is not None:
+        backlog, self._backlog = self._backlog, ""
+        self._chunk_text += backlog
+        streamed = self._stream is not None
+        if streamed:
             await self._stream.stop()
             self._stream = None
+        if streamed or backlog:
             await self._chunks[-1].update(self._chunk_text)
 
     async def replace(self, text: str) -> None:
