@@ -25,7 +25,7 @@ from paged_chat.engine import AsyncEngine, Engine, EngineConfig
 from paged_chat.engine.stats import BlockMap
 from paged_chat.settings import ChatSettings, Settings, TuiSettings
 from paged_chat.store import ChatStore
-from paged_chat.tui.app import ACTIONS, PagedChatApp
+from paged_chat.tui.app import ACTIONS, PagedChatApp, StoredChats
 from paged_chat.tui.block_map import CACHED, FREE, SHARED, TAB0, BlockMapView, Layout, block_codes, cell_grid, downsample
 from paged_chat.tui.chat_tab import ChatTab
 from paged_chat.tui.dialogs import ChatSettingsScreen, HelpScreen, TextPromptScreen
@@ -235,6 +235,38 @@ class _WithPositions:
 def test_code_blocks_are_found():
     text = "Here:\n```python\nprint(1)\n```\nand\n~~~\nls -l\n~~~\n"
     assert code_blocks(text) == ["print(1)\n", "ls -l\n"]
+
+
+@pytest.mark.timeout(60)
+async def test_long_reply_streams_into_bounded_markdown_chunks():
+    """A long reply is split at paragraph breaks outside code fences, so each Markdown
+    append stays small (no quadratic re-parse); a hidden tab's reply renders at the end."""
+    from textual.app import App
+    from paged_chat.tui import messages as m
+
+    paragraph = "word " * 100 + "\n\n"
+    fence = "```python\n" + "x = 1\n\n" * 300 + "```\n\n"
+    reply = m.AssistantMessage()
+    hidden = m.AssistantMessage()
+
+    class Host(App):
+        def compose(self):
+            yield reply
+            yield hidden
+
+    async with Host().run_test() as pilot:
+        text = paragraph * 30 + fence + paragraph * 10
+        for start in range(0, len(text), 37):
+            await reply.write(text[start:start + 37])
+            await hidden.write(text[start:start + 37], render=False)
+        await reply.finish_stream()
+        await hidden.finish_stream()
+        await pilot.pause()
+        sources = [chunk.source for chunk in reply._chunks]
+        assert "".join(sources) == reply.text == text
+        assert len(sources) > 3 and all(s.count("```") % 2 == 0 for s in sources)
+        assert max(len(s) for s in sources if "```" not in s) < m.CHUNK_CHARS + 600
+        assert hidden._chunks[0].source == text and len(hidden._chunks) == 1
 
 
 # ---- Pilot tests ---------------------------------------------------------------------
@@ -521,6 +553,15 @@ async def test_dialogs_rename_settings_close(engine, tmp_path):
         await wait_until(pilot, lambda: engine.stats().blocks_in_use == 0, timeout=5)
         stored = app.store.get_chat(tab.chat_id).messages
         assert stored[-1].finish_reason == "abort" and stored[-1].token_ids
+        # The closed chat stays in the store; the palette's "Open chat" brings it back.
+        assert [c.id for c in app.closed_chats()] == [tab.chat_id]
+        provider = StoredChats(app.screen)
+        [hit] = [hit async for hit in provider.search("renamed")]
+        assert "Open chat: Renamed" in str(hit.text)
+        await hit.command()
+        await wait_until(pilot, lambda: app.active_tab.chat_id == tab.chat_id
+                         and len(app.active_tab.query(UserMessage)) == 1)
+        assert app.active_tab.title == "Renamed"
 
 
 @pytest.mark.timeout(60)
