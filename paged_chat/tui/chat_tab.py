@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
-from textual import on, work
+from textual import events, on, work
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.markup import escape
@@ -109,6 +109,14 @@ class ChatTab(TabPane):
 
     def on_mount(self) -> None:
         self.messages.anchor()
+
+    def _on_descendant_focus(self, event: events.DescendantFocus) -> None:
+        """TabPane switches the tabs to a pane whose widget gets the focus; a stale
+        programmatic focus landing in a hidden tab (one the user just left) must not
+        switch back to it."""
+        event.prevent_default()  # instead of TabPane's handler
+        if self.display:
+            self.post_message(self.Focused(self))
 
     def _info_text(self) -> Text:
         text = Text(no_wrap=True, overflow="ellipsis")
