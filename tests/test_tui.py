@@ -25,6 +25,7 @@ from paged_chat.engine import AsyncEngine, Engine, EngineConfig
 from paged_chat.engine.stats import BlockMap
 from paged_chat.settings import ChatSettings, Settings, TuiSettings
 from paged_chat.store import ChatStore
+from paged_chat.text import sanitize_for_terminal as clean
 from paged_chat.tui.app import ACTIONS, PagedChatApp, StoredChats
 from paged_chat.tui.block_map import CACHED, FREE, SHARED, TAB0, BlockMapView, Layout, block_codes, cell_grid, downsample
 from paged_chat.tui.chat_tab import ChatTab
@@ -232,6 +233,28 @@ class _WithPositions:
 
 
 @pytest.mark.timeout(30)
+async def test_escape_sequences_in_text_never_reach_the_terminal():
+    from textual.app import App
+    from paged_chat.tui.messages import AssistantMessage, UserMessage
+
+    evil = "ok\x1b[2J\x1b]0;pwned\x07 done\r"
+    reply, user = AssistantMessage(), UserMessage(evil)
+
+    class Host(App):
+        def compose(self):
+            yield user
+            yield reply
+
+    async with Host().run_test() as pilot:
+        await reply.write(evil)
+        await reply.finish_stream()
+        await pilot.pause()
+        assert reply.text == evil                               # exact, for copy
+        assert reply._chunks[0].source == "ok done"             # shown clean
+        assert "\x1b" not in str(user.content) and "ok done" in str(user.content)
+
+
+@pytest.mark.timeout(30)
 def test_code_blocks_are_found():
     text = "Here:\n```python\nprint(1)\n```\nand\n~~~\nls -l\n~~~\n"
     assert code_blocks(text) == ["print(1)\n", "ls -l\n"]
@@ -293,7 +316,7 @@ async def test_tabs_stream_concurrently_and_share_blocks(engine, tmp_path):
             [reply] = replies(tab)
             assert tab.metrics.tokens == 300 and reply.text
             # Hidden tabs buffer while streaming; every reply ends fully rendered.
-            assert "".join(chunk.source for chunk in reply._chunks) == reply.text
+            assert "".join(chunk.source for chunk in reply._chunks) == clean(reply.text)
             assert "ttft" in reply.footer and "t/s" in app.tabs.get_tab(tab.id).label.plain
         assert engine.stats().prefix_cache_hit_tokens > 0
 

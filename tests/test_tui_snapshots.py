@@ -122,6 +122,7 @@ def make_app(tmp_path: Path) -> tuple[PagedChatApp, FakeEngine]:
     engine = FakeEngine([snapshot(step, ids) for step in range(60)])
     app = PagedChatApp(Settings(), engine=engine, store=store,
                        session_path=tmp_path / "session.json", poll_s=3600)
+    app.animation_level = "none"   # the tab underline would be caught mid-slide
     return app, engine
 
 
@@ -135,6 +136,8 @@ async def settle(pilot) -> None:
         tab.live_ids = list(range(1000 * index, 1000 * index + 200))
     for _ in range(60):   # the panel's history: 60 deterministic polls
         app._poll()
+    await pilot.pause()
+    await pilot.wait_for_scheduled_animations()
     await pilot.pause()
 
 

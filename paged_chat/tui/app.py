@@ -30,6 +30,7 @@ from textual.screen import Screen
 from textual.widgets import Footer, Static, TabbedContent
 
 from paged_chat.engine.errors import PagedChatError
+from paged_chat.text import sanitize_for_terminal as clean
 from paged_chat.tui.chat_tab import ChatTab, copy_conversation
 from paged_chat.tui.dialogs import ChatSettingsScreen, ConfirmScreen, HelpScreen, TextPromptScreen
 from paged_chat.tui.engine_panel import EnginePanel, TabInfo
@@ -271,7 +272,7 @@ class PagedChatApp(App):
             return  # shutting down
         stats = self.engine.stats()
         if self._tab_infos is None:
-            self._tab_infos = {tab.chat_id: TabInfo(tab.title, tab.colour, tab.tokens_of)
+            self._tab_infos = {tab.chat_id: TabInfo(clean(tab.title), tab.colour, tab.tokens_of)
                                for tab in self.chat_tabs}
         try:
             self.panel.show_stats(stats, self._tab_infos)

@@ -25,6 +25,7 @@ from textual.widgets import Button, Static, TabPane
 
 from paged_chat.chat import Conversation
 from paged_chat.engine.errors import PagedChatError
+from paged_chat.text import sanitize_for_terminal as clean
 from paged_chat.tui.block_map import TAB_COLOURS
 from paged_chat.tui.messages import AssistantMessage, ErrorMessage, UserMessage, code_blocks
 from paged_chat.tui.prompt_input import PromptInput
@@ -121,7 +122,7 @@ class ChatTab(TabPane):
     def _info_text(self) -> Text:
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append("█ ", style=TAB_COLOURS[self.colour % len(TAB_COLOURS)])
-        system = (self.system_prompt or "").replace("\n", " ")
+        system = clean((self.system_prompt or "").replace("\n", " "))
         text.append(f"system: {system[:60] + '…' if len(system) > 60 else system or '(none)'}")
         if self.sampling:
             text.append("  ·  " + ", ".join(f"{k} {v}" for k, v in sorted(self.sampling.items())),
@@ -134,7 +135,7 @@ class ChatTab(TabPane):
     def label(self) -> str:
         """The tab header: colour swatch, title, streaming dot, TTFT and tokens/s."""
         colour = TAB_COLOURS[self.colour % len(TAB_COLOURS)]
-        label = f"[{colour}]█[/] {escape(self.title)}"
+        label = f"[{colour}]█[/] {escape(clean(self.title))}"
         if self.streaming:
             label += " [b]●[/b]"
         if self.metrics.ttft_s is not None:
@@ -451,4 +452,4 @@ def _view_of(message) -> Static | AssistantMessage:
                                             f"{timings.get('tokens_per_s', 0):.1f} tok/s",
                                             footer) if p)
         return AssistantMessage(message.content, footer=footer)
-    return Static(Text(message.content), classes="message system")
+    return Static(Text(clean(message.content)), classes="message system")

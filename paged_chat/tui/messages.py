@@ -15,6 +15,8 @@ from textual.containers import Vertical
 from textual.widgets import Markdown, Static
 from textual.widgets._markdown import MarkdownStream
 
+from paged_chat.text import sanitize_for_terminal as clean
+
 CHUNK_CHARS = 2000   # start a new Markdown widget at the next paragraph break past this
 _FENCE = re.compile(r"^ {0,3}(```|~~~)", re.MULTILINE)
 _CODE_BLOCK = re.compile(r"^ {0,3}(```|~~~)[^\n]*\n(.*?)^ {0,3}\1", re.MULTILINE | re.DOTALL)
@@ -33,19 +35,22 @@ class UserMessage(Static):
     """The user's prompt, as typed (no markup)."""
 
     def __init__(self, text: str) -> None:
-        super().__init__(Text(text), classes="message user")
+        super().__init__(Text(clean(text)), classes="message user")
         self.text = text
         self.border_title = "you"
 
 
 class ErrorMessage(Static):
     def __init__(self, text: str) -> None:
-        super().__init__(Text(text), classes="message error")
+        super().__init__(Text(clean(text)), classes="message error")
         self.border_title = "error"
 
 
 class AssistantMessage(Vertical):
-    """A reply: Markdown chunks plus a one-line footer (finish reason, timings)."""
+    """A reply: Markdown chunks plus a one-line footer (finish reason, timings).
+
+    `text` is the reply exactly (copy, code blocks); what is shown has escape sequences
+    and control characters removed (`sanitize_for_terminal`), piece by piece."""
 
     def __init__(self, text: str = "", footer: str = "") -> None:
         super().__init__(classes="message assistant")
@@ -58,9 +63,10 @@ class AssistantMessage(Vertical):
         self._backlog = ""   # written while hidden, not yet rendered
 
     def compose(self):
-        markdown = Markdown(self.text or None)
+        shown = clean(self.text)
+        markdown = Markdown(shown or None)
         self._chunks.append(markdown)
-        self._chunk_text = self.text
+        self._chunk_text = shown
         yield markdown
 
     @property
@@ -75,6 +81,7 @@ class AssistantMessage(Vertical):
         """Stream a fragment of the reply; with render=False only keep it (the tab is
         hidden) until a later write or finish_stream renders the backlog at once."""
         self.text += fragment
+        fragment = clean(fragment)
         if not render:
             self._backlog += fragment
             return
@@ -121,5 +128,5 @@ class AssistantMessage(Vertical):
         for chunk in self._chunks[1:]:
             await chunk.remove()
         self._chunks = self._chunks[:1]
-        self.text = self._chunk_text = text
-        await self._chunks[0].update(text)
+        self.text, self._chunk_text = text, clean(text)
+        await self._chunks[0].update(self._chunk_text)
