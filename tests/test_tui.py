@@ -283,7 +283,9 @@ async def test_long_reply_streams_into_bounded_markdown_chunks():
             await reply.write(text[start:start + 37])
             await hidden.write(text[start:start + 37], render=False)
         await reply.finish_stream()
-        await hidden.finish_stream()
+        await hidden.finish_stream(render=False)
+        assert hidden._chunks[0].source == ""          # nothing rendered while hidden
+        await hidden.catch_up()
         await pilot.pause()
         sources = [chunk.source for chunk in reply._chunks]
         assert "".join(sources) == reply.text == text
@@ -312,7 +314,10 @@ async def test_tabs_stream_concurrently_and_share_blocks(engine, tmp_path):
         assert watcher.max_batch > 1, "the engine never batched two tabs"
         assert len(watcher.tab_codes) >= 2, "the block map never showed blocks of two tabs"
         assert watcher.shared_seen, "the shared system-prompt blocks never showed"
-        for tab in app.chat_tabs:
+        for tab in app.chat_tabs:   # each shown in turn: hidden replies render when shown
+            app.tabs.active = tab.id
+            await wait_until(pilot, lambda: app.active_tab is tab and tab.display)
+            await pilot.pause()
             [reply] = replies(tab)
             assert tab.metrics.tokens == 300 and reply.text
             # Hidden tabs buffer while streaming; every reply ends fully rendered.

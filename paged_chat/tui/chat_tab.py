@@ -111,6 +111,11 @@ class ChatTab(TabPane):
     def on_mount(self) -> None:
         self.messages.anchor()
 
+    async def on_show(self) -> None:
+        """Replies that finished while the tab was hidden get their final render now."""
+        for reply in self.query(AssistantMessage):
+            await reply.catch_up()
+
     def _on_descendant_focus(self, event: events.DescendantFocus) -> None:
         """TabPane switches the tabs to a pane whose widget gets the focus; a stale
         programmatic focus landing in a hidden tab (one the user just left) must not
@@ -387,7 +392,7 @@ class ChatTab(TabPane):
         except Exception as exc:  # engine errors (step failure, load failure) stay in the tab
             reason = "error"
             error = str(exc) if isinstance(exc, PagedChatError) else f"{type(exc).__name__}: {exc}"
-        await reply.finish_stream()
+        await reply.finish_stream(render=self.display)
         if working is not None:  # the turn joins the context, even cut or empty, as stored
             working.add_reply(prompt_ids, reply_ids, text_out)
             self.conversation = working

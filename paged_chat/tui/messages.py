@@ -61,6 +61,7 @@ class AssistantMessage(Vertical):
         self._chunk_text = ""
         self._stream: MarkdownStream | None = None
         self._backlog = ""   # written while hidden, not yet rendered
+        self._stale = False  # finished while hidden: the final render is still to do
 
     def compose(self):
         shown = clean(self.text)
@@ -111,16 +112,26 @@ class AssistantMessage(Vertical):
         self._chunk_text = ""
         await self.mount(markdown)
 
-    async def finish_stream(self) -> None:
-        """Flush the stream, then render the last chunk once more from its whole text."""
-        backlog, self._backlog = self._backlog, ""
-        self._chunk_text += backlog
+    async def finish_stream(self, render: bool = True) -> None:
+        """Flush the stream, then render the last chunk once more from its whole text.
+        With render=False (a hidden tab) that last render waits for `catch_up`."""
         streamed = self._stream is not None
         if streamed:
             await self._stream.stop()
             self._stream = None
-        if streamed or backlog:
+        if not render:
+            self._stale = self._stale or streamed or bool(self._backlog)
+            return
+        backlog, self._backlog = self._backlog, ""
+        self._chunk_text += backlog
+        if streamed or backlog or self._stale:
+            self._stale = False
             await self._chunks[-1].update(self._chunk_text)
+
+    async def catch_up(self) -> None:
+        """Render what a hidden tab kept back (called when the tab is shown)."""
+        if self._stale or self._backlog:
+            await self.finish_stream()
 
     async def replace(self, text: str) -> None:
         """Show `text` as the whole reply (used when a reply is redone)."""
