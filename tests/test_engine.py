@@ -162,6 +162,10 @@ def test_stats_snapshot(make_engine):
     holders = [stats.blocks.holders_of(b) for b in range(64)]
     assert sum(h == [request] for h in holders) == 5
     assert {stats.blocks.owners_of(b)[0] for b in range(64) if holders[b]} == {"tab-1"}
+    table = engine.kv_cache.block_ids(request)
+    held = [b for b in range(64) if holders[b]]
+    positions = {b: int(stats.blocks.holder_positions[stats.blocks.holder_ptr[b]]) for b in held}
+    assert [table[positions[b]] for b in held] == held, "a holder position indexes its table"
     assert 0 < stats.kv_waste < 1
     engine.abort(request)
     engine.step()

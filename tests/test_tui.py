@@ -214,22 +214,8 @@ def test_block_detail_shows_tokens_of_the_block():
     info = {"tab-a": TabInfo("Alpha", 0, lambda rid: tokens if rid == "a/1" else None)}
     plain = describe_block(0, blocks, 16, info, lambda ids: " ".join(map(str, ids))).plain
     assert "block 0" in plain and "ref 1" in plain and "owners: Alpha" in plain
-    # Positions in the request's table come with BlockMap.holder_positions (when the engine
-    # reports them): block 0 is the request's second block, tokens 16..31.
-    positioned = _WithPositions(blocks, np.array([1, 0], dtype=np.int32))
-    plain = describe_block(0, positioned, 16, info, lambda ids: " ".join(map(str, ids))).plain
+    # Block 0 is the request's second block (BlockMap.holder_positions): tokens 16..31.
     assert "tokens 16–31" in plain and "116 117" in plain
-
-
-class _WithPositions:
-    """A BlockMap plus `holder_positions` (the block's index in each holder's table)."""
-
-    def __init__(self, blocks: BlockMap, holder_positions: np.ndarray) -> None:
-        self._blocks = blocks
-        self.holder_positions = holder_positions
-
-    def __getattr__(self, name):
-        return getattr(self._blocks, name)
 
 
 @pytest.mark.timeout(30)

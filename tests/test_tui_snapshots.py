@@ -50,18 +50,6 @@ class FakeEngine:
         pass
 
 
-class PositionedBlockMap:
-    """A BlockMap plus `holder_positions` (each holder entry's index in its request's
-    table), the small addition the TUI asks of the engine to show a block's tokens."""
-
-    def __init__(self, blocks: BlockMap, positions: np.ndarray) -> None:
-        self._blocks = blocks
-        self.holder_positions = positions
-
-    def __getattr__(self, name):
-        return getattr(self._blocks, name)
-
-
 def snapshot(step: int, owners: list[str]) -> EngineStats:
     """Three streaming tabs: the first two share a 3-block system prompt, the third is a
     fork of the first (sharing its whole 6-block history); all grow with `step`."""
@@ -74,18 +62,13 @@ def snapshot(step: int, owners: list[str]) -> EngineStats:
         f"{owners[2]}/1": system + history + grow(80, 1 + step // 10),
     }
     ref = np.zeros(NUM_BLOCKS, dtype=np.int32)
-    positions = []
     for table in tables.values():
-        for index, block in enumerate(table):
+        for block in table:
             ref[block] += 1
-        positions.append(np.arange(len(table), dtype=np.int32))
     cached = np.zeros(NUM_BLOCKS, dtype=bool)
     cached[:6] = True
     cached[200:260] = True          # an earlier chat's blocks, evictable
     blocks = BlockMap.build(ref, cached, tables, {rid: rid.split("/")[0] for rid in tables})
-    flat = np.concatenate(positions)
-    block_ids = np.concatenate([np.asarray(t) for t in tables.values()])
-    order = np.argsort(block_ids, kind="stable")
     in_use = int(np.count_nonzero(ref))
     cached_free = int(np.count_nonzero(cached & (ref == 0)))
     return EngineStats(
@@ -95,7 +78,7 @@ def snapshot(step: int, owners: list[str]) -> EngineStats:
         batch_size=3 if step % 7 else 4, batch_tokens=3 if step % 7 else 260,
         prompt_tokens_per_s=180.0 + step, generation_tokens_per_s=90.0 + (step % 13) * 5,
         prefix_cache_queried_tokens=1200, prefix_cache_hit_tokens=780, kv_slots_wasted=20,
-        step_time_s=0.021, blocks=PositionedBlockMap(blocks, flat[order]))
+        step_time_s=0.021, blocks=blocks)
 
 
 def populated_store(path: Path) -> tuple[ChatStore, list[str]]:

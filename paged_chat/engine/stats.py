@@ -2,7 +2,9 @@
 
 The block map is kept compact (numpy arrays, not an object per block) so a panel can
 draw 10k+ blocks at 10 Hz. Holders of a block are stored CSR-style: the requests holding
-block `b` are `request_ids[i]` for `i in holders[holder_ptr[b]:holder_ptr[b + 1]]`.
+block `b` are `request_ids[i]` for `i in holders[holder_ptr[b]:holder_ptr[b + 1]]`, and
+`holder_positions` (parallel to `holders`) says where in that request's table the block
+sits, so block `b` holds that request's tokens `[p * block_size, (p + 1) * block_size)`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ class BlockMap:
     cached: np.ndarray              # bool [num_blocks]: has a prefix hash (evictable at ref 0)
     holder_ptr: np.ndarray          # int32 [num_blocks + 1]
     holders: np.ndarray             # int32: indices into request_ids
+    holder_positions: np.ndarray    # int32, parallel to holders: index in that request's table
     request_ids: tuple[str, ...]
     request_owners: tuple[str | None, ...]   # the owner tag each request was added with
 
@@ -31,12 +34,14 @@ class BlockMap:
         block_ids = np.fromiter((b for rid in request_ids for b in tables[rid]), dtype=np.int64,
                                 count=sum(lengths))
         request_index = np.repeat(np.arange(len(request_ids), dtype=np.int32), lengths)
+        table_starts = np.repeat(np.cumsum(lengths) - lengths, lengths).astype(np.int64)
+        positions = (np.arange(len(block_ids)) - table_starts).astype(np.int32)
         order = np.argsort(block_ids, kind="stable")
         counts = np.bincount(block_ids, minlength=len(ref_counts))
         holder_ptr = np.zeros(len(ref_counts) + 1, dtype=np.int32)
         np.cumsum(counts, out=holder_ptr[1:])
-        return cls(ref_counts, cached, holder_ptr, request_index[order], request_ids,
-                   tuple(owners.get(rid) for rid in request_ids))
+        return cls(ref_counts, cached, holder_ptr, request_index[order], positions[order],
+                   request_ids, tuple(owners.get(rid) for rid in request_ids))
 
     def holders_of(self, block_id: int) -> list[str]:
         start, end = self.holder_ptr[block_id], self.holder_ptr[block_id + 1]

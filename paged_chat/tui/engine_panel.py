@@ -100,10 +100,7 @@ def describe_block(block_id: int, blocks: BlockMap, block_size: int,
         info = tabs.get(owner) if owner is not None else None
         names.append(info.title if info else (owner or blocks.request_ids[holder]))
     text.append("\nowners: " + ", ".join(dict.fromkeys(names)))
-    positions = getattr(blocks, "holder_positions", None)
-    if positions is None:
-        text.append("\ntokens: the engine does not report block positions", style="dim")
-        return text
+    positions = blocks.holder_positions
     for offset, holder in enumerate(holders):
         owner = blocks.request_owners[holder]
         info = tabs.get(owner) if owner is not None else None
