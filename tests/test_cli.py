@@ -26,17 +26,8 @@ from paged_chat.ask import UsageError, parse_prompt_file, read_prompt
 from paged_chat.cli import CliState, app
 from paged_chat.engine import Engine
 from paged_chat.store import ChatStore
-from tiny_models import build_tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="session")
-def chat_model_dir(tmp_path_factory, smollm2_source) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-chat-llama")
-    build_tiny_model("llama", folder, vocab_size=len(smollm2_source.tokenizer), tie_word_embeddings=True)
-    smollm2_source.tokenizer.save_pretrained(folder)
-    return folder
 
 
 class Cli:

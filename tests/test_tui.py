@@ -1,9 +1,10 @@
 """The TUI, driven with Textual's Pilot on a tiny random model, plus a tmux smoke test of the
 real `paged-chat` command.
 
-The tiny model here has the default model's full vocabulary (the `tiny_model_dir` of the
-engine tests has 512 ids, too few for a chat template's special tokens), so real chat
-prompts run through the real tokenizer, template, Conversation and store.
+The tiny model here (`chat_model_dir`) has the default model's full vocabulary (the
+`tiny_model_dir` of the engine tests has 512 ids, too few for a chat template's special
+tokens), so real chat prompts run through the real tokenizer, template, Conversation and
+store.
 """
 
 from __future__ import annotations
@@ -33,18 +34,9 @@ from paged_chat.tui.dialogs import ChatSettingsScreen, HelpScreen, TextPromptScr
 from paged_chat.tui.engine_panel import TabInfo, blocks_owned, describe_block
 from paged_chat.tui.messages import AssistantMessage, ErrorMessage, UserMessage, code_blocks
 from paged_chat.tui.prompt_input import PromptInput
-from tiny_models import build_tiny_model
 
 SYSTEM = ("You are a careful assistant. You answer in short sentences, you check your facts, "
           "and you say when you do not know something. Keep every answer brief and friendly.")
-
-
-@pytest.fixture(scope="session")
-def tui_model_dir(tmp_path_factory, smollm2_source) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-llama-full-vocab")
-    build_tiny_model("llama", folder, vocab_size=len(smollm2_source.tokenizer))
-    smollm2_source.tokenizer.save_pretrained(folder)
-    return folder
 
 
 def engine_config(model_dir: Path, **overrides) -> EngineConfig:
@@ -54,11 +46,11 @@ def engine_config(model_dir: Path, **overrides) -> EngineConfig:
 
 
 @pytest.fixture
-def make_async_engine(tui_model_dir):
+def make_async_engine(chat_model_dir):
     engines: list[AsyncEngine] = []
 
     def make(**overrides) -> AsyncEngine:
-        engine = AsyncEngine(Engine(engine_config(tui_model_dir, **overrides)))
+        engine = AsyncEngine(Engine(engine_config(chat_model_dir, **overrides)))
         engines.append(engine)
         return engine
 
@@ -425,7 +417,7 @@ async def test_long_chat_mounts_lazily(engine, tmp_path):
 
 
 @pytest.mark.timeout(120)
-async def test_model_loads_in_a_worker_while_the_ui_is_open(tui_model_dir, tmp_path, monkeypatch):
+async def test_model_loads_in_a_worker_while_the_ui_is_open(chat_model_dir, tmp_path, monkeypatch):
     from_config = AsyncEngine.from_config.__func__
 
     def slow_load(cls, config):  # the tiny model loads too fast to see "loading"
@@ -434,7 +426,7 @@ async def test_model_loads_in_a_worker_while_the_ui_is_open(tui_model_dir, tmp_p
 
     monkeypatch.setattr(AsyncEngine, "from_config", classmethod(slow_load))
     settings = make_settings(max_tokens=8)
-    app = TuiTestApp(settings, engine_config=engine_config(tui_model_dir),
+    app = TuiTestApp(settings, engine_config=engine_config(chat_model_dir),
                   store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
@@ -658,9 +650,9 @@ def _tmux(*args: str) -> str:
 
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
-def test_paged_chat_in_tmux(tui_model_dir, tmp_path):
+def test_paged_chat_in_tmux(chat_model_dir, tmp_path):
     config = tmp_path / "config.toml"
-    config.write_text(f'[engine]\nmodel = "{tui_model_dir}"\ndevice = "cpu"\ndtype = "float32"\n'
+    config.write_text(f'[engine]\nmodel = "{chat_model_dir}"\ndevice = "cpu"\ndtype = "float32"\n'
                       'num_blocks = 512\n\n[chat]\ntemperature = 0.0\nmax_tokens = 24\n')
     # Without COLUMNS/LINES (set by pytest plugins): Textual would take them over the pane's size.
     env = {key: value for key, value in os.environ.items() if key not in ("COLUMNS", "LINES")}
