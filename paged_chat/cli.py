@@ -248,6 +248,7 @@ def bench(ctx: typer.Context,
           baseline_dtype: Annotated[str | None, typer.Option(
               help="The baselines' dtype (default: --dtype).")] = None,
           threads: Annotated[int, typer.Option(min=1, help="torch threads for every system.")] = 2,
+          block_size: Annotated[int, typer.Option(help="KV block size, tokens (paged-chat and hf-cb).")] = 16,
           systems: Annotated[str, typer.Option(
               help="Comma-separated: paged-chat, hf-seq, hf-static, hf-cb.")] = "paged-chat,hf-seq,hf-static,hf-cb",
           quick: Annotated[bool, typer.Option(
@@ -269,7 +270,7 @@ def bench(ctx: typer.Context,
         if sizes["min_output"] > sizes["max_output"]:
             raise typer.BadParameter("must not exceed --max-output", param_hint="--min-output")
         options = BenchOptions(model=model, dtype=dtype, baseline_dtype=baseline_dtype,
-                               threads=threads, seed=seed, scenarios=scenarios, roofline=roofline,
+                               threads=threads, seed=seed, block_size=block_size, scenarios=scenarios, roofline=roofline,
                                systems=tuple(name.strip() for name in systems.split(",") if name.strip()),
                                **sizes)
         report = run_bench(options, log=lambda line: typer.echo(line, err=True))
