@@ -23,8 +23,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import jinja2
+
+from paged_chat.engine.errors import PagedChatError
+
 if TYPE_CHECKING:
     from paged_chat.store import Chat
+
+
+class ChatTemplateError(PagedChatError):
+    """The model's chat template refused the conversation (many refuse a system turn)."""
 
 
 @dataclass(slots=True)
@@ -94,8 +102,12 @@ class Conversation:
     def _render(self, messages: list[dict[str, str]]) -> str:
         if self.system_prompt:
             messages = [{"role": "system", "content": self.system_prompt}] + messages
-        return self.tokenizer.apply_chat_template(
-            messages, chat_template=self.chat_template, tokenize=False, add_generation_prompt=True)
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, chat_template=self.chat_template, tokenize=False,
+                add_generation_prompt=True)
+        except jinja2.TemplateError as error:
+            raise ChatTemplateError(f"the model's chat template failed: {error}") from error
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

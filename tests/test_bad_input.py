@@ -10,14 +10,13 @@ from __future__ import annotations
 import asyncio
 import re
 
-import jinja2
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paged_chat.chat import Conversation
+from paged_chat.chat import ChatTemplateError, Conversation
 from paged_chat.engine import AsyncEngine, SamplingParams
 from paged_chat.engine.detokenizer import IncrementalDetokenizer
 from paged_chat.engine.runner import ModelRunner
@@ -120,10 +119,10 @@ def test_a_chat_template_that_raises(make_engine):
     engine = make_engine()
     refusing = "{{ raise_exception('System role not supported') }}"
     conversation = Conversation(engine.tokenizer, refusing, system_prompt="be brief")
-    with pytest.raises(jinja2.TemplateError, match="System role not supported"):
+    with pytest.raises(ChatTemplateError, match="chat template failed: System role not supported"):
         conversation.next_prompt_ids("hello")
     broken = Conversation(engine.tokenizer, "{% for m in messages %}{{ m.content }")
-    with pytest.raises(jinja2.TemplateSyntaxError):
+    with pytest.raises(ChatTemplateError):
         broken.next_prompt_ids("hello")
     assert run(engine, [5, 6, 7]).finish_reason == "length"
 
