@@ -520,7 +520,9 @@ def plot(report: dict, path: str) -> None:
     bars.bar([s["system"] for s in systems], [s["output_tokens_per_s"] for s in systems],
              color=["#d9534f" if s["system"] == "paged-chat" else "#8c8c8c" for s in systems])
     bars.set_ylabel("output tokens/s")
-    bars.set_title(f"{report['workload']['chats']} concurrent chats, {report['options']['dtype']}")
+    options = report["options"]
+    bars.set_title(f"{report['workload']['chats']} concurrent chats: paged-chat {options['dtype']}, "
+                   f"baselines {options['baseline_dtype'] or options['dtype']}")
     paged = next((s for s in systems if s["system"] == "paged-chat"), None)
     if paged:
         times, in_use, cached, running = zip(*paged["timeline"])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -648,57 +649,117 @@ def _tmux(*args: str) -> str:
     return subprocess.run(["tmux", *args], check=True, capture_output=True, text=True).stdout
 
 
-@pytest.mark.timeout(240)
-@pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed (apt-get install tmux)")
-def test_paged_chat_in_tmux(chat_model_dir, tmp_path):
-    config = tmp_path / "config.toml"
-    config.write_text(f'[engine]\nmodel = "{chat_model_dir}"\ndevice = "cpu"\ndtype = "float32"\n'
-                      'num_blocks = 512\n\n[chat]\ntemperature = 0.0\nmax_tokens = 24\n')
-    # Without COLUMNS/LINES (set by pytest plugins): Textual would take them over the pane's size.
-    env = {key: value for key, value in os.environ.items() if key not in ("COLUMNS", "LINES")}
-    env = {**env, "PAGED_CHAT_CONFIG": str(config), "PAGED_CHAT_DATA_DIR": str(tmp_path / "data"),
-           "PAGED_CHAT_CACHE_DIR": os.environ["PAGED_CHAT_CACHE_DIR"], "TERM": "xterm-256color"}
-    session = f"paged-chat-test-{os.getpid()}"
-    command = f"{sys.executable} -m paged_chat"
-    socket = ["-L", session]
-    subprocess.run(["tmux", *socket, "new-session", "-d", "-s", session, "-x", "120", "-y", "40",
-                    *[arg for key in ("PAGED_CHAT_CONFIG", "PAGED_CHAT_DATA_DIR", "PAGED_CHAT_CACHE_DIR",
-                                      "HF_HUB_OFFLINE", "TERM") for arg in ("-e", f"{key}={env[key]}")],
-                    command], check=True, env=env)
+class TmuxApp:
+    """The real `paged-chat` (python -m paged_chat) in a 120x40 tmux pane, with its own
+    config and chat store under `tmp_path`."""
 
-    def screen() -> str:
-        return _tmux(*socket, "capture-pane", "-p", "-t", session)
+    def __init__(self, model_dir: Path, tmp_path: Path, max_tokens: int) -> None:
+        config = tmp_path / "config.toml"
+        config.write_text(f'[engine]\nmodel = "{model_dir}"\ndevice = "cpu"\ndtype = "float32"\n'
+                          f'num_blocks = 512\n\n[chat]\ntemperature = 0.0\nmax_tokens = {max_tokens}\n')
+        self.store_path = tmp_path / "data" / "chats.db"
+        # Without COLUMNS/LINES (set by pytest plugins): Textual would take them over the pane's size.
+        env = {key: value for key, value in os.environ.items() if key not in ("COLUMNS", "LINES")}
+        env = {**env, "PAGED_CHAT_CONFIG": str(config), "PAGED_CHAT_DATA_DIR": str(tmp_path / "data"),
+               "PAGED_CHAT_CACHE_DIR": os.environ["PAGED_CHAT_CACHE_DIR"], "TERM": "xterm-256color"}
+        self.session = f"paged-chat-test-{os.getpid()}"
+        self.socket = ["-L", self.session]
+        subprocess.run(["tmux", *self.socket, "new-session", "-d", "-s", self.session, "-x", "120",
+                        "-y", "40",
+                        *[arg for key in ("PAGED_CHAT_CONFIG", "PAGED_CHAT_DATA_DIR",
+                                          "PAGED_CHAT_CACHE_DIR", "HF_HUB_OFFLINE", "TERM")
+                          for arg in ("-e", f"{key}={env[key]}")],
+                        f"{sys.executable} -m paged_chat"], check=True, env=env)
 
-    def wait_for(predicate, timeout: float = 60.0) -> str:
+    def screen(self) -> str:
+        return _tmux(*self.socket, "capture-pane", "-p", "-t", self.session)
+
+    def keys(self, *keys: str, literal: bool = False) -> None:
+        _tmux(*self.socket, "send-keys", "-t", self.session, *(["-l"] if literal else []), *keys)
+
+    def wait_for(self, predicate, timeout: float = 60.0) -> str:
         deadline = time.monotonic() + timeout
         while True:
-            text = screen()
+            text = self.screen()
             if predicate(text):
                 return text
             if time.monotonic() > deadline:
                 raise AssertionError(f"timed out; the screen was:\n{text}")
             time.sleep(0.1)
 
+    def kill_server(self) -> None:
+        subprocess.run(["tmux", *self.socket, "kill-server"], capture_output=True)
+
+
+needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None,
+                                reason="tmux is not installed (apt-get install tmux)")
+
+
+@pytest.mark.timeout(240)
+@needs_tmux
+def test_paged_chat_in_tmux(chat_model_dir, tmp_path):
+    app = TmuxApp(chat_model_dir, tmp_path, max_tokens=24)
     try:
-        wait_for(lambda s: "ready" in s and "KV cache" in s)
-        _tmux(*socket, "send-keys", "-t", session, "-l", "hello from tmux one")
-        _tmux(*socket, "send-keys", "-t", session, "Enter")
-        wait_for(lambda s: "24 tok" in s)
-        _tmux(*socket, "send-keys", "-t", session, "C-n")
-        wait_for(lambda s: "Chat 2" in s)
-        _tmux(*socket, "send-keys", "-t", session, "-l", "second tab says hi")
-        _tmux(*socket, "send-keys", "-t", session, "Enter")
-        text = wait_for(lambda s: "second tab says hi" in s and "24 tok" in s)
+        app.wait_for(lambda s: "ready" in s and "KV cache" in s)
+        app.keys("hello from tmux one", literal=True)
+        app.keys("Enter")
+        app.wait_for(lambda s: "24 tok" in s)
+        app.keys("C-n")
+        app.wait_for(lambda s: "Chat 2" in s)
+        app.keys("second tab says hi", literal=True)
+        app.keys("Enter")
+        text = app.wait_for(lambda s: "second tab says hi" in s and "24 tok" in s)
         assert "hello from tmux one" in text          # the first tab's title
         assert "assistant" in text and "blocks × 16" in text
-        _tmux(*socket, "send-keys", "-t", session, "C-q")
-        wait_for(lambda s: "KV cache" not in s, timeout=20)
+        app.keys("C-q")
+        app.wait_for(lambda s: "KV cache" not in s, timeout=20)
     finally:
-        subprocess.run(["tmux", *socket, "kill-server"], capture_output=True)
-    store = ChatStore(tmp_path / "data" / "chats.db")
+        app.kill_server()
+    store = ChatStore(app.store_path)
     chats = store.list_chats()
     assert sorted(c.title for c in chats) == ["hello from tmux one", "second tab says hi"]
     for chat in chats:
         roles = [m.role for m in store.get_chat(chat.id).messages]
         assert roles == ["user", "assistant"]
     store.close()
+
+
+@pytest.mark.timeout(240)
+@needs_tmux
+def test_kill_9_while_two_tabs_stream_keeps_every_committed_message(chat_model_dir, tmp_path):
+    app = TmuxApp(chat_model_dir, tmp_path, max_tokens=4000)
+    try:
+        app.wait_for(lambda s: "ready" in s and "KV cache" in s)
+        app.keys("first long reply", literal=True)
+        app.keys("Enter")
+        app.keys("C-n")
+        app.wait_for(lambda s: "Chat 2" in s)
+        app.keys("second long reply", literal=True)
+        app.keys("Enter")
+        # Both replies stream; the TUI saves them as they grow. Kill once each has been saved.
+        deadline = time.monotonic() + 60
+        while (saved := _saved_replies(app.store_path)) != {"first long reply", "second long reply"}:
+            assert time.monotonic() < deadline, f"replies saved so far: {saved}"
+            time.sleep(0.2)
+        pid = _tmux(*app.socket, "display-message", "-p", "-t", app.session, "#{pane_pid}").strip()
+        os.kill(int(pid), signal.SIGKILL)
+    finally:
+        app.kill_server()
+    store = ChatStore(app.store_path)
+    chats = {c.title: store.get_chat(c.id) for c in store.list_chats()}
+    assert set(chats) == {"first long reply", "second long reply"}
+    for chat in chats.values():
+        user, reply = chat.messages
+        assert user.role == "user" and user.content == chat.title and user.token_ids
+        assert reply.role == "assistant" and reply.finish_reason == "interrupted"
+        assert reply.content and reply.token_ids, "the partial reply is kept"
+    store.close()
+
+
+def _saved_replies(path: Path) -> set[str]:
+    """Titles of the chats whose streaming reply already has tokens in the store."""
+    if not path.exists():
+        return set()
+    with ChatStore(path) as store:
+        return {chat.title for chat in store.list_chats()
+                if any(m.role == "assistant" and m.token_ids for m in store.get_chat(chat.id).messages)}
