@@ -52,12 +52,21 @@ class Conversation:
         """Rebuild a stored chat: its messages, and its history ids as the concatenation of
         every row's ids (see paged_chat.store). A user message with no reply after it (the
         reply never started) gets an empty one, so the turns keep alternating; the next
-        prompt then closes that empty reply, exactly as the stored ids already imply."""
+        prompt then closes that empty reply, exactly as the stored ids already imply. A turn
+        the engine refused outright (an error before any token, e.g. a prompt past
+        max_model_len) stays in the store but out of the context, or every later turn would
+        fail the same way."""
         conversation = cls(tokenizer, chat_template, chat.system_prompt)
-        for index, message in enumerate(chat.messages):
+        messages = chat.messages
+        refused = {i for pair in range(len(messages) - 1) for i in (pair, pair + 1)
+                   if messages[pair].role == "user" and messages[pair + 1].role == "assistant"
+                   and messages[pair + 1].finish_reason == "error" and not messages[pair + 1].token_ids}
+        for index, message in enumerate(messages):
+            if index in refused:
+                continue
             conversation.messages.append({"role": message.role, "content": message.content})
             conversation.token_ids.extend(message.token_ids)
-            following = chat.messages[index + 1] if index + 1 < len(chat.messages) else None
+            following = messages[index + 1] if index + 1 < len(messages) else None
             if message.role == "user" and (following is None or following.role != "assistant"):
                 conversation.messages.append({"role": "assistant", "content": ""})
         return conversation

@@ -157,6 +157,13 @@ def test_no_prompt_is_a_usage_error(cli):
     assert one_line(result.stderr).startswith("Error: no prompt")
 
 
+def test_stdin_that_is_not_utf8_is_a_usage_error(cli):
+    result = CliRunner().invoke(app, ["--config", str(cli.config), "ask", "summarise"],
+                                input=b"caf\xe9 \xff\xfe binary", obj=CliState(engine_factory=cli._engine))
+    assert result.exit_code == 2 and result.stdout == ""
+    assert one_line(result.stderr).startswith("Error: stdin is not UTF-8 text")
+
+
 def test_a_terminal_stdin_is_never_read():
     class Terminal:
         def isatty(self) -> bool:

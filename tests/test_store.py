@@ -399,3 +399,16 @@ def test_a_fork_has_the_same_history(store, tokenizer):
     fork = store.fork_chat(chat.id)
     assert Conversation.from_chat(fork, tok, template).token_ids == \
         Conversation.from_chat(store.get_chat(chat.id), tok, template).token_ids
+
+
+def test_a_refused_turn_stays_stored_but_out_of_the_context(tmp_path, tokenizer):
+    tok, template = tokenizer
+    with ChatStore(tmp_path / "chats.db") as store:
+        chat = store.create_chat("refused", "m")
+        store.add_message(chat.id, "user", "hi", [1, 2, 3])
+        store.add_message(chat.id, "assistant", "hello", [4, 5], finish_reason="stop")
+        store.add_message(chat.id, "user", "x" * 100, [6] * 50)
+        store.add_message(chat.id, "assistant", "", [], finish_reason="error")
+        restored = Conversation.from_chat(store.get_chat(chat.id), tok, template)
+    assert restored.token_ids == [1, 2, 3, 4, 5]
+    assert [m["content"] for m in restored.messages] == ["hi", "hello"]

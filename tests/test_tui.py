@@ -477,6 +477,23 @@ async def test_engine_error_shows_in_the_tab_and_the_app_carries_on(engine, tmp_
         assert replies(tab)[-1].text and tab.metrics.tokens == 8
 
 
+@pytest.mark.timeout(180)
+async def test_a_one_megabyte_paste_gets_an_error_and_is_kept(engine, tmp_path):
+    paste = ("All work and no play makes Jack a dull boy.\n" * 25_000)[:1_000_000]
+    app = make_app(engine, tmp_path, make_settings(max_tokens=8))
+    async with app.run_test(size=(120, 40)) as pilot:
+        tab = app.active_tab
+        tab.prompt.text = paste
+        await press(pilot, "enter")
+        await wait_until(pilot, lambda: idle(app) and tab.query(ErrorMessage), timeout=150)
+        assert "max_model_len" in text_of(tab.query_one(ErrorMessage))
+        [user] = [m for m in app.store.get_chat(tab.chat_id).messages if m.role == "user"]
+        assert user.content == paste, "what the user wrote is kept"
+        await type_prompt(pilot, "still here")
+        await wait_until(pilot, lambda: idle(app))
+        assert replies(tab)[-1].text
+
+
 @pytest.mark.timeout(60)
 async def test_prompt_input_keys(engine, tmp_path):
     app = make_app(engine, tmp_path, make_settings(max_tokens=2))

@@ -393,7 +393,9 @@ class ChatTab(TabPane):
             reason = "error"
             error = str(exc) if isinstance(exc, PagedChatError) else f"{type(exc).__name__}: {exc}"
         await reply.finish_stream(render=self.display)
-        if working is not None:  # the turn joins the context, even cut or empty, as stored
+        # The turn joins the context, even cut or empty, as stored; a turn the engine refused
+        # outright (a prompt past max_model_len) stays out, or every later turn would fail too.
+        if working is not None and not (reason == "error" and not reply_ids):
             working.add_reply(prompt_ids, reply_ids, text_out)
             self.conversation = working
         if error:
