@@ -13,6 +13,8 @@ import warnings
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from paged_chat import store as store_module
 from paged_chat.chat import Conversation
@@ -412,3 +414,23 @@ def test_a_refused_turn_stays_stored_but_out_of_the_context(tmp_path, tokenizer)
         restored = Conversation.from_chat(store.get_chat(chat.id), tok, template)
     assert restored.token_ids == [1, 2, 3, 4, 5]
     assert [m["content"] for m in restored.messages] == ["hi", "hello"]
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**53, 2**53) | st.floats(allow_nan=False) | st.text(),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(), children, max_size=4),
+    max_leaves=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sampling=st.dictionaries(st.text(), json_values, max_size=5),
+       timings=st.dictionaries(st.text(), json_values, max_size=5),
+       content=st.text(), token_ids=st.lists(st.integers(0, 2**31 - 1), max_size=40))
+def test_json_columns_and_ids_round_trip(tmp_path_factory, sampling, timings, content, token_ids):
+    with ChatStore(tmp_path_factory.mktemp("fuzz") / "chats.db") as store:
+        chat = store.create_chat(content or "untitled", "m", sampling=sampling)
+        store.add_message(chat.id, "assistant", content, token_ids, "stop", timings)
+        stored = store.get_chat(chat.id)
+    assert stored.sampling == sampling
+    [message] = stored.messages
+    assert (message.content, message.token_ids, message.timings) == (content, token_ids, timings)
