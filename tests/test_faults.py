@@ -440,3 +440,24 @@ def test_out_of_memory_at_start_up_names_the_setting_to_lower(make_engine, monke
 def test_a_kv_cache_larger_than_the_machine_is_refused(make_engine):
     with pytest.raises(PagedChatError, match="larger than this machine's.*lower num_blocks"):
         make_engine(num_blocks=10**9)
+
+
+def test_outputs_due_before_a_failed_step_are_still_delivered(make_engine):
+    engine = make_engine()
+    dropped = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=8))
+    kept = engine.add_request([8, 9], SamplingParams(temperature=0, max_tokens=8))
+    engine.step()
+    engine.abort(dropped)
+    execute = engine.runner.execute
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected forward fault")
+
+    engine.runner.execute = broken
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()
+    engine.runner.execute = execute
+    finished = {}
+    while engine.has_unfinished():
+        finished.update((o.request_id, o.finish_reason) for o in engine.step() if o.finished)
+    assert finished == {dropped: "abort", kept: "length"}

@@ -163,6 +163,7 @@ class Engine:
             # have written them: forget the index, or a later request could hit unwritten
             # blocks. The requests keep their places, so a retried step redoes this work.
             self.kv_cache.pool.reset_prefix_cache()
+            self._pending = outputs + self._pending  # deltas collected before the step stay due
             raise
         self._record_prompt_work(schedule)
         self.scheduler.update(schedule)
