@@ -35,6 +35,21 @@ def run_to_end(engine: Engine, check_every_step: bool = True) -> dict:
     return final
 
 
+def fail_one_step(engine: Engine) -> None:
+    """Run one step whose forward raises; the runner works again afterwards."""
+    execute = engine.runner.execute
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected forward fault")
+
+    engine.runner.execute = broken
+    try:
+        with pytest.raises(RuntimeError, match="injected forward fault"):
+            engine.step()
+    finally:
+        engine.runner.execute = execute
+
+
 def alone(make_engine, prompts, params=GREEDY) -> list[list[int]]:
     engine = make_engine(max_num_seqs=1)
     return [engine.generate([prompt], params)[0].token_ids for prompt in prompts]
@@ -281,17 +296,9 @@ def test_failed_forward_leaves_the_engine_consistent_and_a_retry_completes(make_
     prompts = [system + p for p in random_prompts(4, seed=18)]
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     engine.step()
-    execute = engine.runner.execute
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("injected forward fault")
-
-    engine.runner.execute = broken
-    with pytest.raises(RuntimeError, match="injected forward fault"):
-        engine.step()
+    fail_one_step(engine)
     assert not engine.kv_cache.pool.cached_blocks
     engine.kv_cache.check_invariants()
-    engine.runner.execute = execute
     final = run_to_end(engine)
     assert [final[rid].token_ids for rid in ids] == alone(make_engine, prompts)
 
@@ -448,16 +455,6 @@ def test_outputs_due_before_a_failed_step_are_still_delivered(make_engine):
     kept = engine.add_request([8, 9], SamplingParams(temperature=0, max_tokens=8))
     engine.step()
     engine.abort(dropped)
-    execute = engine.runner.execute
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("injected forward fault")
-
-    engine.runner.execute = broken
-    with pytest.raises(RuntimeError, match="injected"):
-        engine.step()
-    engine.runner.execute = execute
-    finished = {}
-    while engine.has_unfinished():
-        finished.update((o.request_id, o.finish_reason) for o in engine.step() if o.finished)
-    assert finished == {dropped: "abort", kept: "length"}
+    fail_one_step(engine)
+    finished = run_to_end(engine)
+    assert {rid: out.finish_reason for rid, out in finished.items()} == {dropped: "abort", kept: "length"}
