@@ -137,7 +137,8 @@ class Settings:
         so a CLI can pass every option it has, given or not)."""
         from paged_chat.engine import EngineConfig
 
-        return EngineConfig(**{**_given(dataclasses.asdict(self.engine)), **_given(overrides)})
+        return EngineConfig(**{"cache_dir": str(cache_dir()), **_given(dataclasses.asdict(self.engine)),
+                               **_given(overrides)})
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the `[chat]` sampling defaults, with `overrides` on top (any

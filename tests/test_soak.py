@@ -12,7 +12,7 @@ import os
 import pytest
 
 from paged_chat.engine.block_pool import BlockPool
-from paged_chat.soak import SoakReport, run_soak, soak_config
+from soak import SoakReport, run_soak, soak_config
 
 SOAK_S = float(os.environ.get("PAGED_CHAT_SOAK_S", "600"))
 

@@ -21,6 +21,10 @@ class EngineConfig:
     size it from `kv_cache_memory` (CPU; bytes or "2GiB"; default a capped fraction of free
     RAM) or from `gpu_memory_utilization` (CUDA: the fraction of the card this process may
     use, KV pool included).
+
+    `cache_dir` is where the engine may keep what it can rebuild (converted tokenizers and
+    weights, the disk KV tier); None keeps nothing on disk. The app passes its platformdirs
+    cache dir: the engine never reads the app's settings itself.
     """
 
     model: str = "smollm2-135m"
@@ -36,6 +40,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     seed: int = 0
+    cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
