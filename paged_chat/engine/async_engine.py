@@ -191,8 +191,8 @@ class AsyncEngine:
             if idle:
                 self._publish()
             for command in self._drain(block=idle):
-                if isinstance(command, _Shutdown):
-                    self.engine.reset()
+                if isinstance(command, _Shutdown):  # the cached prefixes stay valid
+                    self.engine.abort_all()
                     self._publish()
                     self._end_streams(command.reason)
                     return

@@ -120,18 +120,19 @@ class Engine:
         if request is not None:
             self._pending.append(self._finish(request, "abort"))
 
-    def reset(self) -> None:
-        """Abort every request, discarding their outputs, and forget the prefix cache.
-
-        For a caller that has given up on everything in flight (AsyncEngine after a failed
-        step, or a restart) and has told the consumers itself. The cached prefixes go
-        too: after a failure nobody can vouch that the blocks they index were written.
-        """
+    def abort_all(self) -> None:
+        """Abort every request, discarding their outputs: for a caller that has given up on
+        everything in flight and has told the consumers itself (AsyncEngine shutting down)."""
         for request_id in list(self.requests):
             self.abort(request_id)
         self._pending.clear()
-        self.kv_cache.pool.reset_prefix_cache()
         assert not self.scheduler.has_unfinished() and not self.kv_cache.tables
+
+    def reset(self) -> None:
+        """Abort everything (see abort_all) and forget the prefix cache: after a failed step
+        or for a restart, nobody can vouch that the blocks the index names were written."""
+        self.abort_all()
+        self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix; blocks in use stay as they are."""
