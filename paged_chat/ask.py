@@ -21,7 +21,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, aclosing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -275,8 +275,9 @@ async def _stream_all(client: EngineClient, answers: list[Answer], output: Order
     """Run the answers' turns at once; the stop signals received meanwhile."""
 
     async def answer_one(answer: Answer) -> None:
-        async for delta in answer.session.send(client, answer.user_text, answer.params):
-            output.delta(answer.index, delta.new_text)
+        async with aclosing(answer.session.send(client, answer.user_text, answer.params)) as deltas:
+            async for delta in deltas:
+                output.delta(answer.index, delta.new_text)
         output.finished(answer.index, answer.to_json(load_s))
 
     def stop_all() -> None:

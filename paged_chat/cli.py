@@ -92,13 +92,11 @@ def _reported(ctx: typer.Context) -> Iterator[None]:
 
 
 def _describe(error: Exception) -> str:
-    """Our errors' messages are written for the user; anything else is a surprise, so it is
-    named, with the way to see more."""
-    from paged_chat.engine import PagedChatError
+    """A surprise (not an error written for the user) says how to see more."""
+    from paged_chat.engine.errors import USER_ERRORS, describe_error
 
-    if isinstance(error, (PagedChatError, ValueError, OSError)):
-        return str(error)
-    return f"{type(error).__name__}: {error} (`paged-chat --debug ...` shows the traceback)"
+    line = describe_error(error)
+    return line if isinstance(error, USER_ERRORS) else f"{line} (`paged-chat --debug ...` shows the traceback)"
 
 
 def _version(value: bool) -> None:

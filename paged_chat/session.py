@@ -27,16 +27,17 @@ import dataclasses
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from paged_chat.chat import Conversation
-from paged_chat.engine.errors import PagedChatError
+from paged_chat.engine.errors import PagedChatError, describe_error
 from paged_chat.store import StoreError
 
 if TYPE_CHECKING:
     from paged_chat.engine import EngineClient, RequestOutput, SamplingParams
-    from paged_chat.store import Chat, ChatStore
+    from paged_chat.store import Chat, ChatStore, Message
 
 SAVE_INTERVAL_S = 0.5   # how often a streaming reply is written to the store
 TITLE_LENGTH = 60
@@ -113,12 +114,14 @@ class ChatSession:
     """One chat: its Conversation, its rows in the store (when it has one) and its turns.
 
     `store` and `chat` are None for a chat that is not kept (`ask --no-save`, `--file`).
-    `chat` carries its messages when it was loaded from the store; the Conversation is
-    built from them on the first turn, when the engine's tokenizer is at hand.
+    A chat listed without its messages (a TUI tab restored lazily) passes loaded=False and
+    reads them on `load()` or its first turn; the Conversation is built from them on the
+    first turn, when the engine's tokenizer is at hand.
     """
 
     def __init__(self, store: ChatStore | None = None, chat: Chat | None = None, *,
-                 system_prompt: str | None = None, conversation: Conversation | None = None,
+                 loaded: bool = True, system_prompt: str | None = None,
+                 conversation: Conversation | None = None,
                  on_warning: Callable[[str], None] | None = None) -> None:
         assert (store is None) == (chat is None), "a kept chat needs both a store and a chat"
         self.store = store
@@ -132,7 +135,19 @@ class ChatSession:
         self._reply_id: int | None = None
         self._turn_base: Conversation | None = None   # the conversation before the last turn
         self._turns = 0
+        self._loaded = loaded
         self._last_message_id = chat.messages[-1].id if chat is not None and chat.messages else 0
+
+    def load(self) -> list[Message]:
+        """The chat's stored messages, read once from the store."""
+        if self.chat is None:
+            return []
+        if not self._loaded:
+            self._loaded = True
+            self.chat = self.store.get_chat(self.chat.id)
+            self.system_prompt, self.sampling = self.chat.system_prompt, dict(self.chat.sampling or {})
+            self._last_message_id = self.chat.messages[-1].id if self.chat.messages else 0
+        return self.chat.messages
 
     # ---- the chat ---------------------------------------------------------------------
 
@@ -153,7 +168,7 @@ class ChatSession:
         """What the last turn asked (a regenerate asks it again)."""
         if self.turn is not None:
             return self.turn.user_text
-        users = [m for m in self.chat.messages if m.role == "user"] if self.chat else []
+        users = [m for m in self.load() if m.role == "user"]
         return users[-1].content if users else None
 
     def rename(self, title: str) -> None:
@@ -198,13 +213,16 @@ class ChatSession:
 
     def send(self, client: EngineClient, text: str, params: SamplingParams
              ) -> AsyncIterator[RequestOutput]:
-        """Ask `text`; yield the reply's deltas as the engine produces them."""
+        """Ask `text`; yield the reply's deltas as the engine produces them. Close the
+        iterator (contextlib.aclosing) if you stop early: that aborts and saves the turn."""
+        self.load()
         base = _copy(self._conversation(client))
         return self._run(client, base, text, params, regenerate=False)
 
     def regenerate(self, client: EngineClient, params: SamplingParams
                    ) -> AsyncIterator[RequestOutput]:
         """Ask the last question again; the new reply replaces the last one."""
+        self.load()
         text = self.last_user_text
         base = self._regenerate_base(client)
         if text is None or base is None:
@@ -234,16 +252,17 @@ class ChatSession:
         self._client = client
         saved_at = time.monotonic()
         try:
-            async for output in client.stream(prompt_ids, params, request_id=request_id,
-                                              owner=self.chat_id):
-                turn.add(output, time.perf_counter())
-                if not turn.finished and time.monotonic() - saved_at >= SAVE_INTERVAL_S:
-                    saved_at = time.monotonic()
-                    self._save_reply(turn, final=False)
-                yield output
+            async with aclosing(client.stream(prompt_ids, params, request_id=request_id,
+                                              owner=self.chat_id)) as stream:
+                async for output in stream:
+                    turn.add(output, time.perf_counter())
+                    if not turn.finished and time.monotonic() - saved_at >= SAVE_INTERVAL_S:
+                        saved_at = time.monotonic()
+                        self._save_reply(turn, final=False)
+                    yield output
         except BaseException as error:  # cancelled (a closed tab, Ctrl+C) or the engine failed
             reason = "error" if isinstance(error, Exception) else "abort"
-            turn.finish(reason, _describe(error) if reason == "error" else None,
+            turn.finish(reason, describe_error(error) if reason == "error" else None,
                         time.perf_counter())
             raise
         finally:
@@ -321,7 +340,3 @@ class ChatSession:
 def _copy(conversation: Conversation) -> Conversation:
     return dataclasses.replace(conversation, messages=list(conversation.messages),
                                token_ids=list(conversation.token_ids))
-
-
-def _describe(error: BaseException) -> str:
-    return str(error) if isinstance(error, PagedChatError) else f"{type(error).__name__}: {error}"

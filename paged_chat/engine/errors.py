@@ -15,3 +15,15 @@ class UnsupportedModelError(ModelLoadError):
 
 class EngineDeadError(PagedChatError):
     """The engine's step loop failed; every open stream gets this."""
+
+
+# Errors whose message is written for the user: ours, ValueError (a bad setting names its
+# field) and OSError (names its path). Anything else is a surprise.
+USER_ERRORS = (PagedChatError, ValueError, OSError)
+
+
+def describe_error(error: BaseException) -> str:
+    """The one line a user sees for an error: its message, or for a surprise its type too."""
+    if isinstance(error, USER_ERRORS):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
