@@ -5,9 +5,14 @@ stdout carries only answers (streamed, flushed per delta) or JSON; everything el
 prompts (`--file`) all go into the one engine at once and are answered in input order:
 the earliest unfinished answer streams live while later ones are held until their turn.
 
-Ctrl+C sets a flag that the step loop checks between steps, so the engine is never
-interrupted mid-step: the requests are aborted (their blocks freed), the partial answers
-stay on stdout and are saved with finish_reason "abort", and the exit code is 130.
+Ctrl+C, SIGTERM (`timeout`, `kill`) and SIGHUP (the terminal went away) set a flag that
+the step loop checks between steps, so the engine is never interrupted mid-step: the
+requests are aborted (their blocks freed), the partial answers stay on stdout and are
+saved with finish_reason "abort", and the exit code is 128 + the signal's number (130,
+143, 129), as a shell reports a process that signal ended.
+
+On a terminal, stdout shows the model's text sanitized (no escape sequences, no control
+characters); piped, it is exact.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from paged_chat.settings import SAMPLING_KEYS
+from paged_chat.text import StreamSanitizer, check_text, sanitize_for_terminal
 
 if TYPE_CHECKING:
     from paged_chat.chat import Conversation
@@ -36,6 +42,8 @@ EngineFactory = Callable[["EngineConfig"], "Engine"]
 # A streaming reply is saved at most this often, so a killed process keeps most of it.
 SAVE_INTERVAL_S = 1.0
 _TITLE_LENGTH = 60
+# The signals that stop a reply the way Ctrl+C does.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 class UsageError(ValueError):
@@ -73,37 +81,60 @@ def read_prompt(argument: str | None, stdin: TextIO | None) -> str:
     A terminal stdin is never read (it would wait for input), so a missing prompt is an
     error, never a hang. Returns "" when there is no prompt at all.
     """
+    argument = _valid_text(argument or "", "the prompt argument")
     piped = ""
     if stdin is not None and not stdin.isatty():
         try:
             piped = stdin.read()
         except UnicodeDecodeError as exc:
             raise UsageError(f"stdin is not UTF-8 text ({exc.reason})") from exc
-    return "\n\n".join(part for part in (piped.strip(), (argument or "").strip()) if part)
+    return "\n\n".join(part for part in (piped.strip(), argument.strip()) if part)
+
+
+def read_prompt_file(file: TextIO) -> list[FilePrompt]:
+    """The prompts of the --file `file` (see `parse_prompt_file`); a file that is not
+    UTF-8 is a usage error naming it, as non-UTF-8 stdin is."""
+    name = "stdin" if file.name in ("-", "<stdin>") else f"the prompt file {file.name}"
+    try:
+        text = file.read()
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{name} is not UTF-8 text ({exc.reason})") from exc
+    return parse_prompt_file(text)
 
 
 def parse_prompt_file(text: str) -> list[FilePrompt]:
     """The prompts of a --file: JSONL when the first non-blank line is a JSON object (then
     every line must be one, with a "prompt" string and optionally a "system" string),
-    else one prompt per line. Blank lines are skipped. UsageError names the bad line."""
-    lines = [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    else one prompt per line. Blank lines and a leading byte-order mark are skipped.
+    UsageError names the bad line."""
+    lines = [(number, line) for number, line in
+             enumerate(text.removeprefix("\ufeff").splitlines(), start=1) if line.strip()]
     if not lines:
         raise UsageError("the prompt file has no prompts")
     if not _is_json_object(lines[0][1]):
-        return [FilePrompt(line.strip()) for _, line in lines]
+        return [FilePrompt(_valid_text(line.strip(), f"line {number} of the prompt file"))
+                for number, line in lines]
     return [_json_prompt(number, line) for number, line in lines]
+
+
+def _json_value(line: str) -> Any:
+    """json.loads, where nesting too deep for the parser is a ValueError like any bad JSON."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def _is_json_object(line: str) -> bool:
     try:
-        return isinstance(json.loads(line), dict)
+        return isinstance(_json_value(line), dict)
     except ValueError:
         return False
 
 
 def _json_prompt(number: int, line: str) -> FilePrompt:
     try:
-        item = json.loads(line)
+        item = _json_value(line)
     except ValueError as exc:
         raise UsageError(f"line {number} of the prompt file is not JSON ({exc}); a JSONL file "
                          "holds one object per line") from exc
@@ -113,7 +144,16 @@ def _json_prompt(number: int, line: str) -> FilePrompt:
         raise UsageError(f'line {number} of the prompt file needs a non-empty "prompt" string')
     if system is not None and not isinstance(system, str):
         raise UsageError(f'line {number} of the prompt file: "system" must be a string')
-    return FilePrompt(prompt, system)
+    where = f"line {number} of the prompt file"
+    return FilePrompt(_valid_text(prompt, f'{where}: "prompt"'),
+                      None if system is None else _valid_text(system, f'{where}: "system"'))
+
+
+def _valid_text(text: str, what: str) -> str:
+    try:
+        return check_text(text, what)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 @dataclass(slots=True, eq=False)
@@ -170,7 +210,9 @@ class Answer:
 class OrderedOutput:
     """Writes answers to stdout in input order while they finish in any order: the earliest
     unfinished answer streams live, later ones are held until it is done. Plain text puts
-    a blank line between answers; JSON writes one object per line as each one's turn comes."""
+    a blank line between answers; JSON writes one object per line as each one's turn comes.
+    On a terminal the text is sanitized as it streams, each answer on its own, so a
+    sequence the model leaves open never reaches into the next answer."""
 
     def __init__(self, answers: list[Answer], as_json: bool, stdout: TextIO) -> None:
         self.answers = answers
@@ -179,6 +221,7 @@ class OrderedOutput:
         self.current = 0
         self.held: dict[int, list[str]] = {}
         self.done: set[int] = set()
+        self.sanitizer = StreamSanitizer() if stdout.isatty() else None
 
     def delta(self, answer: Answer, text: str) -> None:
         if self.as_json or not text:
@@ -191,6 +234,7 @@ class OrderedOutput:
     def finished(self, answer: Answer) -> None:
         self.done.add(answer.index)
         while self.current in self.done:
+            self._end_of_answer()
             finished = self.answers[self.current]
             self._write(json.dumps(finished.to_json(), ensure_ascii=False) + "\n" if self.as_json else "\n")
             self.current += 1
@@ -198,23 +242,30 @@ class OrderedOutput:
                 self._write("\n" + "".join(self.held.pop(self.current, [])))
 
     def _write(self, text: str) -> None:
+        if self.sanitizer is not None:
+            text = self.sanitizer.feed(text)
         self.stdout.write(text)
         self.stdout.flush()
 
+    def _end_of_answer(self) -> None:
+        if self.sanitizer is not None:
+            self.stdout.write(self.sanitizer.flush())
+
 
 def run_requests(engine: Engine, answers: list[Answer], output: OrderedOutput,
-                 on_progress: Callable[[Answer], None]) -> bool:
-    """Run every answer's request through the engine together; True when Ctrl+C stopped them."""
+                 on_progress: Callable[[Answer], None]) -> int | None:
+    """Run every answer's request through the engine together; return the number of the
+    signal (Ctrl+C, SIGTERM, SIGHUP) that stopped them, None when they all finished."""
     by_request = {}
     for answer in answers:
         answer.request_id = engine.add_request(answer.prompt_ids, answer.params)
         answer.added_at = time.perf_counter()
         by_request[answer.request_id] = answer
-    stopping = False
-    with _ctrl_c_flag() as interrupted:
+    stopping = None
+    with _stop_flag() as stopped_by:
         while engine.has_unfinished():
-            if interrupted() and not stopping:
-                stopping = True
+            if stopped_by() and not stopping:
+                stopping = stopped_by()
                 for answer in answers:
                     engine.abort(answer.request_id)
             for delta in engine.step():
@@ -231,25 +282,28 @@ def run_requests(engine: Engine, answers: list[Answer], output: OrderedOutput,
 
 
 @contextmanager
-def _ctrl_c_flag() -> Iterator[Callable[[], bool]]:
-    """While inside, Ctrl+C only raises a flag (a second one interrupts at once). Outside
-    the main thread signals cannot be caught: Ctrl+C then interrupts as usual."""
-    presses: list[int] = []
+def _stop_flag() -> Iterator[Callable[[], int | None]]:
+    """While inside, a STOP_SIGNALS signal only raises a flag: the callable returns the
+    first one's number (None before any). A second signal interrupts at once. Outside the
+    main thread signals cannot be caught: they then act as usual."""
+    received: list[int] = []
 
-    def on_sigint(signum: int, frame: object) -> None:
-        presses.append(signum)
-        if len(presses) > 1:
+    def on_signal(signum: int, frame: object) -> None:
+        received.append(signum)
+        if len(received) > 1:
             raise KeyboardInterrupt
 
+    previous = {}
     try:
-        previous = signal.signal(signal.SIGINT, on_sigint)
+        for signum in STOP_SIGNALS:
+            previous[signum] = signal.signal(signum, on_signal)
     except ValueError:  # not the main thread
-        previous = None
+        pass
     try:
-        yield lambda: bool(presses)
+        yield lambda: received[0] if received else None
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 class ChatRecorder:
@@ -330,7 +384,7 @@ def _run_batch(options: AskOptions, settings: Settings, make_engine: EngineFacto
 
     if options.prompt or options.continue_chat or options.chat_id is not None:
         raise UsageError("--file runs its own prompts: drop the PROMPT argument, -c and --chat")
-    prompts = parse_prompt_file(options.file.read())
+    prompts = read_prompt_file(options.file)
     config, params = _configure(settings, options.engine, options.sampling)
     with _warnings_to_stderr():
         engine, load_s = _load(make_engine, config)
@@ -367,7 +421,7 @@ def _generate(engine: Engine, answers: list[Answer], options: AskOptions,
     failed = [answer for answer in answers if answer.finish_reason == "error"]
     for answer in failed:
         _say(f"Error: {f'prompt {answer.index + 1}: ' if len(answers) > 1 else ''}{answer.error}")
-    return 130 if interrupted else 1 if failed else 0
+    return 128 + interrupted if interrupted else 1 if failed else 0
 
 
 def _ignore(answer: Answer) -> None:
@@ -419,9 +473,11 @@ def _load(make_engine: EngineFactory, config: EngineConfig) -> tuple[Engine, flo
 
 
 def _title(prompt: str) -> str:
-    """A new chat's title: the first line of the argument (what was asked, not the piped
-    material it was about) or else of stdin, shortened."""
-    first = prompt.strip().splitlines()[0].strip()
+    """A new chat's title: the first non-blank line of the argument (what was asked, not
+    the piped material it was about) or else of stdin, shortened. Sanitized before it is
+    cut, so a title holds no escape sequence, whole or cut open, wherever it is printed."""
+    lines = sanitize_for_terminal(prompt).splitlines()
+    first = next((line.strip() for line in lines if line.strip()), "")
     return first if len(first) <= _TITLE_LENGTH else first[:_TITLE_LENGTH - 1].rstrip() + "…"
 
 
