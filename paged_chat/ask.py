@@ -149,6 +149,13 @@ def _json_prompt(number: int, line: str) -> FilePrompt:
                       None if system is None else _valid_text(system, f'{where}: "system"'))
 
 
+def check_text_options(options: AskOptions) -> None:
+    """The options that reach the tokenizer or the store hold text: a UsageError names
+    the one that does not (undecodable bytes in argv), before anything loads."""
+    _valid_text(options.system or "", "--system")
+    _valid_text(options.chat_id or "", "--chat")
+
+
 def _valid_text(text: str, what: str) -> str:
     try:
         return check_text(text, what)

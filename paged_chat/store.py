@@ -323,7 +323,8 @@ class ChatStore:
                              "away, or set PAGED_CHAT_DATA_DIR to use another store")
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            self._create()
+            if not self.path.exists():
+                self._create()
         except OSError as exc:
             raise StoreError(f"cannot create the chat store {self.path}: {exc.strerror}") from exc
         files = [self.path.with_name(self.path.name + suffix) for suffix in _FILE_SUFFIXES]
