@@ -367,7 +367,7 @@ def delete_chat(ctx: typer.Context, chat_id: ChatId,
                 from paged_chat.ask import UsageError
 
                 raise UsageError("no answer on stdin: the chat was not deleted (--yes "
-                                       "deletes without asking)")
+                                 "deletes without asking)")
             if answer.strip().lower() not in ("y", "yes"):
                 typer.echo(f"not deleted: chat {chat.id}", err=True)
                 raise typer.Exit(1)
