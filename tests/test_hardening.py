@@ -11,7 +11,6 @@ import os
 import pty
 import re
 import shutil
-import signal
 import stat
 import subprocess
 import sys
@@ -21,11 +20,12 @@ from pathlib import Path
 
 import pytest
 from hypothesis import given, settings, strategies as st
+from typer.testing import CliRunner
 
 from paged_chat import ask as ask_module
 from paged_chat import store as store_module
 from paged_chat.ask import AskOptions, OrderedOutput, parse_prompt_file, run_ask
-from paged_chat.cli import CliState
+from paged_chat.cli import CliState, app
 from paged_chat.engine import Engine, SamplingParams
 from paged_chat.settings import load_settings
 from paged_chat.store import ChatStore
@@ -269,32 +269,6 @@ def test_an_empty_chat_id_names_no_chat(cli, args):
     assert len(cli.store().list_chats()) == 1 and len(cli.store().latest_chat().messages) == 2
 
 
-# ---- 7. SIGTERM and SIGHUP save the partial reply as Ctrl+C does --------------------------
-
-
-@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
-def test_stop_signals_keep_the_partial_reply(cli, signum, status):
-    def engine_signalled_after_3_steps(config) -> Engine:
-        engine = cli._engine(config)
-        step, steps = engine.step, []
-
-        def step_then_signal():
-            steps.append(1)
-            if len(steps) == 3:
-                os.kill(os.getpid(), signum)
-            return step()
-
-        engine.step = step_then_signal
-        return engine
-
-    result = cli("ask", "--max-tokens", "50", "Hi", obj=CliState(engine_factory=engine_signalled_after_3_steps))
-    assert result.exit_code == status
-    reply = cli.store().latest_chat().messages[1]
-    assert reply.finish_reason == "abort" and 0 < len(reply.token_ids) < 50
-    assert result.stdout == reply.content + "\n"
-    assert signal.getsignal(signum) is not None  # the previous handlers are back
-
-
 # ---- 9, 10. prompts that are blank or not text ----------------------------------------------
 
 
@@ -409,6 +383,10 @@ def test_a_latin1_prompt_file_is_a_usage_error_naming_it(cli, tmp_path):
     result = cli("ask", "--file", str(prompts))
     assert result.exit_code == 2 and cli.engines == []
     assert one_line(result.stderr) == f"Error: the prompt file {prompts} is not UTF-8 text (invalid continuation byte)"
+    from_stdin = CliRunner().invoke(app, ["--config", str(cli.config), "ask", "--file", "-"],
+                                    input=prompts.read_bytes(), obj=CliState(engine_factory=cli._engine))
+    assert from_stdin.exit_code == 2
+    assert one_line(from_stdin.stderr) == "Error: stdin is not UTF-8 text (invalid continuation byte)"
 
 
 def test_a_config_file_with_a_bom_is_read(tmp_path):
