@@ -156,7 +156,10 @@ class ChatStore:
         self.read_only = not (os.access(self.path, os.W_OK) and os.access(self.path.parent, os.W_OK))
         try:
             self._conn = self._open()
-        except _CorruptDatabase:
+        except _CorruptDatabase as exc:
+            if self.read_only:
+                raise StoreError(f"the chat store {self.path} is corrupt ({exc}) and read-only, "
+                                 "so it cannot be moved aside") from exc
             with self._exclusive():
                 notices.append(self._recover())
         self.notice = "; ".join(notices) or None
@@ -342,9 +345,6 @@ class ChatStore:
             return (f"the chat store {self.path} was corrupt: another paged-chat moved it aside "
                     "and started an empty one")
         except _CorruptDatabase as exc:
-            if self.read_only:
-                raise StoreError(f"the chat store {self.path} is corrupt ({exc}) and read-only, "
-                                 "so it cannot be moved aside") from exc
             self.moved_aside = self._move_aside()
             self._create()
             self._conn = self._open()
