@@ -84,7 +84,7 @@ def _reported(ctx: typer.Context) -> Iterator[None]:
             warnings.simplefilter("default")
             warnings.showwarning = lambda message, *args, **kwargs: typer.echo(f"Warning: {message}", err=True)
             yield
-    except (click.exceptions.Exit, click.ClickException, click.Abort):
+    except (click.exceptions.Exit, typer.Exit, click.ClickException, click.Abort):
         raise
     except KeyboardInterrupt:  # while loading; during a reply `ask` handles Ctrl+C itself
         raise typer.Exit(130) from None

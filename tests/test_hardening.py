@@ -255,8 +255,11 @@ def test_delete_reads_its_answer_from_stdin(cli, answer, status, kept):
     result = cli("chats", "delete", chat_id[:4], input=answer)
     assert result.exit_code == status, result.stderr
     assert (len(cli.store().list_chats()) == 1) == kept
-    if answer == "":
-        assert "no answer on stdin" in result.stderr and "--yes" in result.stderr
+    said = result.stderr.splitlines()
+    assert said[0] == f"Delete chat {chat_id} ('Keep me', 2 messages)? [y/N] {answer.strip()}"
+    assert said[1:] == {"n\n": [f"not deleted: chat {chat_id}"],
+                        "": ["Error: no answer on stdin: the chat was not deleted (--yes deletes without asking)"],
+                        "yes\n": [f"deleted chat {chat_id} (Keep me)"]}[answer]
 
 
 @pytest.mark.parametrize("args", [["chats", "delete", "", "--yes"], ["chats", "show", " "],
