@@ -26,7 +26,7 @@ from paged_chat import ask as ask_module
 from paged_chat import store as store_module
 from paged_chat.ask import AskOptions, OrderedOutput, parse_prompt_file, run_ask
 from paged_chat.cli import CliState, app
-from paged_chat.engine import Engine, SamplingParams
+from paged_chat.engine import SamplingParams
 from paged_chat.settings import load_settings
 from paged_chat.store import ChatStore
 from paged_chat.text import StreamSanitizer, sanitize_for_terminal
@@ -35,8 +35,9 @@ from test_cli import REPO, cli, one_line  # noqa: F401 (cli is a fixture)
 
 # A clipboard write (OSC 52), a screen clear and a window title, then some text.
 HOSTILE = "\x1b]52;c;SGVsbG8=\x07\x1b[2J\x1b]0;pwned\x07 hi"
-# What a terminal acts on: C0 controls but tab, LF and the CR a pty adds, DEL, and C1 as UTF-8.
-TERMINAL_CONTROLS = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\xc2[\x80-\x9f]")
+# What a terminal acts on: C0 controls but tab, LF and the CR a pty puts before LF, DEL,
+# and C1 as UTF-8.
+TERMINAL_CONTROLS = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|\xc2[\x80-\x9f]")
 
 
 def paged_chat(*args: str, env: dict[str, str], terminal: bool = False, answer: bytes = b"",
@@ -79,7 +80,7 @@ def hostile_chat(data_dir: Path) -> str:
     with ChatStore(data_dir / "chats.db") as store:
         chat = store.create_chat(HOSTILE, "m\x1b[5m", system_prompt=HOSTILE)
         store.add_message(chat.id, "user", HOSTILE, [1])
-        store.add_message(chat.id, "assistant", "\x9b2J\x1b]8;;http://evil.example\x1b\\link", [2], "stop")
+        store.add_message(chat.id, "assistant", "\x9b2J\x1b]8;;http://evil.example\x1b\\link\rover", [2], "stop")
     return chat.id
 
 
@@ -150,7 +151,7 @@ def test_a_title_never_holds_an_escape_sequence(prompt):
 
 
 PERMISSIONS = """
-import os, stat, sys
+import os, stat
 from paged_chat.settings import cache_dir
 from paged_chat.store import ChatStore
 
