@@ -7,9 +7,13 @@ engine client; several prompts (`--file`) all go into the one engine at once and
 answered in input order: the earliest unfinished answer streams live while later ones are
 held until their turn.
 
-Ctrl+C, SIGTERM and SIGHUP stop the replies between steps (their blocks freed): the
-partial answers stay on stdout and are saved with finish_reason "abort", and the exit
-code is 128 + the signal (130, 143, 129). A second signal cancels at once.
+Ctrl+C, SIGTERM (`timeout`, `kill`) and SIGHUP (the terminal went away) stop the replies
+between steps (their blocks freed): the partial answers stay on stdout and are saved with
+finish_reason "abort", and the exit code is 128 + the signal's number (130, 143, 129), as a
+shell reports a process that signal ended. A second signal cancels at once.
+
+On a terminal, stdout shows the model's text sanitized (no escape sequences, no control
+characters); piped, it is exact.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from paged_chat.session import ChatSession, Turn, chat_title
 from paged_chat.settings import chat_sampling
+from paged_chat.text import StreamSanitizer, check_text
 
 if TYPE_CHECKING:
     from paged_chat.engine import Engine, EngineClient, EngineConfig, SamplingParams
@@ -72,37 +77,60 @@ def read_prompt(argument: str | None, stdin: TextIO | None) -> str:
     A terminal stdin is never read (it would wait for input), so a missing prompt is an
     error, never a hang. Returns "" when there is no prompt at all.
     """
+    argument = _valid_text(argument or "", "the prompt argument")
     piped = ""
     if stdin is not None and not stdin.isatty():
         try:
             piped = stdin.read()
         except UnicodeDecodeError as exc:
             raise UsageError(f"stdin is not UTF-8 text ({exc.reason})") from exc
-    return "\n\n".join(part for part in (piped.strip(), (argument or "").strip()) if part)
+    return "\n\n".join(part for part in (piped.strip(), argument.strip()) if part)
+
+
+def read_prompt_file(file: TextIO) -> list[FilePrompt]:
+    """The prompts of the --file `file` (see `parse_prompt_file`); a file that is not
+    UTF-8 is a usage error naming it, as non-UTF-8 stdin is."""
+    name = "stdin" if file.name in ("-", "<stdin>") else f"the prompt file {file.name}"
+    try:
+        text = file.read()
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{name} is not UTF-8 text ({exc.reason})") from exc
+    return parse_prompt_file(text)
 
 
 def parse_prompt_file(text: str) -> list[FilePrompt]:
     """The prompts of a --file: JSONL when the first non-blank line is a JSON object (then
     every line must be one, with a "prompt" string and optionally a "system" string),
-    else one prompt per line. Blank lines are skipped. UsageError names the bad line."""
-    lines = [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    else one prompt per line. Blank lines and a leading byte-order mark are skipped.
+    UsageError names the bad line."""
+    lines = [(number, line) for number, line in
+             enumerate(text.removeprefix("\ufeff").splitlines(), start=1) if line.strip()]
     if not lines:
         raise UsageError("the prompt file has no prompts")
     if not _is_json_object(lines[0][1]):
-        return [FilePrompt(line.strip()) for _, line in lines]
+        return [FilePrompt(_valid_text(line.strip(), f"line {number} of the prompt file"))
+                for number, line in lines]
     return [_json_prompt(number, line) for number, line in lines]
+
+
+def _json_value(line: str) -> Any:
+    """json.loads, where nesting too deep for the parser is a ValueError like any bad JSON."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def _is_json_object(line: str) -> bool:
     try:
-        return isinstance(json.loads(line), dict)
+        return isinstance(_json_value(line), dict)
     except ValueError:
         return False
 
 
 def _json_prompt(number: int, line: str) -> FilePrompt:
     try:
-        item = json.loads(line)
+        item = _json_value(line)
     except ValueError as exc:
         raise UsageError(f"line {number} of the prompt file is not JSON ({exc}); a JSONL file "
                          "holds one object per line") from exc
@@ -112,7 +140,23 @@ def _json_prompt(number: int, line: str) -> FilePrompt:
         raise UsageError(f'line {number} of the prompt file needs a non-empty "prompt" string')
     if system is not None and not isinstance(system, str):
         raise UsageError(f'line {number} of the prompt file: "system" must be a string')
-    return FilePrompt(prompt, system)
+    where = f"line {number} of the prompt file"
+    return FilePrompt(_valid_text(prompt, f'{where}: "prompt"'),
+                      None if system is None else _valid_text(system, f'{where}: "system"'))
+
+
+def check_text_options(options: AskOptions) -> None:
+    """The options that reach the tokenizer or the store hold text: a UsageError names
+    the one that does not (undecodable bytes in argv), before anything loads."""
+    _valid_text(options.system or "", "--system")
+    _valid_text(options.chat_id or "", "--chat")
+
+
+def _valid_text(text: str, what: str) -> str:
+    try:
+        return check_text(text, what)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 @dataclass(slots=True, eq=False)
@@ -149,7 +193,9 @@ class Answer:
 class OrderedOutput:
     """Writes answers to stdout in input order while they finish in any order: the earliest
     unfinished answer streams live, later ones are held until it is done. Plain text puts
-    a blank line between answers; JSON writes one object per line as each one's turn comes."""
+    a blank line between answers; JSON writes one object per line as each one's turn comes.
+    On a terminal the text is sanitized as it streams, each answer on its own, so a
+    sequence the model leaves open never reaches into the next answer."""
 
     def __init__(self, count: int, as_json: bool, stdout: TextIO) -> None:
         self.count = count
@@ -158,6 +204,7 @@ class OrderedOutput:
         self.current = 0
         self.held: dict[int, list[str]] = {}
         self.done: dict[int, dict[str, Any]] = {}
+        self.sanitizer = StreamSanitizer() if stdout.isatty() else None
 
     def delta(self, index: int, text: str) -> None:
         if self.as_json or not text:
@@ -170,6 +217,7 @@ class OrderedOutput:
     def finished(self, index: int, as_json: dict[str, Any]) -> None:
         self.done[index] = as_json
         while self.current in self.done:
+            self._end_of_answer()
             finished = self.done.pop(self.current)
             self._write(json.dumps(finished, ensure_ascii=False) + "\n" if self.as_json else "\n")
             self.current += 1
@@ -177,8 +225,14 @@ class OrderedOutput:
                 self._write("\n" + "".join(self.held.pop(self.current, [])))
 
     def _write(self, text: str) -> None:
+        if self.sanitizer is not None:
+            text = self.sanitizer.feed(text)
         self.stdout.write(text)
         self.stdout.flush()
+
+    def _end_of_answer(self) -> None:
+        if self.sanitizer is not None:
+            self.stdout.write(self.sanitizer.flush())
 
 
 def run_ask(options: AskOptions, settings: Settings, make_engine: EngineFactory,
@@ -212,7 +266,7 @@ def _run_turn(options: AskOptions, settings: Settings, make_engine: EngineFactor
         engine, load_s = _load(make_engine, config)
         system = options.system or settings.chat.system_prompt
         if options.save:
-            chat = chat or store.create_chat(chat_title(options.prompt or user_text),
+            chat = chat or store.create_chat(chat_title((options.prompt or "").strip() or user_text),
                                              _model_spec(config.model), system,
                                              chat_sampling(params))
             session = ChatSession(store, chat, on_warning=_warn)
@@ -229,7 +283,7 @@ def _run_batch(options: AskOptions, settings: Settings, make_engine: EngineFacto
     """--file: every prompt a one-shot chat, all through the engine at once; not saved."""
     if options.prompt or options.continue_chat or options.chat_id is not None:
         raise UsageError("--file runs its own prompts: drop the PROMPT argument, -c and --chat")
-    prompts = parse_prompt_file(options.file.read())
+    prompts = read_prompt_file(options.file)
     config, params = _configure(settings, options.engine, options.sampling)
     with _warnings_to_stderr():
         engine, load_s = _load(make_engine, config)

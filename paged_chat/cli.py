@@ -7,15 +7,20 @@ at once. Per-invocation state (debug flag, config path, loaded settings, the eng
 factory tests replace) lives in `ctx.obj`, a CliState.
 
 Exit codes: 0 ok, 1 runtime error (one `Error: ...` line on stderr; the traceback only
-with --debug), 2 usage error, 130 Ctrl+C.
+with --debug), 2 usage error, 130 Ctrl+C (143 SIGTERM, 129 SIGHUP during a reply).
+
+Stored text (titles, messages) printed to a terminal is sanitized first: a chat can hold
+anything a prompt or a model put in it, escape sequences included. Piped, it is exact.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +32,7 @@ import click
 import typer
 
 from paged_chat.settings import Settings, config_path, load_settings
+from paged_chat.text import sanitize_for_terminal
 
 if TYPE_CHECKING:
     from paged_chat.engine import Engine, EngineConfig
@@ -69,12 +75,16 @@ def _state(ctx: typer.Context) -> CliState:
 @contextmanager
 def _reported(ctx: typer.Context) -> Iterator[None]:
     """Turn failures into exit codes: a usage error is one line and status 2, any other
-    error one line and status 1 (re-raised with --debug), Ctrl+C status 130."""
+    error one line and status 1 (re-raised with --debug), Ctrl+C status 130. Python
+    warnings (e.g. a directory made private) are one `Warning: ...` line each."""
     from paged_chat.ask import UsageError
 
     try:
-        yield
-    except (click.exceptions.Exit, click.ClickException, click.Abort):
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            warnings.showwarning = lambda message, *args, **kwargs: typer.echo(f"Warning: {message}", err=True)
+            yield
+    except (click.exceptions.Exit, typer.Exit, click.ClickException, click.Abort):
         raise
     except KeyboardInterrupt:  # while loading; during a reply `ask` handles Ctrl+C itself
         raise typer.Exit(130) from None
@@ -175,7 +185,7 @@ def ask(ctx: typer.Context,
             "--chat", help="Continue this chat (an id or its first characters).")] = None,
         no_save: Annotated[bool, typer.Option("--no-save", help="Do not save this turn.")] = False,
         file: Annotated[typer.FileText | None, typer.Option(
-            "--file", "-f", help="Answer every prompt of this file at once (one per line, or JSONL "
+            "--file", "-f", encoding="utf-8", help="Answer every prompt of this file at once (one per line, or JSONL "
                                  'with {"prompt": ...}); "-" reads stdin. Not saved.')] = None,
         ) -> None:
     """Answer a prompt, streaming the reply to stdout. Saved as a chat unless --no-save.
@@ -190,17 +200,21 @@ def ask(ctx: typer.Context,
 
         paged-chat ask --file prompts.txt --json
     """
-    from paged_chat.ask import AskOptions, run_ask
+    from paged_chat.ask import AskOptions, check_text_options, run_ask
 
     state = _state(ctx)
     options = AskOptions(
-        prompt=prompt, system=system, stats=stats, json=json_output, continue_chat=continue_chat,
-        chat_id=chat, save=not no_save, file=file,
+        prompt=prompt if prompt and prompt.strip() else None, system=system, stats=stats,
+        json=json_output, continue_chat=continue_chat, chat_id=chat, save=not no_save, file=file,
         engine={"model": model, "device": device, "dtype": dtype},
         sampling={"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                   "top_k": top_k, "seed": seed})
     with _reported(ctx):
-        code = run_ask(options, state.settings(), state.make_engine, sys.stdin)
+        check_text_options(options)
+        settings = state.settings()
+        if system == "":  # an explicit empty --system clears the configured one
+            settings = dataclasses.replace(settings, chat=dataclasses.replace(settings.chat, system_prompt=None))
+        code = run_ask(options, settings, state.make_engine, sys.stdin)
     raise typer.Exit(code)
 
 
@@ -231,8 +245,9 @@ def show_config(ctx: typer.Context,
         return
     with _reported(ctx):
         settings = state.settings()
+        store, cache = data_dir() / "chats.db", cache_dir()
     where = "" if settings.path is not None else " (not found: defaults)"
-    typer.echo(f"# config: {path}{where}\n# chats:  {data_dir() / 'chats.db'}\n# cache:  {cache_dir()}\n")
+    typer.echo(f"# config: {path}{where}\n# chats:  {store}\n# cache:  {cache}\n")
     typer.echo(settings.to_toml(), nl=False)
 
 
@@ -310,7 +325,7 @@ def show_chat(ctx: typer.Context, chat_id: ChatId) -> None:
     """Print a chat as Markdown."""
     with _open_store(ctx) as store:
         chat = store.get_chat(store.resolve_id(chat_id))
-    typer.echo(_markdown(chat), nl=False)
+    _echo_stored(_markdown(chat), nl=False)
 
 
 @chats_app.command("export")
@@ -325,9 +340,9 @@ def export_chat(ctx: typer.Context, chat_id: ChatId,
     with _open_store(ctx) as store:
         chat = store.get_chat(store.resolve_id(chat_id))
     if export_format is ExportFormat.json:
-        typer.echo(json.dumps(asdict(chat), ensure_ascii=False, indent=2))
+        _echo_stored(json.dumps(asdict(chat), ensure_ascii=False, indent=2))
     else:
-        typer.echo(_markdown(chat), nl=False)
+        _echo_stored(_markdown(chat), nl=False)
 
 
 @chats_app.command("delete")
@@ -335,14 +350,27 @@ def delete_chat(ctx: typer.Context, chat_id: ChatId,
                 yes: Annotated[bool, typer.Option(
                     "--yes", "-y", help="Do not ask for confirmation.")] = False,
                 ) -> None:
-    """Delete a chat and its messages."""
+    """Delete a chat and its messages. Asks first, reading the answer from stdin (a
+    terminal or a pipe: `echo y | paged-chat chats delete ID`); no answer is a no."""
     with _open_store(ctx) as store:
         chat = store.get_chat(store.resolve_id(chat_id))
-        if not yes and sys.stdin.isatty():
-            typer.confirm(f"Delete chat {chat.id} ({chat.title!r}, {len(chat.messages)} messages)?",
-                          abort=True, err=True)
+        title = sanitize_for_terminal(chat.title)
+        if not yes:
+            typer.echo(f"Delete chat {chat.id} ({title!r}, {len(chat.messages)} messages)? [y/N] ",
+                       nl=False, err=True)
+            answer = sys.stdin.readline()
+            if not sys.stdin.isatty():  # a terminal echoed the answer and its newline
+                typer.echo(answer.strip(), err=True)
+            if not answer:
+                from paged_chat.ask import UsageError
+
+                raise UsageError("no answer on stdin: the chat was not deleted (--yes "
+                                 "deletes without asking)")
+            if answer.strip().lower() not in ("y", "yes"):
+                typer.echo(f"not deleted: chat {chat.id}", err=True)
+                raise typer.Exit(1)
         store.delete_chat(chat.id)
-    typer.echo(f"deleted chat {chat.id} ({chat.title})", err=True)
+    typer.echo(f"deleted chat {chat.id} ({title})", err=True)
 
 
 @contextmanager
@@ -371,15 +399,23 @@ def _markdown(chat: Chat) -> str:
     return "\n".join(lines)
 
 
+def _echo_stored(text: str, nl: bool = True) -> None:
+    """Print stored text on stdout: sanitized on a terminal, exact in a pipe (color=True:
+    click would otherwise strip what looks like a color code from piped output)."""
+    typer.echo(sanitize_for_terminal(text) if sys.stdout.isatty() else text, nl=nl, color=True)
+
+
 def _local_time(timestamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp))
 
 
 def _print_table(header: list[str], rows: list[list[str]]) -> None:
     """Plain aligned columns: readable in a terminal, and easy to cut or grep in a pipe."""
+    if sys.stdout.isatty():
+        rows = [[sanitize_for_terminal(str(cell)) for cell in row] for row in rows]
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
-        typer.echo("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+        typer.echo("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip(), color=True)
 
 
 def main() -> None:

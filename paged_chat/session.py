@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from paged_chat.chat import Conversation
 from paged_chat.engine.errors import PagedChatError, describe_error
 from paged_chat.store import StoreError
+from paged_chat.text import sanitize_for_terminal
 
 if TYPE_CHECKING:
     from paged_chat.engine import EngineClient, RequestOutput, SamplingParams
@@ -45,8 +46,9 @@ TITLE_LENGTH = 60
 
 def chat_title(text: str) -> str:
     """A chat's title from what was asked: its first non-blank line, spaces collapsed,
-    shortened to TITLE_LENGTH characters."""
-    first = next((line for line in text.splitlines() if line.strip()), "")
+    shortened to TITLE_LENGTH characters. Sanitized before it is cut, so a title holds no
+    escape sequence, whole or cut open, wherever it is printed."""
+    first = next((line for line in sanitize_for_terminal(text).splitlines() if line.strip()), "")
     words = " ".join(first.split())
     return words if len(words) <= TITLE_LENGTH else words[:TITLE_LENGTH - 1].rstrip() + "…"
 

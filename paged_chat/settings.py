@@ -2,7 +2,9 @@
 
 Paths: platformdirs locations, each overridable by an env var, so tests and scripted runs
 keep everything out of the real home directory. Each directory is created on first use,
-so callers can write into it straight away.
+so callers can write into it straight away. The data and cache directories are private
+(0700, as ssh and gpg keep theirs): chats are personal. One that other users can read is
+made private when it is next used, with a one-time warning saying so.
 
 Settings: config.toml holds the user's defaults in three tables, `[engine]` (EngineConfig
 knobs), `[chat]` (system prompt and sampling defaults) and `[tui]` (theme, and
@@ -27,8 +29,10 @@ import dataclasses
 import difflib
 import os
 import re
+import stat
 import tomllib
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,9 +45,36 @@ from paged_chat.engine.request import SamplingParams
 APP_NAME = "paged-chat"
 
 
-def _ensure(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
+def _ensure(path: Path, variable: str, mode: int = 0o777) -> Path:
+    """`path`, a directory, created (with `mode`, less the umask) if it is missing;
+    `variable` is the environment variable that can move it."""
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} should be a directory but is a file: move the file "
+                                 f"away, or set {variable} to use another place")
+    path.mkdir(mode=mode, parents=True, exist_ok=True)
     return path
+
+
+def _ensure_private(path: Path, variable: str) -> Path:
+    """`path`, a directory only its owner can use, created or tightened (see the module
+    docstring)."""
+    notice = make_private(_ensure(path, variable, 0o700), 0o700)
+    if notice:
+        warnings.warn(notice, stacklevel=3)
+    return path
+
+
+def make_private(path: Path, mode: int) -> str | None:
+    """Take the group and other permissions off `path`, keeping at most `mode`; a notice
+    saying what changed (or that it could not), None when it was private already."""
+    old = stat.S_IMODE(path.stat().st_mode)
+    if not old & 0o077:
+        return None
+    try:
+        os.chmod(path, old & mode)
+    except OSError as exc:  # a read-only file system, or someone else's file
+        return f"{path} can be read by other users (mode {old:04o}) and could not be made private: {exc.strerror}"
+    return f"{path} could be read by other users (mode {old:04o}): made it private (mode {old & mode:04o})"
 
 
 def _env_path(var: str) -> Path | None:
@@ -53,12 +84,14 @@ def _env_path(var: str) -> Path | None:
 
 def cache_dir() -> Path:
     """Converted artefacts that can be rebuilt at any time (e.g. GGUF tokenizers)."""
-    return _ensure(_env_path("PAGED_CHAT_CACHE_DIR") or platformdirs.user_cache_path(APP_NAME))
+    return _ensure_private(_env_path("PAGED_CHAT_CACHE_DIR") or platformdirs.user_cache_path(APP_NAME),
+                           "PAGED_CHAT_CACHE_DIR")
 
 
 def data_dir() -> Path:
     """User data that cannot be rebuilt (the chat store)."""
-    return _ensure(_env_path("PAGED_CHAT_DATA_DIR") or platformdirs.user_data_path(APP_NAME))
+    return _ensure_private(_env_path("PAGED_CHAT_DATA_DIR") or platformdirs.user_data_path(APP_NAME),
+                           "PAGED_CHAT_DATA_DIR")
 
 
 def config_path() -> Path:
@@ -68,7 +101,7 @@ def config_path() -> Path:
 
 def config_dir() -> Path:
     """The directory holding config.toml."""
-    return _ensure(config_path().parent)
+    return _ensure(config_path().parent, "PAGED_CHAT_CONFIG")
 
 
 class SettingsError(ValueError):
@@ -183,7 +216,7 @@ def load_settings(path: Path | None = None) -> Settings:
     """
     path = path or config_path()
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = path.read_bytes().decode("utf-8-sig")  # a BOM (Notepad writes one) is fine
     except FileNotFoundError:
         return Settings()
     except (OSError, UnicodeDecodeError) as exc:

@@ -300,25 +300,31 @@ def test_engine_error_is_status_1_and_saved(cli):
     assert reply.finish_reason == "error" and reply.content == ""
 
 
-def test_ctrl_c_keeps_the_partial_answer_and_stops_the_engine(cli, monkeypatch):
-    def engine_interrupted_after_3_steps(config) -> Engine:
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_ctrl_c_sigterm_and_sighup_keep_the_partial_answer_and_stop_the_engine(cli, signum, status):
+    """`timeout N paged-chat ask ...` (SIGTERM) and a closed terminal (SIGHUP) end a reply
+    as Ctrl+C does: the partial answer stays on stdout and in the store."""
+    before = signal.getsignal(signum)
+
+    def engine_signalled_after_3_steps(config) -> Engine:
         engine = cli._engine(config)
         step, steps = engine.step, []
 
-        def step_then_ctrl_c():
+        def step_then_signal():
             steps.append(1)
             if len(steps) == 3:
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signum)
             return step()
 
-        engine.step = step_then_ctrl_c
+        engine.step = step_then_signal
         return engine
 
-    result = cli("ask", "--max-tokens", "50", "Hi", obj=CliState(engine_factory=engine_interrupted_after_3_steps))
-    assert result.exit_code == 130
+    result = cli("ask", "--max-tokens", "50", "Hi", obj=CliState(engine_factory=engine_signalled_after_3_steps))
+    assert result.exit_code == status
     reply = cli.store().latest_chat().messages[1]
     assert reply.finish_reason == "abort" and 0 < len(reply.token_ids) < 50
     assert result.stdout == reply.content + "\n"
+    assert signal.getsignal(signum) is before
 
 
 def test_a_streaming_reply_is_saved_as_it_grows(cli, monkeypatch):

@@ -93,13 +93,18 @@ class Engine:
                     request_id: str | None = None, owner: str | None = None) -> str:
         """Queue a prompt (text or token ids); return its request id.
 
+        `request_id`, when given, is a non-empty string not in use; when not, the engine
+        picks one (`req-N`) that no request in flight has, a caller's included.
         A prompt that can never fit (max_model_len, the pool) is accepted and finishes on
         the next step with finish_reason "error", so callers see one uniform stream.
         """
         params = params or SamplingParams()
+        if request_id is not None and not (isinstance(request_id, str) and request_id):
+            raise ValueError(f"request_id={request_id!r} is invalid: expected a non-empty string")
         token_ids = self._tokenize(prompt)
-        request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.requests:
+        if request_id is None:
+            request_id = next(free for free in (f"req-{n}" for n in self._ids) if free not in self.requests)
+        elif request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(request_id, token_ids, params, seed, time.monotonic(), owner=owner)
@@ -248,8 +253,8 @@ class Engine:
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt, validated: the model would index its embedding with them.
 
-        Ids must be integers proper: `int()` would turn 3.7 into 3 and "12" into 12, and
-        bytes iterate as ints, so each of those would be a different prompt than meant.
+        Ids must be integers proper: `int()` would turn 3.7 into 3 and "12" into 12, bytes
+        iterate as ints and True is 1, so each of those would be a different prompt than meant.
         """
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -257,7 +262,7 @@ class Engine:
             raise ValueError("the prompt is bytes: decode it to text, or pass token ids")
         else:
             try:
-                token_ids = [operator.index(t) for t in prompt]
+                token_ids = [_token_id(t) for t in prompt]
             except TypeError as error:
                 raise ValueError("the prompt must be text or a sequence of integer token ids "
                                  f"({error})") from None
@@ -414,6 +419,12 @@ def _out_of_memory(doing: str, advice: str) -> Iterator[None]:
         yield
     except torch.OutOfMemoryError as error:
         raise PagedChatError(f"out of memory while {doing}: {advice}") from error
+
+
+def _token_id(value: object) -> int:
+    if isinstance(value, bool):
+        raise TypeError("a bool is not a token id")
+    return operator.index(value)
 
 
 def _resolve_device(device: str) -> torch.device:

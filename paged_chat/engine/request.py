@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -17,8 +18,9 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 class SamplingParams:
     """How to pick tokens for one request. `temperature=0` (or below 1e-5) is greedy.
 
-    Every field is validated on construction; a bad value is a `ValueError` that names the
-    field. `top_k=0` and `top_p=1` disable those filters; `min_p=0` disables min-p.
+    Every field is validated on construction; a bad value (of the wrong type too: a bool
+    is no number here, nor "1") is a `ValueError` that names the field. `top_k=0` and
+    `top_p=1` disable those filters; `min_p=0` disables min-p.
     """
 
     temperature: float = 1.0
@@ -37,24 +39,26 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(math.isfinite(self.temperature) and self.temperature >= 0,
-               "temperature", self.temperature, "a number >= 0 (0 is greedy)")
-        _check(0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+        _check(_is_number(self.temperature) and math.isfinite(self.temperature)
+               and self.temperature >= 0, "temperature", self.temperature, "a number >= 0 (0 is greedy)")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
+        _check(_is_integer(self.top_k) and self.top_k >= 0,
                "top_k", self.top_k, "an integer >= 0 (0 disables it)")
-        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1]")
-        _check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1]")
+        _check(_is_number(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
+               and self.repetition_penalty > 0,
                "repetition_penalty", self.repetition_penalty, "a number > 0 (1 disables it)")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
-            _check(math.isfinite(value) and -2 <= value <= 2, name, value, "a number in [-2, 2]")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            _check(_is_number(value) and math.isfinite(value) and -2 <= value <= 2,
+                   name, value, "a number in [-2, 2]")
+        _check(_is_integer(self.max_tokens) and self.max_tokens >= 1,
                "max_tokens", self.max_tokens, "an integer >= 1")
-        _check(self.seed is None or (isinstance(self.seed, int) and self.seed >= 0),
+        _check(self.seed is None or (_is_integer(self.seed) and self.seed >= 0),
                "seed", self.seed, "an integer >= 0 or None")
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop", self.stop, "a list of non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        _check(all(_is_integer(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
 
     @property
@@ -65,6 +69,14 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
