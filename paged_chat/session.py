@@ -137,6 +137,7 @@ class ChatSession:
         self._reply_id: int | None = None
         self._turn_base: Conversation | None = None   # the conversation before the last turn
         self._turns = 0
+        self._save_failed = False   # this turn's store trouble was reported (once a turn)
         self._loaded = loaded
         self._last_message_id = chat.messages[-1].id if chat is not None and chat.messages else 0
 
@@ -252,6 +253,7 @@ class ChatSession:
             raise
         self._turn_base = base
         self._client = client
+        self._save_failed = False
         saved_at = time.monotonic()
         try:
             async with aclosing(client.stream(prompt_ids, params, request_id=request_id,
@@ -305,8 +307,10 @@ class ChatSession:
                                       turn.finish_reason if final else None,
                                       timings if final else None)
         except (StoreError, sqlite3.Error) as error:
-            self.on_warning(f"the reply could not be saved ({error})"
-                            + ("" if final else "; it goes on and is saved when it can be"))
+            if not self._save_failed:
+                self._save_failed = True
+                self.on_warning(f"the reply could not be saved ({error})"
+                                + ("" if final else "; it goes on and is saved when it can be"))
 
     def _conversation(self, client: EngineClient) -> Conversation:
         if self.conversation is None:
