@@ -28,7 +28,12 @@ from paged_chat.engine.detokenizer import IncrementalDetokenizer
 from paged_chat.engine.errors import PagedChatError
 from paged_chat.engine.kv_cache_manager import KVCacheManager
 from paged_chat.engine.models.llama import LlamaForCausalLM
-from paged_chat.engine.models.loader import ModelSource, load_model_source
+from paged_chat.engine.models.loader import (
+    ModelSource,
+    ProgressHook,
+    load_model,
+    load_model_source,
+)
 from paged_chat.engine.models.model_config import ModelConfig
 from paged_chat.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from paged_chat.engine.runner import ModelRunner
@@ -41,11 +46,14 @@ _DEFAULT_CPU_KV_CAP = 2 * 2**30
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None,
+                 on_progress: ProgressHook | None = None) -> None:
+        """`on_progress(stage, done, total)` hears how a slow load (a GGUF's first
+        conversion) advances. Nothing of `source` but its tokenizer and config is kept."""
         self.config = config
         self.device = _resolve_device(config.device)
         self.dtype = _resolve_dtype(config.dtype, self.device)
-        source = source or load_model_source(config.model)
+        source = source or load_model_source(config.model, config.cache_dir, on_progress)
         self.model_name = source.name
         self.model_config = source.config
         self.tokenizer = source.tokenizer
@@ -54,8 +62,8 @@ class Engine:
                         source.config.max_position_embeddings)
         with _out_of_memory(f"loading the weights onto {self.device}", "the model does not fit; "
                             "use a smaller model or dtype, or device='cpu'"):
-            model = LlamaForCausalLM.from_weights(source.config, source.weights, self.dtype,
-                                                  self.device, max_positions=model_len)
+            model = load_model(source, self.dtype, self.device, config.cache_dir,
+                                config.weight_cache_size, on_progress)
         self.block_size = config.block_size
         attention = self._attention(source.config)
         with _out_of_memory("profiling a step to size the KV cache",
@@ -63,6 +71,7 @@ class Engine:
             self.num_blocks = config.num_blocks or self._size_kv_pool(model, attention, model_len)
         # A request can never outgrow the pool: it is the one bound nothing can preempt.
         self.max_model_len = min(model_len, self.num_blocks * self.block_size)
+        model.build_rope_tables(self.max_model_len)
         kv_cache = self._allocate_kv_cache(attention)
         self.runner = ModelRunner(model, kv_cache, self.block_size, attention)
         self.kv_cache = KVCacheManager(self.num_blocks, self.block_size,
@@ -303,7 +312,7 @@ class Engine:
         """
         backend = self.config.attention_backend
         args = (model.num_heads, model.num_kv_heads, model.head_dim)
-        scale = model.head_dim ** -0.5
+        scale = model.attention_scale
         if backend == "torch" or (backend == "auto" and self.device.type != "cuda"):
             return TorchAttention(*args, scale=scale)
         try:
@@ -370,6 +379,7 @@ class Engine:
                                *attention.kv_cache_shape(blocks, self.block_size)),
                               dtype=self.dtype, device=self.device)
         positions = torch.arange(tokens, device=self.device)
+        model.build_rope_tables(tokens)
         meta = AttentionMetadata(
             slot_mapping=positions, block_size=self.block_size, num_decodes=0,
             query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
