@@ -198,8 +198,10 @@ def storage_type(hf_name: str, array: np.ndarray) -> gguf.GGMLQuantizationType:
 def write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], hf_cfg: Any, *,
                permute: bool, tokenizer: bool = True,
                extra: Callable[[gguf.GGUFWriter], None] = lambda w: None,
+               after: Callable[[gguf.GGUFWriter], None] = lambda w: None,
                ) -> dict[str, torch.Tensor]:
     """Write `state` as llama.cpp would; return what a correct loader must read back.
+    `extra` adds metadata or tensors before the tokenizer's metadata, `after` after it.
 
     The expected tensors are the originals after the same quantize/dequantize round trip,
     so they stay in HF (un-permuted) row order.
@@ -223,8 +225,10 @@ def write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], hf_cfg: An
         writer.add_token_merges([f"{a} {b}" for a, b in MERGES])
         writer.add_bos_token_id(BOS_ID)
         writer.add_eos_token_id(EOS_ID)
-        writer.add_chat_template(SYSTEM_CHATML)
     extra(writer)
+    if tokenizer:
+        writer.add_chat_template(SYSTEM_CHATML)
+    after(writer)
     expected = {}
     for name, tensor in state.items():
         array = tensor.numpy()
