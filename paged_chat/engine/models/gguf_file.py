@@ -165,9 +165,10 @@ def _hf_config(header: GGUFHeader, arch: str, tensors: dict[str, TensorInfo],
             f"language model: download or convert it again")
     hidden = required("embedding_length")
     num_heads = required("attention.head_count")
-    head_dim = meta("attention.key_length") or hidden // num_heads
+    # A zero head count is refused by ModelConfig, naming the key; not divided by here.
+    head_dim = meta("attention.key_length") or (hidden // num_heads if num_heads else None)
     rotary_dim = meta("rope.dimension_count")
-    if rotary_dim is not None and rotary_dim != head_dim:
+    if None not in (rotary_dim, head_dim) and rotary_dim != head_dim:
         raise UnsupportedModelError(
             f"{path}: rope covers {rotary_dim} of {head_dim} head dims; paged-chat only runs "
             f"full-rotary llama-family models")

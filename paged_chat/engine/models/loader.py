@@ -158,7 +158,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
             cache.touch(cached.path)
             return model
         cache.discard(cached.path)
-    writer = cache.writer(key, shapes, dtype, source.path)
+    writer = cache.writer(key, shapes, dtype, source.path, source.config.model_type)
     try:
         stream_weights(model, source.checkpoint, "converting weights", report, writer)
     except BaseException:

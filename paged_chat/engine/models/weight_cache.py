@@ -49,6 +49,7 @@ class CachedWeights:
 
     path: Path
     source: str       # the GGUF file it was converted from
+    architecture: str
     dtype: str
     size: int
     last_used: float  # seconds since the epoch
@@ -94,13 +95,14 @@ class WeightCache:
         return entry
 
     def writer(self, key: str, layout: dict[str, tuple[int, ...]], dtype: torch.dtype,
-               source: Path) -> "EntryWriter | None":
+               source: Path, architecture: str) -> "EntryWriter | None":
         """A writer for a new entry, or None when the entry alone would exceed the bound."""
         size = sum(_nbytes(shape, dtype) for shape in layout.values())
         if size > self.max_bytes:
             return None
         self.root.mkdir(parents=True, exist_ok=True)
-        return EntryWriter(self, self.root / f"{key}{_SUFFIX}", layout, dtype, str(source))
+        return EntryWriter(self, self.root / f"{key}{_SUFFIX}", layout, dtype,
+                           {"source": str(source), "architecture": architecture})
 
     def touch(self, path: Path) -> None:
         """Mark an entry used now (its mtime orders the LRU)."""
@@ -129,13 +131,13 @@ class EntryWriter:
     each tensor as it is loaded, then the checksum into the header, then the rename."""
 
     def __init__(self, cache: WeightCache, path: Path, layout: dict[str, tuple[int, ...]],
-                 dtype: torch.dtype, source: str) -> None:
+                 dtype: torch.dtype, metadata: dict[str, str]) -> None:
         self.cache = cache
         self.path = path
         self.names = list(layout)
         self.checksums: list[int] = []
         header: dict[str, object] = {"__metadata__": {
-            "source": source, "checksum": "0" * _CHECKSUM_DIGITS}}
+            **metadata, "checksum": "0" * _CHECKSUM_DIGITS}}
         offset = 0
         for name, shape in layout.items():
             end = offset + _nbytes(shape, dtype)
@@ -184,6 +186,7 @@ def list_cached_weights(root: Path) -> list[CachedWeights]:
             continue
         dtypes = {t.dtype for t in header.tensors.values()}
         entries.append(CachedWeights(path, header.metadata.get("source", "?"),
+                                     header.metadata.get("architecture", "?"),
                                      ",".join(sorted(dtypes)), stat.st_size, stat.st_mtime))
     return sorted(entries, key=lambda e: e.last_used, reverse=True)
 
