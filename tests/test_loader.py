@@ -169,15 +169,20 @@ GGUF_BLOCK_NAMES = {
 }
 GGUF_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
                   "lm_head": "output"}
+# Gemma 3's norms, as convert_hf_to_gguf.py names them.
+GEMMA3_BLOCK_NAMES = GGUF_BLOCK_NAMES | {
+    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm"}
 Q = gguf.GGMLQuantizationType
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     module, kind = hf_name.rsplit(".", 1)
     if module in GGUF_TOP_NAMES:
         return f"{GGUF_TOP_NAMES[module]}.{kind}"
     _, _, layer, rest = module.split(".", 3)
-    return f"blk.{layer}.{GGUF_BLOCK_NAMES[rest]}.{kind}"
+    names = GEMMA3_BLOCK_NAMES if arch == "gemma3" else GGUF_BLOCK_NAMES
+    return f"blk.{layer}.{names[rest]}.{kind}"
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -186,8 +191,11 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
         w.shape)
 
 
-def storage_type(hf_name: str, array: np.ndarray) -> gguf.GGMLQuantizationType:
-    """A mix like real files: layer 1 matrices in Q8_0, the embedding in F16, the rest F32."""
+def storage_type(hf_name: str, array: np.ndarray, quantize: bool) -> gguf.GGMLQuantizationType:
+    """A mix like real files: layer 1 matrices in Q8_0, the embedding in F16, the rest F32
+    (or all F32 when not `quantize`)."""
+    if not quantize:
+        return Q.F32
     if hf_name == "model.embed_tokens.weight":
         return Q.F16
     if hf_name.startswith("model.layers.1.") and array.ndim == 2:
@@ -196,7 +204,7 @@ def storage_type(hf_name: str, array: np.ndarray) -> gguf.GGMLQuantizationType:
 
 
 def write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], hf_cfg: Any, *,
-               permute: bool, tokenizer: bool = True,
+               permute: bool, tokenizer: bool = True, quantize: bool = True,
                extra: Callable[[gguf.GGUFWriter], None] = lambda w: None,
                after: Callable[[gguf.GGUFWriter], None] = lambda w: None,
                ) -> dict[str, torch.Tensor]:
@@ -215,7 +223,8 @@ def write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], hf_cfg: An
     writer.add_head_count_kv(hf_cfg.num_key_value_heads)
     writer.add_key_length(hf_cfg.head_dim)
     writer.add_rope_dimension_count(hf_cfg.head_dim)
-    writer.add_rope_freq_base(hf_cfg.rope_parameters["rope_theta"])
+    rope = hf_cfg.rope_parameters
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(hf_cfg.rms_norm_eps)
     if tokenizer:
         writer.add_tokenizer_model("gpt2")
@@ -232,17 +241,18 @@ def write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], hf_cfg: An
     expected = {}
     for name, tensor in state.items():
         array = tensor.numpy()
-        qtype = storage_type(name, array)
-        stored = array
+        qtype = storage_type(name, array, quantize)
+        stored = array + 1 if arch == "gemma3" and name.endswith("norm.weight") else array
         if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = hf_cfg.num_attention_heads if "q_proj" in name else hf_cfg.num_key_value_heads
             stored = llama_cpp_permute(array, heads)
         if qtype == Q.F32:
-            writer.add_tensor(gguf_name(name), stored)
+            writer.add_tensor(gguf_name(name, arch), stored)
         elif qtype == Q.F16:
-            writer.add_tensor(gguf_name(name), stored.astype(np.float16))
+            writer.add_tensor(gguf_name(name, arch), stored.astype(np.float16))
         else:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(stored, qtype), raw_dtype=qtype)
+            writer.add_tensor(gguf_name(name, arch), gguf.quants.quantize(stored, qtype),
+                              raw_dtype=qtype)
         round_trip = array if qtype == Q.F32 else gguf.quants.dequantize(
             gguf.quants.quantize(array, qtype), qtype)
         expected[name] = torch.from_numpy(np.asarray(round_trip, dtype=np.float32))
@@ -281,6 +291,28 @@ def test_gguf_round_trip_unpermutes_llama_qk(tmp_path: Path, arch: str) -> None:
     assert (c.bos_token_id, c.eos_token_ids, c.tie_word_embeddings) == (BOS_ID, (EOS_ID,), False)
     assert src.tokenizer.encode(SAMPLE_TEXT) == tiny_tokenizer().encode(SAMPLE_TEXT)
     assert src.chat_template == SYSTEM_CHATML
+
+
+def test_gemma3_gguf_runs_like_the_hf_model_it_came_from(tmp_path: Path) -> None:
+    """Norms stored plus one, Gemma's tensor names, five local layers then a global one."""
+    from paged_chat.engine.models.loader import load_model
+    from test_model import PagedSequence
+
+    model = build_tiny_model("gemma3_text", tmp_path / "hf", **TINY, num_layers=6,
+                             sliding_window=7, query_pre_attn_scalar=16, tie_word_embeddings=True)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    path = tmp_path / "gemma3.gguf"
+    write_gguf(path, "gemma3", state, model.config, permute=False, quantize=False,
+               extra=lambda w: w.add_sliding_window(7))
+    src = load_model_source(str(path))
+    assert src.config.layer_windows == (7,) * 5 + (None,)
+    ours = load_model(src, torch.float32, torch.device("cpu"))
+    ours.build_rope_tables(64)
+    prompt = torch.randint(3, len(VOCAB), (30,), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        expected = model(prompt[None]).logits[0]
+    logits = PagedSequence(ours, len(prompt)).feed(prompt.tolist())
+    assert (logits - expected).abs().max() / expected.abs().max() < 1e-4
 
 
 def test_gguf_tokenizer_is_converted_once_then_cached(tmp_path: Path) -> None:

@@ -202,8 +202,13 @@ def _hf_config(header: GGUFHeader, arch: str, tensors: dict[str, TensorInfo],
     if (window := meta("attention.sliding_window")) is not None:
         config["sliding_window"] = window
     if arch == "gemma3":
-        config |= {"query_pre_attn_scalar": head_dim, "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_THETA,
-                   "sliding_window_pattern": _GEMMA3_SLIDING_WINDOW_PATTERN}
+        config |= {"query_pre_attn_scalar": head_dim, "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_THETA}
+        pattern = meta("attention.sliding_window_pattern")
+        if isinstance(pattern, list):  # one bool per layer: True where the layer is windowed
+            config["layer_types"] = ["sliding_attention" if windowed else "full_attention"
+                                     for windowed in pattern]
+        else:
+            config["sliding_window_pattern"] = pattern or _GEMMA3_SLIDING_WINDOW_PATTERN
     return config
 
 
