@@ -43,7 +43,7 @@ _GEMMA3_SLIDING_WINDOW_PATTERN = 6
 # Llama 3 rope scaling: convert_hf_to_gguf writes per-frequency divisors instead of metadata.
 _ROPE_FREQS = "rope_freqs.weight"
 # Large tensors are dequantized this many fp32 bytes at a time.
-_CHUNK_BYTES = 64 << 20
+_CHUNK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True, slots=True)

@@ -170,7 +170,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         windows = config.layer_windows or (None,) * config.num_layers
         layer_cls = GemmaDecoderLayer if config.gemma else DecoderLayer
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # An explicit weight skips the random init: normal_ costs seconds on its first call,
+        # even on the meta device, and the checkpoint overwrites it anyway.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(layer_cls(config, window) for window in windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(

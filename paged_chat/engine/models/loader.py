@@ -111,7 +111,6 @@ def load_model_source(spec: str, cache_dir: Path | str | None = None,
     """
     name, path = _resolve(spec)
     report = on_progress or _no_progress
-    report("reading the model header", 0, 1)
     cache = Path(cache_dir) if cache_dir is not None else None
     header_digest = None
     if path.is_dir():
@@ -126,8 +125,8 @@ def load_model_source(spec: str, cache_dir: Path | str | None = None,
         config = _model_config(hf_config, path)
         report("preparing the tokenizer", 0, 1)
         tokenizer = load_gguf_tokenizer(path, header_digest, cache)
+        report("preparing the tokenizer", 1, 1)
     _check_shapes(config, checkpoint, path)
-    report("reading the model header", 1, 1)
     return ModelSource(name=name, path=path, config=config, hf_config=hf_config,
                        checkpoint=checkpoint, tokenizer=tokenizer,
                        chat_template=_chat_template(tokenizer, name), header_digest=header_digest)
