@@ -127,3 +127,16 @@ class Checkpoint:
         """Read tensor `name` into `out` (its shape, any dtype); return a CRC-32 of the
         stored bytes where the format has one worth checking, else 0."""
         return read_safetensor(self.tensors[name], out)
+
+
+class TensorCheckpoint(Checkpoint):
+    """Tensors already in memory under HF names (random weights of a model's shape, for a
+    device check without the model file)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__({})
+        self.tensors = tensors
+
+    def read_into(self, name: str, out: torch.Tensor) -> int:
+        out.copy_(self.tensors[name])
+        return 0
