@@ -44,24 +44,33 @@ class PagedSequence:
                           torch.arange(count))
 
 
+def greedy_reference(reference, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' greedy continuation of `prompt` and its logits at every position."""
+    with torch.inference_mode():
+        expected = reference.generate(prompt[None], generation_config=GenerationConfig(
+            max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0))[0]
+        return expected, reference(expected[None]).logits[0]
+
+
+def run_paged(model: LlamaForCausalLM, expected: torch.Tensor,
+              prompt_chunks: list[torch.Tensor]) -> torch.Tensor:
+    """Our logits for `expected`: the prompt fed in chunks, then one token at a time."""
+    sequence = PagedSequence(model, len(expected))
+    num_prompt = sum(len(chunk) for chunk in prompt_chunks)
+    logits = [sequence.feed(chunk.tolist()) for chunk in prompt_chunks]
+    logits += [sequence.feed([token]) for token in expected[num_prompt:-1].tolist()]
+    return torch.cat(logits)
+
+
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("tied", [False, True])
 def test_logits_and_greedy_tokens_match_transformers(architecture, tied, tmp_path):
     reference = build_tiny_model(architecture, tmp_path, tie_word_embeddings=tied)
     model = load_decoder(tmp_path)
-    config = model.config
-    prompt = torch.randint(3, config.vocab_size, (37,), generator=torch.Generator().manual_seed(2))
-    steps = 32
-
-    with torch.inference_mode():
-        expected = reference.generate(prompt[None], generation_config=GenerationConfig(
-            max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0))[0]
-        reference_logits = reference(expected[None]).logits[0]
-    sequence = PagedSequence(model, len(expected))
-    logits = [sequence.feed(prompt.tolist())]
-    for token in expected[len(prompt):-1].tolist():
-        logits.append(sequence.feed([token]))
-    ours = torch.cat(logits)
+    prompt = torch.randint(3, model.config.vocab_size, (37,),
+                           generator=torch.Generator().manual_seed(2))
+    expected, reference_logits = greedy_reference(reference, prompt, steps=32)
+    ours = run_paged(model, expected, [prompt])
 
     scale = reference_logits.abs().max()
     assert (ours - reference_logits[:-1]).abs().max() / scale < 1e-4
@@ -101,17 +110,9 @@ def test_sliding_window_chunked_prefill_and_decode_match_transformers(architectu
     assert any(model.config.layer_windows), "the window was not read from the config"
     prompt = torch.randint(3, model.config.vocab_size, (45,),
                            generator=torch.Generator().manual_seed(4))
-    steps = 16
-    with torch.inference_mode():
-        expected = reference.generate(prompt[None], generation_config=GenerationConfig(
-            max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0))[0]
-        reference_logits = reference(expected[None]).logits[0]
-
-    sequence = PagedSequence(model, len(expected))
-    chunks = [prompt[:10], prompt[10:27], prompt[27:]]  # across block boundaries
-    logits = [sequence.feed(chunk.tolist()) for chunk in chunks]
-    logits += [sequence.feed([token]) for token in expected[len(prompt):-1].tolist()]
-    ours = torch.cat(logits)
+    expected, reference_logits = greedy_reference(reference, prompt, steps=16)
+    # Chunks that end inside blocks: chunked prefill across block boundaries.
+    ours = run_paged(model, expected, [prompt[:10], prompt[10:27], prompt[27:]])
 
     scale = reference_logits.abs().max()
     assert (ours - reference_logits[:-1]).abs().max() / scale < 1e-4
