@@ -18,8 +18,9 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 
-from paged_chat.engine.errors import ModelLoadError
+from paged_chat.engine.errors import ModelLoadError, PagedChatError
 from paged_chat.engine.models.loader import load_model_source
 from test_loader import hf_folder, tiny_gguf
 
@@ -157,3 +158,28 @@ def test_model_folder_config_numbers_name_the_file_and_key(tmp_path: Path, key: 
     with pytest.raises(ModelLoadError, match=f"{config_file}: {key}=") as info:
         load_model_source(str(tmp_path))
     assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------- memory at start-up
+
+def test_cpu_allocation_failure_is_one_line_naming_the_setting(make_engine, monkeypatch):
+    """torch's CPU allocator fails with a RuntimeError, which the OOM handler missed."""
+    zeros = torch.zeros
+
+    def cpu_out_of_memory(*size, **kwargs):
+        if size and isinstance(size[0], tuple) and len(size[0]) == 6:  # the KV cache's shape
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: "
+                               "can't allocate memory: you tried to allocate 1073741824 bytes.")
+        return zeros(*size, **kwargs)
+
+    monkeypatch.setattr(torch, "zeros", cpu_out_of_memory)
+    with pytest.raises(PagedChatError, match="out of memory while allocating the KV cache.*"
+                                             "lower num_blocks"):
+        make_engine(num_blocks=64)
+
+
+def test_the_cpu_kv_cache_is_checked_against_available_ram(make_engine, monkeypatch):
+    monkeypatch.setattr("paged_chat.engine.engine._available_ram", lambda: 1 << 16)
+    with pytest.raises(PagedChatError, match="larger than this machine's 0.0 GiB of available "
+                                             "RAM: lower num_blocks"):
+        make_engine(num_blocks=64)

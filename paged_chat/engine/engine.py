@@ -43,6 +43,7 @@ from paged_chat.engine.stats import BlockMap, EngineStats, RateMeter
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_CPU_KV_FRACTION = 0.2
 _DEFAULT_CPU_KV_CAP = 2 * 2**30
+_CPU_ALLOCATION_FAILURE = "can't allocate memory"
 
 
 class Engine:
@@ -342,10 +343,10 @@ class Engine:
                    else "gpu_memory_utilization" if self.device.type == "cuda"
                    else "kv_cache_memory")
         size = f"{self.num_blocks} blocks, {nbytes / 2**30:.2f} GiB"
-        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        ram = _available_ram()
         if self.device.type == "cpu" and nbytes > ram:  # zeroing it would wake the OOM killer
             raise PagedChatError(f"the KV cache ({size}) is larger than this machine's "
-                                 f"{ram / 2**30:.1f} GiB of RAM: lower {setting}")
+                                 f"{ram / 2**30:.1f} GiB of available RAM: lower {setting}")
         with _out_of_memory(f"allocating the KV cache ({size})", f"lower {setting}"):
             kv_cache = torch.zeros((self.model_config.num_layers, 2,
                                     *attention.kv_cache_shape(self.num_blocks, self.block_size)),
@@ -409,8 +410,22 @@ def _out_of_memory(doing: str, advice: str) -> Iterator[None]:
     """Turn an out-of-memory error at start-up into one line that says what to change."""
     try:
         yield
-    except torch.OutOfMemoryError as error:
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        # On the CPU, torch's allocator reports a failure as a plain RuntimeError.
+        if not isinstance(error, torch.OutOfMemoryError) and _CPU_ALLOCATION_FAILURE not in str(error):
+            raise
         raise PagedChatError(f"out of memory while {doing}: {advice}") from error
+
+
+def _available_ram() -> int:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), which is
+    what a new allocation can count on; total RAM where /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            line = next(line for line in meminfo if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _resolve_device(device: str) -> torch.device:
