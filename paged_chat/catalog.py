@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _SAFETENSORS_SUFFIX = ".safetensors"
-# general.architecture is the first key llama.cpp writes: a few hundred bytes in.
-_GGUF_HEADER_BYTES = 1 << 20
+# A real header (the vocabulary included) is a few MB; more is not read.
+_GGUF_HEADER_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,15 +98,16 @@ def _hf_cache_entries() -> tuple[list[ModelEntry], list[str]]:
 
 
 def _gguf_architecture(path: Path) -> str:
-    """general.architecture from the first bytes of the GGUF header (no weights are read)."""
+    """general.architecture from the GGUF header, which is checked whole (every count
+    against the file) within a byte bound; no weights are read."""
     from paged_chat.engine.errors import ModelLoadError
-    from paged_chat.engine.models.gguf_header import read_gguf_architecture
+    from paged_chat.engine.models.gguf_header import read_gguf_header
 
     try:
-        architecture = read_gguf_architecture(path, _GGUF_HEADER_BYTES)
+        architecture = read_gguf_header(path, _GGUF_HEADER_BYTES).metadata.get("general.architecture")
     except (ModelLoadError, OSError):
         return "unreadable"
-    return architecture if architecture is not None else "unknown"
+    return str(architecture) if architecture is not None else "unknown"
 
 
 def _model_type(config_file: Path) -> str:

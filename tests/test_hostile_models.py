@@ -65,12 +65,7 @@ def minimal_gguf(path: Path, build) -> Path:
 
 def test_metadata_array_claiming_2_to_the_40_items_is_refused_at_once(tmp_path: Path) -> None:
     """A 133-byte file whose array claims 2^40 items hung `ask -m` and `paged-chat models`."""
-    path = minimal_gguf(tmp_path / "array.gguf",
-                        lambda w: w.add_array("test.items", [1, 2, 3]))
-    data = path.read_bytes()
-    count = struct.pack("<IIQ", gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32, 3)
-    assert data.count(count) == 1
-    path.write_bytes(data.replace(count, count[:8] + struct.pack("<Q", 1 << 40)))
+    path = _hostile_array_gguf(tmp_path / "array.gguf")
     assert len(path.read_bytes()) < 200
     line = load_under_limit(path)
     assert line.startswith("REFUSED") and "not a readable GGUF file" in line
@@ -183,3 +178,38 @@ def test_the_cpu_kv_cache_is_checked_against_available_ram(make_engine, monkeypa
     with pytest.raises(PagedChatError, match="larger than this machine's 0.0 GiB of available "
                                              "RAM: lower num_blocks"):
         make_engine(num_blocks=64)
+
+
+# ---------------------------------------------------------------- paged-chat models
+
+def test_models_marks_a_hostile_gguf_unreadable_and_lists_converted_weights(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants
+
+    from paged_chat.catalog import find_models
+    from paged_chat.engine.models.loader import load_model
+
+    snapshot = tmp_path / "hub" / "models--org--bad" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    hostile = _hostile_array_gguf(snapshot / "bad.gguf")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    path, _, _ = tiny_gguf(tmp_path / "tiny")
+    cache = tmp_path / "cache"
+    load_model(load_model_source(str(path), cache_dir=cache), torch.bfloat16,
+               torch.device("cpu"), cache, 1 << 30)
+
+    entries = {entry.name: entry for entry in find_models(cache)[0]}
+    assert entries[str(hostile)].architecture == "unreadable"
+    converted = entries[str(path)]
+    assert (converted.kind, converted.architecture) == ("converted", "llama")
+    assert converted.status.startswith("converted to bf16, last used ")
+
+
+def _hostile_array_gguf(path: Path) -> Path:
+    """A GGUF whose metadata array claims 2^40 items in a file of under 200 bytes."""
+    minimal_gguf(path, lambda w: w.add_array("test.items", [1, 2, 3]))
+    data = path.read_bytes()
+    count = struct.pack("<IIQ", gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32, 3)
+    assert data.count(count) == 1
+    path.write_bytes(data.replace(count, count[:8] + struct.pack("<Q", 1 << 40)))
+    return path

@@ -133,18 +133,6 @@ def read_gguf_header(path: Path, max_bytes: int | None = None) -> GGUFHeader:
                              f"truncated or corrupt, download it again") from exc
 
 
-def read_gguf_architecture(path: Path, max_bytes: int) -> str | None:
-    """general.architecture, reading at most `max_bytes` (it is the first key llama.cpp
-    writes); None if the key is not there. ModelLoadError if the header is not sound."""
-    with open(path, "rb") as f:
-        cursor = _Cursor(f.read(max_bytes), path)
-    num_tensors, num_keys = _preamble(cursor)
-    for key, _, value in _metadata(cursor, num_keys):
-        if key == "general.architecture":
-            return str(value)
-    return None
-
-
 def _preamble(cursor: _Cursor) -> tuple[int, int]:
     """(tensor count, key count) after checking the magic and version."""
     cursor.need(4, "the magic")
