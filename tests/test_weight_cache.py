@@ -168,3 +168,14 @@ def test_template_edited_in_place_is_not_served_from_a_stale_tokenizer(tmp_path:
     assert data.count(SYSTEM_CHATML.encode()) == 1
     path.write_bytes(data.replace(SYSTEM_CHATML.encode(), edited.encode()))
     assert load_model_source(str(path), cache_dir=cache).chat_template == edited
+
+
+def test_an_unwritable_cache_costs_the_cache_not_the_load(tmp_path: Path) -> None:
+    path, _, _ = tiny_gguf(tmp_path)
+    source = load_model_source(str(path))
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "weights").write_text("a file where the entries' folder should be")
+    model, progress = load(source, cache)
+    assert progress.stages() == ["converting weights"]
+    assert_same_parameters(parameters(model), parameters(load(source, None)[0]))

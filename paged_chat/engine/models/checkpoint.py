@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from paged_chat.engine.errors import ModelLoadError

@@ -30,7 +30,7 @@ from paged_chat.engine.models.checkpoint import Checkpoint, SafetensorsFile
 from paged_chat.engine.models.gguf_file import load_gguf_tokenizer, read_gguf
 from paged_chat.engine.models.llama import LlamaForCausalLM
 from paged_chat.engine.models.model_config import ConfigValueError, ModelConfig
-from paged_chat.engine.models.weight_cache import WeightCache, combine_checksums
+from paged_chat.engine.models.weight_cache import EntryWriter, WeightCache, combine_checksums
 
 # on_progress(stage, done, total): called as a slow load advances (one call per tensor).
 ProgressHook = Callable[[str, int, int], None]
@@ -180,8 +180,10 @@ def _read_shapes(model: LlamaForCausalLM, checkpoint: Checkpoint) -> dict[str, t
 
 
 def stream_weights(model: LlamaForCausalLM, checkpoint: Checkpoint, stage: str = "loading weights",
-                   report: ProgressHook = _no_progress, writer: Any = None) -> list[int]:
-    """Read every tensor the model needs into its parameter; return their checksums."""
+                   report: ProgressHook = _no_progress,
+                   writer: EntryWriter | None = None) -> list[int]:
+    """Read every tensor the model needs into its parameter (and on into `writer`, an entry
+    of the converted-weights cache); return their checksums."""
     names = [name for name in checkpoint.tensors if model.destination(name) is not None]
     checksums = []
     with torch.no_grad():

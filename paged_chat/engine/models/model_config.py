@@ -70,10 +70,6 @@ class ModelConfig:
     attention_scale: float = 0.0  # 1/sqrt(head_dim) unless the family says otherwise
     gemma: bool = False
 
-    @property
-    def family(self) -> Family:
-        return SUPPORTED_ARCHITECTURES[self.model_type]
-
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Build from a config.json dict; raise UnsupportedModelError for other families and

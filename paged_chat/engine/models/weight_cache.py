@@ -100,9 +100,12 @@ class WeightCache:
         size = sum(_nbytes(shape, dtype) for shape in layout.values())
         if size > self.max_bytes:
             return None
-        self.root.mkdir(parents=True, exist_ok=True)
-        return EntryWriter(self, self.root / f"{key}{_SUFFIX}", layout, dtype,
-                           {"source": str(source), "architecture": architecture})
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            return EntryWriter(self, self.root / f"{key}{_SUFFIX}", layout, dtype,
+                               {"source": str(source), "architecture": architecture})
+        except OSError:  # a read-only or full cache dir costs the cache, not the load
+            return None
 
     def touch(self, path: Path) -> None:
         """Mark an entry used now (its mtime orders the LRU)."""
@@ -128,7 +131,8 @@ class WeightCache:
 
 class EntryWriter:
     """Streams one entry: the header first (every offset is known from the shapes), then
-    each tensor as it is loaded, then the checksum into the header, then the rename."""
+    each tensor as it is loaded, then the checksum into the header, then the rename. A
+    write that fails (disk full) drops the entry and lets the load go on."""
 
     def __init__(self, cache: WeightCache, path: Path, layout: dict[str, tuple[int, ...]],
                  dtype: torch.dtype, metadata: dict[str, str]) -> None:
@@ -158,16 +162,26 @@ class EntryWriter:
     def write(self, name: str, tensor: torch.Tensor) -> None:
         assert name == self.names[len(self.checksums)], "tensors must come in layout order"
         data = byte_view(tensor.detach().cpu().contiguous())
-        self.file.write(data)
         self.checksums.append(zlib.crc32(data))
+        if not self.file.closed:
+            try:
+                self.file.write(data)
+            except OSError:
+                self.abort()
 
     def commit(self) -> None:
         """Put the finished entry in place, then evict to the bound."""
         assert len(self.checksums) == len(self.names), "not every tensor was written"
+        if self.file.closed:
+            return
         self.header["__metadata__"]["checksum"] = combine_checksums(self.checksums)
-        self._write_header()
-        self.file.close()
-        os.replace(self.partial, self.path)
+        try:
+            self._write_header()
+            self.file.close()
+            os.replace(self.partial, self.path)
+        except OSError:
+            self.abort()
+            return
         self.cache.evict(keep=self.path)
 
     def abort(self) -> None:
