@@ -25,6 +25,8 @@ class EngineConfig:
     `cache_dir` is where the engine may keep what it can rebuild (converted tokenizers and
     weights, the disk KV tier); None keeps nothing on disk. The app passes its platformdirs
     cache dir: the engine never reads the app's settings itself.
+    `weight_cache_size` bounds the converted GGUF weights kept there (bytes or "4GiB";
+    least recently used models go first).
     """
 
     model: str = "smollm2-135m"
@@ -41,6 +43,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     cache_dir: str | None = None
+    weight_cache_size: int | str = "4GiB"
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
@@ -55,6 +58,7 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory("kv_cache_memory", self.kv_cache_memory)
+        self.weight_cache_size = parse_memory("weight_cache_size", self.weight_cache_size)
         if not (isinstance(self.gpu_memory_utilization, (int, float))
                 and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"EngineConfig.gpu_memory_utilization={self.gpu_memory_utilization!r}"
