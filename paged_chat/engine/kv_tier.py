@@ -285,7 +285,7 @@ class DiskTier:
             try:
                 if self.enabled:
                     self._write(write)
-            except OSError as error:
+            except Exception as error:  # a disk fault, or a bug: either way the engine goes on
                 self._turn_off(error)
             finally:
                 with self._lock:
@@ -332,9 +332,10 @@ class DiskTier:
             if size is not None:
                 self.nbytes -= size
 
-    def _turn_off(self, error: OSError) -> None:
+    def _turn_off(self, error: Exception) -> None:
         """Stop using the directory for good, saying why once."""
-        reason = errno.errorcode.get(error.errno, "") if error.errno else ""
+        code = getattr(error, "errno", None)
+        reason = errno.errorcode.get(code, "") if code else ""
         with self._lock:
             if self.error is not None:
                 return
