@@ -287,12 +287,29 @@ def test_the_disk_tier_is_lru_within_its_bytes(tmp_path):
     reopened.close()
 
 
-def test_clear_disk_tier_deletes_the_entries(tmp_path):
-    disk = DiskTier(tmp_path / TIER_DIR, 2**20, LAYOUT)
-    for i in range(3):
+def fill_disk_tier(cache_dir: Path, count: int) -> None:
+    disk = DiskTier(cache_dir / TIER_DIR, 2**20, LAYOUT)
+    for i in range(count):
         disk.submit(bytes([i]) * 16, block(float(i)))
     disk.close()
+
+
+def test_clear_disk_tier_deletes_the_entries(tmp_path):
+    fill_disk_tier(tmp_path, 3)
     size = sum(path.stat().st_size for path in entries(tmp_path / TIER_DIR))
     assert clear_disk_tier(tmp_path) == (3, size)
     assert not entries(tmp_path / TIER_DIR)
     assert clear_disk_tier(tmp_path / "nowhere") == (0, 0)
+
+
+def test_cache_clear_command(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from paged_chat.cli import app
+
+    monkeypatch.setenv("PAGED_CHAT_CACHE_DIR", str(tmp_path))
+    fill_disk_tier(tmp_path, 2)
+    result = CliRunner().invoke(app, ["cache", "clear"])
+    assert result.exit_code == 0, result.output
+    assert "(2 KV blocks)" in result.stdout and str(tmp_path / TIER_DIR) in result.stdout
+    assert not entries(tmp_path / TIER_DIR)
