@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from paged_chat.bench.tier_resume import format_tier_resume, tier_resume
 from paged_chat.chat import Conversation
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.models.loader import ModelSource, load_model_source
@@ -448,6 +449,10 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
     if options.scenarios:
         log("running memory scenarios ...")
         report["scenarios"] = memory_scenarios(engine, source, workload)
+        log("running the KV tier scenario ...")
+        report["scenarios"]["tier_resume"] = tier_resume(
+            options.model, source, options.dtype, options.block_size,
+            options.max_num_batched_tokens, SYSTEM_PROMPT)
     if options.roofline:
         log("measuring the machine ...")
         step = _decode_step_time(engine, options.num_chats)
@@ -497,6 +502,7 @@ def format_report(report: dict) -> str:
         turns = ", ".join(f"{t['prefilled']}/{t['prompt_tokens']}"
                           for t in report["scenarios"]["five_turn_chat"])
         lines.append(f"5-turn chat, tokens prefilled / in prompt per turn: {turns}")
+        lines.append(format_tier_resume(report["scenarios"]["tier_resume"]))
     if "roofline" in report:
         roof = report["roofline"]
         lines.append(f"machine: {roof['bandwidth_gb_s']:.0f} GB/s, {roof['matmul_gflop_s']:.0f} "
