@@ -45,7 +45,7 @@ def test_scenarios(report):
     assert len(turns) == 5
     assert all(turn["prefilled"] <= turn["prompt_tokens"] - 100 for turn in turns[1:])
     resumed = scenarios["tier_resume"]  # a new engine: the disk tier serves the whole history
-    assert resumed["history_tokens"] >= 1500 and resumed["same_reply"]
+    assert resumed["history_tokens"] >= 512 and resumed["same_reply"]  # half the tiny model's context
     assert resumed["prefilled_without_tier"] == resumed["history_tokens"]
     assert resumed["prefilled_with_tier"] <= 16 + 20
     assert resumed["tier_cached_tokens"] == resumed["history_tokens"] - resumed["prefilled_with_tier"]
