@@ -10,7 +10,9 @@ replies are token for token the same, and the disk bytes the tier spends per tok
 The tier's files were just written, so the OS page cache holds them, as it would for a
 chat reopened soon after; a cold disk adds its read time (a few MB per 1,000 tokens).
 
-    python -m paged_chat.bench.tier_resume [model] [dtype]   (also part of `paged-chat bench`)
+Part of `paged-chat bench`; alone (model smollm2-135m and dtype auto by default):
+
+    python -c "from paged_chat.bench.tier_resume import main; main()" [model] [dtype]
 """
 
 from __future__ import annotations
@@ -104,7 +106,8 @@ def _time_to_first_token(engine: Engine, prompt: list[int]) -> tuple[float, Requ
     return first, final
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """Run the scenario alone and print its figures (see the module docstring)."""
     model = sys.argv[1] if len(sys.argv) > 1 else "smollm2-135m"
     dtype = sys.argv[2] if len(sys.argv) > 2 else "auto"  # bf16 where the CPU has bf16 dot products
     result = tier_resume(model, load_model_source(model), dtype, block_size=16,
