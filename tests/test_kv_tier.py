@@ -185,7 +185,7 @@ def test_a_bad_entry_is_deleted_never_loaded(fault, tier_engine, make_engine, tm
     assert reader.stats().tier.entries_rejected == 1
     reader.close()  # the block was prefilled and went down again: a sound entry replaced it
     path = directory / reader_layout.entry_name(hashes[bad])
-    assert reader_layout.decode(hashes[bad], path.read_bytes()) is not None
+    assert reader_layout.decode(hashes[bad], bytearray(path.read_bytes())) is not None
     assert out.token_ids == expected_reply(make_engine, follow_up)
 
 
@@ -268,7 +268,7 @@ def test_a_full_queue_drops_writes_and_never_blocks(tmp_path, monkeypatch):
 
 
 def test_the_disk_tier_is_lru_within_its_bytes(tmp_path):
-    entry_bytes = LAYOUT.block_nbytes + 200  # header and checksum are well under 200 bytes
+    entry_bytes = LAYOUT.entry_nbytes
     disk = DiskTier(tmp_path, 3 * entry_bytes, LAYOUT)
     keys = [bytes([i]) * 16 for i in range(5)]
     for key in keys[:3]:

@@ -110,16 +110,20 @@ class TierLayout:
         """The file of a block: its hash and this layout together, so models never share one."""
         return hashlib.blake2b(self.header(block_hash), digest_size=16).hexdigest() + ENTRY_SUFFIX
 
-    def decode(self, block_hash: bytes, data: bytes) -> torch.Tensor | None:
-        """The block's KV from a file's bytes, or None when anything does not match."""
+    @property
+    def entry_nbytes(self) -> int:
+        return _HEADER.size + _CHECKSUM.size + self.block_nbytes
+
+    def decode(self, block_hash: bytes, data: bytearray) -> torch.Tensor | None:
+        """The block's KV from a file's bytes (viewed, not copied), or None when anything
+        does not match."""
         header = self.header(block_hash)
         payload_start = len(header) + _CHECKSUM.size
-        if len(data) != payload_start + self.block_nbytes or not data.startswith(header):
+        if len(data) != self.entry_nbytes or not data.startswith(header):
             return None
-        payload = memoryview(data)[payload_start:]
-        if _CHECKSUM.unpack_from(data, len(header))[0] != zlib.crc32(payload):
+        if _CHECKSUM.unpack_from(data, len(header))[0] != zlib.crc32(memoryview(data)[payload_start:]):
             return None
-        return torch.frombuffer(bytearray(payload), dtype=self.dtype).view(self.block_shape)
+        return torch.frombuffer(data, dtype=self.dtype, offset=payload_start).view(self.block_shape)
 
     def encode(self, block_hash: bytes, kv: torch.Tensor) -> list[bytes | memoryview]:
         assert kv.shape == self.block_shape and kv.dtype == self.dtype and kv.device.type == "cpu"
@@ -214,8 +218,10 @@ class DiskTier:
                 return kv
             self.index.move_to_end(name)
         path = self.directory / name
+        data = bytearray(self.layout.entry_nbytes + 1)  # one byte more tells a longer file
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as file:
+                del data[file.readinto(data):]
             os.utime(path)
         except OSError:  # evicted by another process, or the directory is gone
             self._forget(name)
