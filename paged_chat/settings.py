@@ -11,8 +11,14 @@ is a SettingsError naming the file, the line and the key, so a typo never silent
 back to a default. Command-line options override the file through the `**overrides` of
 `Settings.engine_config` and `Settings.sampling_params`.
 
-This module imports neither torch nor the engine at import time (the CLI's `--help` must
-start fast); the engine's own validators run when settings are loaded.
+The `[engine]` and `[chat]` keys are not written out here: `[engine]` is every
+EngineConfig field, `[chat]` the system prompt and the SamplingParams fields a chat keeps
+(CHAT_SAMPLING_KEYS), each with the dataclass's own type. So a new engine knob is a
+setting the moment it exists, and the ranges live in one place (the engine's validators,
+which run when settings are loaded).
+
+This module imports neither torch nor the engine's model code at import time (the CLI's
+`--help` must start fast): the two config dataclasses come from light modules.
 """
 
 from __future__ import annotations
@@ -25,12 +31,12 @@ import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import platformdirs
 
-if TYPE_CHECKING:
-    from paged_chat.engine import EngineConfig, SamplingParams
+from paged_chat.engine.config import EngineConfig
+from paged_chat.engine.request import SamplingParams
 
 APP_NAME = "paged-chat"
 
@@ -73,44 +79,51 @@ class SettingsError(ValueError):
     """
 
 
-@dataclass(slots=True)
-class EngineSettings:
-    """`[engine]`: the EngineConfig fields a user may set. None (not in the file) means
-    EngineConfig's own default, so the engine stays the one place defaults live."""
-
-    model: str | None = None
-    device: str | None = None
-    dtype: str | None = None
-    block_size: int | None = None
-    num_blocks: int | None = None
-    kv_cache_memory: int | str | None = None
-    gpu_memory_utilization: float | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    enable_prefix_caching: bool | None = None
-    attention_backend: str | None = None
+# The SamplingParams fields a chat keeps (in the store and in `[chat]`) and its settings
+# dialog edits; the others (stop strings, penalties beyond repetition) are per request.
+CHAT_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                      "max_tokens", "seed")
+# What SmolLM2 (the default model) recommends: low temperature, top-p 0.9.
+_CHAT_SAMPLING_DEFAULTS = {"temperature": 0.2, "top_p": 0.9, "max_tokens": 512}
+# Where the engine may write is the app's cache dir, not a user setting.
+_NOT_SETTINGS = {"cache_dir"}
 
 
-@dataclass(slots=True)
-class ChatSettings:
-    """`[chat]`: what a new chat starts with. The sampling keys are SamplingParams fields;
-    the defaults are what SmolLM2 (the default model) recommends: low temperature, top-p 0.9."""
-
-    system_prompt: str | None = None
-    temperature: float = 0.2
-    top_p: float = 0.9
-    top_k: int = 0
-    min_p: float = 0.0
-    max_tokens: int = 512
-    repetition_penalty: float = 1.0
-
-    def sampling(self) -> dict[str, Any]:
-        """The sampling defaults as SamplingParams keyword arguments (what a chat stores)."""
-        return {name: getattr(self, name) for name in SAMPLING_KEYS}
+def _optional(hint: Any) -> Any:
+    return hint if type(None) in typing.get_args(hint) else hint | None
 
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "repetition_penalty")
+def _chat_sampling_fields() -> list[tuple[str, Any, Any]]:
+    hints = typing.get_type_hints(SamplingParams)
+    defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    return [(name, hints[name], field(default=_CHAT_SAMPLING_DEFAULTS.get(name, defaults[name])))
+            for name in CHAT_SAMPLING_KEYS]
+
+
+def _sampling(self: Any) -> dict[str, Any]:
+    """The sampling defaults as SamplingParams keyword arguments (what a chat stores)."""
+    return {name: getattr(self, name) for name in CHAT_SAMPLING_KEYS}
+
+
+_ENGINE_HINTS = typing.get_type_hints(EngineConfig)
+EngineSettings = dataclasses.make_dataclass(
+    "EngineSettings",
+    [(f.name, _optional(_ENGINE_HINTS[f.name]), field(default=None))
+     for f in dataclasses.fields(EngineConfig) if f.name not in _NOT_SETTINGS],
+    slots=True)
+EngineSettings.__doc__ = """`[engine]`: the EngineConfig fields a user may set. None (not in
+the file) means EngineConfig's own default, so the engine stays the one place defaults live."""
+
+ChatSettings = dataclasses.make_dataclass(
+    "ChatSettings", [("system_prompt", str | None, field(default=None)), *_chat_sampling_fields()],
+    slots=True, namespace={"sampling": _sampling})
+ChatSettings.__doc__ = """`[chat]`: what a new chat starts with: its system prompt and the
+CHAT_SAMPLING_KEYS of SamplingParams, defaulting to what the default model recommends."""
+
+
+def chat_sampling(params: SamplingParams) -> dict[str, Any]:
+    """What a chat stores of the sampling it was started with."""
+    return {name: getattr(params, name) for name in CHAT_SAMPLING_KEYS}
 
 
 @dataclass(slots=True)
@@ -135,16 +148,12 @@ class Settings:
     def engine_config(self, **overrides: Any) -> EngineConfig:
         """An EngineConfig from `[engine]`, with `overrides` on top (None values are ignored,
         so a CLI can pass every option it has, given or not)."""
-        from paged_chat.engine import EngineConfig
-
         return EngineConfig(**{"cache_dir": str(cache_dir()), **_given(dataclasses.asdict(self.engine)),
                                **_given(overrides)})
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the `[chat]` sampling defaults, with `overrides` on top (any
         SamplingParams field; None values are ignored)."""
-        from paged_chat.engine import SamplingParams
-
         return SamplingParams(**{**self.chat.sampling(), **_given(overrides)})
 
     def to_toml(self) -> str:
@@ -241,8 +250,6 @@ class _Loader:
     def _check_with_engine(self, settings: Settings) -> None:
         """Run each value through EngineConfig / SamplingParams, one key at a time, so the
         ranges live in one place (the engine) and the error still names the key."""
-        from paged_chat.engine import EngineConfig, SamplingParams
-
         checks = [("engine", EngineConfig, name, value) for name, value in _scalar_items(settings.engine)]
         checks += [("chat", SamplingParams, name, value) for name, value in settings.chat.sampling().items()]
         for table, validator, name, value in checks:

@@ -90,6 +90,11 @@ class ChatNotFound(StoreError, KeyError):
         return str(self.args[0])
 
 
+class ChatMovedOn(StoreError):
+    """A turn was started from a chat that someone else (another `ask -c`, another window)
+    added to in the meantime: saving it would interleave two conversations."""
+
+
 class MessageNotFound(StoreError, KeyError):
     """No message has this id."""
 
@@ -221,14 +226,26 @@ class ChatStore:
     # ---- messages ---------------------------------------------------------------------
 
     def add_message(self, chat_id: str, role: str, content: str, token_ids: list[int],
-                    finish_reason: str | None = None, timings: dict | None = None) -> Message:
-        """Append a message (see the module docstring for which token ids it holds)."""
+                    finish_reason: str | None = None, timings: dict | None = None,
+                    after: int | None = None) -> Message:
+        """Append a message (see the module docstring for which token ids it holds).
+
+        `after` is the id of the chat's last message as the writer last saw it (0: none):
+        if the chat has moved on since, nothing is written and ChatMovedOn is raised.
+        """
         if role not in ROLES:
             raise ValueError(f"message role {role!r} is invalid: expected one of {', '.join(ROLES)}")
         message = Message(0, chat_id, role, content, list(token_ids), finish_reason,
                           time.time(), dict(timings or {}))
         with self._transaction() as db:
             self._touch(db, "id = ?", chat_id, message.created)
+            if after is not None:
+                last = db.execute("SELECT coalesce(max(id), 0) FROM messages WHERE chat_id = ?",
+                                  (chat_id,)).fetchone()[0]
+                if last != after:
+                    raise ChatMovedOn(f"chat {chat_id} gained a message while this turn was "
+                                      "being prepared (another `ask -c` or window?): nothing "
+                                      "was saved; run it again to continue from the latest")
             cursor = db.execute(
                 f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?)",
                 (chat_id, role, content, _pack(message.token_ids), finish_reason,

@@ -12,6 +12,7 @@ import pytest
 import transformers
 
 from paged_chat.engine import Engine, EngineConfig
+from engine_helpers import assert_no_leaks
 from tiny_models import build_tiny_model
 
 
@@ -57,6 +58,4 @@ def make_engine(tiny_model_dir):
 
     yield make
     for engine in engines:
-        if not engine.has_unfinished():
-            assert engine.stats().blocks_in_use == 0, "a block leaked"
-        engine.kv_cache.pool.check_invariants()
+        assert_no_leaks(engine)

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings as hypothesis_settings, strategies as st
 from typer.testing import CliRunner
 
-from paged_chat import ask as ask_module
+from paged_chat import session as session_module
 from paged_chat.ask import UsageError, parse_prompt_file, read_prompt
 from paged_chat.cli import CliState, app
 from paged_chat.engine import Engine
@@ -324,7 +324,7 @@ def test_ctrl_c_keeps_the_partial_answer_and_stops_the_engine(cli, monkeypatch):
 def test_a_streaming_reply_is_saved_as_it_grows(cli, monkeypatch):
     """A killed `ask` keeps what it had said: the reply row exists before the first token
     and is updated while the answer streams (here after every step)."""
-    monkeypatch.setattr(ask_module, "SAVE_INTERVAL_S", 0.0)
+    monkeypatch.setattr(session_module, "SAVE_INTERVAL_S", 0.0)
     seen = []
 
     def engine_watching_the_store(config) -> Engine:

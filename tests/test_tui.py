@@ -32,7 +32,8 @@ from paged_chat.tui.app import ACTIONS, PagedChatApp, StoredChats
 from paged_chat.tui.block_map import CACHED, FREE, SHARED, TAB0, BlockMapView, Layout, block_codes, cell_grid, downsample
 from paged_chat.tui.chat_tab import ChatTab
 from paged_chat.tui.dialogs import ChatSettingsScreen, HelpScreen, TextPromptScreen
-from paged_chat.tui.engine_panel import TabInfo, blocks_owned, describe_block
+from engine_helpers import blocks_owned
+from paged_chat.tui.engine_panel import TabInfo, describe_block
 from paged_chat.tui.messages import AssistantMessage, ErrorMessage, UserMessage, code_blocks
 from paged_chat.tui.prompt_input import PromptInput
 

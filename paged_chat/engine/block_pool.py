@@ -97,11 +97,6 @@ class BlockPool:
         """Blocks that `allocate` can hand out: free plus cached (evictable)."""
         return self.free_queue.num_blocks
 
-    @property
-    def num_cached_blocks(self) -> int:
-        """Cached blocks nobody holds (in use blocks may be in the index too)."""
-        return sum(1 for block in self.cached_blocks.values() if block.ref_count == 0)
-
     def lookup(self, block_hash: bytes) -> KVBlock | None:
         return self.cached_blocks.get(block_hash) if self.enable_caching else None
 

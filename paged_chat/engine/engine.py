@@ -27,8 +27,10 @@ import torch
 from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.torch_backend import TorchAttention
+from paged_chat.engine.client import ModelInfo
 from paged_chat.engine.config import EngineConfig
 from paged_chat.engine.detokenizer import IncrementalDetokenizer
+from paged_chat.engine.dtypes import dtype_name, resolve_dtype
 from paged_chat.engine.errors import PagedChatError
 from paged_chat.engine.kv_cache_manager import KVCacheManager
 from paged_chat.engine.kv_tier import TIER_DIR, KVTier, TierLayout, model_fingerprint
@@ -40,7 +42,6 @@ from paged_chat.engine.runner import ModelRunner
 from paged_chat.engine.scheduler import Scheduler, SchedulerOutput
 from paged_chat.engine.stats import BlockMap, EngineStats, KVTierStats, RateMeter
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_CPU_KV_FRACTION = 0.2
 _DEFAULT_CPU_KV_CAP = 2 * 2**30
 _DEFAULT_CUDA_TIER_HOST_BYTES = 2 * 2**30
@@ -50,7 +51,7 @@ class Engine:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
         self.config = config
         self.device = _resolve_device(config.device)
-        self.dtype = _resolve_dtype(config.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         source = source or load_model_source(config.model)
         self.model_name = source.name
         self.model_config = source.config
@@ -87,6 +88,11 @@ class Engine:
         self._generation_rate = RateMeter()
         self._last_batch = (0, 0)
         self._last_step_time = 0.0
+        self.info = ModelInfo(
+            name=self.model_name, tokenizer=self.tokenizer, chat_template=self.chat_template,
+            device=self.device.type, dtype=dtype_name(self.dtype), num_blocks=self.num_blocks,
+            block_size=self.block_size, max_model_len=self.max_model_len,
+            num_parameters=sum(p.numel() for p in model.parameters()))
 
     # ---- requests -------------------------------------------------------------------
 
@@ -121,18 +127,23 @@ class Engine:
         if request is not None:
             self._pending.append(self._finish(request, "abort"))
 
-    def reset(self) -> None:
-        """Abort every request, discarding their outputs, and forget the prefix cache.
-
-        For a caller that has given up on everything in flight (AsyncEngine after a failed
-        step, or a restart) and has told the consumers itself. The cached prefixes go
-        too: after a failure nobody can vouch that the blocks they index were written.
-        """
+    def abort_all(self) -> None:
+        """Abort every request, discarding their outputs: for a caller that has given up on
+        everything in flight and has told the consumers itself (AsyncEngine shutting down)."""
         for request_id in list(self.requests):
             self.abort(request_id)
         self._pending.clear()
-        self.kv_cache.pool.reset_prefix_cache()
         assert not self.scheduler.has_unfinished() and not self.kv_cache.tables
+
+    def reset(self) -> None:
+        """Abort everything (see abort_all) and forget the prefix cache: after a failed step
+        or for a restart, nobody can vouch that the blocks the index names were written."""
+        self.abort_all()
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix; blocks in use stay as they are."""
+        self.kv_cache.pool.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
@@ -163,6 +174,7 @@ class Engine:
         outputs, self._pending = self._pending, []
         if not self.scheduler.has_unfinished():
             self._last_batch = (0, 0)
+            self._last_step_time = self.runner.last_forward_s = 0.0
             return outputs
         started = time.perf_counter()
         schedule = self.scheduler.schedule()
@@ -302,6 +314,7 @@ class Engine:
             prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
             kv_slots_wasted=wasted,
             step_time_s=self._last_step_time,
+            forward_time_s=self.runner.last_forward_s,
             blocks=BlockMap.build(ref_counts, hashed, tables, owners, pool.from_tier_mask()),
             tier=self.kv_cache.tier.stats() if self.kv_cache.tier is not None else KVTierStats(),
         )
@@ -438,22 +451,3 @@ def _resolve_device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise PagedChatError("device='cuda' but torch sees no CUDA device: use device='cpu'")
     return torch.device(device)
-
-
-def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
-
-
-def _cpu_has_native_bf16() -> bool:
-    """bf16 halves the bytes every decode step reads, but only pays where the CPU has bf16
-    dot products (AVX512-BF16 or AMX); elsewhere torch emulates it and fp32 is faster."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags

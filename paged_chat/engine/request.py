@@ -129,17 +129,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    @property
-    def phase(self) -> str:
-        """Where the request is, finer than `status`: "waiting" (never scheduled),
-        "preempted" (waiting to recompute), "prefilling" (its known tokens are not all
-        computed yet), "decoding" or "finished". Aborts and faults must be safe in each."""
-        if self.status is RequestStatus.WAITING:
-            return "preempted" if self.num_preemptions else "waiting"
-        if self.status is RequestStatus.RUNNING:
-            return "prefilling" if self.num_computed_tokens < self.num_tokens - 1 else "decoding"
-        return "finished"
-
 
 @dataclass(slots=True, frozen=True)
 class RequestOutput:

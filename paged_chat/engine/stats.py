@@ -46,14 +46,6 @@ class BlockMap:
                    request_ids, tuple(owners.get(rid) for rid in request_ids),
                    np.zeros(len(ref_counts), dtype=bool) if from_tier is None else from_tier)
 
-    def holders_of(self, block_id: int) -> list[str]:
-        start, end = self.holder_ptr[block_id], self.holder_ptr[block_id + 1]
-        return [self.request_ids[i] for i in self.holders[start:end]]
-
-    def owners_of(self, block_id: int) -> list[str | None]:
-        start, end = self.holder_ptr[block_id], self.holder_ptr[block_id + 1]
-        return [self.request_owners[i] for i in self.holders[start:end]]
-
 
 @dataclass(slots=True, frozen=True)
 class KVTierStats:
@@ -102,7 +94,8 @@ class EngineStats:
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     kv_slots_wasted: int
-    step_time_s: float
+    step_time_s: float       # the last step, end to end
+    forward_time_s: float    # the model's forward in the last step (the rest is host work)
     blocks: BlockMap
     tier: KVTierStats = KVTierStats()
 
