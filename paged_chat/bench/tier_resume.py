@@ -78,7 +78,8 @@ def tier_resume(model: str, source: ModelSource, dtype: str, block_size: int,
             "prefilled_with_tier": len(follow_up) - warm.num_cached_tokens,
             "tier_cached_tokens": warm.num_tier_cached_tokens,
             "same_reply": warm.token_ids == cold.token_ids,
-            "disk_bytes_per_token": stats.tier.disk_bytes / max(1, stats.tier.disk_blocks * block_size)}
+            "disk_bytes_per_token": stats.tier.disk_bytes / max(1, stats.tier.disk_blocks * block_size),
+            }
 
 
 def format_tier_resume(result: dict) -> str:

@@ -79,7 +79,8 @@ class FreeBlockQueue:
 class BlockPool:
     """All `num_blocks` KV blocks of the cache and the prefix-cache index over them."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool, track_evictions: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool,
+                 track_evictions: bool = False) -> None:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.enable_caching = enable_caching

@@ -353,7 +353,8 @@ class Engine:
         if host_bytes is None:
             host_bytes = _DEFAULT_CUDA_TIER_HOST_BYTES if self.device.type == "cuda" else 0
         disk_dir = Path(config.cache_dir) / TIER_DIR if config.cache_dir else None
-        if not config.enable_prefix_caching or not (host_bytes or (disk_dir and config.kv_tier_disk_bytes)):
+        wanted = host_bytes or (disk_dir and config.kv_tier_disk_bytes)
+        if not config.enable_prefix_caching or not wanted:
             return None
         num_layers, _, kv_heads, _, block_size, head_dim = kv_cache.shape
         layout = TierLayout(model_fingerprint(source.weights), self.dtype,

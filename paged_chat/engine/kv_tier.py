@@ -98,7 +98,8 @@ class TierLayout:
 
     @property
     def block_nbytes(self) -> int:
-        return torch.Size(self.block_shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+        element_size = torch.empty((), dtype=self.dtype).element_size()
+        return torch.Size(self.block_shape).numel() * element_size
 
     def header(self, block_hash: bytes) -> bytes:
         layout = hashlib.blake2b(self.kv_layout.encode(), digest_size=16).digest()
@@ -121,7 +122,8 @@ class TierLayout:
         payload_start = len(header) + _CHECKSUM.size
         if len(data) != self.entry_nbytes or not data.startswith(header):
             return None
-        if _CHECKSUM.unpack_from(data, len(header))[0] != zlib.crc32(memoryview(data)[payload_start:]):
+        checksum = zlib.crc32(memoryview(data)[payload_start:])
+        if _CHECKSUM.unpack_from(data, len(header))[0] != checksum:
             return None
         return torch.frombuffer(data, dtype=self.dtype, offset=payload_start).view(self.block_shape)
 

@@ -78,7 +78,8 @@ class ModelRunner:
     def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
         """Put whole blocks' KV (as `read_blocks` returns it) into the cache."""
         index = torch.tensor(block_ids, device=self.device)
-        self.kv_cache.movedim(_BLOCK_AXIS, 0).index_copy_(0, index, kv.to(self.device, self.kv_cache.dtype))
+        blocks = self.kv_cache.movedim(_BLOCK_AXIS, 0)
+        blocks.index_copy_(0, index, kv.to(self.device, self.kv_cache.dtype))
 
     def _sample_row(self, logits: torch.Tensor, item: ScheduledRequest) -> int | Exception:
         try:
