@@ -7,9 +7,12 @@ sees. Every reply is compared, token for token (greedy), with an engine without 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import random
 import shutil
+import subprocess
+import sys
 import threading
 import warnings
 from pathlib import Path
@@ -96,6 +99,32 @@ def test_a_new_engine_prefills_only_the_new_tokens(tier_engine, make_engine):
     assert stats.tier.disk_hit_blocks == stats.tier.hit_blocks == num_blocks
     assert stats.tier.bytes_read == num_blocks * stats.tier.disk_bytes // stats.tier.disk_blocks
     assert stats.blocks.from_tier.sum() == num_blocks
+    assert out.token_ids == expected_reply(make_engine, follow_up)
+
+
+_FIRST_TURN_IN_A_PROCESS = """
+import json, sys
+from paged_chat.engine import Engine, EngineConfig, SamplingParams
+model, cache_dir, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+engine = Engine(EngineConfig(model=model, device="cpu", dtype="float32", num_blocks=256,
+                             cache_dir=cache_dir))
+out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+print(json.dumps(out.token_ids))
+"""
+
+
+def test_a_process_that_exits_leaves_its_blocks_on_disk(tier_engine, make_engine, tiny_model_dir,
+                                                        tmp_path):
+    """The first turn runs in a process that exits without closing its engine (as `ask`
+    does): its queued writes are finished at exit, and the next process reads them."""
+    prompt = history()
+    process = subprocess.run(
+        [sys.executable, "-c", _FIRST_TURN_IN_A_PROCESS, str(tiny_model_dir),
+         str(tmp_path / "cache"), json.dumps(prompt)],
+        capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    follow_up = prompt + json.loads(process.stdout) + NEW_MESSAGE
+    out = tier_engine().generate([follow_up], GREEDY)[0]
+    assert out.num_tier_cached_tokens == history_blocks(follow_up) * BLOCK
     assert out.token_ids == expected_reply(make_engine, follow_up)
 
 
