@@ -239,8 +239,11 @@ def test_a_tier_dir_removed_mid_run_turns_the_tier_off_once(tier_engine, make_en
 def test_an_unwritable_tier_dir_turns_the_tier_off_once(fault, tier_engine, make_engine, tmp_path,
                                                          monkeypatch):
     """A read-only directory (chmod; as root, where chmod binds nobody, the writer's open
-    fails as it would) or a full disk (ENOSPC from the writer's writes)."""
-    tier_dir(tmp_path).mkdir(parents=True)
+    fails as it would) or a full disk (ENOSPC from the writer's writes): what is there
+    still serves, the first write turns the tier off."""
+    writer = tier_engine()
+    follow_up = first_turn(writer, history())
+    writer.close()
     if fault == "read-only":
         tier_dir(tmp_path).chmod(0o555)
         failing, code = "open", errno.EACCES
@@ -256,14 +259,16 @@ def test_an_unwritable_tier_dir_turns_the_tier_off_once(fault, tier_engine, make
         monkeypatch.setattr(os, failing, fail_in_the_writer)
 
     engine = tier_engine()
-    prompts = [history(seed) for seed in range(3)]
+    prompts = [follow_up, history(seed=1), history(seed=2)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         outputs = [engine.generate([prompt], GREEDY)[0] for prompt in prompts]
         engine.kv_cache.tier.flush()
     tier_dir(tmp_path).chmod(0o755)
     assert len([w for w in caught if issubclass(w.category, KVTierWarning)]) == 1
-    assert engine.stats().tier.disk_error and not entries(tier_dir(tmp_path))
+    assert engine.stats().tier.disk_error
+    assert outputs[0].num_tier_cached_tokens == history_blocks(follow_up) * BLOCK
+    assert len(entries(tier_dir(tmp_path))) == history_blocks(follow_up)  # nothing new
     assert [o.token_ids for o in outputs] == [
         o.token_ids for o in make_engine().generate(prompts, GREEDY)]
 

@@ -26,6 +26,7 @@ bound holds per process, not across them.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import errno
 import hashlib
 import os
@@ -224,15 +225,18 @@ class DiskTier:
         try:
             with open(path, "rb") as file:
                 del data[file.readinto(data):]
-            os.utime(path)
         except OSError:  # evicted by another process, or the directory is gone
             self._forget(name)
             return None
         kv = self.layout.decode(block_hash, data)
+        with contextlib.suppress(OSError):  # a read-only directory keeps what it has
+            if kv is None:
+                path.unlink(missing_ok=True)
+            else:
+                os.utime(path)  # the recency the next process's scan sees
         if kv is None:
             self.entries_rejected += 1
             self._forget(name)
-            path.unlink(missing_ok=True)
             return None
         self.bytes_read += len(data)
         return kv
