@@ -20,10 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from paged_chat.engine import Engine, SamplingParams
+from paged_chat.engine import Engine, KVTierWarning, SamplingParams
 from paged_chat.engine.kv_cache_manager import hash_block
-from paged_chat.engine.kv_tier import (ENTRY_SUFFIX, TIER_DIR, DiskTier, KVTierWarning, TierLayout,
-                                       clear_disk_tier)
+from paged_chat.engine.kv_tier import ENTRY_SUFFIX, TIER_DIR, DiskTier, TierLayout, clear_disk_tier
 from soak import run_soak, soak_config
 from tiny_models import build_tiny_model
 

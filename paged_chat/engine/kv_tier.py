@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from paged_chat.engine.errors import KVTierWarning
 from paged_chat.engine.stats import KVTierStats
 
 TIER_DIR = "kv-tier"
@@ -57,10 +58,6 @@ _SAMPLES_PER_TENSOR = 4096
 _MAX_PENDING_BYTES = 256 * 2**20
 # A temp file older than this belongs to a process that died mid-write.
 _STALE_TEMP_S = 600.0
-
-
-class KVTierWarning(UserWarning):
-    """The disk tier turned itself off (the engine goes on without it)."""
 
 
 def model_fingerprint(weights: dict[str, torch.Tensor]) -> bytes:
