@@ -1,5 +1,5 @@
 """The `paged-chat` command line: the TUI (bare command), `ask`, `models`, `chats`, `config`,
-`bench`.
+`bench`, `cache`.
 
 Only typer and the settings module are imported up front; torch, transformers, textual
 and the store load inside the commands that need them, so `--help` and `--version` start
@@ -42,6 +42,8 @@ app = typer.Typer(name="paged-chat", add_completion=False, pretty_exceptions_ena
                   context_settings={"help_option_names": ["-h", "--help"]})
 chats_app = typer.Typer()
 app.add_typer(chats_app, name="chats")
+cache_app = typer.Typer(help="The engine's disk cache (the KV tier: chat histories' KV).")
+app.add_typer(cache_app, name="cache")
 
 
 @dataclass(slots=True)
@@ -372,6 +374,17 @@ def delete_chat(ctx: typer.Context, chat_id: ChatId,
                 raise typer.Exit(1)
         store.delete_chat(chat.id)
     typer.echo(f"deleted chat {chat.id} ({title})", err=True)
+
+
+@cache_app.command("clear")
+def clear_cache(ctx: typer.Context) -> None:
+    """Delete the disk KV tier (every model's); the next turn of each chat prefills its history."""
+    with _reported(ctx):
+        from paged_chat.engine.kv_tier import TIER_DIR, clear_disk_tier
+        from paged_chat.settings import cache_dir
+
+        files, freed = clear_disk_tier(cache_dir())
+    typer.echo(f"freed {freed / 2**20:,.1f} MiB ({files} KV blocks) from {cache_dir() / TIER_DIR}")
 
 
 @contextmanager

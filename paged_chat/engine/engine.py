@@ -4,6 +4,9 @@ One `step()` schedules work under the token budget, runs one forward over every 
 token, samples, detokenizes, and returns the per-request deltas of that step. Finished
 requests leave at once (their blocks go back to the pool) and waiting ones join on the
 next step: continuous batching.
+
+With a KV tier (EngineConfig.kv_tier_*), finished and evicted blocks outlive the pool
+and the process: `close()` (or interpreter exit) finishes the tier's queued disk writes.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,6 +33,7 @@ from paged_chat.engine.detokenizer import IncrementalDetokenizer
 from paged_chat.engine.dtypes import dtype_name, resolve_dtype
 from paged_chat.engine.errors import PagedChatError
 from paged_chat.engine.kv_cache_manager import KVCacheManager
+from paged_chat.engine.kv_tier import TIER_DIR, KVTier, TierLayout, model_fingerprint
 from paged_chat.engine.models.llama import LlamaForCausalLM
 from paged_chat.engine.models.loader import (
     ModelSource,
@@ -40,11 +45,12 @@ from paged_chat.engine.models.model_config import ModelConfig
 from paged_chat.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from paged_chat.engine.runner import ModelRunner
 from paged_chat.engine.scheduler import Scheduler, SchedulerOutput
-from paged_chat.engine.stats import BlockMap, EngineStats, RateMeter
+from paged_chat.engine.stats import BlockMap, EngineStats, KVTierStats, RateMeter
 
 _DEFAULT_CPU_KV_FRACTION = 0.2
 _DEFAULT_CPU_KV_CAP = 2 * 2**30
 _CPU_ALLOCATION_FAILURE = "can't allocate memory"
+_DEFAULT_CUDA_TIER_HOST_BYTES = 2 * 2**30
 
 
 class Engine:
@@ -77,7 +83,8 @@ class Engine:
         kv_cache = self._allocate_kv_cache(attention)
         self.runner = ModelRunner(model, kv_cache, self.block_size, attention)
         self.kv_cache = KVCacheManager(self.num_blocks, self.block_size,
-                                       config.enable_prefix_caching)
+                                       config.enable_prefix_caching,
+                                       self._kv_tier(source, kv_cache), self.runner)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.eos_token_ids = frozenset(source.config.eos_token_ids) | (
@@ -155,6 +162,11 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def close(self) -> None:
+        """Finish the KV tier's queued disk writes and stop its writer (also done at exit)."""
+        if self.kv_cache.tier is not None:
+            self.kv_cache.tier.close()
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -250,6 +262,7 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_prompt_tokens,
             error=request.error,
+            num_tier_cached_tokens=request.num_tier_cached_tokens,
         )
 
     def _record_prompt_work(self, schedule: SchedulerOutput) -> None:
@@ -317,7 +330,8 @@ class Engine:
             kv_slots_wasted=wasted,
             step_time_s=self._last_step_time,
             forward_time_s=self.runner.last_forward_s,
-            blocks=BlockMap.build(ref_counts, hashed, tables, owners),
+            blocks=BlockMap.build(ref_counts, hashed, tables, owners, pool.from_tier_mask()),
+            tier=self.kv_cache.tier.stats() if self.kv_cache.tier is not None else KVTierStats(),
         )
 
     # ---- set-up ---------------------------------------------------------------------
@@ -346,6 +360,22 @@ class Engine:
                                  "TRITON_INTERPRET=1, for tests): use device='cuda' or "
                                  "attention_backend='torch'")
         return TritonAttention(*args, scale=scale)
+
+    def _kv_tier(self, source: ModelSource, kv_cache: torch.Tensor) -> KVTier | None:
+        """The host and disk KV tiers the config asks for, or None (they need the prefix cache)."""
+        config = self.config
+        host_bytes = config.kv_tier_host_bytes
+        if host_bytes is None:
+            host_bytes = _DEFAULT_CUDA_TIER_HOST_BYTES if self.device.type == "cuda" else 0
+        disk_dir = Path(config.cache_dir) / TIER_DIR if config.cache_dir else None
+        wanted = host_bytes or (disk_dir and config.kv_tier_disk_bytes)
+        if not config.enable_prefix_caching or not wanted:
+            return None
+        num_layers, _, kv_heads, _, block_size, head_dim = kv_cache.shape
+        layout = TierLayout(model_fingerprint(source.weights), self.dtype,
+                            (num_layers, 2, kv_heads, block_size, head_dim))
+        return KVTier(layout, host_bytes, disk_dir, config.kv_tier_disk_bytes,
+                      pin_memory=self.device.type == "cuda")
 
     def _bytes_per_block(self, attention: AttentionBackend) -> int:
         layer = math.prod(attention.kv_cache_shape(1, self.block_size))
