@@ -84,7 +84,7 @@ class Engine:
         self.runner = ModelRunner(model, kv_cache, self.block_size, attention)
         self.kv_cache = KVCacheManager(self.num_blocks, self.block_size,
                                        config.enable_prefix_caching,
-                                       self._kv_tier(source, kv_cache), self.runner)
+                                       self._kv_tier(model, kv_cache), self.runner)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.eos_token_ids = frozenset(source.config.eos_token_ids) | (
@@ -361,7 +361,7 @@ class Engine:
                                  "attention_backend='torch'")
         return TritonAttention(*args, scale=scale)
 
-    def _kv_tier(self, source: ModelSource, kv_cache: torch.Tensor) -> KVTier | None:
+    def _kv_tier(self, model: LlamaForCausalLM, kv_cache: torch.Tensor) -> KVTier | None:
         """The host and disk KV tiers the config asks for, or None (they need the prefix cache)."""
         config = self.config
         host_bytes = config.kv_tier_host_bytes
@@ -372,7 +372,7 @@ class Engine:
         if not config.enable_prefix_caching or not wanted:
             return None
         num_layers, _, kv_heads, _, block_size, head_dim = kv_cache.shape
-        layout = TierLayout(model_fingerprint(source.weights), self.dtype,
+        layout = TierLayout(model_fingerprint(dict(model.named_parameters())), self.dtype,
                             (num_layers, 2, kv_heads, block_size, head_dim))
         return KVTier(layout, host_bytes, disk_dir, config.kv_tier_disk_bytes,
                       pin_memory=self.device.type == "cuda")

@@ -61,8 +61,9 @@ _STALE_TEMP_S = 600.0
 
 
 def model_fingerprint(weights: dict[str, torch.Tensor]) -> bytes:
-    """128-bit digest of the weights' names, shapes, dtypes and a strided sample of each
-    tensor's values. Hashing every byte would cost a pass over the whole model at every
+    """128-bit digest of the loaded weights' names, shapes, dtypes and a strided sample of
+    each tensor's values (in the dtype the engine runs, so one checkpoint in two dtypes
+    differs). Hashing every byte would cost a pass over the whole model at every
     start; any fine-tune or other checkpoint changes the sampled values too."""
     digest = hashlib.blake2b(digest_size=16)
     for name in sorted(weights):
