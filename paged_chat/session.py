@@ -64,7 +64,8 @@ class Turn:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0         # prompt tokens whose KV was cached, not computed
+    num_tier_cached_tokens: int = 0    # of those, read back from the KV tier (RAM or disk)
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -73,6 +74,7 @@ class Turn:
         if output.new_token_ids and self.first_token_at is None:
             self.first_token_at = now
             self.num_cached_tokens = output.num_cached_tokens
+            self.num_tier_cached_tokens = output.num_tier_cached_tokens
         self.text, self.token_ids = output.text, list(output.token_ids)
         if output.finished:
             self.finish(output.finish_reason, output.error, now)
@@ -109,7 +111,8 @@ class Turn:
         return {"ttft_s": None if ttft is None else round(ttft, 3),
                 "total_s": round(end - self.submitted_at, 3),
                 "tokens_per_s": round(self.tokens_per_s, 1),
-                "prompt_tokens": len(self.prompt_ids), "cached_tokens": self.num_cached_tokens}
+                "prompt_tokens": len(self.prompt_ids), "cached_tokens": self.num_cached_tokens,
+                "tier_cached_tokens": self.num_tier_cached_tokens}
 
 
 class ChatSession:

@@ -163,6 +163,12 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
 
+    def flush(self) -> None:
+        """Wait until the KV tier's queued disk writes are done (a process about to end
+        leaves its chats' blocks for the next one)."""
+        if self.kv_cache.tier is not None:
+            self.kv_cache.tier.flush()
+
     def close(self) -> None:
         """Finish the KV tier's queued disk writes and stop its writer (also done at exit)."""
         if self.kv_cache.tier is not None:
