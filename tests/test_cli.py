@@ -261,6 +261,25 @@ def test_continue_in_a_new_engine_reads_the_history_back_from_the_kv_tier(cli, t
     assert f"({second['tier_cached_tokens']:,} read back from the KV tier)" in continued.stderr
 
 
+def test_a_parallel_continue_that_lost_the_race_is_refused(cli):
+    """Two `ask -c` on one chat: while this one loads its model, the other saves its turn.
+    This one must not append a turn that never saw the other's: one line, exit 1, nothing
+    saved, and the chat reads as the other process left it."""
+    chat_id = cli.json("--max-tokens", "8", "Start")["chat_id"]
+
+    def engine_after_another_turn(config) -> Engine:
+        with ChatStore() as other:
+            other.add_message(chat_id, "user", "from the other process", [5, 6])
+            other.add_message(chat_id, "assistant", "its reply", [7], "stop")
+        return cli._engine(config)
+
+    result = cli("ask", "-c", "From this one", obj=CliState(engine_factory=engine_after_another_turn))
+    assert result.exit_code == 1
+    assert one_line(result.stderr).startswith(f"Error: chat {chat_id} gained a message")
+    contents = [m.content for m in cli.store().get_chat(chat_id).messages]
+    assert contents[2:] == ["from the other process", "its reply"]
+
+
 def test_chat_option_continues_that_chat(cli):
     first = cli.json("First chat")["chat_id"]
     cli.json("Second chat")
