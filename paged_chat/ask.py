@@ -384,6 +384,24 @@ def _stop_signals(stop: Callable[[], None]) -> Iterator[list[int]]:
             loop.remove_signal_handler(signum)
 
 
+def load_progress() -> Callable[[str, int, int], None]:
+    """A one-line progress bar on stderr for a slow model load (a GGUF's first conversion),
+    redrawn at most ten times a second."""
+    drawn = {"at": 0.0, "stage": ""}
+
+    def show(stage: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if stage == drawn["stage"] and done < total and now - drawn["at"] < 0.1:
+            return
+        drawn.update(at=now, stage=stage)
+        filled = 30 * done // max(total, 1)
+        end = "\n" if done >= total else ""
+        sys.stderr.write(f"\r{stage} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}{end}")
+        sys.stderr.flush()
+
+    return show
+
+
 def _warn(message: str) -> None:
     _say(f"Warning: {message}")
 

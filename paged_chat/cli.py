@@ -65,9 +65,10 @@ class CliState:
     def make_engine(self, config: EngineConfig) -> Engine:
         if self.engine_factory is not None:
             return self.engine_factory(config)
+        from paged_chat.ask import load_progress
         from paged_chat.engine import Engine
 
-        return Engine(config)
+        return Engine(config, on_progress=load_progress() if sys.stderr.isatty() else None)
 
 
 def _state(ctx: typer.Context) -> CliState:

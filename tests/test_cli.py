@@ -8,6 +8,7 @@ own config.toml and chat store.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -278,6 +279,21 @@ def test_a_parallel_continue_that_lost_the_race_is_refused(cli):
     assert one_line(result.stderr).startswith(f"Error: chat {chat_id} gained a message")
     contents = [m.content for m in cli.store().get_chat(chat_id).messages]
     assert contents[2:] == ["from the other process", "its reply"]
+
+
+def test_a_slow_load_draws_one_progress_line_on_stderr(monkeypatch):
+    from paged_chat.ask import load_progress
+
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    show = load_progress()
+    for done in range(0, 273):
+        show("converting weights", done, 272)
+    lines = err.getvalue().split("\n")
+    assert lines[-1] == "" and len(lines) == 2          # one line, ended when the load ends
+    frames = lines[0].split("\r")[1:]
+    assert frames[-1] == f"converting weights [{'#' * 30}] 272/272"
+    assert 1 < len(frames) < 50                        # redrawn, but not once per tensor
 
 
 def test_chat_option_continues_that_chat(cli):

@@ -80,6 +80,7 @@ class PagedChatApp(ChatActions, App):
         self.load_error: str | None = None
         self.load_seconds: float | None = None
         self._load_started = time.monotonic()
+        self._load_progress = ""     # what a slow load is doing (a GGUF's first conversion)
         self._engine_ready: asyncio.Event | None = None
         self._tab_infos: dict[str, TabInfo] | None = None
         self._autopilots: dict[ChatTab, Autopilot] = {}
@@ -162,8 +163,12 @@ class PagedChatApp(ChatActions, App):
         from paged_chat.engine import AsyncEngine
 
         started = time.monotonic()
+
+        def progress(stage: str, done: int, total: int) -> None:  # read by the status line's poll
+            self._load_progress = f"{stage} {done}/{total}"
+
         try:
-            engine = AsyncEngine.from_config(self.engine_config)
+            engine = AsyncEngine.from_config(self.engine_config, on_progress=progress)
         except BaseException as error:  # shown in the status line and in any waiting tab
             try:
                 self.call_from_thread(self._engine_failed, describe_error(error))
@@ -255,7 +260,8 @@ class PagedChatApp(ChatActions, App):
             config = self.engine_config
             elapsed = time.monotonic() - self._load_started
             text.append("◌ ", style="yellow")
-            text.append(f"loading {config.model} ({config.device}, {config.dtype}) … "
+            doing = f" · {self._load_progress}" if self._load_progress else ""
+            text.append(f"loading {config.model} ({config.device}, {config.dtype}){doing} … "
                         f"{elapsed:.0f} s — you can type already", style="yellow")
         if self.demo:
             text.append(f" · demo: {self.demo} tabs chat by themselves (Esc pauses one)",
