@@ -29,7 +29,8 @@ def find_models() -> tuple[list[ModelEntry], list[str]]:
 
     entries = [_alias_entry(name) for name in MODEL_ALIASES]
     cached, notes = _hf_cache_entries()
-    return entries + cached, notes
+    stored, store_notes = _model_store_entries()
+    return entries + cached + stored, notes + store_notes
 
 
 def _alias_entry(name: str) -> ModelEntry:
@@ -72,6 +73,20 @@ def _hf_cache_entries() -> tuple[list[ModelEntry], list[str]]:
             entries.append(ModelEntry(repo.repo_id, "hf folder", _size(sum(weights)), architecture,
                                       _status(architecture, gguf=False)))
     notes = [f"Hugging Face cache: {warning}" for warning in cache.warnings]
+    return entries, notes
+
+
+def _model_store_entries() -> tuple[list[ModelEntry], list[str]]:
+    """The GGUF models of Ollama and LM Studio (paged_chat.model_stores), by the names
+    --model takes for them."""
+    from paged_chat.model_stores import find_stored_models
+
+    models, notes = find_stored_models()
+    entries = []
+    for model in models:
+        architecture = _gguf_architecture(model.path)
+        entries.append(ModelEntry(model.spec, model.store, _size(model.path.stat().st_size),
+                                  architecture, _status(architecture, gguf=True)))
     return entries, notes
 
 

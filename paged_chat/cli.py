@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 app = typer.Typer(name="paged-chat", add_completion=False, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
 chats_app = typer.Typer()
+MODEL_HELP = ("Alias, .gguf file, HF folder, cached hub id, ollama:NAME[:TAG] or "
+              "lmstudio:PUBLISHER/REPO[/FILE].")
 app.add_typer(chats_app, name="chats")
 
 
@@ -160,7 +162,7 @@ def ask(ctx: typer.Context,
         prompt: Annotated[str | None, typer.Argument(
             help="The prompt. Piped stdin is read too and comes first.", show_default=False)] = None,
         model: Annotated[str | None, typer.Option(
-            "--model", "-m", help="Alias, .gguf file, HF folder or cached hub id.")] = None,
+            "--model", "-m", help=MODEL_HELP)] = None,
         system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")] = None,
         max_tokens: Annotated[int | None, typer.Option(
             min=1, help="Most tokens to generate.")] = None,
@@ -220,7 +222,8 @@ def ask(ctx: typer.Context,
 
 @app.command()
 def models(ctx: typer.Context) -> None:
-    """List the model aliases and the models found offline in the Hugging Face cache."""
+    """List the model aliases and the models found offline in the Hugging Face cache and in
+    Ollama's and LM Studio's stores."""
     from paged_chat.catalog import find_models
 
     with _reported(ctx):
