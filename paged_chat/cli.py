@@ -309,16 +309,22 @@ ChatId = Annotated[str, typer.Argument(help="A chat id, or its first characters.
 def chats(ctx: typer.Context) -> None:
     """List, show, export and delete saved chats. Without a command, lists them."""
     if ctx.invoked_subcommand is None:
-        list_chats(ctx)
+        list_chats(ctx, search=None)
 
 
 @chats_app.command("list")
-def list_chats(ctx: typer.Context) -> None:
+def list_chats(ctx: typer.Context,
+               search: Annotated[str | None, typer.Option(
+                   "--search", "-s", help="Only the chats whose title or messages hold every "
+                                          "word of this text (or words starting with it).")] = None,
+               ) -> None:
     """List saved chats, most recent first."""
     with _open_store(ctx) as store:
-        rows = [[chat.id, _local_time(chat.updated), chat.model, chat.title] for chat in store.list_chats()]
+        chats = store.list_chats() if search is None else store.search_chats(search)
+        rows = [[chat.id, _local_time(chat.updated), chat.model, chat.title] for chat in chats]
     if not rows:
-        typer.echo('no chats yet: `paged-chat ask "..."` starts one', err=True)
+        typer.echo('no chats yet: `paged-chat ask "..."` starts one' if search is None
+                   else f"no chat holds {search!r}", err=True)
         return
     _print_table(["ID", "UPDATED", "MODEL", "TITLE"], rows)
 
