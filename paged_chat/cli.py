@@ -1,5 +1,5 @@
-"""The `paged-chat` command line: the TUI (bare command), `ask`, `models`, `chats`, `config`,
-`bench`.
+"""The `paged-chat` command line: the TUI (bare command), `ask`, `chat`, `models`, `chats`,
+`config`, `bench`.
 
 Only typer and the settings module are imported up front; torch, transformers, textual
 and the store load inside the commands that need them, so `--help` and `--version` start
@@ -217,6 +217,32 @@ def ask(ctx: typer.Context,
         if system == "":  # an explicit empty --system clears the configured one
             settings = dataclasses.replace(settings, chat=dataclasses.replace(settings.chat, system_prompt=None))
         code = run_ask(options, settings, state.make_engine, sys.stdin)
+    raise typer.Exit(code)
+
+
+@app.command("chat")
+def chat_command(ctx: typer.Context,
+                 model: Annotated[str | None, typer.Option("--model", "-m", help=MODEL_HELP)] = None,
+                 system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")] = None,
+                 continue_chat: Annotated[bool, typer.Option(
+                     "--continue", "-c", help="Go on with the most recent chat.")] = False,
+                 chat_id: Annotated[str | None, typer.Option(
+                     "--chat", help="Go on with this chat (an id or its first characters).")] = None,
+                 ) -> None:
+    """Chat in this terminal, line by line: replies stream, and every turn is saved.
+
+    /new starts a new chat, /system TEXT sets the system prompt, /stats shows the last
+    reply's numbers, /quit (or Ctrl+D) exits; Ctrl+C stops a reply.
+    """
+    from paged_chat.ask import AskOptions, check_text_options
+    from paged_chat.repl import run_chat
+
+    state = _state(ctx)
+    options = AskOptions(system=system, continue_chat=continue_chat, chat_id=chat_id,
+                         engine={"model": model})
+    with _reported(ctx):
+        check_text_options(options)
+        code = run_chat(options, state.settings(), state.make_engine, sys.stdin, sys.stdout)
     raise typer.Exit(code)
 
 
