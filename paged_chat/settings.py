@@ -186,7 +186,9 @@ class Settings:
 
         config = {"cache_dir": str(cache_dir()), **_given(dataclasses.asdict(self.engine)),
                   **_given(overrides)}
-        return EngineConfig(**{**config, "model": resolve_model_spec(config.get("model", EngineConfig.model))})
+        if isinstance(config.get("model"), str):
+            config["model"] = resolve_model_spec(config["model"])
+        return EngineConfig(**config)
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the `[chat]` sampling defaults, with `overrides` on top (any

@@ -80,6 +80,7 @@ def test_specs_resolve_to_the_files_in_place(stores):
 def test_the_store_spec_reaches_the_engine_as_a_path(stores):
     config = Settings().engine_config(model="ollama:smollm2")
     assert config.model == str(stores["ollama"] / "blobs" / f"sha256-{stores['digest']}")
+    assert Settings().engine_config().model == "smollm2-135m"   # no model given: the default
 
 
 def test_listed_by_the_names_model_takes(stores):

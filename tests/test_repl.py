@@ -4,12 +4,14 @@ default model: a reply streams, Ctrl+C stops it, Ctrl+D exits."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pty
 import select
 import signal
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -101,6 +103,13 @@ def test_sigterm_stops_the_reply_and_ends_the_loop(cli):
         assert [m.finish_reason for m in store.latest_chat().messages] == [None, "abort"]
 
 
+def take_the_terminal() -> None:
+    """In the child: a session of its own whose controlling terminal is the pty on stdin,
+    so the pty's line discipline turns Ctrl+C into SIGINT as a real terminal does."""
+    os.setsid()
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
 def read_until(fd: int, wanted, deadline_s: float) -> bytes:
     """Read the pty until `wanted(bytes so far)` holds; fail (with what came) after the bound."""
     seen, deadline = b"", time.monotonic() + deadline_s
@@ -114,6 +123,7 @@ def read_until(fd: int, wanted, deadline_s: float) -> bytes:
             except OSError:  # the child closed the terminal
                 break
             seen += chunk
+    assert wanted(seen), f"the terminal closed; it showed: {seen.decode(errors='replace')!r}"
     return seen
 
 
@@ -125,7 +135,8 @@ def test_a_real_terminal_streams_stops_on_ctrl_c_and_exits_on_ctrl_d(tmp_path):
     controller, terminal = pty.openpty()
     process = subprocess.Popen(
         [sys.executable, "-m", "paged_chat", "chat", "--system", "You tell long stories."],
-        cwd=REPO, env=env, stdin=terminal, stdout=terminal, stderr=terminal, start_new_session=True)
+        cwd=REPO, env=env, stdin=terminal, stdout=terminal, stderr=terminal,
+        preexec_fn=take_the_terminal)
     os.close(terminal)
     try:
         read_until(controller, lambda seen: b">>> " in seen, 300)
