@@ -89,3 +89,22 @@ def test_a_store_from_before_search_is_indexed_when_opened(tmp_path, monkeypatch
         new.add_message(chat.id, "assistant", "Gravity pulls the oceans", [3])
         assert found(new, "gravity") == ["Old chat about tides"]
         assert new.get_chat(chat.id).messages[0].token_ids == [1, 2]
+
+
+def test_chats_list_search_on_the_command_line(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from paged_chat.cli import CliState, app
+
+    monkeypatch.setenv("PAGED_CHAT_DATA_DIR", str(tmp_path))
+    with ChatStore() as store:
+        tides = store.create_chat("Tides", "m")
+        store.add_message(tides.id, "assistant", "The moon's gravity", [1], "stop")
+        store.create_chat("Other", "m")
+    result = CliRunner().invoke(app, ["chats", "list", "--search", "GRAVITY"], obj=CliState())
+    assert result.exit_code == 0, result.stderr
+    assert [line.split()[0] for line in result.stdout.splitlines()] == ["ID", tides.id]
+    result = CliRunner().invoke(app, ["chats", "list", "--search", 'nothing" OR "*'], obj=CliState())
+    assert result.exit_code == 0 and result.stdout == ""
+    assert "no chat holds 'nothing\" OR \"*'" in result.stderr
+    assert len(CliRunner().invoke(app, ["chats", "list"], obj=CliState()).stdout.splitlines()) == 3
