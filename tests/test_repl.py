@@ -17,8 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from paged_chat.cli import CliState
-from paged_chat.engine import Engine
+from paged_chat.repl import Repl
 from paged_chat.store import ChatStore
 from test_cli import REPO, cli  # noqa: F401 (the fixture)
 
@@ -55,24 +54,25 @@ def test_end_of_input_exits_and_continue_goes_on_with_the_chat(cli):
     assert cli("chat", "--chat", "nope", input="Hi\n").exit_code == 1
 
 
-def test_ctrl_c_stops_the_reply_keeps_it_and_the_loop_goes_on(cli):
-    def engine_interrupted_after_3_steps(config) -> Engine:
-        engine = cli._engine(config)
-        step, steps = engine.step, []
+def signal_at_third_delta(monkeypatch, signum: int) -> None:
+    """Send `signum` to this process once the loop has printed three pieces of a reply, as
+    a user pressing Ctrl+C (or a `kill`) while it streams."""
+    write, written = Repl._write, []
 
-        def step_then_ctrl_c():
-            steps.append(1)
-            if len(steps) == 3:
-                os.kill(os.getpid(), signal.SIGINT)
-            return step()
+    def write_then_signal(self: Repl, text: str) -> None:
+        write(self, text)
+        written.append(text)
+        if len(written) == 3:
+            os.kill(os.getpid(), signum)
 
-        engine.step = step_then_ctrl_c
-        return engine
+    monkeypatch.setattr(Repl, "_write", write_then_signal)
 
+
+def test_ctrl_c_stops_the_reply_keeps_it_and_the_loop_goes_on(cli, monkeypatch):
+    signal_at_third_delta(monkeypatch, signal.SIGINT)
     before = signal.getsignal(signal.SIGINT)
     cli.config.write_text(cli.config.read_text().replace("max_tokens = 8", "max_tokens = 50"))
-    result = cli("chat", input="Tell me a long story\nAnd then?\n",
-                 obj=CliState(engine_factory=engine_interrupted_after_3_steps))
+    result = cli("chat", input="Tell me a long story\nAnd then?\n")
     assert result.exit_code == 0, result.stderr
     assert "(stopped: the reply so far is saved)" in result.stderr
     with cli.store() as store:
@@ -83,21 +83,9 @@ def test_ctrl_c_stops_the_reply_keeps_it_and_the_loop_goes_on(cli):
     assert signal.getsignal(signal.SIGINT) is before
 
 
-def test_sigterm_stops_the_reply_and_ends_the_loop(cli):
-    def engine_terminated_after_3_steps(config) -> Engine:
-        engine = cli._engine(config)
-        step, steps = engine.step, []
-
-        def step_then_sigterm():
-            steps.append(1)
-            if len(steps) == 3:
-                os.kill(os.getpid(), signal.SIGTERM)
-            return step()
-
-        engine.step = step_then_sigterm
-        return engine
-
-    result = cli("chat", input="Hi\nnever asked\n", obj=CliState(engine_factory=engine_terminated_after_3_steps))
+def test_sigterm_stops_the_reply_and_ends_the_loop(cli, monkeypatch):
+    signal_at_third_delta(monkeypatch, signal.SIGTERM)
+    result = cli("chat", input="Hi\nnever asked\n")
     assert result.exit_code == 143
     with cli.store() as store:
         assert [m.finish_reason for m in store.latest_chat().messages] == [None, "abort"]
