@@ -41,8 +41,8 @@ if TYPE_CHECKING:
 app = typer.Typer(name="paged-chat", add_completion=False, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
 chats_app = typer.Typer()
-MODEL_HELP = ("Alias, .gguf file, HF folder, cached hub id, ollama:NAME[:TAG] or "
-              "lmstudio:PUBLISHER/REPO[/FILE].")
+MODEL_HELP = ("Alias, .gguf file, HF folder, cached hub id, ollama:NAME(:TAG) or "
+              "lmstudio:PUBLISHER/REPO(/FILE).")
 app.add_typer(chats_app, name="chats")
 
 
@@ -231,8 +231,7 @@ def chat_command(ctx: typer.Context,
                  ) -> None:
     """Chat in this terminal, line by line: replies stream, and every turn is saved.
 
-    /new starts a new chat, /system TEXT sets the system prompt, /stats shows the last
-    reply's numbers, /quit (or Ctrl+D) exits; Ctrl+C stops a reply.
+    Commands: /new, /system TEXT, /stats, /help, /quit (or Ctrl+D); Ctrl+C stops a reply.
     """
     from paged_chat.ask import AskOptions, check_text_options
     from paged_chat.repl import run_chat

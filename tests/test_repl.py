@@ -43,6 +43,12 @@ def test_each_line_is_a_saved_turn_and_the_commands_work(cli):
     assert "never asked" not in out and all(m.content != "never asked" for m in second.messages)
 
 
+@pytest.mark.parametrize("command", [["chat"], ["chats", "list"], ["ask"], ["models"]])
+def test_help_shows_the_new_options(cli, command):
+    result = cli(*command, "--help")
+    assert result.exit_code == 0 and "Usage:" in result.stdout, result.output
+
+
 def test_end_of_input_exits_and_continue_goes_on_with_the_chat(cli):
     assert cli("chat", input="First question\n").exit_code == 0
     result = cli("chat", "-c", input="Second question\n")
