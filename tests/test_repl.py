@@ -20,6 +20,7 @@ import pytest
 from paged_chat.repl import Repl
 from paged_chat.store import ChatStore
 from test_cli import REPO, cli  # noqa: F401 (the fixture)
+from test_model_stores import default_gguf, link, write_manifest
 
 
 def test_each_line_is_a_saved_turn_and_the_commands_work(cli):
@@ -124,11 +125,16 @@ def read_until(fd: int, wanted, deadline_s: float) -> bytes:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_real_terminal_streams_stops_on_ctrl_c_and_exits_on_ctrl_d(tmp_path):
+    """On the default model as Ollama would store it (`ollama:smollm2`, its blob a link to
+    the GGUF file): the name resolves and the blob loads in place."""
+    ollama = tmp_path / "ollama"
+    link(default_gguf(), ollama / "blobs" / f"sha256-{'a' * 64}")
+    write_manifest(ollama, ("registry.ollama.ai", "library", "smollm2", "latest"), f"sha256:{'a' * 64}")
     env = {**os.environ, "PAGED_CHAT_DATA_DIR": str(tmp_path), "PAGED_CHAT_CONFIG": str(tmp_path / "none.toml"),
-           "OMP_NUM_THREADS": "1", "TERM": "dumb"}
+           "OMP_NUM_THREADS": "1", "TERM": "dumb", "OLLAMA_MODELS": str(ollama)}
     controller, terminal = pty.openpty()
     process = subprocess.Popen(
-        [sys.executable, "-m", "paged_chat", "chat", "--system", "You tell long stories."],
+        [sys.executable, "-m", "paged_chat", "chat", "-m", "ollama:smollm2", "--system", "You tell long stories."],
         cwd=REPO, env=env, stdin=terminal, stdout=terminal, stderr=terminal,
         preexec_fn=take_the_terminal)
     os.close(terminal)
@@ -148,8 +154,10 @@ def test_a_real_terminal_streams_stops_on_ctrl_c_and_exits_on_ctrl_d(tmp_path):
             process.kill()
         os.close(controller)
     with ChatStore(tmp_path / "chats.db") as store:
-        user, reply = store.latest_chat().messages
+        chat = store.latest_chat()
+    user, reply = chat.messages
     assert user.content == "Write a very long story about a lighthouse keeper."
+    assert chat.model == str((ollama / "blobs" / f"sha256-{'a' * 64}").resolve())   # the blob, read in place
     assert reply.finish_reason == "abort" and len(reply.token_ids) > 5
     shown = (typed + streamed + stopped).decode(errors="replace").replace("\r\n", "\n")
     assert reply.content.strip()[:30] in shown
