@@ -83,20 +83,19 @@ def resolve_ollama(name: str) -> Path:
     """The GGUF blob of the Ollama model `name` (`NAME[:TAG]`)."""
     root = ollama_root()
     repository, _, tag = name.partition(":")
+    tag = tag or DEFAULT_TAG
     parts = repository.split("/")
-    if not repository or len(parts) > 3 or not all(_NAME_PART.fullmatch(p) for p in [*parts, tag or DEFAULT_TAG]):
+    if not repository or len(parts) > 3 or not all(_NAME_PART.fullmatch(part) for part in [*parts, tag]):
         raise ModelStoreError(f"ollama:{name} is not an Ollama model name: expected "
                               "ollama:NAME[:TAG], e.g. ollama:llama3.2 or ollama:qwen2.5:0.5b")
-    host_path = [OLLAMA_REGISTRY, OLLAMA_LIBRARY][:3 - len(parts)] + parts
-    folder = root.joinpath("manifests", *host_path)
-    manifest = folder / (tag or DEFAULT_TAG)
-    if not manifest.is_file():
+    folder = root.joinpath("manifests", *[OLLAMA_REGISTRY, OLLAMA_LIBRARY][:3 - len(parts)], *parts)
+    spec = f"{OLLAMA}{repository}:{tag}"
+    if not (folder / tag).is_file():
         tags = sorted(path.name for path in folder.iterdir()) if folder.is_dir() else []
         have = f" (it has {', '.join(tags)})" if tags else ""
-        raise ModelStoreError(f"no Ollama model ollama:{repository}:{tag or DEFAULT_TAG} in "
-                              f"{root}{have}: `ollama pull` it, or `paged-chat models` lists "
-                              "what there is")
-    return _ollama_blob(root, manifest, f"ollama:{repository}:{tag or DEFAULT_TAG}")
+        raise ModelStoreError(f"no Ollama model {spec} in {root}{have}: `ollama pull` it, or "
+                              "`paged-chat models` lists what there is")
+    return _ollama_blob(root, folder / tag, spec)
 
 
 def _ollama_blob(root: Path, manifest: Path, spec: str) -> Path:

@@ -152,3 +152,15 @@ def test_missing_blob_and_broken_manifest_are_one_clear_line(stores, tmp_path):
     assert result.exit_code == 1
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("Error: the model blob of ollama:gone:latest is missing")
+
+
+def test_the_loader_knows_a_blob_by_its_gguf_magic(stores, tmp_path):
+    from paged_chat.engine.errors import ModelLoadError
+    from paged_chat.engine.models.loader import _resolve
+
+    blob = Path(resolve_model_spec("ollama:smollm2"))
+    assert _resolve(str(blob)) == (blob.stem, blob)
+    not_a_model = tmp_path / ("sha256-" + "3" * 64)
+    not_a_model.write_bytes(b"NOPE" + bytes(64))
+    with pytest.raises(ModelLoadError, match="is not a .gguf file"):
+        _resolve(str(not_a_model))
