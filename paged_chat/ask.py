@@ -178,15 +178,19 @@ class Answer:
         turn, timings = self.turn, self.turn.timings()
         return {**self.meta, "text": turn.text, "finish_reason": turn.finish_reason,
                 "error": turn.error, "prompt_tokens": len(turn.prompt_ids),
-                "cached_tokens": turn.num_cached_tokens, "completion_tokens": len(turn.token_ids),
+                "cached_tokens": turn.num_cached_tokens,
+                "tier_cached_tokens": turn.num_tier_cached_tokens,
+                "completion_tokens": len(turn.token_ids),
                 "timings": {"load_s": round(load_s, 3), "ttft_s": timings["ttft_s"],
                             "total_s": timings["total_s"], "tokens_per_s": timings["tokens_per_s"]}}
 
     def stats_line(self, load_s: float) -> str:
         turn, timings = self.turn, self.turn.timings()
         first = "no token" if timings["ttft_s"] is None else f"first token after {timings['ttft_s']:.2f} s"
-        return (f"{len(turn.prompt_ids)} prompt tokens ({turn.num_cached_tokens} from the prefix "
-                f"cache), {len(turn.token_ids)} generated, {first}, "
+        tier = (f" ({turn.num_tier_cached_tokens:,} read back from the KV tier)"
+                if turn.num_tier_cached_tokens else "")
+        return (f"{len(turn.prompt_ids):,} prompt tokens ({turn.num_cached_tokens:,} from the "
+                f"cache{tier}), {len(turn.token_ids)} generated, {first}, "
                 f"{timings['tokens_per_s']:.1f} tokens/s, model loaded in {load_s:.1f} s")
 
 

@@ -1,5 +1,5 @@
 """The `paged-chat` command line: the TUI (bare command), `ask`, `chat`, `models`, `chats`,
-`config`, `bench`.
+`config`, `bench`, `cache`.
 
 Only typer and the settings module are imported up front; torch, transformers, textual
 and the store load inside the commands that need them, so `--help` and `--version` start
@@ -44,6 +44,8 @@ chats_app = typer.Typer()
 MODEL_HELP = ("Alias, .gguf file, HF folder, cached hub id, ollama:NAME(:TAG) or "
               "lmstudio:PUBLISHER/REPO(/FILE).")
 app.add_typer(chats_app, name="chats")
+cache_app = typer.Typer(help="The engine's disk cache (the KV tier: chat histories' KV).")
+app.add_typer(cache_app, name="cache")
 
 
 @dataclass(slots=True)
@@ -303,7 +305,8 @@ def bench(ctx: typer.Context,
           ) -> None:
     """Run one seeded chat workload through paged-chat and the Hugging Face baselines, side
     by side in one process, and print absolute figures and ratios."""
-    from paged_chat.bench import BenchOptions, format_report, plot, run_bench, write_json
+    from paged_chat.bench import BenchOptions, run_bench
+    from paged_chat.bench.report import format_report, plot, write_json
 
     with _reported(ctx):
         sizes = (dict(num_chats=8, min_output=16, max_output=48) if quick else
@@ -405,6 +408,17 @@ def delete_chat(ctx: typer.Context, chat_id: ChatId,
                 raise typer.Exit(1)
         store.delete_chat(chat.id)
     typer.echo(f"deleted chat {chat.id} ({title})", err=True)
+
+
+@cache_app.command("clear")
+def clear_cache(ctx: typer.Context) -> None:
+    """Delete the disk KV tier (every model's); the next turn of each chat prefills its history."""
+    with _reported(ctx):
+        from paged_chat.engine.kv_tier import TIER_DIR, clear_disk_tier
+        from paged_chat.settings import cache_dir
+
+        files, freed = clear_disk_tier(cache_dir())
+    typer.echo(f"freed {freed / 2**20:,.1f} MiB ({files} KV blocks) from {cache_dir() / TIER_DIR}")
 
 
 @contextmanager

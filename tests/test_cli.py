@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
@@ -217,7 +216,7 @@ def test_stats_go_to_stderr(cli):
     result = cli("ask", "--stats", "Hi")
     assert result.exit_code == 0
     stats = one_line(result.stderr)
-    for part in ("prompt tokens", "from the prefix cache", "generated", "first token after", "tokens/s"):
+    for part in ("prompt tokens", "from the cache", "generated", "first token after", "tokens/s"):
         assert part in stats
     assert result.stdout == cli.json("--no-save", "Hi")["text"] + "\n"
 
@@ -244,6 +243,22 @@ def test_continue_reuses_the_exact_history_and_hits_the_prefix_cache(cli):
     history_text = tokenizer.decode([t for m in chat.messages for t in m.token_ids])
     assert rendered.startswith(history_text)  # but for the end of turn, when the reply was cut
     assert rendered[len(history_text):] in ("\n", "<|im_end|>\n")
+
+
+def test_continue_in_a_new_engine_reads_the_history_back_from_the_kv_tier(cli, tmp_path, monkeypatch):
+    """`ask -c --stats` in a new process (here a new Engine with an empty pool): the history's
+    full blocks come back from the disk tier, and the stats line says how many."""
+    monkeypatch.setenv("PAGED_CHAT_CACHE_DIR", str(tmp_path / "cache"))
+    first = cli.json("--max-tokens", "40", "Tell me about caches and why they matter")
+    assert len(cli.engines) == 1
+    continued = cli("ask", "--stats", "--json", "-c", "And about pages?")
+    assert continued.exit_code == 0, continued.stderr
+    assert len(cli.engines) == 2  # a second engine: its pool started empty
+    second = json.loads(continued.stdout)
+    history = first["prompt_tokens"] + first["completion_tokens"]
+    block_size = cli.engines[1].block_size
+    assert second["tier_cached_tokens"] == second["cached_tokens"] >= (history - 1) // block_size * block_size > 0
+    assert f"({second['tier_cached_tokens']:,} read back from the KV tier)" in continued.stderr
 
 
 def test_chat_option_continues_that_chat(cli):

@@ -133,8 +133,9 @@ class AsyncEngine:
         self._commands.put(_ResetPrefixCache())
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Abort everything, stop the thread and wait for it."""
+        """Abort everything, stop the thread and wait for it and for the KV tier's writes."""
         self._stop("the engine has shut down", timeout_s)
+        self.engine.flush()
 
     def restart(self, timeout_s: float = 30.0) -> None:
         """Serve again after `shutdown()` or a crash of the engine thread, or start afresh.
