@@ -41,11 +41,11 @@ if TYPE_CHECKING:
 app = typer.Typer(name="paged-chat", add_completion=False, pretty_exceptions_enable=False,
                   context_settings={"help_option_names": ["-h", "--help"]})
 chats_app = typer.Typer()
-MODEL_HELP = ("Alias, .gguf file, HF folder, cached hub id, ollama:NAME(:TAG) or "
-              "lmstudio:PUBLISHER/REPO(/FILE).")
 app.add_typer(chats_app, name="chats")
 cache_app = typer.Typer(help="The engine's disk cache (the KV tier: chat histories' KV).")
 app.add_typer(cache_app, name="cache")
+MODEL_HELP = ("Alias, .gguf file, HF folder, cached hub id, ollama:NAME(:TAG) or "
+              "lmstudio:PUBLISHER/REPO(/FILE).")
 
 
 @dataclass(slots=True)
@@ -348,8 +348,8 @@ def list_chats(ctx: typer.Context,
                ) -> None:
     """List saved chats, most recent first."""
     with _open_store(ctx) as store:
-        chats = store.list_chats() if search is None else store.search_chats(search)
-        rows = [[chat.id, _local_time(chat.updated), chat.model, chat.title] for chat in chats]
+        found = store.list_chats() if search is None else store.search_chats(search)
+        rows = [[chat.id, _local_time(chat.updated), chat.model, chat.title] for chat in found]
     if not rows:
         typer.echo('no chats yet: `paged-chat ask "..."` starts one' if search is None
                    else f"no chat holds {search!r}", err=True)
