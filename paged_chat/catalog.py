@@ -28,15 +28,17 @@ class ModelEntry:
 
 
 def find_models(cache_dir: Path | None = None) -> tuple[list[ModelEntry], list[str]]:
-    """The aliases, the usable models in the HF cache, then the converted weights kept
-    under `cache_dir` (the app's cache dir by default); and notes on the caches."""
+    """The aliases, the usable models in the HF cache and in Ollama's and LM Studio's
+    stores, then the converted weights kept under `cache_dir` (the app's cache dir by
+    default); and notes on the caches and stores."""
     from paged_chat.engine.models.loader import MODEL_ALIASES
     from paged_chat.settings import cache_dir as app_cache_dir
 
     entries = [_alias_entry(name) for name in MODEL_ALIASES]
     cached, notes = _hf_cache_entries()
+    stored, store_notes = _model_store_entries()
     converted = _converted_entries((cache_dir or app_cache_dir()) / "weights")
-    return entries + cached + converted, notes
+    return entries + cached + stored + converted, notes + store_notes
 
 
 def _converted_entries(root: Path) -> list[ModelEntry]:
@@ -94,6 +96,20 @@ def _hf_cache_entries() -> tuple[list[ModelEntry], list[str]]:
             entries.append(ModelEntry(repo.repo_id, "hf folder", _size(sum(weights)), architecture,
                                       _status(architecture, gguf=False)))
     notes = [f"Hugging Face cache: {warning}" for warning in cache.warnings]
+    return entries, notes
+
+
+def _model_store_entries() -> tuple[list[ModelEntry], list[str]]:
+    """The GGUF models of Ollama and LM Studio (paged_chat.model_stores), by the names
+    --model takes for them."""
+    from paged_chat.model_stores import find_stored_models
+
+    models, notes = find_stored_models()
+    entries = []
+    for model in models:
+        architecture = _gguf_architecture(model.path)
+        entries.append(ModelEntry(model.spec, model.store, _size(model.path.stat().st_size),
+                                  architecture, _status(architecture, gguf=True)))
     return entries, notes
 
 

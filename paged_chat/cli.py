@@ -1,5 +1,5 @@
-"""The `paged-chat` command line: the TUI (bare command), `ask`, `models`, `chats`, `config`,
-`bench`, `cache`.
+"""The `paged-chat` command line: the TUI (bare command), `ask`, `chat`, `models`, `chats`,
+`config`, `bench`, `cache`.
 
 Only typer and the settings module are imported up front; torch, transformers, textual
 and the store load inside the commands that need them, so `--help` and `--version` start
@@ -44,6 +44,8 @@ chats_app = typer.Typer()
 app.add_typer(chats_app, name="chats")
 cache_app = typer.Typer(help="The engine's disk cache (the KV tier: chat histories' KV).")
 app.add_typer(cache_app, name="cache")
+MODEL_HELP = ("Alias, .gguf file, HF folder, cached hub id, ollama:NAME(:TAG) or "
+              "lmstudio:PUBLISHER/REPO(/FILE).")
 
 
 @dataclass(slots=True)
@@ -163,7 +165,7 @@ def ask(ctx: typer.Context,
         prompt: Annotated[str | None, typer.Argument(
             help="The prompt. Piped stdin is read too and comes first.", show_default=False)] = None,
         model: Annotated[str | None, typer.Option(
-            "--model", "-m", help="Alias, .gguf file, HF folder or cached hub id.")] = None,
+            "--model", "-m", help=MODEL_HELP)] = None,
         system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")] = None,
         max_tokens: Annotated[int | None, typer.Option(
             min=1, help="Most tokens to generate.")] = None,
@@ -221,9 +223,35 @@ def ask(ctx: typer.Context,
     raise typer.Exit(code)
 
 
+@app.command("chat")
+def chat_command(ctx: typer.Context,
+                 model: Annotated[str | None, typer.Option("--model", "-m", help=MODEL_HELP)] = None,
+                 system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")] = None,
+                 continue_chat: Annotated[bool, typer.Option(
+                     "--continue", "-c", help="Go on with the most recent chat.")] = False,
+                 chat_id: Annotated[str | None, typer.Option(
+                     "--chat", help="Go on with this chat (an id or its first characters).")] = None,
+                 ) -> None:
+    """Chat in this terminal, line by line: replies stream, and every turn is saved.
+
+    Commands: /new, /system TEXT, /stats, /help, /quit (or Ctrl+D); Ctrl+C stops a reply.
+    """
+    from paged_chat.ask import AskOptions, check_text_options
+    from paged_chat.repl import run_chat
+
+    state = _state(ctx)
+    options = AskOptions(system=system, continue_chat=continue_chat, chat_id=chat_id,
+                         engine={"model": model})
+    with _reported(ctx):
+        check_text_options(options)
+        code = run_chat(options, state.settings(), state.make_engine, sys.stdin, sys.stdout)
+    raise typer.Exit(code)
+
+
 @app.command()
 def models(ctx: typer.Context) -> None:
-    """List the model aliases and the models found offline in the Hugging Face cache."""
+    """List the model aliases and the models found offline in the Hugging Face cache and in
+    Ollama's and LM Studio's stores."""
     from paged_chat.catalog import find_models
 
     with _reported(ctx):
@@ -310,16 +338,22 @@ ChatId = Annotated[str, typer.Argument(help="A chat id, or its first characters.
 def chats(ctx: typer.Context) -> None:
     """List, show, export and delete saved chats. Without a command, lists them."""
     if ctx.invoked_subcommand is None:
-        list_chats(ctx)
+        list_chats(ctx, search=None)
 
 
 @chats_app.command("list")
-def list_chats(ctx: typer.Context) -> None:
+def list_chats(ctx: typer.Context,
+               search: Annotated[str | None, typer.Option(
+                   "--search", "-s", help="Only the chats whose title or messages hold every "
+                                          "word of this text (or words starting with it).")] = None,
+               ) -> None:
     """List saved chats, most recent first."""
     with _open_store(ctx) as store:
-        rows = [[chat.id, _local_time(chat.updated), chat.model, chat.title] for chat in store.list_chats()]
+        found = store.list_chats() if search is None else store.search_chats(search)
+        rows = [[chat.id, _local_time(chat.updated), chat.model, chat.title] for chat in found]
     if not rows:
-        typer.echo('no chats yet: `paged-chat ask "..."` starts one', err=True)
+        typer.echo('no chats yet: `paged-chat ask "..."` starts one' if search is None
+                   else f"no chat holds {search!r}", err=True)
         return
     _print_table(["ID", "UPDATED", "MODEL", "TITLE"], rows)
 

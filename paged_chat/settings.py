@@ -180,9 +180,15 @@ class Settings:
 
     def engine_config(self, **overrides: Any) -> EngineConfig:
         """An EngineConfig from `[engine]`, with `overrides` on top (None values are ignored,
-        so a CLI can pass every option it has, given or not)."""
-        return EngineConfig(**{"cache_dir": str(cache_dir()), **_given(dataclasses.asdict(self.engine)),
-                               **_given(overrides)})
+        so a CLI can pass every option it has, given or not). A model in another app's store
+        (`ollama:...`, `lmstudio:...`) becomes its GGUF file's path here."""
+        from paged_chat.model_stores import resolve_model_spec
+
+        config = {"cache_dir": str(cache_dir()), **_given(dataclasses.asdict(self.engine)),
+                  **_given(overrides)}
+        if isinstance(config.get("model"), str):
+            config["model"] = resolve_model_spec(config["model"])
+        return EngineConfig(**config)
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the `[chat]` sampling defaults, with `overrides` on top (any

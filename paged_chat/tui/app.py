@@ -30,6 +30,7 @@ from paged_chat.settings import Settings, data_dir
 from paged_chat.store import ChatStore
 from paged_chat.text import sanitize_for_terminal as clean
 from paged_chat.tui.actions import ACTIONS, ChatActions, StoredChats, make_bindings
+from paged_chat.tui.chat_search import ChatSearch
 from paged_chat.tui.chat_tab import ChatTab
 from paged_chat.tui.engine_panel import EnginePanel, TabInfo
 from paged_chat.tui.open_tabs import OpenTabs
@@ -48,7 +49,7 @@ class PagedChatApp(ChatActions, App):
     CSS_PATH = Path(__file__).with_name("app.tcss")
     TITLE = "paged-chat"
     BINDINGS = make_bindings()
-    COMMANDS = App.COMMANDS | {StoredChats}
+    COMMANDS = App.COMMANDS | {StoredChats, ChatSearch}
 
     def __init__(self, settings: Settings | None = None, *, engine: EngineClient | None = None,
                  engine_config: EngineConfig | None = None, store: ChatStore | None = None,

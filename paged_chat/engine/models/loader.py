@@ -103,6 +103,9 @@ class ModelSource:
     header_digest: str | None = None
 
 
+_GGUF_MAGIC = b"GGUF"
+
+
 def load_model_source(spec: str, cache_dir: Path | str | None = None,
                       on_progress: ProgressHook | None = None) -> ModelSource:
     """Load an alias, a .gguf file, an HF model folder or a hub id (through the HF cache).
@@ -223,7 +226,7 @@ def _resolve(spec: str) -> tuple[str, Path]:
     if path.is_dir():
         return path.resolve().name, path
     if path.is_file():
-        if path.suffix.lower() != ".gguf":
+        if path.suffix.lower() != ".gguf" and not _has_gguf_magic(path):
             raise ModelLoadError(
                 f"{path} is not a .gguf file: pass a .gguf file, an HF model folder "
                 f"(config.json, *.safetensors, tokenizer files) or a hub id")
@@ -235,6 +238,15 @@ def _resolve(spec: str) -> tuple[str, Path]:
     raise ModelLoadError(
         f"{spec!r} is neither a model alias, an existing path, nor a cached hub id (org/name); "
         f"aliases: {_alias_list()}")
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    """A GGUF file by its first bytes, whatever its name (Ollama names its blobs by digest)."""
+    try:
+        with path.open("rb") as file:
+            return file.read(len(_GGUF_MAGIC)) == _GGUF_MAGIC
+    except OSError:
+        return False
 
 
 def _hub_snapshot(repo_id: str) -> Path:
