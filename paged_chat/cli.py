@@ -219,6 +219,44 @@ def ask(ctx: typer.Context,
 
 
 @app.command()
+def serve(ctx: typer.Context,
+          host: Annotated[str, typer.Option(help="Address to bind; any but loopback needs --api-key.")
+                          ] = "127.0.0.1",
+          port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0: any free one).")] = 8000,
+          model: Annotated[str | None, typer.Option(
+              "--model", "-m", help="Alias, .gguf file, HF folder or cached hub id.")] = None,
+          api_key: Annotated[str | None, typer.Option(
+              "--api-key", envvar="PAGED_CHAT_API_KEY",
+              help="Require `Authorization: Bearer KEY` on every request.")] = None,
+          ) -> None:
+    """Serve the engine as an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
+    /v1/models, /health, /metrics) until Ctrl+C.
+
+    Example:
+
+        paged-chat serve --port 8000 &
+
+        curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+    """
+    state = _state(ctx)
+    with _reported(ctx):
+        import asyncio
+
+        from paged_chat.engine import AsyncEngine
+        from paged_chat.server import ApiServer, check_bind
+
+        check_bind(host, api_key)
+        config = state.settings().engine_config(model=model)
+        client = AsyncEngine(state.make_engine(config))
+        try:
+            server = ApiServer(client, host, port, api_key, model_names=[config.model])
+            typer.echo(f"serving {client.info.name} on {server.url}/v1 (Ctrl+C stops)", err=True)
+            asyncio.run(server.serve())
+        finally:
+            client.shutdown()
+
+
+@app.command()
 def models(ctx: typer.Context) -> None:
     """List the model aliases and the models found offline in the Hugging Face cache."""
     from paged_chat.catalog import find_models
