@@ -1,7 +1,7 @@
 """The OpenAI API's request and response bodies, as far as paged-chat serves them.
 
 Requests take OpenAI's sampling names plus vLLM's extras (`top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids`, `ignore_eos`); fields neither knows are ignored,
+`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `return_token_ids`); fields neither knows are ignored,
 as OpenAI-compatible servers do. Type errors are pydantic's; range errors are
 SamplingParams' (a ValueError naming the field); both become a 400.
 """
@@ -43,6 +43,7 @@ class SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    return_token_ids: bool = False   # vLLM's: each choice carries its token ids too
 
     @property
     def include_usage(self) -> bool:

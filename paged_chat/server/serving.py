@@ -50,6 +50,7 @@ class Job:
     params: list[SamplingParams]
     stream: bool
     include_usage: bool
+    return_token_ids: bool
     finals: dict[int, RequestOutput] = field(default_factory=dict)
 
     @property
@@ -112,7 +113,8 @@ class OpenAIServing:
                                 "together", "messages" if kind == "chat.completion" else "prompt")
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         return Job(kind, completion_id(prefix), request.user or DEFAULT_OWNER, prompt_ids,
-                   request.sampling_params(room), request.stream, request.include_usage)
+                   request.sampling_params(room), request.stream, request.include_usage,
+                   request.return_token_ids)
 
     # ---- running jobs -----------------------------------------------------------------
 
@@ -184,9 +186,13 @@ class OpenAIServing:
     def _choice(job: Job, index: int, text: str, output: RequestOutput, final: bool
                 ) -> dict[str, Any]:
         reason = output.finish_reason if output.finished else None
-        if not job.chat:
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
-        content = {"role": "assistant", "content": text} if final else {"content": text}
-        return {"index": index, ("message" if final else "delta"): content, "logprobs": None,
-                "finish_reason": reason}
+        if job.chat:
+            content = {"role": "assistant", "content": text} if final else {"content": text}
+            choice = {"index": index, ("message" if final else "delta"): content}
+        else:
+            choice = {"index": index, "text": text}
+        choice |= {"logprobs": None, "finish_reason": reason}
+        if job.return_token_ids:
+            choice["token_ids"] = output.token_ids if final else output.new_token_ids
+        return choice
 
