@@ -226,7 +226,8 @@ class RemoteEngine:
             deltas.put_nowait(self._final(state, prompt_ids, "abort"))
             raise
         except Exception as error:
-            deltas.put_nowait(_remote_error(error, self.base_url))
+            streaming = bool(state.token_ids or state.text)
+            deltas.put_nowait(_remote_error(error, self.base_url, streaming))
 
     async def _choices(self, prompt: str | Sequence[int], prompt_ids: list[int],
                        params: SamplingParams, owner: str | None) -> AsyncIterator[Any]:
@@ -348,10 +349,13 @@ def _finish_reason(reason: str | None) -> Any:
     return None if reason is None else reason if reason in ("stop", "length", "abort", "error") else "stop"
 
 
-def _remote_error(error: Exception, url: str) -> RemoteEngineError:
-    """One line for what went wrong talking to the server."""
+def _remote_error(error: Exception, url: str, streaming: bool) -> RemoteEngineError:
+    """One line for what went wrong talking to the server (`streaming`: after a reply began)."""
     if isinstance(error, RemoteEngineError):
         return error
+    if streaming and isinstance(error, (httpx.HTTPError, openai.APIError)):
+        return RemoteEngineError(f"the server at {url} dropped the stream mid-reply "
+                                 f"({error.__cause__ or error})")
     if isinstance(error, openai.AuthenticationError):
         return RemoteEngineError(f"the server at {url} refused the API key (401): set --api-key "
                                  "or [server] api_key")
@@ -361,7 +365,7 @@ def _remote_error(error: Exception, url: str) -> RemoteEngineError:
         return RemoteEngineError(f"the server at {url} answered {error.status_code}: "
                                  f"{_error_message(error)}")
     if isinstance(error, (httpx.HTTPError, openai.APIError)):
-        return RemoteEngineError(f"the server at {url} dropped the stream ({error})")
+        return RemoteEngineError(f"the server at {url} failed the request ({error})")
     return RemoteEngineError(f"talking to the server at {url} failed: {type(error).__name__}: {error}")
 
 
