@@ -6,8 +6,10 @@ the server's prefix cache sees the same ids turn after turn. They go to /v1/comp
 as a token-id prompt, which vLLM, SGLang and paged-chat take. A server that refuses
 token-id prompts (a 400 or 422 on the first one) is sent the ids decoded back to text by
 the local tokenizer from then on (it re-tokenizes them; the prefix cache still matches
-where the tokenizations agree). Reply ids come from the server when it returns them
-(vLLM's `return_token_ids`), else from encoding the reply's text locally.
+where the tokenizations agree). A server that refuses vLLM's sampling extras (`top_k`,
+`min_p`, ..., as `transformers serve` does) gets OpenAI's fields only from then on. Reply
+ids come from the server when it returns them (vLLM's `return_token_ids`), else from
+encoding the reply's text locally.
 
 The tokenizer and chat template are the served model's, loaded locally: from `model`
 (a spec: alias, .gguf, HF folder, cached hub id) when given, else from the first model id
@@ -93,7 +95,8 @@ class RemoteEngine:
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, _Stream] = {}
         self._ids = 0
-        self._token_prompts = True
+        self._token_prompts = True    # False once the server refused a token-id prompt
+        self._vllm_extras = True      # False once it refused vLLM's sampling fields
         self._scrapes: list[_Scrape] = []
         self._scraping: asyncio.Task | None = None
         served = self._served_models()
@@ -231,15 +234,19 @@ class RemoteEngine:
 
     async def _choices(self, prompt: str | Sequence[int], prompt_ids: list[int],
                        params: SamplingParams, owner: str | None) -> AsyncIterator[Any]:
-        as_text = isinstance(prompt, str) or not self._token_prompts
-        try:
-            stream = await self._create(self.info.tokenizer.decode(prompt_ids) if as_text
-                                        else prompt_ids, params, owner)
-        except openai.APIStatusError as error:
-            if as_text or error.status_code not in (400, 422):
-                raise
-            self._token_prompts = False  # this server takes text prompts only
-            stream = await self._create(self.info.tokenizer.decode(prompt_ids), params, owner)
+        while True:
+            as_text = isinstance(prompt, str) or not self._token_prompts
+            try:
+                stream = await self._create(self.info.tokenizer.decode(prompt_ids) if as_text
+                                            else prompt_ids, params, owner)
+                break
+            except openai.APIStatusError as error:
+                if error.status_code not in (400, 422) or (as_text and not self._vllm_extras):
+                    raise
+                if as_text:
+                    self._vllm_extras = False   # a strict server: OpenAI's fields only
+                else:
+                    self._token_prompts = False  # this server takes text prompts only
         async with stream:
             async for chunk in stream:
                 for choice in chunk.choices:
@@ -248,7 +255,8 @@ class RemoteEngine:
     async def _create(self, prompt: str | list[int], params: SamplingParams, owner: str | None) -> Any:
         extra = {"top_k": params.top_k, "min_p": params.min_p,
                  "repetition_penalty": params.repetition_penalty, "ignore_eos": params.ignore_eos,
-                 "stop_token_ids": params.stop_token_ids, "return_token_ids": True}
+                 "stop_token_ids": params.stop_token_ids, "return_token_ids": True
+                 } if self._vllm_extras else {}
         return await self._openai().completions.create(
             model=self.model, prompt=prompt, stream=True, max_tokens=params.max_tokens,
             temperature=params.temperature, top_p=params.top_p, seed=params.seed,

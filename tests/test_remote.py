@@ -7,8 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import subprocess
+import sys
 from contextlib import aclosing
+from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from typer.testing import CliRunner
@@ -150,3 +154,37 @@ async def test_tui_serves_its_engine_and_shows_api_owners(chat_model_dir, tmp_pa
             await wait_until(pilot, lambda: client.stats().blocks_in_use == 0 and not client.engine.requests)
     finally:
         client.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_chat_on_transformers_serve(chat_model_dir, tmp_path):
+    """Another project's OpenAI server, offline on the local model folder: it takes text
+    prompts only and refuses vLLM's sampling fields, and has no /metrics."""
+    executable = Path(sys.executable).with_name("transformers")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    log = (tmp_path / "transformers-serve.log").open("wb")
+    process = subprocess.Popen([str(executable), "serve", str(chat_model_dir), "--port", str(port)],
+                               stdout=log, stderr=subprocess.STDOUT)
+    try:
+        await asyncio.to_thread(wait_for, lambda: _healthy(port) or process.poll() is not None,
+                                240, "transformers serve to start")
+        assert process.poll() is None, (tmp_path / "transformers-serve.log").read_text()[-2000:]
+        remote = RemoteEngine(f"http://127.0.0.1:{port}/v1")
+        assert not remote.has_metrics
+        session = await two_turns(remote)
+        assert session.turn.finish_reason in ("stop", "length") and session.turn.text
+        assert len(session.conversation.messages) == 4
+    finally:
+        process.terminate()
+        process.wait(30)
+        log.close()
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
