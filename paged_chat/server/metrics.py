@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -65,6 +65,3 @@ def metrics_registry(client: EngineClient, model_name: str, tokens: TokenCounts
     registry.register(EngineCollector(client, model_name, tokens))
     return registry
 
-
-def render(registry: CollectorRegistry) -> bytes:
-    return generate_latest(registry)
