@@ -61,6 +61,8 @@ class AskOptions:
     chat_id: str | None = None
     save: bool = True
     file: TextIO | None = None
+    server: str | None = None       # an OpenAI-compatible server's URL instead of the engine
+    api_key: str | None = None
 
 
 @dataclass(slots=True)
@@ -267,7 +269,7 @@ def _run_turn(options: AskOptions, settings: Settings, make_engine: EngineFactor
         engine_overrides = options.engine if chat is None else {**options.engine, "model": chat.model}
         config, params = _configure(settings, engine_overrides,
                                     {**(chat.sampling if chat else {}), **options.sampling})
-        engine, load_s = _load(make_engine, config)
+        client, load_s = _load(make_engine, config, options)
         system = options.system or settings.chat.system_prompt
         if options.save:
             chat = chat or store.create_chat(chat_title((options.prompt or "").strip() or user_text),
@@ -275,12 +277,12 @@ def _run_turn(options: AskOptions, settings: Settings, make_engine: EngineFactor
                                              chat_sampling(params))
             session = ChatSession(store, chat, on_warning=_warn)
         else:
-            info = engine.info
+            info = client.info
             conversation = (Conversation.from_chat(chat, info.tokenizer, info.chat_template)
                             if chat is not None else None)
             session = ChatSession(system_prompt=system, conversation=conversation)
         meta = {"model": config.model, "chat_id": session.chat_id}
-        return _answer(engine, [Answer(0, session, user_text, params, meta)], options, load_s)
+        return _answer(client, [Answer(0, session, user_text, params, meta)], options, load_s)
 
 
 def _run_batch(options: AskOptions, settings: Settings, make_engine: EngineFactory) -> int:
@@ -290,13 +292,13 @@ def _run_batch(options: AskOptions, settings: Settings, make_engine: EngineFacto
     prompts = read_prompt_file(options.file)
     config, params = _configure(settings, options.engine, options.sampling)
     with _warnings_to_stderr():
-        engine, load_s = _load(make_engine, config)
+        client, load_s = _load(make_engine, config, options)
         answers = [Answer(index, ChatSession(system_prompt=item.system or options.system
                                              or settings.chat.system_prompt),
                           item.prompt, params,
                           {"index": index, "prompt": item.prompt, "model": config.model})
                    for index, item in enumerate(prompts)]
-        return _answer(engine, answers, options, load_s)
+        return _answer(client, answers, options, load_s)
 
 
 def _configure(settings: Settings, engine: dict[str, Any], sampling: dict[str, Any]
@@ -309,11 +311,8 @@ def _configure(settings: Settings, engine: dict[str, Any], sampling: dict[str, A
         raise UsageError(str(exc)) from exc
 
 
-def _answer(engine: Engine, answers: list[Answer], options: AskOptions, load_s: float) -> int:
+def _answer(client: EngineClient, answers: list[Answer], options: AskOptions, load_s: float) -> int:
     """Stream every answer through the engine together; the exit status."""
-    from paged_chat.engine import AsyncEngine
-
-    client = AsyncEngine(engine)
     output = OrderedOutput(len(answers), options.json, sys.stdout)
     try:
         signals = asyncio.run(_stream_all(client, answers, output, load_s))
@@ -441,13 +440,21 @@ def _same_model(a: str, b: str) -> bool:
     return a == b or Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
-def _load(make_engine: EngineFactory, config: EngineConfig) -> tuple[Engine, float]:
-    """The engine, and how long it took; says what is loading when stderr is a terminal."""
+def _load(make_engine: EngineFactory, config: EngineConfig, options: AskOptions
+          ) -> tuple[EngineClient, float]:
+    """The engine client (in-process, or the --server's), and how long it took; says what
+    is loading when stderr is a terminal."""
+    from paged_chat.engine import AsyncEngine
+    from paged_chat.remote import RemoteEngine
+
     started = time.perf_counter()
     if sys.stderr.isatty():
-        _say(f"loading {config.model} ...")
-    engine = make_engine(config)
-    return engine, time.perf_counter() - started
+        _say(f"loading {options.server or config.model} ...")
+    if options.server:
+        client = RemoteEngine(options.server, options.api_key, model=options.engine.get("model"))
+    else:
+        client = AsyncEngine(make_engine(config))
+    return client, time.perf_counter() - started
 
 
 def _print_stats(answers: list[Answer], load_s: float, preemptions: int) -> None:

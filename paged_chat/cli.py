@@ -130,6 +130,13 @@ def root(ctx: typer.Context,
              "--config", exists=True, dir_okay=False,
              help="The config.toml to read (default: $PAGED_CHAT_CONFIG, else the user config dir).")
          ] = None,
+         serve: Annotated[int | None, typer.Option(
+             "--serve", min=0, max=65535, metavar="PORT",
+             help="Also serve the OpenAI-compatible API on 127.0.0.1:PORT (e.g. 8000) on the "
+                  "engine the TUI shows.")] = None,
+         server: Annotated[str | None, typer.Option(
+             "--server", metavar="URL", help="Chat on this OpenAI-compatible server (vLLM, "
+                                             "another paged-chat...) instead of the local engine.")] = None,
          debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
          version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                                help="Print the version and exit.")] = False,
@@ -143,8 +150,9 @@ def root(ctx: typer.Context,
     state.debug = debug
     state.config = config
     if ctx.invoked_subcommand is not None:
-        if demo is not None:
-            raise typer.BadParameter("it opens the TUI, so it takes no command", param_hint="--demo")
+        for name, value in (("--demo", demo), ("--serve", serve), ("--server", server)):
+            if value is not None:
+                raise typer.BadParameter("it opens the TUI, so it takes no command", param_hint=name)
         return
     if not _has_terminal():
         typer.echo("Error: the chat TUI needs a terminal; in pipes and scripts use "
@@ -153,7 +161,11 @@ def root(ctx: typer.Context,
     with _reported(ctx):
         from paged_chat.tui.app import run_app
 
-        run_app(state.settings(), demo)
+        settings = state.settings()
+        if serve is not None and (server or settings.server.url):
+            raise typer.BadParameter("--serve serves the local engine; it cannot with --server",
+                                     param_hint="--serve")
+        run_app(settings, demo, serve_port=serve, server=server or settings.server.url)
 
 
 def _has_terminal() -> bool:
@@ -192,6 +204,11 @@ def ask(ctx: typer.Context,
         file: Annotated[typer.FileText | None, typer.Option(
             "--file", "-f", encoding="utf-8", help="Answer every prompt of this file at once (one per line, or JSONL "
                                  'with {"prompt": ...}); "-" reads stdin. Not saved.')] = None,
+        server: Annotated[str | None, typer.Option(
+            "--server", help="Ask this OpenAI-compatible server (URL) instead of the local engine; "
+                             "--model then names a local copy of its tokenizer.")] = None,
+        api_key: Annotated[str | None, typer.Option(
+            "--api-key", envvar="PAGED_CHAT_API_KEY", help="The --server's API key.")] = None,
         ) -> None:
     """Answer a prompt, streaming the reply to stdout. Saved as a chat unless --no-save.
 
@@ -217,6 +234,8 @@ def ask(ctx: typer.Context,
     with _reported(ctx):
         check_text_options(options)
         settings = state.settings()
+        options.server = server or settings.server.url
+        options.api_key = api_key or settings.server.api_key
         if system == "":  # an explicit empty --system clears the configured one
             settings = dataclasses.replace(settings, chat=dataclasses.replace(settings.chat, system_prompt=None))
         code = run_ask(options, settings, state.make_engine, sys.stdin)
@@ -246,6 +265,44 @@ def chat_command(ctx: typer.Context,
         check_text_options(options)
         code = run_chat(options, state.settings(), state.make_engine, sys.stdin, sys.stdout)
     raise typer.Exit(code)
+
+
+@app.command()
+def serve(ctx: typer.Context,
+          host: Annotated[str, typer.Option(help="Address to bind; any but loopback needs --api-key.")
+                          ] = "127.0.0.1",
+          port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0: any free one).")] = 8000,
+          model: Annotated[str | None, typer.Option(
+              "--model", "-m", help="Alias, .gguf file, HF folder or cached hub id.")] = None,
+          api_key: Annotated[str | None, typer.Option(
+              "--api-key", envvar="PAGED_CHAT_API_KEY",
+              help="Require `Authorization: Bearer KEY` on every request.")] = None,
+          ) -> None:
+    """Serve the engine as an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
+    /v1/models, /health, /metrics) until Ctrl+C.
+
+    Example:
+
+        paged-chat serve --port 8000 &
+
+        curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+    """
+    state = _state(ctx)
+    with _reported(ctx):
+        import asyncio
+
+        from paged_chat.engine import AsyncEngine
+        from paged_chat.server import ApiServer, check_bind
+
+        check_bind(host, api_key)
+        config = state.settings().engine_config(model=model)
+        client = AsyncEngine(state.make_engine(config))
+        try:
+            server = ApiServer(client, host, port, api_key, model_names=[config.model])
+            typer.echo(f"serving {client.info.name} on {server.url}/v1 (Ctrl+C stops)", err=True)
+            asyncio.run(server.serve())
+        finally:
+            client.shutdown()
 
 
 @app.command()

@@ -105,15 +105,17 @@ def test_tui_refuses_without_a_terminal(cli):
 def test_tui_gets_the_settings_and_demo(cli, monkeypatch):
     calls = []
     fake = type(sys)("paged_chat.tui.app")
-    fake.run_app = lambda settings, demo=None: calls.append((settings, demo))
+    fake.run_app = lambda settings, demo=None, **options: calls.append((settings, demo, options))
     monkeypatch.setitem(sys.modules, "paged_chat.tui.app", fake)
     monkeypatch.setattr("paged_chat.cli._has_terminal", lambda: True)
     assert cli("--demo", "3").exit_code == 0
     assert cli().exit_code == 0
-    assert [demo for _, demo in calls] == [3, None]
+    assert cli("--serve", "9000").exit_code == 0
+    assert [demo for _, demo, _ in calls] == [3, None, None]
+    assert calls[2][2] == {"serve_port": 9000, "server": None}
     assert calls[0][0].engine.model == str(cli.model)
     assert cli("--demo", "0").exit_code == 2
-    assert cli("--demo", "2", "chats").exit_code == 2 and len(calls) == 2
+    assert cli("--demo", "2", "chats").exit_code == 2 and len(calls) == 3
 
 
 # ---- ask -----------------------------------------------------------------------------
