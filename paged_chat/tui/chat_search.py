@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import TYPE_CHECKING
 
 from rich.text import Text
 from textual.command import Hit, Hits, Provider
 
 from paged_chat.text import sanitize_for_terminal
-
-if TYPE_CHECKING:
-    from paged_chat.tui.app import PagedChatApp
 
 MAX_HITS = 20
 PREFIX = "Found in chats: "
@@ -23,7 +19,7 @@ class ChatSearch(Provider):
     """Every query is a store search; the most recently used chats come first."""
 
     async def search(self, query: str) -> Hits:
-        app: PagedChatApp = self.app  # type: ignore[assignment]
+        app = self.app
         for rank, chat in enumerate(app.store.search_chats(query)[:MAX_HITS]):
             text = PREFIX + sanitize_for_terminal(chat.title)
             yield Hit(0.5 - rank / (4 * MAX_HITS), Text(text), partial(app.open_stored_chat, chat.id),
