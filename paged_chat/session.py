@@ -73,8 +73,9 @@ class Turn:
     def add(self, output: RequestOutput, now: float) -> None:
         if output.new_token_ids and self.first_token_at is None:
             self.first_token_at = now
-            self.num_cached_tokens = output.num_cached_tokens
-            self.num_tier_cached_tokens = output.num_tier_cached_tokens
+        # An engine knows these from the prefill on; a remote server may tell them at the end.
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        self.num_tier_cached_tokens = max(self.num_tier_cached_tokens, output.num_tier_cached_tokens)
         self.text, self.token_ids = output.text, list(output.token_ids)
         if output.finished:
             self.finish(output.finish_reason, output.error, now)
