@@ -54,7 +54,6 @@ def run_chat(options: AskOptions, settings: Settings, make_engine: EngineFactory
              stdin: TextIO, stdout: TextIO) -> int:
     """Load the engine, then chat until /quit or end of input; the exit status (0, or
     143 / 129 when SIGTERM / SIGHUP ended it)."""
-    from paged_chat.engine import AsyncEngine
     from paged_chat.store import ChatStore
 
     with ExitStack() as cleanup, _warnings_to_stderr():
@@ -66,8 +65,7 @@ def run_chat(options: AskOptions, settings: Settings, make_engine: EngineFactory
         engine_overrides = options.engine if chat is None else {**options.engine, "model": chat.model}
         config, params = _configure(settings, engine_overrides,
                                     {**(chat.sampling if chat else {}), **options.sampling})
-        engine, load_s = _load(make_engine, config)
-        client = AsyncEngine(engine)
+        client, load_s = _load(make_engine, config, options)
         cleanup.callback(client.shutdown)
         system = chat.system_prompt if chat else options.system or settings.chat.system_prompt
         repl = Repl(client, store, config, params, system, stdout, load_s)
