@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from paged_chat.bench.contention import busy_processes, contention_table, format_contention
 from paged_chat.chat import Conversation
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.models.loader import ModelSource, load_model_source
@@ -391,6 +392,9 @@ class BenchOptions:
     max_num_batched_tokens: int = 512
     scenarios: bool = True
     roofline: bool = False
+    contention: int = 0             # busy processes beside a second run of every system
+    contention_bound_s: float = 600.0  # the busy processes stop by themselves after this
+    engine_threads: int | None = None  # paged-chat's EngineConfig.threads (None: adapt)
 
     @classmethod
     def quick(cls, **overrides) -> "BenchOptions":
@@ -409,29 +413,19 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
         f"({workload.system_prompt_tokens} shared), {workload.num_output_tokens} output tokens")
     engine = Engine(EngineConfig(model=options.model, device="cpu", dtype=options.dtype,
                                  block_size=options.block_size, max_num_seqs=options.num_chats,
-                                 max_num_batched_tokens=options.max_num_batched_tokens),
+                                 max_num_batched_tokens=options.max_num_batched_tokens,
+                                 threads=options.engine_threads),
                     source=source)
     engine.generate([workload.prompts[0]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
     baseline_dtype = _DTYPES[options.baseline_dtype or options.dtype]
     results: list[SystemResult] = []
-    for name in options.systems:
-        log(f"running {name} ...")
-        if name == "paged-chat":
-            results.append(run_paged_chat(engine, workload))
-        elif name == "hf-cb":
-            model = build_hf_model(source, baseline_dtype, "paged|eager")
-            # Room for the whole workload twice over: it never preempts, and its own memory
-            # check (which assumes a GPU-sized budget) stays satisfied.
-            workload_blocks = (workload.num_prompt_tokens + workload.num_output_tokens) // options.block_size
-            results.append(run_hf_cb(model, workload, options.block_size, 2 * workload_blocks + 64,
-                                     options.max_num_batched_tokens, options.num_chats))
-        else:
-            # transformers' SDPA decode in bf16 is pathologically slow on CPU (~30x eager here).
-            attention = "eager" if baseline_dtype is torch.bfloat16 else "sdpa"
-            model = build_hf_model(source, baseline_dtype, attention)
-            results.append(run_hf_seq(model, workload) if name == "hf-seq"
-                           else run_hf_static(model, workload, options.num_chats))
-        model = None
+    for name, busy in [(name, busy) for name in options.systems
+                       for busy in sorted({0, options.contention})]:
+        log(f"running {name}" + (f" beside {busy} busy processes" if busy else "") + " ...")
+        with busy_processes(busy, options.contention_bound_s):
+            results.append(_run_system(name, engine, source, workload, options, baseline_dtype))
+        if busy:
+            results[-1].name = f"{name} +{busy} busy"
         gc.collect()
         log(f"  {results[-1].output_tokens / results[-1].wall_s:.1f} output tokens/s")
     report = {"options": asdict(options), "workload": {
@@ -445,6 +439,8 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
             summary["vs_hf_seq"] = summary["output_tokens_per_s"] / reference.summary()["output_tokens_per_s"]
             summary["same_tokens_as_hf_seq"] = sum(
                 a == b for a, b in zip(result.outputs, reference.outputs)) / len(reference.outputs)
+    if options.contention:
+        report["contention"] = contention_table(report["systems"], options.contention)
     if options.scenarios:
         log("running memory scenarios ...")
         report["scenarios"] = memory_scenarios(engine, source, workload)
@@ -453,6 +449,25 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
         step = _decode_step_time(engine, options.num_chats)
         report["roofline"] = roofline(engine, step, options.num_chats)
     return report
+
+
+def _run_system(name: str, engine: Engine, source: ModelSource, workload: Workload,
+                options: BenchOptions, baseline_dtype: torch.dtype) -> SystemResult:
+    if name == "paged-chat":
+        return run_paged_chat(engine, workload)
+    torch.set_num_threads(options.threads)  # the engine's thread policy may have changed it
+    if name == "hf-cb":
+        model = build_hf_model(source, baseline_dtype, "paged|eager")
+        # Room for the whole workload twice over: it never preempts, and its own memory
+        # check (which assumes a GPU-sized budget) stays satisfied.
+        workload_blocks = (workload.num_prompt_tokens + workload.num_output_tokens) // options.block_size
+        return run_hf_cb(model, workload, options.block_size, 2 * workload_blocks + 64,
+                         options.max_num_batched_tokens, options.num_chats)
+    # transformers' SDPA decode in bf16 is pathologically slow on CPU (~30x eager here).
+    attention = "eager" if baseline_dtype is torch.bfloat16 else "sdpa"
+    model = build_hf_model(source, baseline_dtype, attention)
+    return (run_hf_seq(model, workload) if name == "hf-seq"
+            else run_hf_static(model, workload, options.num_chats))
 
 
 def _decode_step_time(engine: Engine, batch_size: int) -> float:
@@ -486,6 +501,8 @@ def format_report(report: dict) -> str:
     static = next((s for s in report["systems"] if s["system"] == "hf-static"), None)
     if static:
         lines.append(f"hf-static: {100 * static['decode_padding_waste']:.0f}% of decode slots are padding")
+    if "contention" in report:
+        lines.append(format_contention(report["contention"]))
     if "scenarios" in report:
         fit = report["scenarios"]["fit"]
         ttft = report["scenarios"]["system_prompt_ttft"]

@@ -25,6 +25,10 @@ class EngineConfig:
     `cache_dir` is where the engine may keep what it can rebuild (converted tokenizers and
     weights, the disk KV tier); None keeps nothing on disk. The app passes its platformdirs
     cache dir: the engine never reads the app's settings itself.
+
+    `threads` is the number of torch threads a step runs on; None or "auto" starts from
+    the cores this process may use and adapts when other processes compete for them
+    (engine/threads.py).
     """
 
     model: str = "smollm2-135m"
@@ -41,6 +45,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     cache_dir: str | None = None
+    threads: int | str | None = None
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
@@ -59,6 +64,11 @@ class EngineConfig:
                 and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"EngineConfig.gpu_memory_utilization={self.gpu_memory_utilization!r}"
                              " is invalid: expected a fraction in (0, 1]")
+        if self.threads is not None and self.threads != "auto" and not (
+                isinstance(self.threads, int) and not isinstance(self.threads, bool)
+                and self.threads >= 1):
+            raise ValueError(f"EngineConfig.threads={self.threads!r} is invalid: expected an "
+                             "integer >= 1, or 'auto' (None) to adapt to the machine")
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("EngineConfig.model is empty: expected an alias, a path or a hub id")
         if not isinstance(self.seed, int) or self.seed < 0:

@@ -36,6 +36,7 @@ from paged_chat.engine.request import FinishReason, Request, RequestOutput, Samp
 from paged_chat.engine.runner import ModelRunner
 from paged_chat.engine.scheduler import Scheduler, SchedulerOutput
 from paged_chat.engine.stats import BlockMap, EngineStats, RateMeter
+from paged_chat.engine.threads import ThreadPolicy
 
 _DEFAULT_CPU_KV_FRACTION = 0.2
 _DEFAULT_CPU_KV_CAP = 2 * 2**30
@@ -81,6 +82,7 @@ class Engine:
         self._generation_rate = RateMeter()
         self._last_batch = (0, 0)
         self._last_step_time = 0.0
+        self.threads = ThreadPolicy.from_setting(config.threads)
         self.info = ModelInfo(
             name=self.model_name, tokenizer=self.tokenizer, chat_template=self.chat_template,
             device=self.device.type, dtype=dtype_name(self.dtype), num_blocks=self.num_blocks,
@@ -169,6 +171,7 @@ class Engine:
             self._last_batch = (0, 0)
             self._last_step_time = self.runner.last_forward_s = 0.0
             return outputs
+        threads = self.threads.apply()
         started = time.perf_counter()
         schedule = self.scheduler.schedule()
         samplers = [item for item in schedule.scheduled if item.samples]
@@ -195,6 +198,7 @@ class Engine:
         self._generation_rate.add(len(sampled))
         self._last_batch = (len(schedule.scheduled), schedule.num_tokens)
         self._last_step_time = time.perf_counter() - started
+        self.threads.record(threads, schedule.num_tokens, self._last_step_time)
         return outputs
 
     def _append_token(self, request: Request, token_id: int, now: float) -> RequestOutput:
