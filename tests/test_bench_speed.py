@@ -70,3 +70,17 @@ def test_contended_run_reports_quiet_and_contended(chat_model_dir):
     assert row["quiet_tokens_per_s"] > 0 and row["contended_tokens_per_s"] > 0
     assert "beside 1 busy processes" in format_report(report)
     assert live_children() <= before
+
+
+def test_host_overhead_reports_numbers(chat_model_dir):
+    from paged_chat.bench.host_overhead import format_host_overhead, host_overhead
+    from paged_chat.engine.models.loader import load_model_source
+
+    rows = host_overhead(load_model_source(str(chat_model_dir)), batch_sizes=(2, 4),
+                         context_len=256, shared_len=128, decode_steps=3)
+    assert [row["batch_size"] for row in rows] == [2, 4]
+    for row in rows:
+        assert row["decode_steps"] == 3
+        assert row["step_ms"] > 0 and row["step_wall_ms"] > 0 and row["sample_ms"] > 0
+        assert row["per_token_us"] == pytest.approx(1e3 * row["step_ms"] / row["batch_size"])
+    assert "batch 4:" in format_host_overhead(rows)

@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from paged_chat.bench.contention import busy_processes, contention_table, format_contention
+from paged_chat.bench.host_overhead import format_host_overhead, host_overhead
 from paged_chat.chat import Conversation
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.models.loader import ModelSource, load_model_source
@@ -395,6 +396,7 @@ class BenchOptions:
     contention: int = 0             # busy processes beside a second run of every system
     contention_bound_s: float = 600.0  # the busy processes stop by themselves after this
     engine_threads: int | None = None  # paged-chat's EngineConfig.threads (None: adapt)
+    host_overhead: bool = False
 
     @classmethod
     def quick(cls, **overrides) -> "BenchOptions":
@@ -448,6 +450,9 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
         log("measuring the machine ...")
         step = _decode_step_time(engine, options.num_chats)
         report["roofline"] = roofline(engine, step, options.num_chats)
+    if options.host_overhead:
+        log("measuring the engine's host time over a stub forward ...")
+        report["host_overhead"] = host_overhead(source)
     return report
 
 
@@ -503,6 +508,8 @@ def format_report(report: dict) -> str:
         lines.append(f"hf-static: {100 * static['decode_padding_waste']:.0f}% of decode slots are padding")
     if "contention" in report:
         lines.append(format_contention(report["contention"]))
+    if "host_overhead" in report:
+        lines.append(format_host_overhead(report["host_overhead"]))
     if "scenarios" in report:
         fit = report["scenarios"]["fit"]
         ttft = report["scenarios"]["system_prompt_ttft"]
