@@ -360,6 +360,12 @@ def bench(ctx: typer.Context,
           json_path: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
           plot_path: Annotated[Path | None, typer.Option("--plot", help="Draw a PNG here.")] = None,
           seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+          contention: Annotated[int, typer.Option(
+              min=0, help="Run every system again beside N busy processes.")] = 0,
+          engine_threads: Annotated[int | None, typer.Option(
+              min=1, help="paged-chat's threads (default: adapt to the machine).")] = None,
+          host_overhead: Annotated[bool, typer.Option(
+              "--host-overhead", help="Time the engine per step over a stub forward.")] = False,
           ) -> None:
     """Run one seeded chat workload through paged-chat and the Hugging Face baselines, side
     by side in one process, and print absolute figures and ratios."""
@@ -374,7 +380,8 @@ def bench(ctx: typer.Context,
         options = BenchOptions(model=model, dtype=dtype, baseline_dtype=baseline_dtype,
                                threads=threads, seed=seed, block_size=block_size, scenarios=scenarios, roofline=roofline,
                                systems=tuple(name.strip() for name in systems.split(",") if name.strip()),
-                               **sizes)
+                               contention=contention, engine_threads=engine_threads,
+                               host_overhead=host_overhead, **sizes)
         report = run_bench(options, log=lambda line: typer.echo(line, err=True))
         typer.echo(format_report(report))
         if json_path is not None:

@@ -26,9 +26,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from paged_chat.bench.contention import busy_processes, contention_table
+from paged_chat.bench.host_overhead import host_overhead
 from paged_chat.bench.scenarios import decode_step_time, memory_scenarios, roofline
-from paged_chat.bench.systems import (SYSTEMS, SystemResult, build_hf_model, run_hf_cb, run_hf_seq,
-                                      run_hf_static, run_paged_chat)
+from paged_chat.bench.systems import SYSTEMS, SystemResult, run_system
 from paged_chat.bench.tier_resume import tier_resume
 from paged_chat.bench.workload import SYSTEM_PROMPT, chat_workload
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
@@ -51,6 +52,10 @@ class BenchOptions:
     max_num_batched_tokens: int = 512
     scenarios: bool = True
     roofline: bool = False
+    contention: int = 0             # busy processes beside a second run of every system
+    contention_bound_s: float = 600.0  # the busy processes stop by themselves after this
+    engine_threads: int | None = None  # paged-chat's EngineConfig.threads (None: adapt)
+    host_overhead: bool = False
 
 
 def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict:
@@ -65,29 +70,21 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
         f"({workload.system_prompt_tokens} shared), {workload.num_output_tokens} output tokens")
     engine = Engine(EngineConfig(model=options.model, device="cpu", dtype=options.dtype,
                                  block_size=options.block_size, max_num_seqs=options.num_chats,
-                                 max_num_batched_tokens=options.max_num_batched_tokens),
+                                 max_num_batched_tokens=options.max_num_batched_tokens,
+                                 threads=options.engine_threads),
                     source=source)
     engine.generate([workload.prompts[0]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
     baseline_dtype = TORCH_DTYPES[options.baseline_dtype or options.dtype]
     results: list[SystemResult] = []
-    for name in options.systems:
-        log(f"running {name} ...")
-        if name == "paged-chat":
-            results.append(run_paged_chat(engine, workload))
-        elif name == "hf-cb":
-            model = build_hf_model(source, baseline_dtype, "paged|eager")
-            # Room for the whole workload twice over: it never preempts, and its own memory
-            # check (which assumes a GPU-sized budget) stays satisfied.
-            workload_blocks = (workload.num_prompt_tokens + workload.num_output_tokens) // options.block_size
-            results.append(run_hf_cb(model, workload, options.block_size, 2 * workload_blocks + 64,
-                                     options.max_num_batched_tokens, options.num_chats))
-        else:
-            # transformers' SDPA decode in bf16 is pathologically slow on CPU (~30x eager here).
-            attention = "eager" if baseline_dtype is torch.bfloat16 else "sdpa"
-            model = build_hf_model(source, baseline_dtype, attention)
-            results.append(run_hf_seq(model, workload) if name == "hf-seq"
-                           else run_hf_static(model, workload, options.num_chats))
-        model = None
+    for name, busy in [(name, busy) for name in options.systems
+                       for busy in sorted({0, options.contention})]:
+        log(f"running {name}" + (f" beside {busy} busy processes" if busy else "") + " ...")
+        with busy_processes(busy, options.contention_bound_s):
+            results.append(run_system(name, engine, source, workload, baseline_dtype,
+                                      options.block_size, options.max_num_batched_tokens,
+                                      options.threads))
+        if busy:
+            results[-1].name = f"{name} +{busy} busy"
         gc.collect()
         log(f"  {results[-1].output_tokens / results[-1].wall_s:.1f} output tokens/s")
     report = {"options": asdict(options), "workload": {
@@ -101,6 +98,8 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
             summary["vs_hf_seq"] = summary["output_tokens_per_s"] / reference.summary()["output_tokens_per_s"]
             summary["same_tokens_as_hf_seq"] = sum(
                 a == b for a, b in zip(result.outputs, reference.outputs)) / len(reference.outputs)
+    if options.contention:
+        report["contention"] = contention_table(report["systems"], options.contention)
     if options.scenarios:
         log("running memory scenarios ...")
         report["scenarios"] = memory_scenarios(engine, source, workload)
@@ -112,4 +111,7 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
         log("measuring the machine ...")
         step = decode_step_time(engine, options.num_chats)
         report["roofline"] = roofline(engine, step, options.num_chats)
+    if options.host_overhead:
+        log("measuring the engine's host time over a stub forward ...")
+        report["host_overhead"] = host_overhead(source)
     return report

@@ -210,6 +210,27 @@ def run_hf_cb(model, workload: Workload, block_size: int, num_blocks: int, max_b
                         {"attention": "paged|eager", "page_size": block_size, "num_blocks": num_blocks})
 
 
+def run_system(name: str, engine: Engine, source: ModelSource, workload: Workload,
+               baseline_dtype: torch.dtype, block_size: int, max_batch_tokens: int,
+               baseline_threads: int) -> SystemResult:
+    """Run the workload through one of SYSTEMS."""
+    if name == "paged-chat":
+        return run_paged_chat(engine, workload)
+    torch.set_num_threads(baseline_threads)  # the engine's thread policy may have changed it
+    if name == "hf-cb":
+        model = build_hf_model(source, baseline_dtype, "paged|eager")
+        # Room for the whole workload twice over: it never preempts, and its own memory
+        # check (which assumes a GPU-sized budget) stays satisfied.
+        workload_blocks = (workload.num_prompt_tokens + workload.num_output_tokens) // block_size
+        return run_hf_cb(model, workload, block_size, 2 * workload_blocks + 64, max_batch_tokens,
+                         len(workload.prompts))
+    # transformers' SDPA decode in bf16 is pathologically slow on CPU (~30x eager here).
+    attention = "eager" if baseline_dtype is torch.bfloat16 else "sdpa"
+    model = build_hf_model(source, baseline_dtype, attention)
+    return (run_hf_seq(model, workload) if name == "hf-seq"
+            else run_hf_static(model, workload, len(workload.prompts)))
+
+
 def build_hf_model(source: ModelSource, dtype: torch.dtype, attention: str):
     """A transformers model with exactly the weights paged-chat runs."""
     from transformers import AutoConfig, AutoModelForCausalLM

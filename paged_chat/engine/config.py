@@ -33,6 +33,10 @@ class EngineConfig:
     tier under `<cache_dir>/kv-tier` (no cache_dir: no disk tier), `kv_tier_host_bytes`
     a host-RAM tier in front of it (default: none on CPU, where the pool is RAM already;
     2 GiB on CUDA). Both need `enable_prefix_caching`.
+
+    `threads` is the number of torch threads a step runs on; None or "auto" starts from
+    the cores this process may use and adapts when other processes compete for them
+    (engine/threads.py).
     """
 
     model: str = "smollm2-135m"
@@ -52,6 +56,7 @@ class EngineConfig:
     weight_cache_size: int | str = "4GiB"
     kv_tier_disk_bytes: int | str = 4 * 2**30
     kv_tier_host_bytes: int | str | None = None
+    threads: int | str | None = None
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
@@ -76,6 +81,11 @@ class EngineConfig:
                 and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"EngineConfig.gpu_memory_utilization={self.gpu_memory_utilization!r}"
                              " is invalid: expected a fraction in (0, 1]")
+        if self.threads is not None and self.threads != "auto" and not (
+                isinstance(self.threads, int) and not isinstance(self.threads, bool)
+                and self.threads >= 1):
+            raise ValueError(f"EngineConfig.threads={self.threads!r} is invalid: expected an "
+                             "integer >= 1, or 'auto' (None) to adapt to the machine")
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("EngineConfig.model is empty: expected an alias, a path or a hub id")
         if not isinstance(self.seed, int) or self.seed < 0:

@@ -9,6 +9,8 @@ what a full decode would add. The cost per token stays flat however long the out
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -29,8 +31,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str],
                  skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        self._decode_ids = _fast_decoder(tokenizer, skip_special_tokens)
         # decode() drops these anyway; dropping them up front keeps them out of the window,
         # where they could hide the first token from a decoder that strips a leading space
         self._skipped_ids = ({i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
@@ -77,8 +78,7 @@ class IncrementalDetokenizer:
 
     def _decode(self, start: int, end: int | None = None) -> str:
         """Decode ids[start:end] exactly as a full decode of the output would treat them."""
-        return self._tokenizer.decode(self._ids[start:end],
-                                      skip_special_tokens=self._skip_special_tokens)
+        return self._decode_ids(self._ids[start:end])
 
     def _decode_new(self, final: bool) -> str:
         """Text added by the ids after the read offset, or "" while it ends mid-character.
@@ -110,3 +110,18 @@ class IncrementalDetokenizer:
             out, self._held = pending[:cut], pending[cut:]
         self._text += out
         return out, self._stopped
+
+
+def _fast_decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool
+                  ) -> Callable[[list[int]], str]:
+    """`tokenizer.decode` for a list of ids, through the Rust tokenizer directly when that
+    gives the same text (a fast tokenizer that cleans up no spaces).
+
+    transformers' `decode` first walks the ids in Python to normalise their types, which
+    makes it ~40x slower than the Rust call it ends in; a step detokenizes every running
+    request, so at batch 256 that walk alone was ~20 ms per step.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return partial(backend.decode, skip_special_tokens=skip_special_tokens)
+    return partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)

@@ -32,7 +32,7 @@ from paged_chat.engine.config import EngineConfig
 from paged_chat.engine.detokenizer import IncrementalDetokenizer
 from paged_chat.engine.dtypes import dtype_name, resolve_dtype
 from paged_chat.engine.errors import PagedChatError
-from paged_chat.engine.kv_cache_manager import KVCacheManager
+from paged_chat.engine.kv_cache_manager import BlockIdTables, KVCacheManager
 from paged_chat.engine.kv_tier import TIER_DIR, KVTier, TierLayout, model_fingerprint
 from paged_chat.engine.models.llama import LlamaForCausalLM
 from paged_chat.engine.models.loader import (
@@ -46,6 +46,7 @@ from paged_chat.engine.request import FinishReason, Request, RequestOutput, Samp
 from paged_chat.engine.runner import ModelRunner
 from paged_chat.engine.scheduler import Scheduler, SchedulerOutput
 from paged_chat.engine.stats import BlockMap, EngineStats, KVTierStats, RateMeter
+from paged_chat.engine.threads import ThreadPolicy
 
 _DEFAULT_CPU_KV_FRACTION = 0.2
 _DEFAULT_CPU_KV_CAP = 2 * 2**30
@@ -90,6 +91,7 @@ class Engine:
         self.eos_token_ids = frozenset(source.config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.requests: dict[str, Request] = {}
+        self._block_ids = BlockIdTables(self.kv_cache.tables)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -98,6 +100,7 @@ class Engine:
         self._generation_rate = RateMeter()
         self._last_batch = (0, 0)
         self._last_step_time = 0.0
+        self.threads = ThreadPolicy.from_setting(config.threads)
         self.info = ModelInfo(
             name=self.model_name, tokenizer=self.tokenizer, chat_template=self.chat_template,
             device=self.device.type, dtype=dtype_name(self.dtype), num_blocks=self.num_blocks,
@@ -197,10 +200,12 @@ class Engine:
             self._last_batch = (0, 0)
             self._last_step_time = self.runner.last_forward_s = 0.0
             return outputs
+        threads = self.threads.apply()
         started = time.perf_counter()
         schedule = self.scheduler.schedule()
         samplers = [item for item in schedule.scheduled if item.samples]
-        tables = [self.kv_cache.block_ids(item.request.request_id) for item in schedule.scheduled]
+        self._block_ids.forget([*schedule.preempted])
+        tables = [self._block_ids.of(item.request.request_id) for item in schedule.scheduled]
         try:
             sampled = self.runner.execute(schedule.scheduled, tables)
         except Exception:
@@ -223,6 +228,7 @@ class Engine:
         self._generation_rate.add(len(sampled))
         self._last_batch = (len(schedule.scheduled), schedule.num_tokens)
         self._last_step_time = time.perf_counter() - started
+        self.threads.record(threads, schedule.num_tokens, self._last_step_time)
         return outputs
 
     def _append_token(self, request: Request, token_id: int, now: float) -> RequestOutput:
@@ -249,6 +255,7 @@ class Engine:
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None,
                 new_token_ids: list[int] | None = None, new_text: str = "") -> RequestOutput:
         self.scheduler.finish(request)
+        self._block_ids.forget([request])
         request.finish_reason = reason
         request.error = error
         del self.requests[request.request_id]
@@ -312,7 +319,7 @@ class Engine:
         hashed = pool.hashed_mask()
         in_use = int(np.count_nonzero(ref_counts))
         cached = int(np.count_nonzero(hashed & (ref_counts == 0)))
-        tables = {rid: [b.block_id for b in table] for rid, table in self.kv_cache.tables.items()}
+        tables = {rid: self._block_ids.of(rid) for rid in self.kv_cache.tables}
         wasted = sum(len(table) * self.block_size - self.requests[rid].num_computed_tokens
                      for rid, table in tables.items() if rid in self.requests)
         owners = {rid: self.requests[rid].owner for rid in tables if rid in self.requests}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 
+import numpy as np
 import torch
 
 from paged_chat.engine.attention.metadata import AttentionMetadata
@@ -23,6 +24,19 @@ from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.models.llama import LlamaForCausalLM
 from paged_chat.engine.sampler import SamplingBatch, sample
 from paged_chat.engine.scheduler import ScheduledRequest
+
+
+def pad_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    """The tables as one int32 `[num_seqs, longest]` tensor, rows padded with block 0.
+
+    Built flat (one pass over all ids, one masked store) rather than from padded row lists:
+    at batch 256 with 2k-token contexts that is ~30k ids per step.
+    """
+    lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
+    padded = np.zeros((len(block_tables), int(lengths.max())), dtype=np.int32)
+    padded[np.arange(padded.shape[1]) < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(lengths.sum()))
+    return torch.from_numpy(padded)
 
 
 # The cache is [layers, 2, kv_heads, blocks, block_size, head_dim] (AttentionBackend.kv_cache_shape).
@@ -111,15 +125,13 @@ class ModelRunner:
             for item, start, count in zip(scheduled, starts, counts)))
         query_start_loc = [0, *itertools.accumulate(counts)]
         seq_lens = [start + count for start, count in zip(starts, counts)]
-        width = max(len(table) for table in block_tables)
-        padded_tables = [table + [0] * (width - len(table)) for table in block_tables]
 
         counts_t = torch.tensor(counts)
         seq_index = torch.repeat_interleave(torch.arange(len(scheduled)), counts_t)
         offsets = torch.repeat_interleave(torch.tensor(starts) - torch.tensor(query_start_loc[:-1]),
                                           counts_t)
         positions = torch.arange(len(token_ids)) + offsets
-        tables = torch.tensor(padded_tables, dtype=torch.int32)
+        tables = pad_block_tables(block_tables)
         slots = (tables[seq_index, positions // self.block_size].long() * self.block_size
                  + positions % self.block_size)
         meta = AttentionMetadata(

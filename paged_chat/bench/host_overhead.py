@@ -1,0 +1,121 @@
+"""`bench --host-overhead`: the engine's own time per step, with the model taken away.
+
+On a GPU the forward of a small model takes a few milliseconds, so every millisecond the
+engine spends on the host per step (scheduling, block tables, the step's input tensors,
+sampling, detokenizing, stats) is throughput lost. This scenario runs the real scheduler,
+KV manager, runner preparation, sampler, detokenizer and stats over a stub forward that
+returns logits in zero time (views into one random buffer), at several batch sizes with
+long contexts that share a prefix, and reports the engine's time per decode step and per
+token. The model keeps the real vocabulary and tokenizer; it keeps one layer only, so the
+KV pool (never read: the forward is stubbed) stays small.
+
+The sampler's math runs on the CPU here; on a GPU it runs on the device. It is timed on its
+own (`sample_ms`) so the host part proper is `step_ms - sample_ms`.
+
+Times are the stepping thread's CPU time (`time.thread_time`) with torch on that one thread:
+on a machine other processes keep busy, wall time measures the load, not the engine. The
+wall time of a step is reported too (`step_wall_ms`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import statistics
+import time
+
+import torch
+
+from paged_chat.engine import Engine, EngineConfig, SamplingParams
+from paged_chat.engine.models.loader import ModelSource
+from paged_chat.engine.sampler import SamplingBatch, sample
+
+
+_PREFILL_BUDGET = 16384  # tokens per step while the contexts fill: the stub makes them free
+
+
+class StubForward:
+    """Stands in for the model's forward: logits for the rows asked, in no time.
+
+    Consecutive calls return different rows (a rotating view into one random buffer), so
+    greedy sampling does not pick the same token forever.
+    """
+
+    def __init__(self, max_rows: int, vocab_size: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self._buffer = torch.randn(max_rows + 97, vocab_size, generator=generator)
+        self._offset = 0
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                 meta: object, attention: object, logits_indices: torch.Tensor) -> torch.Tensor:
+        rows = len(logits_indices)
+        self._offset = (self._offset + 1) % (len(self._buffer) - rows + 1)
+        return self._buffer[self._offset:self._offset + rows]
+
+
+def host_overhead(source: ModelSource, batch_sizes: tuple[int, ...] = (32, 128, 256),
+                  context_len: int = 2048, shared_len: int = 1536, decode_steps: int = 16,
+                  block_size: int = 16, seed: int = 0) -> list[dict]:
+    """Per batch size: median engine CPU time per decode step and per token, the sampler's
+    part, and one `Engine.stats()` snapshot's, over `decode_steps` steps at full batch."""
+    one_layer = dataclasses.replace(source, config=dataclasses.replace(source.config, num_layers=1))
+    vocab = source.config.vocab_size
+    rng = random.Random(seed)
+    shared = [rng.randrange(vocab) for _ in range(shared_len)]
+    rows = []
+    for batch in batch_sizes:
+        # Early requests decode while later ones still prefill: room for those steps too.
+        max_tokens = decode_steps + -(-batch * context_len // _PREFILL_BUDGET) + 1
+        prompt_len = context_len - max_tokens
+        blocks = batch * -(-(context_len - shared_len) // block_size) + shared_len // block_size
+        engine = Engine(EngineConfig(
+            model=source.name, device="cpu", dtype="bfloat16", block_size=block_size,
+            num_blocks=blocks + batch, max_model_len=context_len, max_num_seqs=batch,
+            max_num_batched_tokens=_PREFILL_BUDGET, seed=seed, threads=1), source=one_layer)
+        engine.runner.model = StubForward(batch, vocab, seed)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        for _ in range(batch):
+            engine.add_request(shared + [rng.randrange(vocab) for _ in range(prompt_len - shared_len)],
+                               params)
+        wall, cpu, stats_cpu = [], [], []
+        while len(cpu) < decode_steps:
+            started, started_cpu = time.perf_counter(), time.thread_time()
+            engine.step()
+            elapsed, elapsed_cpu = time.perf_counter() - started, time.thread_time() - started_cpu
+            started_cpu = time.thread_time()
+            stats = engine.stats()
+            if stats.batch_size == batch and stats.batch_tokens == batch:
+                wall.append(elapsed)
+                cpu.append(elapsed_cpu)
+                stats_cpu.append(time.thread_time() - started_cpu)
+        engine.abort_all()
+        step = statistics.median(cpu)
+        rows.append({"batch_size": batch, "context_len": context_len, "shared_len": shared_len,
+                     "decode_steps": len(cpu), "step_ms": 1e3 * step,
+                     "step_wall_ms": 1e3 * statistics.median(wall),
+                     "per_token_us": 1e6 * step / batch,
+                     "sample_ms": 1e3 * _sample_time(engine, batch, vocab, seed),
+                     "stats_ms": 1e3 * statistics.median(stats_cpu)})
+    return rows
+
+
+def _sample_time(engine: Engine, batch: int, vocab: int, seed: int) -> float:
+    """The sampler's math alone on a greedy batch of `batch` rows (device work on a GPU)."""
+    logits = StubForward(batch, vocab, seed)(None, None, None, None, None, torch.empty(batch))
+    sampling = SamplingBatch.build([SamplingParams(temperature=0)] * batch, [0] * batch,
+                                   [0] * batch, None, None, vocab, engine.device)
+    times = []
+    for _ in range(5):
+        started = time.thread_time()
+        sample(logits, sampling)
+        times.append(time.thread_time() - started)
+    return statistics.median(times)
+
+
+def format_host_overhead(rows: list[dict]) -> str:
+    lines = [f"host overhead (stub forward, {rows[0]['context_len']}-token contexts, "
+             f"{rows[0]['shared_len']} shared):"] if rows else []
+    lines += [f"  batch {row['batch_size']}: {row['step_ms']:.2f} ms CPU per step "
+              f"({row['per_token_us']:.1f} us per token; sampler math {row['sample_ms']:.2f} ms), "
+              f"stats() {row['stats_ms']:.2f} ms; wall {row['step_wall_ms']:.2f} ms" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,132 @@
+"""ThreadPolicy: how many torch threads the engine's steps run on, adapted to a busy machine.
+
+Every parallel region of a step (each matmul, each elementwise op) splits over the
+intra-op threads and ends at a barrier that waits for all of them. On a machine where other
+processes hold some of the cores, one descheduled thread stalls every region of the step,
+hundreds of times per step, and a step at "all cores" can be many times slower than at
+fewer. No fixed count is right on every machine at every moment, so the policy measures:
+
+- It starts from the cores this process may run on (`os.sched_getaffinity`).
+- At the first step, and again after `recheck_steps` steps or `recheck_s` seconds
+  (whichever comes first: the load on a machine changes while the engine runs), it runs a
+  trial: `trial_steps` steps alternating between the current count and a neighbouring one (half as many, or back up towards the maximum), so
+  both arms see the same mix of prefill and decode work, and keeps whichever produced
+  tokens faster by more than `margin`.
+- A fixed `threads` (EngineConfig.threads) turns the trials off.
+
+`torch.set_num_threads` reaches OpenMP per calling thread, so `apply()` sets the count at
+the start of every step on the thread that steps (AsyncEngine's thread included), not once
+at start-up on the thread that built the engine.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its CPU affinity), at least 1."""
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+@dataclass(slots=True)
+class ThreadPolicy:
+    """Chooses the thread count of each step; `record` feeds back what each step did.
+
+    Invariant: `1 <= count <= max_threads`; a trial's arms are `count` and `_candidate`,
+    which differ; outside a trial `_candidate` is None.
+    """
+
+    max_threads: int
+    adaptive: bool
+    trial_steps: int = 8
+    recheck_steps: int = 512
+    recheck_s: float = 5.0
+    margin: float = 0.05
+    clock: Callable[[], float] = time.monotonic
+    count: int = 0
+    _steps_to_trial: int = 0
+    _trial_due: float = 0.0
+    _candidate: int | None = None
+    _trial_index: int = 0
+    _arms: dict[int, list[float]] = field(default_factory=dict)  # count -> [tokens, seconds]
+    _tried_lower_last: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.max_threads >= 1 and self.trial_steps >= 2 and self.recheck_steps >= 0
+        self.count = self.count or self.max_threads
+
+    @classmethod
+    def from_setting(cls, threads: int | str | None) -> "ThreadPolicy":
+        """`threads` as EngineConfig takes it: a fixed count, or None / "auto" to adapt."""
+        if isinstance(threads, int):
+            return cls(max_threads=threads, adaptive=False)
+        cores = available_cores()
+        return cls(max_threads=cores, adaptive=cores > 1)
+
+    @property
+    def in_trial(self) -> bool:
+        return self._candidate is not None
+
+    def next_count(self) -> int:
+        """The thread count the next step should run on."""
+        if not self.adaptive:
+            return self.count
+        if self._candidate is None and (self._steps_to_trial <= 0
+                                        or self.clock() >= self._trial_due):
+            self._start_trial()
+        if self._candidate is not None and self._trial_index % 2 == 1:
+            return self._candidate
+        return self.count
+
+    def apply(self) -> int:
+        """Set the next step's count on the calling thread (cheap when unchanged)."""
+        count = self.next_count()
+        if torch.get_num_threads() != count:
+            torch.set_num_threads(count)
+        return count
+
+    def record(self, threads: int, num_tokens: int, seconds: float) -> None:
+        """What a step that ran on `threads` threads did: `num_tokens` tokens in `seconds`."""
+        if not self.adaptive:
+            return
+        if self._candidate is None:
+            self._steps_to_trial -= 1
+            return
+        arm = self._arms.setdefault(threads, [0.0, 0.0])
+        arm[0] += num_tokens
+        arm[1] += seconds
+        self._trial_index += 1
+        if self._trial_index >= self.trial_steps:
+            self._finish_trial()
+
+    def _start_trial(self) -> None:
+        lower = self.count // 2 if self.count > 1 else None
+        upper = min(self.max_threads, self.count * 2) if self.count < self.max_threads else None
+        if lower is not None and upper is not None:  # both exist: take turns
+            candidate = upper if self._tried_lower_last else lower
+        else:
+            candidate = lower if lower is not None else upper
+        assert candidate is not None and candidate != self.count
+        self._tried_lower_last = candidate < self.count
+        self._candidate, self._trial_index, self._arms = candidate, 0, {}
+
+    def _finish_trial(self) -> None:
+        current = _rate(self._arms.get(self.count))
+        candidate = _rate(self._arms.get(self._candidate))
+        if candidate > current * (1 + self.margin):
+            self.count = self._candidate
+        self._candidate = None
+        self._steps_to_trial = self.recheck_steps
+        self._trial_due = self.clock() + self.recheck_s
+
+
+def _rate(arm: list[float] | None) -> float:
+    if not arm or arm[1] <= 0:
+        return 0.0
+    return arm[0] / arm[1]

@@ -1,0 +1,86 @@
+"""The speed scenarios of `paged-chat bench`: the contention runner's busy processes never
+outlive it, and a contended run reports quiet and contended figures side by side."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from paged_chat.bench import BenchOptions, format_report, run_bench
+from paged_chat.bench.contention import busy_processes
+
+
+def gone(pid: int) -> bool:
+    """True once `pid` is no process (reaped), or only a zombie nobody will wait for."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ")[1].startswith("Z")
+    except FileNotFoundError:
+        return True
+
+
+def live_children() -> set[int]:
+    """This process's children that are running (not zombies)."""
+    children = set()
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(") ", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[1]) == os.getpid() and fields[0] != "Z":
+            children.add(int(entry))
+    return children
+
+
+def test_busy_processes_run_and_are_killed_at_the_end():
+    with busy_processes(2, bound_s=600) as processes:
+        pids = [process.pid for process in processes]
+        assert len(pids) == 2 and all(process.poll() is None for process in processes)
+    assert all(gone(pid) for pid in pids)
+
+
+def test_busy_processes_are_killed_when_interrupted():
+    with pytest.raises(KeyboardInterrupt):
+        with busy_processes(2, bound_s=600) as processes:
+            pids = [process.pid for process in processes]
+            raise KeyboardInterrupt
+    assert all(gone(pid) for pid in pids)
+
+
+def test_busy_processes_stop_by_themselves_at_their_bound():
+    with busy_processes(1, bound_s=0.5) as processes:
+        deadline = time.monotonic() + 60
+        while processes[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert processes[0].returncode == 0
+
+
+def test_contended_run_reports_quiet_and_contended(chat_model_dir):
+    options = BenchOptions(model=str(chat_model_dir), num_chats=2, min_output=3, max_output=4,
+                           dtype="float32", threads=1, systems=("paged-chat",),
+                           scenarios=False, contention=1)
+    before = live_children()
+    report = run_bench(options, log=lambda line: None)
+    names = [summary["system"] for summary in report["systems"]]
+    assert names == ["paged-chat", "paged-chat +1 busy"]
+    (row,) = report["contention"]
+    assert row["quiet_tokens_per_s"] > 0 and row["contended_tokens_per_s"] > 0
+    assert "beside 1 busy processes" in format_report(report)
+    assert live_children() <= before
+
+
+def test_host_overhead_reports_numbers(chat_model_dir):
+    from paged_chat.bench.host_overhead import format_host_overhead, host_overhead
+    from paged_chat.engine.models.loader import load_model_source
+
+    rows = host_overhead(load_model_source(str(chat_model_dir)), batch_sizes=(2, 4),
+                         context_len=256, shared_len=128, decode_steps=3)
+    assert [row["batch_size"] for row in rows] == [2, 4]
+    for row in rows:
+        assert row["decode_steps"] == 3
+        assert row["step_ms"] > 0 and row["step_wall_ms"] > 0 and row["sample_ms"] > 0
+        assert row["per_token_us"] == pytest.approx(1e3 * row["step_ms"] / row["batch_size"])
+    assert "batch 4:" in format_host_overhead(rows)

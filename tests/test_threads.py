@@ -1,0 +1,127 @@
+"""ThreadPolicy: its decisions from fed step timings (a fake clock), and that the count it
+picks holds on the thread that steps."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from paged_chat.engine import EngineConfig
+from paged_chat.engine.threads import ThreadPolicy, available_cores
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def run_steps(policy: ThreadPolicy, clock: FakeClock, seconds_per_token: dict[int, float],
+              steps: int, tokens: int = 8) -> list[int]:
+    """Step `steps` times; a step on n threads takes tokens * seconds_per_token[n]."""
+    counts = []
+    for _ in range(steps):
+        count = policy.next_count()
+        elapsed = tokens * seconds_per_token[count]
+        clock.now += elapsed
+        policy.record(count, tokens, elapsed)
+        counts.append(count)
+    return counts
+
+
+def make_policy(max_threads: int = 2, **overrides) -> tuple[ThreadPolicy, FakeClock]:
+    clock = FakeClock()
+    return ThreadPolicy(max_threads=max_threads, adaptive=True, clock=clock, **overrides), clock
+
+
+def test_quiet_machine_keeps_every_core():
+    policy, clock = make_policy()
+    counts = run_steps(policy, clock, {2: 0.001, 1: 0.0018}, steps=100)
+    assert counts[:8] == [2, 1] * 4  # the trial alternates its arms
+    assert set(counts[8:]) == {2} and policy.count == 2
+
+
+def test_contended_machine_drops_to_fewer_threads():
+    policy, clock = make_policy()
+    run_steps(policy, clock, {2: 0.02, 1: 0.002}, steps=8)
+    assert policy.count == 1 and not policy.in_trial
+
+
+def test_a_difference_within_the_margin_changes_nothing():
+    policy, clock = make_policy(margin=0.05)
+    run_steps(policy, clock, {2: 0.001, 1: 0.00098}, steps=8)
+    assert policy.count == 2
+
+
+def test_rechecks_after_the_interval_and_climbs_back_when_the_load_goes():
+    policy, clock = make_policy(recheck_s=5.0, recheck_steps=10_000)
+    run_steps(policy, clock, {2: 0.02, 1: 0.002}, steps=8)
+    assert policy.count == 1
+    # the load goes away: nothing changes until the interval has passed, then 2 wins again
+    quiet = {2: 0.001, 1: 0.0018}
+    before = run_steps(policy, clock, quiet, steps=5)
+    assert before == [1] * 5
+    clock.now += 5.0
+    after = run_steps(policy, clock, quiet, steps=8)
+    assert after == [1, 2] * 4 and policy.count == 2
+
+
+def test_rechecks_after_recheck_steps_without_time_passing():
+    policy, clock = make_policy(recheck_s=1e9, recheck_steps=20)
+    run_steps(policy, clock, {2: 0.0, 1: 0.0}, steps=8)
+    assert not policy.in_trial
+    run_steps(policy, clock, {2: 0.0, 1: 0.0}, steps=20)
+    assert policy.next_count() in (1, 2) and policy.in_trial
+
+
+def test_many_cores_try_both_neighbours_in_turn():
+    policy, clock = make_policy(max_threads=8)
+    timing = {8: 0.01, 4: 0.004, 2: 0.003, 1: 0.01}
+    run_steps(policy, clock, timing, steps=8)
+    assert policy.count == 4
+    clock.now += 10
+    run_steps(policy, clock, timing, steps=8)  # tries 8 again (the upper neighbour): keeps 4
+    assert policy.count == 4
+    clock.now += 10
+    run_steps(policy, clock, timing, steps=8)  # then 2 (the lower): takes it
+    assert policy.count == 2
+
+
+def test_a_fixed_count_never_trials():
+    policy = ThreadPolicy.from_setting(3)
+    assert not policy.adaptive
+    assert {policy.next_count() for _ in range(50)} == {3}
+
+
+def test_auto_starts_from_the_affinity():
+    assert ThreadPolicy.from_setting("auto").max_threads == available_cores()
+    assert ThreadPolicy.from_setting(None).count == available_cores()
+
+
+@pytest.mark.parametrize("bad", [0, -1, "two", 1.5, True])
+def test_config_rejects_bad_threads(bad):
+    with pytest.raises(ValueError, match="threads"):
+        EngineConfig(threads=bad)
+
+
+def test_the_count_holds_on_the_thread_that_steps(make_engine):
+    """torch.set_num_threads reaches OpenMP per thread: a count set on the main thread
+    must not be what an engine stepping on another thread runs with."""
+    engine = make_engine(threads=1)
+    torch.set_num_threads(2)
+    seen = []
+
+    def step_on_a_thread() -> None:
+        engine.add_request([1, 2, 3], None)
+        while engine.has_unfinished():
+            engine.step()
+            seen.append(torch.get_num_threads())
+
+    worker = threading.Thread(target=step_on_a_thread)
+    worker.start()
+    worker.join(timeout=120)
+    assert seen and set(seen) == {1}
