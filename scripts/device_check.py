@@ -74,7 +74,8 @@ import triton  # noqa: E402
 from paged_chat.engine.attention import triton_kernels  # noqa: E402
 from paged_chat.engine.attention.metadata import AttentionMetadata  # noqa: E402
 from paged_chat.engine.attention.torch_backend import TorchAttention  # noqa: E402
-from paged_chat.engine.attention.triton_backend import TritonAttention  # noqa: E402
+from paged_chat.engine.attention.triton_backend import (  # noqa: E402
+    SHARED_MEMORY_BYTES, TritonAttention, device_arch)
 
 
 @dataclass(frozen=True)
@@ -177,18 +178,13 @@ class Batch:
         self.seq_lens = seq_lens
         self.slot_mapping = torch.cat(slots)
         self.starts = starts
-        self.num_decodes = next((i for i, (_, new) in enumerate(seqs) if new != 1), len(seqs))
 
     def meta(self) -> AttentionMetadata:
         """Fresh metadata (backends cache per-step plans in it)."""
-        device = self.query.device
-        return AttentionMetadata(
-            slot_mapping=self.slot_mapping,
-            query_start_loc=torch.tensor(self.starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32, device=device),
-            block_tables=self.block_tables, num_decodes=self.num_decodes,
-            query_start_loc_list=self.starts, seq_lens_list=self.seq_lens,
-            block_size=self.key_cache.shape[2])
+        query_lens = [end - start for start, end in zip(self.starts, self.starts[1:])]
+        return AttentionMetadata.build(query_lens, self.seq_lens, self.block_tables,
+                                       self.key_cache.shape[2], self.query.device,
+                                       slot_mapping=self.slot_mapping)
 
 
 def backends(shape: Shape) -> tuple[TritonAttention, TorchAttention]:
@@ -269,49 +265,79 @@ def ptxas_usage(ptx: str, arch: str) -> dict[str, int]:
     return {"registers": int(registers.group(1)) if registers else -1, "spill_bytes": sum(spills)}
 
 
-def compile_stage(shapes: list[Shape], dtypes: list[torch.dtype]) -> list[dict[str, Any]]:
-    """Compile each launch of a mixed batch, a split decode and a split prefill, per shape."""
+# One model shape per head dim the compile matrix covers (tiles depend on the head dim, the
+# dtype and the architecture; the group only changes how the rows are split into tokens).
+COMPILE_SHAPES = {
+    64: Shape("smollm2-135m", 9, 3, 64, 16),
+    80: Shape("d80-gqa5", 20, 4, 80, 32),
+    96: Shape("phi3-mini", 32, 32, 96, 16),
+    128: Shape("qwen2-7b", 28, 4, 128, 32),
+    256: Shape("gemma3-d256", 8, 4, 256, 16),
+}
+COMPILE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEFAULT_ARCHS = (80, 86, 89, 90)
+
+
+def variant_launches(shape: Shape, dtype: torch.dtype, arch: int
+                     ) -> list[tuple[Any, dict[str, Any], dict[str, Any]]]:
+    """Every kernel launch the backend can make for this shape and dtype on `arch`: the K/V
+    store, and the decode and prefill launch with a split merge (the split count and the
+    sliding window are runtime arguments: one variant serves every value)."""
+    batch = Batch(shape, [(40, 1), (9, 1), (21, 19), (600, 3)], dtype, torch.device("cpu"))
+    triton_backend, _ = backends(shape)
+    meta = batch.meta()
+    output = torch.empty_like(batch.query)
+    with captured_launches() as launches:
+        triton_kernels.store_kv(batch.key, batch.value, batch.key_cache, batch.value_cache,
+                                meta.slot_mapping)
+        for seqs, kind in ((range(2), "decode"), (range(2, 4), "prefill")):
+            block_q, tiles = triton_backend.tile(kind, dtype, arch)
+            triton_kernels.paged_attention(
+                batch.query, batch.key_cache, batch.value_cache, output, meta, seqs, 0.125,
+                block_q=block_q, tile_n=tiles.tile_n, num_splits=4, num_warps=tiles.num_warps,
+                num_stages=tiles.num_stages)
+    return launches
+
+
+def compile_stage(archs: list[int], head_dims: list[int],
+                  dtypes: list[str]) -> list[dict[str, Any]]:
+    """Compile every variant for every (arch, head dim, dtype) with triton's own compiler
+    (no GPU needed), with the registers and spills ptxas reports and the shared memory the
+    launch needs against what the architecture has (`ok` is False past either)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    if torch.cuda.is_available():
-        target = triton.runtime.driver.active.get_current_target()
-    else:
-        target = GPUTarget("cuda", 90, 32)
-    arch = f"sm_{target.arch}a" if target.arch >= 90 else f"sm_{target.arch}"
-    results, seen = [], set()
-    for shape in shapes:
-        for dtype in dtypes:
-            batch = Batch(shape, [(40, 1), (9, 1), (21, 19), (600, 3)], dtype, torch.device("cpu"))
-            triton_backend, _ = backends(shape)
-            with captured_launches() as launches:
-                meta = batch.meta()
-                triton_backend(batch.query, batch.key, batch.value, batch.key_cache,
-                               batch.value_cache, meta)
-                output = torch.empty_like(batch.query)
-                for seqs, kind in ((range(2), "decode"), (range(2, 4), "prefill")):
-                    block_q, tile_n = triton_backend.tile(kind, dtype)
-                    triton_kernels.paged_attention(
-                        batch.query, batch.key_cache, batch.value_cache, output, meta, seqs,
-                        0.125, block_q=block_q, tile_n=tile_n, num_splits=8)
-            for kernel, named, options in launches:
-                signature, constexprs, attrs = specialise(kernel, named)
-                key = (kernel.fn.__name__, repr(sorted(signature.items())), repr(constexprs),
-                       repr(sorted(attrs)), repr(options))
-                if key in seen:
-                    continue
-                seen.add(key)
-                start = time.perf_counter()
-                compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
-                                          target=target, options=options)
-                entry = {"kernel": kernel.fn.__name__, "shape": shape.name, "dtype": str(dtype),
-                         "constexprs": {k: v for k, v in constexprs.items()
-                                        if k.isupper()},
-                         "num_warps": options.get("num_warps", 4),
-                         "shared_bytes": compiled.metadata.shared,
-                         "compile_s": round(time.perf_counter() - start, 2)}
-                entry |= ptxas_usage(compiled.asm["ptx"], arch)
-                results.append(entry)
+    results = []
+    for arch in archs:
+        target = GPUTarget("cuda", arch, 32)
+        ptx_arch = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        shared_limit = SHARED_MEMORY_BYTES[arch]
+        seen = set()
+        for head_dim in head_dims:
+            shape = COMPILE_SHAPES[head_dim]
+            for dtype_name in dtypes:
+                for kernel, named, options in variant_launches(shape, COMPILE_DTYPES[dtype_name],
+                                                               arch):
+                    signature, constexprs, attrs = specialise(kernel, named)
+                    key = (kernel.fn.__name__, repr(sorted(signature.items())), repr(constexprs),
+                           repr(sorted(attrs)), repr(options))
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    start = time.perf_counter()
+                    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+                                              target=target, options=options)
+                    entry = {"arch": arch, "kernel": kernel.fn.__name__, "head_dim": head_dim,
+                             "shape": shape.name, "dtype": dtype_name,
+                             "constexprs": {k: v for k, v in constexprs.items() if k.isupper()},
+                             "num_warps": options.get("num_warps", 4),
+                             "num_stages": options.get("num_stages"),
+                             "shared_bytes": compiled.metadata.shared,
+                             "shared_limit": shared_limit,
+                             "compile_s": round(time.perf_counter() - start, 2)}
+                    entry |= ptxas_usage(compiled.asm["ptx"], ptx_arch)
+                    entry["ok"] = entry["spill_bytes"] == 0 and entry["shared_bytes"] <= shared_limit
+                    results.append(entry)
     return results
 
 
@@ -445,7 +471,8 @@ def timings_stage(plan: Plan, copy_gb_per_s: float | None) -> list[dict[str, Any
                     range(len(seqs)), scale, block_q=block_q, tile_n=tile_n,
                     num_splits=splits, num_warps=warps), plan.device, plan.iters)
 
-            block_q, tile_n = triton_backend.tile(kind, torch.bfloat16)
+            block_q, tiles = triton_backend.tile(kind, torch.bfloat16, device_arch(plan.device))
+            tile_n = tiles.tile_n
             programs = sum(triton.cdiv(new, block_q) for _, new in seqs) * shape.num_kv_heads
             splits = triton_kernels.choose_num_splits(programs, max(batch.seq_lens), sms)
             entry = {"kind": kind, "shape": shape.name, "case": name, "splits": splits,
@@ -609,6 +636,11 @@ def table(summary: dict[str, Any]) -> str:
         lines.append(f"compile: {len(compiled)} variants, max registers "
                      f"{max(c['registers'] for c in compiled)}, worst spills "
                      f"{worst['spill_bytes']} B ({worst['kernel']} {worst['shape']})")
+        for c in compiled:
+            if not c["ok"]:
+                lines.append(f"compile FAILED sm_{c['arch']} {c['kernel']} d{c['head_dim']} "
+                             f"{c['dtype']} {c['constexprs']}: {c['spill_bytes']} B spilled, "
+                             f"{c['shared_bytes']} of {c['shared_limit']} B shared")
     if summary.get("bandwidth"):
         lines.append(f"copy bandwidth: {summary['bandwidth']['copy_gb_per_s']} GB/s")
     for check in summary.get("kernels") or []:
@@ -637,7 +669,12 @@ def main() -> int:
                       help="only compile the kernels for the GPU (none needed)")
     mode.add_argument("--cpu-dry-run", action="store_true",
                       help="every stage at toy sizes on the CPU (needs TRITON_INTERPRET=1)")
-    parser.add_argument("--quick", action="store_true", help="compile one small shape, bf16")
+    parser.add_argument("--arch", type=_int_list, help="compute capabilities to compile for "
+                        f"(default {','.join(map(str, DEFAULT_ARCHS))}; on a GPU, its own)")
+    parser.add_argument("--head-dims", type=_int_list, default=list(COMPILE_SHAPES),
+                        help="head dims to compile (default all: 64,80,96,128,256)")
+    parser.add_argument("--dtypes", type=lambda text: text.split(","),
+                        default=list(COMPILE_DTYPES), help="bf16,fp16,fp32 (default all)")
     parser.add_argument("--out", type=Path, help="where to write the JSON summary")
     args = parser.parse_args()
     out = args.out or Path(os.environ.get("OUT", ".")) / "device_check.json"
@@ -654,15 +691,10 @@ def main() -> int:
                          "set TRITON_INTERPRET=1")
         plan = DRY_PLAN
     else:
-        if args.quick:
-            stages.append(("compile", lambda: compile_stage(TINY_SHAPES[:1], [torch.bfloat16])))
-        elif args.compile_only or not cuda:
-            stages.append(("compile", lambda: compile_stage(SHAPES,
-                                                            [torch.bfloat16, torch.float16])))
-        else:  # the JIT compiles everything again below: report two shapes, spend little
-            stages.append(("compile", lambda: compile_stage(SHAPES[:2], [torch.bfloat16])))
+        archs = args.arch or ([device_arch(torch.device("cuda"))] if cuda else DEFAULT_ARCHS)
+        stages.append(("compile", lambda: compile_stage(archs, args.head_dims, args.dtypes)))
         plan = GPU_PLAN
-    if args.cpu_dry_run or (cuda and not args.compile_only and not args.quick):
+    if args.cpu_dry_run or (cuda and not args.compile_only):
         stages += [("bandwidth", lambda: bandwidth_stage(plan)),
                    ("kernels", lambda: kernels_stage(plan)),
                    ("timings", lambda: timings_stage(
@@ -680,8 +712,12 @@ def main() -> int:
         out.write_text(json.dumps(summary, indent=1, default=str))
     print(table(summary))
     print(f"summary: {out}")
-    kernels_ok = all(check["ok"] for check in summary.get("kernels") or [])
-    return 0 if not summary["errors"] and kernels_ok else 1
+    checks = [*(summary.get("compile") or []), *(summary.get("kernels") or [])]
+    return 0 if not summary["errors"] and all(check["ok"] for check in checks) else 1
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(part) for part in text.split(",")]
 
 
 if __name__ == "__main__":

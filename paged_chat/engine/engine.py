@@ -369,17 +369,12 @@ class Engine:
         scratch = torch.zeros((self.model_config.num_layers, 2,
                                *attention.kv_cache_shape(blocks, self.block_size)),
                               dtype=self.dtype, device=self.device)
-        positions = torch.arange(tokens, device=self.device)
-        meta = AttentionMetadata(
-            slot_mapping=positions, block_size=self.block_size, num_decodes=0,
-            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
-            query_start_loc_list=[0, tokens], seq_lens_list=[tokens])
+        meta = AttentionMetadata.build([tokens], [tokens], [list(range(blocks))], self.block_size,
+                                       self.device)
         rows = torch.arange(min(self.config.max_num_seqs, tokens), device=self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         with torch.inference_mode():
-            model(torch.zeros_like(positions), positions, scratch, meta, attention, rows)
+            model(torch.zeros_like(meta.positions), meta.positions, scratch, meta, attention, rows)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - scratch.nbytes
         del scratch

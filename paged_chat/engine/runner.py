@@ -1,10 +1,11 @@
 """ModelRunner: turns a scheduled step into flat batch tensors, runs the model, samples.
 
 The KV cache is one preallocated tensor `[layers, 2, *attention.kv_cache_shape(...)]`
-(keys and values of every layer, in the attention backend's layout); the runner owns it. Per step it builds, on the host and in one transfer:
-token ids, positions, slot mapping, query offsets, context lengths and block tables; the
-model computes logits only for the rows that sample (the last token of each sequence
-whose known tokens are all computed after this step).
+(keys and values of every layer, in the attention backend's layout); the runner owns it.
+Per step it builds, on the host with numpy and sent in one copy (`AttentionMetadata.build`):
+token ids, positions, slot mapping, query offsets, context lengths, block tables and the
+rows to compute logits for: the model computes them only for the rows that sample (the
+last token of each sequence whose known tokens are all computed after this step).
 
 Sampling faults stay with their request: a row whose logits are not finite, or a batch
 whose sampling raises, yields an exception in that row's place (the batch is then sampled
@@ -16,10 +17,11 @@ from __future__ import annotations
 import itertools
 import time
 
+import numpy as np
 import torch
 
-from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.backend import AttentionBackend
+from paged_chat.engine.attention.metadata import AttentionMetadata, StagingBuffer
 from paged_chat.engine.models.llama import LlamaForCausalLM
 from paged_chat.engine.sampler import SamplingBatch, sample
 from paged_chat.engine.scheduler import ScheduledRequest
@@ -38,6 +40,7 @@ class ModelRunner:
         self.attention = attention
         self.device = kv_cache.device
         self.last_forward_s = 0.0
+        self._staging = StagingBuffer(self.device)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest],
@@ -48,13 +51,11 @@ class ModelRunner:
         `scheduled` must list single-token items first (the scheduler sorts it so). An
         exception from the forward propagates: it concerns the whole batch.
         """
-        input_ids, positions, meta = self._prepare(scheduled, block_tables)
+        meta = self._prepare(scheduled, block_tables)
+        input_ids, logits_indices = meta.extra
         samplers = [item for item in scheduled if item.samples]
-        ends = torch.tensor(meta.query_start_loc_list[1:])
-        sample_mask = torch.tensor([item.samples for item in scheduled])
-        logits_indices = (ends[sample_mask] - 1).to(self.device)
         started = time.perf_counter()
-        logits = self.model(input_ids, positions, self.kv_cache, meta, self.attention,
+        logits = self.model(input_ids, meta.positions, self.kv_cache, meta, self.attention,
                             logits_indices)
         self.last_forward_s = time.perf_counter() - started
         if not samplers:
@@ -87,37 +88,22 @@ class ModelRunner:
                 if token < 0 else token for token in torch.where(bad, -1, tokens).tolist()]
 
     def _prepare(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                 ) -> AttentionMetadata:
+        """The step's metadata, its token ids and logits rows (`meta.extra`) on the device,
+        built with numpy on the host and sent in one copy through the runner's staging
+        buffer (whose device side, block tables included, is rewritten in place)."""
         starts = [item.request.num_computed_tokens for item in scheduled]
         counts = [item.num_new_tokens for item in scheduled]
-        token_ids = list(itertools.chain.from_iterable(
+        token_ids = np.fromiter(itertools.chain.from_iterable(
             item.request.all_token_ids[start:start + count]
-            for item, start, count in zip(scheduled, starts, counts)))
-        query_start_loc = [0, *itertools.accumulate(counts)]
-        seq_lens = [start + count for start, count in zip(starts, counts)]
-        width = max(len(table) for table in block_tables)
-        padded_tables = [table + [0] * (width - len(table)) for table in block_tables]
-
-        counts_t = torch.tensor(counts)
-        seq_index = torch.repeat_interleave(torch.arange(len(scheduled)), counts_t)
-        offsets = torch.repeat_interleave(torch.tensor(starts) - torch.tensor(query_start_loc[:-1]),
-                                          counts_t)
-        positions = torch.arange(len(token_ids)) + offsets
-        tables = torch.tensor(padded_tables, dtype=torch.int32)
-        slots = (tables[seq_index, positions // self.block_size].long() * self.block_size
-                 + positions % self.block_size)
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(self.device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            block_tables=tables.to(self.device),
-            num_decodes=sum(1 for count in counts if count == 1),
-            query_start_loc_list=query_start_loc,
-            seq_lens_list=seq_lens,
-            block_size=self.block_size,
-        )
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        return input_ids, positions.to(self.device), meta
+            for item, start, count in zip(scheduled, starts, counts)), dtype=np.int64)
+        samples = np.fromiter((item.samples for item in scheduled), dtype=bool,
+                              count=len(scheduled))
+        logits_indices = np.cumsum(counts)[samples] - 1
+        return AttentionMetadata.build(
+            counts, [start + count for start, count in zip(starts, counts)], block_tables,
+            self.block_size, self.device, extra=(token_ids, logits_indices),
+            staging=self._staging)
 
     def _sampling_batch(self, samplers: list[ScheduledRequest], vocab_size: int) -> SamplingBatch:
         requests = [item.request for item in samplers]
