@@ -109,6 +109,8 @@ class Plan:
     kernel_batches: dict[str, list[tuple[int, int]]]
     decode_cases: list[tuple[int, int]]                 # (batch size, context)
     prefill_cases: dict[str, list[tuple[int, int]]]
+    self_test_batch: list[tuple[int, int]]          # decodes long enough for 4 splits
+    big_pool_blocks: int                             # 0: no pool past 2**31 elements
     copy_bytes: int
     iters: int
     engine_prompts: int
@@ -127,6 +129,8 @@ GPU_PLAN = Plan(
     decode_cases=[(1, 4096), (1, 32768), (32, 1024), (32, 4096), (128, 1024), (128, 4096)],
     prefill_cases={"prompt-512": [(0, 512)], "4x-prompt-512": [(0, 512)] * 4,
                    "chunk-512-after-3584": [(3584, 512)], "turn-64-after-8000": [(8000, 64)]},
+    self_test_batch=[(4000, 1), (1500, 1), (777, 1)],
+    big_pool_blocks=2**31 // (16 * 3 * 64) + 64,   # smollm2's blocks: 3 KV heads x 64 x 16
     copy_bytes=2**30, iters=20, engine_prompts=8, engine_prompt_lens=(20, 400),
     engine_max_tokens=32, engine_batches=(1, 32, 128), throughput_prompt_len=128)
 DRY_PLAN = Plan(
@@ -134,6 +138,7 @@ DRY_PLAN = Plan(
     kernel_batches={"decode": [(37, 1), (15, 1), (0, 1)],
                     "mixed": [(20, 1), (21, 19), (0, 13)]},
     decode_cases=[(2, 40)], prefill_cases={"turn-5-after-33": [(33, 5)]},
+    self_test_batch=[(70, 1), (45, 1)], big_pool_blocks=0,
     copy_bytes=2**24, iters=2, engine_prompts=2, engine_prompt_lens=(5, 20),
     engine_max_tokens=3, engine_batches=(1, 2), throughput_prompt_len=8)
 
@@ -145,13 +150,14 @@ class Batch:
     """One step's flat batch on `device`: shuffled block tables, NaN in every unowned slot."""
 
     def __init__(self, shape: Shape, seqs: list[tuple[int, int]], dtype: torch.dtype,
-                 device: torch.device, seed: int = 0) -> None:
+                 device: torch.device, seed: int = 0, pool_blocks: int = 0) -> None:
+        """`pool_blocks` makes the pool at least that large, the batch's blocks at its top end."""
         generator = torch.Generator(device=device).manual_seed(seed)
         bs, kvh, dim = shape.block_size, shape.num_kv_heads, shape.head_dim
         seq_lens = [prefix + new for prefix, new in seqs]
         counts = [-(-n // bs) for n in seq_lens]
-        num_blocks = 1 + sum(counts)
-        order = 1 + torch.randperm(num_blocks - 1, device=device, generator=generator)
+        num_blocks = max(1 + sum(counts), pool_blocks)
+        order = num_blocks - 1 - torch.randperm(sum(counts), device=device, generator=generator)
         width = max(counts) + 1
         self.block_tables = torch.zeros(len(seqs), width, dtype=torch.int32, device=device)
         cursor = 0
@@ -387,39 +393,116 @@ def bandwidth_stage(plan: Plan) -> dict[str, float]:
 # ---- stage: kernels ----------------------------------------------------------------------
 
 
+# A row (one token's output for one head) is wrong when its relative error against the fp32
+# reference exceeds twice the torch backend's on the same inputs, or this floor: rounding
+# alone is ~4e-3 in bf16 and ~5e-4 in fp16, while a lost split of 2-32 moves a row by
+# 0.1-1 (test_device_check_catches_a_dropped_split).
+ROW_TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3, torch.float32: 1e-4}
+
+
+def row_errors(ours: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """Relative L2 error of each (token, head) row of `ours` against `reference`."""
+    diff = (ours.float() - reference).norm(dim=-1)
+    return diff / reference.norm(dim=-1).clamp_min(1e-6)
+
+
+@contextmanager
+def dropped_split(index: int) -> Iterator[list[int]]:
+    """Make every split merge ignore split `index` (its log-sum-exp forced to -inf), as a
+    broken split bound or merge would; yields the list of merges it dropped a split from."""
+    original = triton_kernels._merge_splits_kernel
+    fired: list[int] = []
+
+    class Dropping:
+        def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+            def launch(partial_out: torch.Tensor, partial_lse: torch.Tensor, *args: Any,
+                       **kwargs: Any) -> None:
+                partial_lse[..., index] = float("-inf")
+                fired.append(index)
+                original[grid](partial_out, partial_lse, *args, **kwargs)
+            return launch
+
+    triton_kernels._merge_splits_kernel = Dropping()
+    try:
+        yield fired
+    finally:
+        triton_kernels._merge_splits_kernel = original
+
+
+def check_batch(shape: Shape, seqs: list[tuple[int, int]], dtype: torch.dtype,
+                device: torch.device, *, seed: int = 0, pool_blocks: int = 0,
+                num_splits: int | None = None) -> dict[str, Any]:
+    """The Triton backend against an fp32 reference (the torch backend on the same cache),
+    row by row, next to the torch backend in `dtype`; the K/V store checked exactly.
+    `num_splits` forces a split count on the kernels (the backend picks its own when None)."""
+    batch = Batch(shape, seqs, dtype, device, seed=seed, pool_blocks=pool_blocks)
+    triton_backend, torch_backend = backends(shape)
+    expected_k, expected_v = batch.key_cache.clone(), batch.value_cache.clone()
+    for cache, new in ((expected_k, batch.key), (expected_v, batch.value)):
+        cache.view(shape.num_kv_heads, -1, shape.head_dim)[:, batch.slot_mapping] = \
+            new.transpose(0, 1)
+    clean = [c.nan_to_num(0.0) for c in (expected_k, expected_v)]
+    reference = torch_backend(batch.query.float(), batch.key.float(), batch.value.float(),
+                              *(c.float() for c in clean), batch.meta())
+    torch_out = torch_backend(batch.query, batch.key, batch.value, *clean, batch.meta())
+    del clean
+    if num_splits is None:
+        triton_out = triton_backend(batch.query, batch.key, batch.value, batch.key_cache,
+                                    batch.value_cache, batch.meta())
+    else:
+        meta = batch.meta()
+        triton_kernels.store_kv(batch.key, batch.value, batch.key_cache, batch.value_cache,
+                                meta.slot_mapping)
+        triton_out = torch.empty_like(batch.query)
+        block_q, tiles = triton_backend.tile("decode", dtype, device_arch(device))
+        triton_kernels.paged_attention(
+            batch.query, batch.key_cache, batch.value_cache, triton_out, meta,
+            range(meta.num_seqs), shape.head_dim ** -0.5, block_q=block_q,
+            tile_n=tiles.tile_n, num_splits=num_splits)
+    synchronize(device)
+    stored = all(torch.equal(ours.nan_to_num(7.0), theirs.nan_to_num(7.0))
+                 for ours, theirs in ((batch.key_cache, expected_k), (batch.value_cache, expected_v)))
+    triton_rows = row_errors(triton_out, reference)
+    torch_rows = row_errors(torch_out, reference)
+    bad = ~(triton_rows <= torch.clamp(2 * torch_rows, min=ROW_TOLERANCE[dtype]))
+    return {"shape": shape.name, "dtype": str(dtype).removeprefix("torch."),
+            "tokens": batch.query.shape[0], "pool_elements": batch.key_cache.numel(),
+            "triton_worst_row_err": triton_rows.max().item(),
+            "torch_worst_row_err": torch_rows.max().item(),
+            "bad_rows": int(bad.sum()), "store_exact": stored,
+            "ok": stored and not bool(bad.any())}
+
+
+def drop_split_self_test(shape: Shape, seqs: list[tuple[int, int]], dtype: torch.dtype,
+                         device: torch.device) -> dict[str, Any]:
+    """The row check passes a correct 4-way split and fails one with a split dropped: if it
+    did not, a broken merge would pass the device check unseen."""
+    clean = check_batch(shape, seqs, dtype, device, num_splits=4)
+    with dropped_split(1) as fired:
+        dropped = check_batch(shape, seqs, dtype, device, num_splits=4)
+    return {"shape": shape.name, "batch": "self-test: split 1 of 4 dropped",
+            "dtype": str(dtype).removeprefix("torch."), "clean_ok": clean["ok"],
+            "dropped_ok": dropped["ok"], "dropped_bad_rows": dropped["bad_rows"],
+            "ok": clean["ok"] and bool(fired) and not dropped["ok"]}
+
+
 def kernels_stage(plan: Plan) -> list[dict[str, Any]]:
-    """Triton (bf16) and torch (bf16) against an fp32 reference on the same bf16 cache."""
+    """Row-by-row checks in bf16 and fp16 at every shape and batch of the plan, a KV pool
+    past 2**31 elements with the batch's blocks at its top end, and the check's self-test."""
     results = []
-    for shape in plan.shapes:
-        for name, seqs in plan.kernel_batches.items():
-            batch = Batch(shape, seqs, torch.bfloat16, plan.device, seed=len(results))
-            triton_backend, torch_backend = backends(shape)
-            expected_k, expected_v = batch.key_cache.clone(), batch.value_cache.clone()
-            for cache, new in ((expected_k, batch.key), (expected_v, batch.value)):
-                cache.view(shape.num_kv_heads, -1, shape.head_dim)[:, batch.slot_mapping] = \
-                    new.transpose(0, 1)
-            clean = [c.float().nan_to_num(0.0) for c in (expected_k, expected_v)]
-            reference = torch_backend(batch.query.float(), batch.key.float(), batch.value.float(),
-                                      *clean, batch.meta())
-            bf16_clean = [c.nan_to_num(0.0) for c in (expected_k, expected_v)]
-            torch_out = torch_backend(batch.query, batch.key, batch.value, *bf16_clean,
-                                      batch.meta())
-            triton_out = triton_backend(batch.query, batch.key, batch.value, batch.key_cache,
-                                        batch.value_cache, batch.meta())
-            synchronize(plan.device)
-            stored = all(torch.equal(ours.nan_to_num(7.0), theirs.nan_to_num(7.0))
-                         for ours, theirs in ((batch.key_cache, expected_k),
-                                              (batch.value_cache, expected_v)))
-            triton_err = (triton_out.float() - reference).abs().max().item()
-            torch_err = (torch_out.float() - reference).abs().max().item()
-            results.append({
-                "shape": shape.name, "batch": name, "tokens": batch.query.shape[0],
-                "triton_max_err": triton_err, "torch_bf16_max_err": torch_err,
-                "store_exact": stored,
-                "ok": stored and math.isfinite(triton_err)
-                and triton_err <= max(2 * torch_err, 2e-2)})
-            del batch, clean, bf16_clean, reference, torch_out, triton_out, expected_k, expected_v
-            release(plan.device)
+    for dtype in (torch.bfloat16, torch.float16):
+        for shape in plan.shapes:
+            for name, seqs in plan.kernel_batches.items():
+                results.append({"batch": name} | check_batch(shape, seqs, dtype, plan.device,
+                                                             seed=len(results)))
+                release(plan.device)
+    shape = plan.shapes[0]
+    if plan.big_pool_blocks:
+        results.append({"batch": "pool past 2**31 elements"} | check_batch(
+            shape, plan.kernel_batches["mixed"], torch.bfloat16, plan.device,
+            pool_blocks=plan.big_pool_blocks))
+        release(plan.device)
+    results.append(drop_split_self_test(shape, plan.self_test_batch, torch.float16, plan.device))
     return results
 
 
@@ -644,9 +727,16 @@ def table(summary: dict[str, Any]) -> str:
     if summary.get("bandwidth"):
         lines.append(f"copy bandwidth: {summary['bandwidth']['copy_gb_per_s']} GB/s")
     for check in summary.get("kernels") or []:
-        lines.append(f"kernels {check['shape']:14s} {check['batch']:12s} ok={check['ok']!s:5s} "
-                     f"triton err {check['triton_max_err']:.2e}  torch bf16 err "
-                     f"{check['torch_bf16_max_err']:.2e}  store exact {check['store_exact']}")
+        if "triton_worst_row_err" not in check:
+            lines.append(f"kernels {check['shape']:14s} {check['batch']}: ok={check['ok']} "
+                         f"(clean passes: {check['clean_ok']}, dropped passes: "
+                         f"{check['dropped_ok']}, {check['dropped_bad_rows']} bad rows)")
+            continue
+        lines.append(f"kernels {check['shape']:14s} {check['batch']:12s} {check['dtype']:8s} "
+                     f"ok={check['ok']!s:5s} worst row err triton "
+                     f"{check['triton_worst_row_err']:.2e}, torch "
+                     f"{check['torch_worst_row_err']:.2e}; {check['bad_rows']} bad rows; "
+                     f"store exact {check['store_exact']}")
     for t in summary.get("timings") or []:
         rate = (f"{t['kernel_gb_per_s']} GB/s = {t.get('fraction_of_copy')} of copy, "
                 f"1 split {t['kernel_ms_one_split']:.3f} ms" if t["kind"] == "decode"
