@@ -10,11 +10,13 @@ head dims that are not powers of two, shuffled block tables, tiles that span blo
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,10 +25,12 @@ import torch
 triton = pytest.importorskip("triton", reason="the Triton kernels need the triton package "
                              "(extra 'gpu')")
 import triton.language as tl  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
 
 from paged_chat.engine import PagedChatError, SamplingParams
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.torch_backend import TorchAttention
+from paged_chat.engine.attention import triton_backend  # noqa: E402
 from paged_chat.engine.attention.triton_backend import SHARED_MEMORY_BYTES, TritonAttention
 from paged_chat.engine.attention.triton_kernels import (  # noqa: E402
     MAX_SPLITS, _cache_offsets, choose_num_splits, paged_attention, store_kv)
@@ -401,3 +405,67 @@ def test_sliding_window_never_reads_tiles_before_the_window():
     ours = backend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache,
                    batch.meta, sliding_window=window)
     check_output(ours, expected, torch.float32)
+
+
+@contextlib.contextmanager
+def recorded_variants() -> Iterator[set]:
+    """Forward every Triton launch, recording the compiled variant a GPU would use for it:
+    the kernel and its specialisation (constexprs, integer and alignment attributes, pointer
+    types, warps and stages), as the JIT's cache keys it."""
+    from paged_chat.engine.attention import triton_kernels
+
+    device_check = _device_check()
+    seen: set = set()
+    names = ("_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel")
+    originals = {name: getattr(triton_kernels, name) for name in names}
+
+    class Recording:
+        def __init__(self, kernel) -> None:
+            self.kernel = kernel
+            self.jit = JITFunction(kernel.fn, **kernel.kwargs)   # the GPU's view of it
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                options = tuple(sorted((k, kwargs[k]) for k in ("num_warps", "num_stages")
+                                       if k in kwargs))
+                named = dict(zip(self.jit.arg_names, args)) | {
+                    k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
+                signature, constexprs, attrs = device_check.specialise(self.jit, named)
+                seen.add((self.kernel.fn.__name__, repr(sorted(signature.items())),
+                          repr(sorted(constexprs.items())), repr(sorted(attrs.items())), options))
+                self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name, kernel in originals.items():
+        setattr(triton_kernels, name, Recording(kernel))
+    try:
+        yield seen
+    finally:
+        for name, kernel in originals.items():
+            setattr(triton_kernels, name, kernel)
+
+
+def test_warm_up_leaves_no_kernel_variant_to_compile(make_engine, monkeypatch):
+    """After `Engine.warm_up` (which a CUDA engine runs before it serves), a generation that
+    grows contexts past the split threshold, mixes decodes with chunked prefills and ends
+    chunks mid-block launches no kernel variant the warm-up did not: nothing compiles mid-chat.
+    Splits are planned as for a 132-SM GPU (the interpreter would never split), from 32
+    keys on (not 512), to keep the interpreter's work small."""
+    from paged_chat.engine.attention import triton_kernels
+
+    monkeypatch.setattr(triton_backend, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(triton_kernels, "MIN_KEYS_PER_SPLIT", 16)
+    engine = make_engine(attention_backend="triton", max_model_len=160,
+                         max_num_batched_tokens=24, num_blocks=64)
+    lines: list[str] = []
+    with recorded_variants() as seen:
+        engine.warm_up(lines.append)
+        warmed = set(seen)
+        seen.clear()
+        prompts = [list(range(3, 90)), list(range(40, 61)), list(range(7, 44))]
+        engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert {variant[0] for variant in warmed} == {
+        "_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel"}
+    assert {variant[0] for variant in seen} == {variant[0] for variant in warmed}
+    assert seen <= warmed, seen - warmed
+    assert lines[-1].startswith("kernels ready")

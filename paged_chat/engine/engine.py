@@ -14,7 +14,7 @@ import operator
 import os
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
@@ -41,7 +41,9 @@ _DEFAULT_CPU_KV_CAP = 2 * 2**30
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None,
+                 progress: Callable[[str], None] | None = None) -> None:
+        """`progress` gets a line per start-up stage that takes a while (kernel warm-up)."""
         self.config = config
         self.device = _resolve_device(config.device)
         self.dtype = _resolve_dtype(config.dtype, self.device)
@@ -65,6 +67,8 @@ class Engine:
         self.max_model_len = min(model_len, self.num_blocks * self.block_size)
         kv_cache = self._allocate_kv_cache(attention)
         self.runner = ModelRunner(model, kv_cache, self.block_size, attention)
+        if attention.compiles_kernels and self.device.type == "cuda":
+            self.warm_up(progress)
         self.kv_cache = KVCacheManager(self.num_blocks, self.block_size,
                                        config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
@@ -293,6 +297,27 @@ class Engine:
         )
 
     # ---- set-up ---------------------------------------------------------------------
+
+    def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
+        """Compile every kernel variant this configuration can reach before serving, so none
+        compiles mid-chat (a pause of a second or more each on a GPU).
+
+        The Triton kernels take the split count and the sliding window at run time, so a
+        launch's variant depends only on its kind (decode or prefill) and on whether a
+        split merge runs; two steps reach them all: the largest prefill the token budget
+        allows, and one decode at the longest context (split when a GPU would split it).
+        """
+        report = progress or (lambda line: None)
+        longest, budget = self.max_model_len, min(self.config.max_num_batched_tokens,
+                                                  self.max_model_len)
+        steps = [("prefill", [budget], [budget]), ("decode", [1], [longest])]
+        started = time.perf_counter()
+        for done, (kind, query_lens, seq_lens) in enumerate(steps, 1):
+            report(f"compiling kernels: {kind} ({done}/{len(steps)})")
+            self.runner.run_dummy_step(query_lens, seq_lens)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        report(f"kernels ready in {time.perf_counter() - started:.1f} s")
 
     def _attention(self, model: ModelConfig) -> AttentionBackend:
         """Triton kernels on CUDA when triton imports ("auto"), else the torch reference.

@@ -66,6 +66,19 @@ class ModelRunner:
             return [self._sample_row(logits[row:row + 1], item)
                     for row, item in enumerate(samplers)]
 
+    @torch.inference_mode()
+    def run_dummy_step(self, query_lens: list[int], seq_lens: list[int]) -> None:
+        """A forward over made-up tokens, no sampling: what warm-up and profiling run. Its
+        K/V go to blocks 0, 1, 2... of the pool, which holds nothing yet: every block is
+        written by the request that owns it before anything reads it."""
+        num_blocks = self.kv_cache.shape[3]
+        tables = [[block % num_blocks for block in range(-(-length // self.block_size))]
+                  for length in seq_lens]
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size,
+                                       self.device, staging=self._staging)
+        self.model(torch.zeros_like(meta.positions), meta.positions, self.kv_cache, meta,
+                   self.attention, meta.query_start_loc[1:].long() - 1)
+
     def _sample_row(self, logits: torch.Tensor, item: ScheduledRequest) -> int | Exception:
         try:
             return self._sample(logits, [item])[0]

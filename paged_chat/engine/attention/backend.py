@@ -16,7 +16,10 @@ from paged_chat.engine.attention.metadata import AttentionMetadata
 
 class AttentionBackend:
     """Stores a step's K/V by slot mapping, then attends. `scale` is 1/sqrt(head_dim)
-    unless the model says otherwise."""
+    unless the model says otherwise. `compiles_kernels`: its kernels compile on first use
+    (the engine warms such a backend up before it serves)."""
+
+    compiles_kernels = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -32,6 +35,9 @@ class AttentionBackend:
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
-        """query [T, heads, dim], key/value [T, kv_heads, dim] -> output [T, heads, dim]."""
+                 meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
+        """query [T, heads, dim], key/value [T, kv_heads, dim] -> output [T, heads, dim].
+
+        `sliding_window` (transformers' semantics): a query at position p attends the keys
+        k with p - sliding_window < k <= p; None attends the whole prefix."""
         raise NotImplementedError

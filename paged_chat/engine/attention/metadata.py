@@ -11,7 +11,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-_ALIGN = 8  # bytes: every array in a staging buffer starts where an int64 may
+# Bytes: every array in a staging buffer starts 16-byte aligned, as a fresh allocation does;
+# Triton specialises its kernels on pointer alignment, so a step's arrays must not move in
+# and out of it (each change would compile another kernel variant).
+_ALIGN = 16
 
 
 class StagingBuffer:

@@ -16,7 +16,6 @@ checks the whole matrix; CI a part of it).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +24,7 @@ import triton
 from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.triton_kernels import (
-    MAX_SPLITS, choose_num_splits, paged_attention, split_workspace, store_kv)
+    choose_num_splits, paged_attention, split_workspace, store_kv)
 
 KINDS = ("decode", "prefill")
 # Shared memory one block may use (the opt-in maximum), by compute capability.
@@ -112,6 +111,8 @@ class Launch:
 
 class TritonAttention(AttentionBackend):
     """Paged attention on Triton kernels, with the torch backend's cache layout and call."""
+
+    compiles_kernels = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)

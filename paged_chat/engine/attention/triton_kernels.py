@@ -43,6 +43,7 @@ bf16 dot is wrong.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -263,6 +264,13 @@ def choose_num_splits(num_programs: int, max_seq_len: int, num_sms: int) -> int:
     return splits
 
 
+@functools.cache
+def _fp32_placeholder(device: torch.device) -> torch.Tensor:
+    """Stands in for the split workspace when there is one split: the kernel's signature
+    (pointer types) stays the same either way, so it compiles once."""
+    return torch.empty(1, dtype=torch.float32, device=device)
+
+
 def split_workspace(num_tokens: int, num_heads: int, head_dim: int, num_splits: int,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(partial outputs, their log-sum-exps) for `num_tokens` query tokens cut into
@@ -304,8 +312,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         partial_out, partial_lse = workspace or split_workspace(
             end_token - first_token, num_heads, head_dim, num_splits, query.device)
         assert partial_out.shape[0] >= end_token - first_token
-    else:  # never read: the kernel writes `output` directly
-        partial_out = partial_lse = output
+    else:  # never read (the kernel writes `output`), but fp32 like a workspace: one variant
+        partial_out = partial_lse = _fp32_placeholder(query.device)
     dot_fp32 = key_cache.dtype == torch.float32 or (
         key_cache.dtype == torch.bfloat16 and triton.knobs.runtime.interpret)
     grid = (len(seqs), triton.cdiv(max_query_len, block_q), num_kv_heads * num_splits)
