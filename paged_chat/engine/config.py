@@ -56,9 +56,11 @@ class EngineConfig:
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory("kv_cache_memory", self.kv_cache_memory)
         if not (isinstance(self.gpu_memory_utilization, (int, float))
-                and 0 < self.gpu_memory_utilization <= 1):
+                and 0 < self.gpu_memory_utilization < 1):
             raise ValueError(f"EngineConfig.gpu_memory_utilization={self.gpu_memory_utilization!r}"
-                             " is invalid: expected a fraction in (0, 1]")
+                             " is invalid: expected a fraction in (0, 1), below 1 so the CUDA "
+                             "context, the allocator's fragmentation and other processes keep "
+                             "some room")
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("EngineConfig.model is empty: expected an alias, a path or a hub id")
         if not isinstance(self.seed, int) or self.seed < 0:

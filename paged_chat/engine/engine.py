@@ -32,6 +32,7 @@ from paged_chat.engine.models.loader import ModelSource, load_model_source
 from paged_chat.engine.models.model_config import ModelConfig
 from paged_chat.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from paged_chat.engine.runner import ModelRunner
+from paged_chat.engine.sampler import SamplingBatch, sample
 from paged_chat.engine.scheduler import Scheduler, SchedulerOutput
 from paged_chat.engine.stats import BlockMap, EngineStats, RateMeter
 
@@ -387,8 +388,8 @@ class Engine:
     def _cuda_kv_budget(self, model: LlamaForCausalLM, attention: AttentionBackend,
                         model_len: int) -> int:
         """Profile the largest step this config allows (a full token budget of prefill, logits
-        for max_num_seqs rows) against a scratch cache; the pool gets what is left of
-        `gpu_memory_utilization` of the card after that peak, counting this process only."""
+        for max_num_seqs rows, then the sampler at its worst over them) against a scratch
+        cache; the pool gets what `kv_budget` leaves of the card after that."""
         tokens = min(self.config.max_num_batched_tokens, model_len)
         blocks = -(-tokens // self.block_size)
         scratch = torch.zeros((self.model_config.num_layers, 2,
@@ -397,21 +398,53 @@ class Engine:
         meta = AttentionMetadata.build([tokens], [tokens], [list(range(blocks))], self.block_size,
                                        self.device)
         rows = torch.arange(min(self.config.max_num_seqs, tokens), device=self.device)
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         with torch.inference_mode():
-            model(torch.zeros_like(meta.positions), meta.positions, scratch, meta, attention, rows)
+            logits = model(torch.zeros_like(meta.positions), meta.positions, scratch, meta,
+                           attention, rows)
+            sample(torch.zeros_like(logits), _worst_case_sampling(len(rows), logits.shape[-1],
+                                                                  self.device))
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - scratch.nbytes
-        del scratch
+        step_peak = torch.cuda.max_memory_allocated(self.device) - before
+        del scratch, meta, logits
         torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = int(total * self.config.gpu_memory_utilization) - peak
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = kv_budget(total, free, step_peak, self.config.gpu_memory_utilization)
         if budget <= 0:
             raise PagedChatError(
                 f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no room for "
-                f"the KV cache: the weights and a {tokens}-token step take {peak / 2**30:.1f} GiB; "
-                "raise it, or lower max_num_batched_tokens")
+                f"the KV cache: {(total - free) / 2**30:.1f} GiB of the card are in use (weights, "
+                f"CUDA context, other processes) and a {tokens}-token step takes "
+                f"{step_peak / 2**30:.1f} GiB more; raise it, or lower max_num_batched_tokens "
+                "or max_num_seqs")
         return budget
+
+
+# Kept free for the allocator's fragmentation and what the profile does not see (cuBLAS
+# workspaces, Triton's loaded modules, a CUDA graph pool): a share of the card.
+_FRAGMENTATION_SLACK = 0.03
+
+
+def kv_budget(total: int, free: int, step_peak: int, utilization: float) -> int:
+    """Bytes for the KV pool on a card of `total` bytes with `free` free now (so the weights,
+    the CUDA context and other processes' memory are counted, not only this process's
+    tensors), when a step needs `step_peak` bytes beyond that at its worst, and the process
+    may use `utilization` of the card in all."""
+    assert 0 < utilization < 1
+    in_use = total - free
+    return int(total * utilization) - in_use - step_peak - int(total * _FRAGMENTATION_SLACK)
+
+
+def _worst_case_sampling(rows: int, vocab_size: int, device: torch.device) -> SamplingBatch:
+    """Every filter and penalty on for every row, so `sample` makes all its [rows, vocab]
+    buffers; with uniform logits top-p's nucleus spans the vocabulary (its largest sort)."""
+    params = SamplingParams(temperature=0.7, top_p=0.95, top_k=vocab_size // 2, min_p=1e-9,
+                            repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1)
+    return SamplingBatch.build(params=[params] * rows, seeds=list(range(rows)),
+                               output_indices=[1] * rows, token_histories=[[0, 1]] * rows,
+                               prompt_lens=[1] * rows, vocab_size=vocab_size, device=device)
 
 
 @contextmanager
