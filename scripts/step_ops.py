@@ -30,15 +30,23 @@ from paged_chat.engine.models.loader import load_model_source  # noqa: E402
 from tiny_models import build_tiny_model  # noqa: E402
 
 
+# Ops that make a view (no kernel on a GPU); the rest each run a kernel or a copy.
+VIEW_OPS = frozenset({"view", "_unsafe_view", "slice", "select", "as_strided", "reshape",
+                      "transpose", "t", "expand", "unsqueeze", "squeeze", "alias", "split",
+                      "chunk", "permute", "detach", "split_with_sizes", "unbind", "lift_fresh"})
+_IN_KERNEL = [False]  # the interpreter runs a kernel as torch ops: not the step's own
+
+
 class OpCounter(TorchDispatchMode):
-    """Counts aten ops by name while active."""
+    """Counts aten ops by name while active (outside interpreted Triton kernels)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: collections.Counter[str] = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        self.counts[str(func.overloadpacket.__name__)] += 1
+        if not _IN_KERNEL[0]:
+            self.counts[str(func.overloadpacket.__name__)] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -54,8 +62,14 @@ def count_triton_launches(counts: collections.Counter[str]) -> None:
                 self.kernel, self.name = kernel, name
 
             def __getitem__(self, grid):  # noqa: ANN001
-                counts[self.name] += 1
-                return self.kernel[grid]
+                def launch(*args, **kwargs):  # noqa: ANN002, ANN003
+                    counts[self.name] += 1
+                    _IN_KERNEL[0] = True
+                    try:
+                        self.kernel[grid](*args, **kwargs)
+                    finally:
+                        _IN_KERNEL[0] = False
+                return launch
 
             def __getattr__(self, attribute: str):
                 return getattr(self.kernel, attribute)
@@ -95,9 +109,13 @@ def main() -> None:
         engine.step()
     total = sum(everything.counts.values())
     prepared = sum(prepare.counts.values())
+    work = sum(n for op, n in everything.counts.items() if op not in VIEW_OPS)
+    prepared_work = sum(n for op, n in prepare.counts.items() if op not in VIEW_OPS)
     print(json.dumps({"batch": args.batch, "layers": args.layers, "backend": args.backend,
                       "torch_ops_step": total, "torch_ops_prepare": prepared,
                       "torch_ops_per_layer": round((total - prepared) / args.layers, 1),
+                      "non_view_ops_step": work, "non_view_ops_prepare": prepared_work,
+                      "prepare_ops": dict(prepare.counts),
                       "triton_launches": sum(launches.values()),
                       "triton_launches_by_kernel": dict(launches),
                       "top_ops": dict(everything.counts.most_common(12))}))

@@ -43,3 +43,12 @@ def test_build_sends_extra_arrays_and_reuses_the_staging_buffer():
     assert second.seq_lens.tolist() == [4, 10] and second.positions.tolist() == [3, 9]
     assert second.block_tables.data_ptr() == first.block_tables.data_ptr()
     assert second.extra[0].data_ptr() == first.extra[0].data_ptr()
+
+
+def test_build_pads_to_a_fixed_batch_with_decodes_that_store_nothing():
+    meta = AttentionMetadata.build([1, 1], [6, 3], [[4, 5], [7]], 4, CPU, table_width=8,
+                                   pad_to=4)
+    assert meta.num_seqs == 4 and meta.num_decodes == 4
+    assert meta.slot_mapping.tolist() == [5 * 4 + 1, 7 * 4 + 2, -1, -1]
+    assert meta.seq_lens.tolist() == [6, 3, 1, 1]
+    assert meta.block_tables.shape == (4, 8) and meta.block_tables[2:].eq(0).all()

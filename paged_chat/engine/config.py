@@ -25,6 +25,9 @@ class EngineConfig:
     `cache_dir` is where the engine may keep what it can rebuild (converted tokenizers and
     weights, the disk KV tier); None keeps nothing on disk. The app passes its platformdirs
     cache dir: the engine never reads the app's settings itself.
+
+    `enforce_eager=False` captures CUDA graphs of decode steps (per batch-size bucket, Triton
+    backend on CUDA only). It stays True by default until the capture path has run on a GPU.
     """
 
     model: str = "smollm2-135m"
@@ -41,6 +44,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     cache_dir: str | None = None
+    enforce_eager: bool = True
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
@@ -63,6 +67,9 @@ class EngineConfig:
                              "some room")
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("EngineConfig.model is empty: expected an alias, a path or a hub id")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"EngineConfig.enforce_eager={self.enforce_eager!r} is invalid: "
+                             "expected true or false")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"EngineConfig.seed={self.seed!r} is invalid: expected an integer >= 0")
 

@@ -70,6 +70,9 @@ class Engine:
         self.runner = ModelRunner(model, kv_cache, self.block_size, attention)
         if attention.compiles_kernels and self.device.type == "cuda":
             self.warm_up(progress)
+            if not config.enforce_eager:
+                self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len,
+                                                  progress or (lambda line: None))
         self.kv_cache = KVCacheManager(self.num_blocks, self.block_size,
                                        config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,

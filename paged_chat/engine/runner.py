@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -25,6 +27,20 @@ from paged_chat.engine.attention.metadata import AttentionMetadata, StagingBuffe
 from paged_chat.engine.models.llama import LlamaForCausalLM
 from paged_chat.engine.sampler import SamplingBatch, sample
 from paged_chat.engine.scheduler import ScheduledRequest
+
+
+# Batch sizes a decode step's CUDA graph is captured for (plus max_num_seqs); a step runs in
+# the smallest that holds it.
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass(slots=True)
+class _DecodeGraph:
+    """A captured decode step: `meta`'s tensors are its inputs, `logits` its output."""
+
+    graph: torch.cuda.CUDAGraph
+    meta: AttentionMetadata
+    logits: torch.Tensor
 
 
 class SamplingError(Exception):
@@ -41,6 +57,9 @@ class ModelRunner:
         self.device = kv_cache.device
         self.last_forward_s = 0.0
         self._staging = StagingBuffer(self.device)
+        self._graphs: dict[int, _DecodeGraph] = {}
+        self._graph_width = 0
+        self._graph_staging: StagingBuffer | None = None
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest],
@@ -51,12 +70,16 @@ class ModelRunner:
         `scheduled` must list single-token items first (the scheduler sorts it so). An
         exception from the forward propagates: it concerns the whole batch.
         """
-        meta = self._prepare(scheduled, block_tables)
-        input_ids, logits_indices = meta.extra
         samplers = [item for item in scheduled if item.samples]
         started = time.perf_counter()
-        logits = self.model(input_ids, meta.positions, self.kv_cache, meta, self.attention,
-                            logits_indices)
+        graph_batch = self._graph_batch(scheduled)
+        if graph_batch is None:
+            meta = self._prepare(scheduled, block_tables)
+            input_ids, logits_indices = meta.extra
+            logits = self.model(input_ids, meta.positions, self.kv_cache, meta, self.attention,
+                                logits_indices)
+        else:
+            logits = self._replay(graph_batch, scheduled, block_tables)
         self.last_forward_s = time.perf_counter() - started
         if not samplers:
             return []
@@ -78,6 +101,77 @@ class ModelRunner:
                                        self.device, staging=self._staging)
         self.model(torch.zeros_like(meta.positions), meta.positions, self.kv_cache, meta,
                    self.attention, meta.query_start_loc[1:].long() - 1)
+
+    # ---- CUDA graphs of decode steps -------------------------------------------------
+
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int,
+                              progress: Callable[[str], None]) -> None:
+        """Capture one CUDA graph of a whole decode step (every layer, logits of every row) per
+        batch-size bucket up to `max_batch`, largest first, in one shared memory pool.
+
+        A graph replays fixed kernels on fixed addresses: its inputs are the views of a
+        staging buffer of its own (`_graph_meta` lays a bucket's arrays out the same way at
+        every step, the tables `ceil(max_model_len / block_size)` wide, the batch padded
+        with decodes that store nothing), and its splits are planned for `max_model_len`.
+        Only the Triton backend qualifies (its launches read lengths on the device; the
+        torch backend reads them on the host). Not yet run on a GPU: off by default
+        (`EngineConfig.enforce_eager`).
+        """
+        assert self.device.type == "cuda" and self.attention.compiles_kernels
+        self._graph_width = -(-max_model_len // self.block_size)
+        self._graph_staging = StagingBuffer(self.device)
+        buckets = sorted({b for b in GRAPH_BATCH_SIZES if b < max_batch} | {max_batch},
+                         reverse=True)
+        pool = torch.cuda.graph_pool_handle()
+        for done, batch in enumerate(buckets, 1):
+            progress(f"capturing CUDA graphs: batch {batch} ({done}/{len(buckets)})")
+            meta = self._graph_meta(batch, [], [], [])
+            self.attention.plan_graph(meta, self.kv_cache, max_model_len)
+            input_ids, logits_indices = meta.extra
+            with torch.inference_mode():
+                # An eager run first: lazy initialisation (cuBLAS handles, the split
+                # workspace, which the graph then reuses) must not happen during capture.
+                self.model(input_ids, meta.positions, self.kv_cache, meta, self.attention,
+                           logits_indices)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self.model(input_ids, meta.positions, self.kv_cache, meta,
+                                        self.attention, logits_indices)
+            self._graphs[batch] = _DecodeGraph(graph, meta, logits)
+
+    def _graph_batch(self, scheduled: list[ScheduledRequest]) -> int | None:
+        """The captured bucket this step replays in: every item a single token, and few enough."""
+        if not self._graphs or len(scheduled) > max(self._graphs) or any(
+                item.num_new_tokens != 1 for item in scheduled):
+            return None
+        return min(batch for batch in self._graphs if batch >= len(scheduled))
+
+    def _graph_meta(self, batch: int, seq_lens: list[int], block_tables: list[list[int]],
+                    token_ids: list[int]) -> AttentionMetadata:
+        """A decode step's inputs in bucket `batch`'s fixed layout of the graph staging buffer."""
+        tokens = np.zeros(batch, dtype=np.int64)
+        tokens[:len(token_ids)] = token_ids
+        return AttentionMetadata.build(
+            [1] * len(seq_lens), seq_lens, block_tables, self.block_size, self.device,
+            table_width=self._graph_width, pad_to=batch,
+            extra=(tokens, np.arange(batch, dtype=np.int64)), staging=self._graph_staging)
+
+    def _replay(self, batch: int, scheduled: list[ScheduledRequest],
+                block_tables: list[list[int]]) -> torch.Tensor:
+        """Logits of the sampling rows of a decode step, by replaying its bucket's graph."""
+        captured = self._graphs[batch]
+        requests = [item.request for item in scheduled]
+        meta = self._graph_meta(batch, [r.num_computed_tokens + 1 for r in requests],
+                                block_tables,
+                                [r.all_token_ids[r.num_computed_tokens] for r in requests])
+        assert meta.block_tables.data_ptr() == captured.meta.block_tables.data_ptr(), \
+            "a graph's inputs moved: the staging buffer grew after capture"
+        captured.graph.replay()
+        samples = [row for row, item in enumerate(scheduled) if item.samples]
+        if len(samples) == len(scheduled):
+            return captured.logits[:len(samples)]
+        return captured.logits[torch.tensor(samples, device=self.device)]
 
     def _sample_row(self, logits: torch.Tensor, item: ScheduledRequest) -> int | Exception:
         try:

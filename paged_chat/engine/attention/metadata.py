@@ -107,6 +107,7 @@ class AttentionMetadata:
               extra: Sequence[np.ndarray] = (),
               slot_mapping: torch.Tensor | None = None,
               table_width: int | None = None,
+              pad_to: int | None = None,
               staging: StagingBuffer | None = None) -> "AttentionMetadata":
         """The metadata of a step whose sequence `i` gets `query_lens[i]` new tokens and then
         holds `seq_lens[i]`, its K/V in the blocks of `block_tables[i]` (ragged lists, or an
@@ -115,8 +116,16 @@ class AttentionMetadata:
         Positions and (unless given) slots follow from the lengths and the tables. Every
         device tensor comes out of one host-to-device copy through `staging` (a fresh
         buffer when None; the runner passes its persistent one). `table_width` pads the
-        tables to a fixed number of columns (at least the widest row).
+        tables to a fixed number of columns (at least the widest row). `pad_to` appends
+        dummy decodes up to that many sequences (a CUDA graph's fixed batch): one token at
+        position 0, a context of 1, slot -1 (nothing stored), table row of block 0.
         """
+        if pad_to is not None:
+            padding = pad_to - len(query_lens)
+            assert padding >= 0 and slot_mapping is None
+            query_lens = [*query_lens, *[1] * padding]
+            seq_lens = [*seq_lens, *[1] * padding]
+            block_tables = [*map(list, block_tables), *[[0]] * padding]
         query_lens_np = np.asarray(query_lens, dtype=np.int64)
         seq_lens_np = np.asarray(seq_lens, dtype=np.int64)
         assert (query_lens_np >= 1).all() and (seq_lens_np >= query_lens_np).all()
@@ -128,8 +137,11 @@ class AttentionMetadata:
         arrays = [positions, starts.astype(np.int32), seq_lens_np.astype(np.int32), tables]
         if slot_mapping is None:
             seq_index = np.repeat(np.arange(len(query_lens_np)), query_lens_np)
-            arrays.append(tables[seq_index, positions // block_size].astype(np.int64) * block_size
-                          + positions % block_size)
+            slots = (tables[seq_index, positions // block_size].astype(np.int64) * block_size
+                     + positions % block_size)
+            if pad_to is not None:
+                slots[len(slots) - padding:] = -1
+            arrays.append(slots)
         arrays.extend(extra)
         tensors = (staging or StagingBuffer(device, capacity=1)).transfer(arrays)
         positions_t, starts_t, seq_lens_t, tables_t, *rest = tensors

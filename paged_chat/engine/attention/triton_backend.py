@@ -137,7 +137,16 @@ class TritonAttention(AttentionBackend):
                             workspace=launch.workspace)
         return output
 
-    def _launches(self, meta: AttentionMetadata, cache: torch.Tensor) -> list[Launch]:
+    def plan_graph(self, meta: AttentionMetadata, cache: torch.Tensor, longest: int) -> None:
+        """Fix the launches of a decode step about to be captured in a CUDA graph, splits
+        planned for `longest`, the longest context a replay may have: a graph replays the
+        grid it was captured with, and a shorter context leaves the extra splits empty (they
+        weigh 0 in the merge)."""
+        assert "triton_launches" not in meta.per_step and meta.num_decodes == meta.num_seqs
+        self._launches(meta, cache, longest)
+
+    def _launches(self, meta: AttentionMetadata, cache: torch.Tensor,
+                  longest: int | None = None) -> list[Launch]:
         """The decode and the prefill launch; the same for every layer, so worked out (and
         their split workspaces allocated) once per step."""
         launches = meta.per_step.get("triton_launches")
@@ -150,8 +159,9 @@ class TritonAttention(AttentionBackend):
                     continue
                 block_q, tiles = self.tile(kind, cache.dtype, device_arch(cache.device))
                 q_tiles = sum(triton.cdiv(starts[s + 1] - starts[s], block_q) for s in seqs)
-                longest = max(meta.seq_lens_list[seqs.start:seqs.stop])
-                splits = choose_num_splits(q_tiles * self.num_kv_heads, longest, num_sms)
+                splits = choose_num_splits(
+                    q_tiles * self.num_kv_heads,
+                    longest or max(meta.seq_lens_list[seqs.start:seqs.stop]), num_sms)
                 workspace = split_workspace(
                     starts[seqs.stop] - starts[seqs.start], self.num_heads, self.head_dim,
                     splits, cache.device) if splits > 1 else None
