@@ -75,7 +75,7 @@ from paged_chat.engine.attention import triton_kernels  # noqa: E402
 from paged_chat.engine.attention.metadata import AttentionMetadata  # noqa: E402
 from paged_chat.engine.attention.torch_backend import TorchAttention  # noqa: E402
 from paged_chat.engine.attention.triton_backend import (  # noqa: E402
-    SHARED_MEMORY_BYTES, TritonAttention, device_arch)
+    SHARED_MEMORY_BYTES, TileConfig, TritonAttention, device_arch)
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,10 @@ class Plan:
     shapes: list[Shape]
     # (cached prefix, new tokens) per sequence, decodes first: ragged, mid-block, long.
     kernel_batches: dict[str, list[tuple[int, int]]]
-    decode_cases: list[tuple[int, int]]                 # (batch size, context)
+    timing_shapes: list[Shape]
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    sweep_cases: set[tuple[str, str]]                   # (shape, case) swept over tiles
     prefill_cases: dict[str, list[tuple[int, int]]]
     self_test_batch: list[tuple[int, int]]          # decodes long enough for 4 splits
     big_pool_blocks: int                             # 0: no pool past 2**31 elements
@@ -126,18 +129,23 @@ GPU_PLAN = Plan(
         "decode-64": [(int(n), 1) for n in torch.linspace(0, 4095, 64).long().tolist()],
         "decode-long": [(32000, 1), (17001, 1)],
         "mixed": [(100, 1), (3000, 1), (0, 1), (0, 512), (3001, 77), (47, 300), (9000, 3)]},
-    decode_cases=[(1, 4096), (1, 32768), (32, 1024), (32, 4096), (128, 1024), (128, 4096)],
+    timing_shapes=[Shape("qwen2-1.5b", 12, 2, 128, 16), Shape("smollm2-135m", 9, 3, 64, 16),
+                   Shape("llama3-8b", 32, 8, 128, 16)],           # 2, 3 and 8 KV heads
+    decode_batches=(32, 128, 256), decode_contexts=(1024, 2048, 4096),
+    sweep_cases={("llama3-8b", "b32 ctx4096"), ("smollm2-135m", "b256 ctx1024"),
+                 ("llama3-8b", "prompt-512")},
     prefill_cases={"prompt-512": [(0, 512)], "4x-prompt-512": [(0, 512)] * 4,
                    "chunk-512-after-3584": [(3584, 512)], "turn-64-after-8000": [(8000, 64)]},
     self_test_batch=[(4000, 1), (1500, 1), (777, 1)],
     big_pool_blocks=2**31 // (16 * 3 * 64) + 64,   # smollm2's blocks: 3 KV heads x 64 x 16
     copy_bytes=2**30, iters=20, engine_prompts=8, engine_prompt_lens=(20, 400),
-    engine_max_tokens=32, engine_batches=(1, 32, 128), throughput_prompt_len=128)
+    engine_max_tokens=32, engine_batches=(1, 32, 128), throughput_prompt_len=1024)
 DRY_PLAN = Plan(
     device=torch.device("cpu"), shapes=TINY_SHAPES,
     kernel_batches={"decode": [(37, 1), (15, 1), (0, 1)],
                     "mixed": [(20, 1), (21, 19), (0, 13)]},
-    decode_cases=[(2, 40)], prefill_cases={"turn-5-after-33": [(33, 5)]},
+    timing_shapes=TINY_SHAPES[:1], decode_batches=(2,), decode_contexts=(40,),
+    sweep_cases={("tiny-d80-gqa3", "b2 ctx40")}, prefill_cases={"turn-5-after-33": [(33, 5)]},
     self_test_batch=[(70, 1), (45, 1)], big_pool_blocks=0,
     copy_bytes=2**24, iters=2, engine_prompts=2, engine_prompt_lens=(5, 20),
     engine_max_tokens=3, engine_batches=(1, 2), throughput_prompt_len=8)
@@ -350,24 +358,40 @@ def compile_stage(archs: list[int], head_dims: list[int],
 # ---- timing helpers ----------------------------------------------------------------------
 
 
+# Bigger than any L2 this runs on (H200: 60 MB): zeroed before every timed call, so no
+# call finds its K/V (a decode case of a few MB) still in cache from the one before.
+L2_FLUSH_BYTES = 256 * 2**20
+
+
+@functools.cache
+def _l2_flush_buffer(device: torch.device) -> torch.Tensor:
+    return torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+
+
 def time_ms(fn: Callable[[], Any], device: torch.device, iters: int, warmup: int = 3) -> float:
-    """Median of `iters` timed calls (CUDA events on a GPU), after `warmup` calls."""
+    """Median of `iters` timed calls after `warmup` calls. On a GPU each call is timed by
+    its own pair of CUDA events around the call alone, L2 flushed before it, and nothing
+    syncs until the last one (the host runs ahead, so launch cost hides as it would in a
+    step); on the CPU by the wall clock."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
+    if device.type != "cuda":
+        times = []
+        for _ in range(iters):
             start_s = time.perf_counter()
             fn()
             times.append((time.perf_counter() - start_s) * 1e3)
-    return statistics.median(times)
+        return statistics.median(times)
+    flush = _l2_flush_buffer(device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(iters)]
+    for start, end in events:
+        flush.zero_()
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize(device)
+    return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
 def synchronize(device: torch.device) -> None:
@@ -526,61 +550,90 @@ def attention_flops(batch: Batch, shape: Shape) -> int:
 
 
 def timings_stage(plan: Plan, copy_gb_per_s: float | None) -> list[dict[str, Any]]:
-    """Backend calls (K/V store included) of both backends, then the attention kernel alone
-    at the backend's tiles and at a few others (decode: K/V bandwidth; prefill: TFLOP/s)."""
+    """Decode at every (shape, batch, context) of the plan and the prefill cases: the Triton
+    backend call (K/V store included), the attention kernel alone (decode: K/V bandwidth
+    and its fraction of the copy's; prefill: TFLOP/s) and, at the first shape, the torch
+    backend. Metadata is built (and the backend's per-step plan made) before timing."""
     sms = (torch.cuda.get_device_properties(plan.device).multi_processor_count
            if plan.device.type == "cuda" else 1)
+    arch = device_arch(plan.device)
     results = []
-    cases = [("decode", f"b{b} ctx{n}", [(n - 1, 1)] * b) for b, n in plan.decode_cases] + [
-        ("prefill", name, seqs) for name, seqs in plan.prefill_cases.items()]
-    for shape in plan.shapes[:2]:
+    decode = [("decode", f"b{b} ctx{n}", [(n - 1, 1)] * b)
+              for b in plan.decode_batches for n in plan.decode_contexts]
+    prefill = [("prefill", name, seqs) for name, seqs in plan.prefill_cases.items()]
+    for index, shape in enumerate(plan.timing_shapes):
         triton_backend, torch_backend = backends(shape)
-        scale = shape.head_dim ** -0.5
-        for kind, name, seqs in cases:
+        for kind, name, seqs in decode + prefill:
             batch = Batch(shape, seqs, torch.bfloat16, plan.device)
             batch.key_cache.nan_to_num_(0.0)
             batch.value_cache.nan_to_num_(0.0)
-            meta = batch.meta()
-            output = torch.empty_like(batch.query)
-
-            def backend_ms(backend: Any, iters: int) -> float:
-                return time_ms(lambda: backend(batch.query, batch.key, batch.value,
-                                               batch.key_cache, batch.value_cache, batch.meta()),
-                               plan.device, iters)
-
-            def kernel_ms(block_q: int, tile_n: int, splits: int, warps: int = 4) -> float:
-                return time_ms(lambda: triton_kernels.paged_attention(
-                    batch.query, batch.key_cache, batch.value_cache, output, meta,
-                    range(len(seqs)), scale, block_q=block_q, tile_n=tile_n,
-                    num_splits=splits, num_warps=warps), plan.device, plan.iters)
-
-            block_q, tiles = triton_backend.tile(kind, torch.bfloat16, device_arch(plan.device))
-            tile_n = tiles.tile_n
+            block_q, tiles = triton_backend.tile(kind, torch.bfloat16, arch)
             programs = sum(triton.cdiv(new, block_q) for _, new in seqs) * shape.num_kv_heads
             splits = triton_kernels.choose_num_splits(programs, max(batch.seq_lens), sms)
+            run = KernelRun(batch, shape, block_q, plan)
             entry = {"kind": kind, "shape": shape.name, "case": name, "splits": splits,
-                     "triton_backend_ms": backend_ms(triton_backend, plan.iters),
-                     "torch_backend_ms": backend_ms(torch_backend, max(1, plan.iters // 4)),
-                     "kernel_ms": kernel_ms(block_q, tile_n, splits)}
+                     "triton_backend_ms": backend_ms(triton_backend, batch, plan),
+                     "kernel_ms": run.ms(tiles, splits)}
+            if index == 0:
+                entry["torch_backend_ms"] = backend_ms(torch_backend, batch, plan)
             if kind == "decode":
                 gb = attention_bytes(batch, shape) / 1e9
                 entry["kernel_gb_per_s"] = round(gb / entry["kernel_ms"] * 1e3, 1)
                 if copy_gb_per_s:
                     entry["fraction_of_copy"] = round(entry["kernel_gb_per_s"] / copy_gb_per_s, 3)
-                entry["kernel_ms_one_split"] = kernel_ms(block_q, tile_n, 1)
-                for other in (32, 128):
-                    entry[f"kernel_ms_tile_n{other}"] = kernel_ms(block_q, other, splits)
             else:
                 flops = attention_flops(batch, shape)
                 entry["kernel_tflops"] = round(flops / entry["kernel_ms"] / 1e9, 1)
-                group_pad = triton.next_power_of_2(shape.num_heads // shape.num_kv_heads)
-                for rows, other, warps in ((64, 32, 4), (128, 64, 8), (128, 32, 8)):
-                    entry[f"kernel_ms_rows{rows}_tile_n{other}_warps{warps}"] = kernel_ms(
-                        max(1, rows // group_pad), other, splits, warps)
+            if (shape.name, name) in plan.sweep_cases:
+                entry["sweep"] = run.sweep(tiles, splits)
             results.append(entry)
-            del batch, meta, output
+            del batch, run
             release(plan.device)
     return results
+
+
+def backend_ms(backend: Any, batch: Batch, plan: Plan) -> float:
+    """One backend call on metadata built (and planned, by a first call) outside the timing."""
+    meta = batch.meta()
+    return time_ms(lambda: backend(batch.query, batch.key, batch.value, batch.key_cache,
+                                   batch.value_cache, meta), plan.device, plan.iters)
+
+
+class KernelRun:
+    """The attention kernel alone over a batch, at any tiles and split count."""
+
+    def __init__(self, batch: Batch, shape: Shape, block_q: int, plan: Plan) -> None:
+        self.batch, self.shape, self.block_q, self.plan = batch, shape, block_q, plan
+        self.meta = batch.meta()
+        self.output = torch.empty_like(batch.query)
+
+    def ms(self, tiles: TileConfig, splits: int) -> float:
+        batch = self.batch
+        workspace = triton_kernels.split_workspace(
+            batch.query.shape[0], self.shape.num_heads, self.shape.head_dim, splits,
+            batch.query.device) if splits > 1 else None
+        return time_ms(lambda: triton_kernels.paged_attention(
+            batch.query, batch.key_cache, batch.value_cache, self.output, self.meta,
+            range(len(batch.seq_lens)), self.shape.head_dim ** -0.5, block_q=self.block_q,
+            tile_n=tiles.tile_n, num_splits=splits, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages, workspace=workspace), self.plan.device, self.plan.iters)
+
+    def sweep(self, tiles: TileConfig, splits: int) -> dict[str, float]:
+        """Kernel ms at other keys per tile, warps, stages and split counts (the next tuning
+        pass's data; a variant that does not fit this GPU reports its error instead)."""
+        results: dict[str, Any] = {}
+        variants = [(TileConfig(tiles.rows, tile_n, warps, stages), splits)
+                    for tile_n in (32, 64, 128) for warps in (4, 8) for stages in (2, 3, 4)]
+        variants += [(tiles, max(1, splits // 2)), (tiles, min(triton_kernels.MAX_SPLITS,
+                                                               2 * splits))]
+        for variant, variant_splits in variants:
+            key = (f"tile_n{variant.tile_n}_warps{variant.num_warps}_stages{variant.num_stages}"
+                   f"_splits{variant_splits}")
+            try:
+                results[key] = round(self.ms(variant, variant_splits), 4)
+            except Exception as error:  # noqa: BLE001 - out of resources is a result here
+                results[key] = f"{type(error).__name__}: {str(error)[:80]}"
+        return results
 
 
 # ---- stage: engine -----------------------------------------------------------------------
@@ -670,7 +723,7 @@ def engine_stage(plan: Plan) -> dict[str, Any]:
                                 ignore_eos=True)
     for backend in ("torch", "triton"):
         engine = Engine(EngineConfig(model="device-check", device=device, dtype="bfloat16",
-                                     num_blocks=8192, attention_backend=backend,
+                                     num_blocks=16384, attention_backend=backend,
                                      max_num_seqs=max(plan.engine_batches),
                                      max_num_batched_tokens=2048),
                         source=model_source(torch.bfloat16))
@@ -691,6 +744,13 @@ def engine_stage(plan: Plan) -> dict[str, Any]:
         release(plan.device)
 
     if device == "cuda":
+        for eager in (True, False):
+            mode = "eager" if eager else "cuda_graphs"
+            try:
+                result[f"decode_step_ms_batch32_{mode}"] = decode_step_ms(plan, eager, generator)
+            except Exception:  # noqa: BLE001 - the graph path's first GPU run may fail
+                result[f"decode_step_error_{mode}"] = traceback.format_exc()[-2000:]
+            release(plan.device)
         source = model_source(torch.bfloat16)
         start = time.perf_counter()
         engine = Engine(EngineConfig(model="device-check", device="cuda", dtype="bfloat16",
@@ -704,6 +764,33 @@ def engine_stage(plan: Plan) -> dict[str, Any]:
         del engine, cache
         release(plan.device)
     return result
+
+
+def decode_step_ms(plan: Plan, eager: bool, generator: torch.Generator) -> float:
+    """Median wall time of an engine decode step (host work included: the figure CUDA graphs
+    exist to cut) at batch 32 over contexts of `throughput_prompt_len` tokens and more."""
+    from paged_chat.engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model="device-check", device="cuda", dtype="bfloat16",
+                                 num_blocks=8192, attention_backend="triton", max_num_seqs=32,
+                                 max_num_batched_tokens=2048, enforce_eager=eager),
+                    source=model_source(torch.bfloat16))
+    steps = 3 * plan.engine_max_tokens
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for _ in range(32):
+        engine.add_request(torch.randint(3, 49000, (plan.throughput_prompt_len,),
+                                         generator=generator).tolist(), params)
+    while engine.stats().batch_tokens != 32:  # until every prompt is in and all decode
+        engine.step()
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    del engine
+    return round(statistics.median(times), 3)
 
 
 # ---- driver ------------------------------------------------------------------------------
@@ -738,12 +825,16 @@ def table(summary: dict[str, Any]) -> str:
                      f"{check['torch_worst_row_err']:.2e}; {check['bad_rows']} bad rows; "
                      f"store exact {check['store_exact']}")
     for t in summary.get("timings") or []:
-        rate = (f"{t['kernel_gb_per_s']} GB/s = {t.get('fraction_of_copy')} of copy, "
-                f"1 split {t['kernel_ms_one_split']:.3f} ms" if t["kind"] == "decode"
-                else f"{t['kernel_tflops']} TFLOP/s")
+        rate = (f"{t['kernel_gb_per_s']} GB/s = {t.get('fraction_of_copy')} of copy"
+                if t["kind"] == "decode" else f"{t['kernel_tflops']} TFLOP/s")
+        torch_ms = f", torch {t['torch_backend_ms']:.3f} ms" if "torch_backend_ms" in t else ""
         lines.append(f"{t['kind']:7s} {t['shape']:12s} {t['case']:20s} backend triton "
-                     f"{t['triton_backend_ms']:.3f} ms, torch {t['torch_backend_ms']:.3f} ms; "
-                     f"kernel {t['kernel_ms']:.3f} ms ({t['splits']} splits), {rate}")
+                     f"{t['triton_backend_ms']:.3f} ms{torch_ms}; kernel {t['kernel_ms']:.3f} ms "
+                     f"({t['splits']} splits), {rate}")
+        if "sweep" in t:
+            timed = {k: v for k, v in t["sweep"].items() if isinstance(v, float)}
+            best = min(timed, key=timed.get) if timed else None
+            lines.append(f"        sweep: best {best} {timed.get(best)} ms of {len(t['sweep'])}")
     engine = summary.get("engine") or {}
     for key, value in engine.items():
         lines.append(f"engine {key}: {value}")
