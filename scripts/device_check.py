@@ -120,6 +120,7 @@ class Plan:
     engine_prompt_lens: tuple[int, int]
     engine_max_tokens: int
     engine_batches: tuple[int, ...]
+    engine_num_blocks: int
     throughput_prompt_len: int
 
 
@@ -139,7 +140,8 @@ GPU_PLAN = Plan(
     self_test_batch=[(4000, 1), (1500, 1), (777, 1)],
     big_pool_blocks=2**31 // (16 * 3 * 64) + 64,   # smollm2's blocks: 3 KV heads x 64 x 16
     copy_bytes=2**30, iters=20, engine_prompts=8, engine_prompt_lens=(20, 400),
-    engine_max_tokens=32, engine_batches=(1, 32, 128), throughput_prompt_len=1024)
+    engine_max_tokens=32, engine_batches=(1, 32, 128), engine_num_blocks=16384,
+    throughput_prompt_len=1024)
 DRY_PLAN = Plan(
     device=torch.device("cpu"), shapes=TINY_SHAPES,
     kernel_batches={"decode": [(37, 1), (15, 1), (0, 1)],
@@ -148,7 +150,7 @@ DRY_PLAN = Plan(
     sweep_cases={("tiny-d80-gqa3", "b2 ctx40")}, prefill_cases={"turn-5-after-33": [(33, 5)]},
     self_test_batch=[(70, 1), (45, 1)], big_pool_blocks=0,
     copy_bytes=2**24, iters=2, engine_prompts=2, engine_prompt_lens=(5, 20),
-    engine_max_tokens=3, engine_batches=(1, 2), throughput_prompt_len=8)
+    engine_max_tokens=3, engine_batches=(1, 2), engine_num_blocks=64, throughput_prompt_len=8)
 
 
 # ---- batches -----------------------------------------------------------------------------
@@ -211,8 +213,10 @@ def backends(shape: Shape) -> tuple[TritonAttention, TorchAttention]:
 
 
 @contextmanager
-def captured_launches() -> Iterator[list[tuple[Any, dict[str, Any], dict[str, Any]]]]:
-    """Swap the module's kernels for recorders: (kernel, arguments by name, launch options)."""
+def captured_launches(forward: bool = False
+                      ) -> Iterator[list[tuple[Any, dict[str, Any], dict[str, Any]]]]:
+    """Swap the module's kernels for recorders: (kernel, arguments by name, launch options)
+    per launch; `forward` also launches them (else nothing runs)."""
     launches: list[tuple[Any, dict[str, Any], dict[str, Any]]] = []
     names = ("_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel")
     originals = {name: getattr(triton_kernels, name) for name in names}
@@ -223,9 +227,12 @@ def captured_launches() -> Iterator[list[tuple[Any, dict[str, Any], dict[str, An
 
         def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
             def record(*args: Any, **kwargs: Any) -> None:
-                options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
-                named = dict(zip(self.kernel.arg_names, args)) | kwargs
+                options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+                named = dict(zip(self.kernel.arg_names, args)) | {
+                    k: v for k, v in kwargs.items() if k not in options}
                 launches.append((self.kernel, named, options))
+                if forward:
+                    self.kernel[grid](*args, **kwargs)
             return record
 
     for name, kernel in originals.items():
@@ -235,6 +242,18 @@ def captured_launches() -> Iterator[list[tuple[Any, dict[str, Any], dict[str, An
     finally:
         for name, kernel in originals.items():
             setattr(triton_kernels, name, kernel)
+
+
+def variant_key(kernel: Any, named: dict[str, Any], options: dict[str, Any]) -> tuple:
+    """What triton's JIT caches a compiled kernel under, for one launch: two launches with
+    the same key share a compiled variant. Under the interpreter (no JIT) the kernel is
+    seen as the JIT would see it."""
+    if not hasattr(kernel, "params"):
+        from triton.runtime.jit import JITFunction
+        kernel = JITFunction(kernel.fn, **kernel.kwargs)
+    signature, constexprs, attrs = specialise(kernel, named)
+    return (kernel.fn.__name__, repr(sorted(signature.items())), repr(constexprs),
+            repr(sorted(attrs)), repr(sorted(options.items())))
 
 
 _POINTER_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
@@ -332,12 +351,11 @@ def compile_stage(archs: list[int], head_dims: list[int],
             for dtype_name in dtypes:
                 for kernel, named, options in variant_launches(shape, COMPILE_DTYPES[dtype_name],
                                                                arch):
-                    signature, constexprs, attrs = specialise(kernel, named)
-                    key = (kernel.fn.__name__, repr(sorted(signature.items())), repr(constexprs),
-                           repr(sorted(attrs)), repr(options))
+                    key = variant_key(kernel, named, options)
                     if key in seen:
                         continue
                     seen.add(key)
+                    signature, constexprs, attrs = specialise(kernel, named)
                     start = time.perf_counter()
                     compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
                                               target=target, options=options)
@@ -723,7 +741,8 @@ def engine_stage(plan: Plan) -> dict[str, Any]:
                                 ignore_eos=True)
     for backend in ("torch", "triton"):
         engine = Engine(EngineConfig(model="device-check", device=device, dtype="bfloat16",
-                                     num_blocks=16384, attention_backend=backend,
+                                     num_blocks=plan.engine_num_blocks,
+                                     attention_backend=backend,
                                      max_num_seqs=max(plan.engine_batches),
                                      max_num_batched_tokens=2048),
                         source=model_source(torch.bfloat16))

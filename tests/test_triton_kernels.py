@@ -10,13 +10,11 @@ head dims that are not powers of two, shuffled block tables, tiles that span blo
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +23,6 @@ import torch
 triton = pytest.importorskip("triton", reason="the Triton kernels need the triton package "
                              "(extra 'gpu')")
 import triton.language as tl  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
 
 from paged_chat.engine import PagedChatError, SamplingParams
 from paged_chat.engine.attention.metadata import AttentionMetadata
@@ -407,44 +404,6 @@ def test_sliding_window_never_reads_tiles_before_the_window():
     check_output(ours, expected, torch.float32)
 
 
-@contextlib.contextmanager
-def recorded_variants() -> Iterator[set]:
-    """Forward every Triton launch, recording the compiled variant a GPU would use for it:
-    the kernel and its specialisation (constexprs, integer and alignment attributes, pointer
-    types, warps and stages), as the JIT's cache keys it."""
-    from paged_chat.engine.attention import triton_kernels
-
-    device_check = _device_check()
-    seen: set = set()
-    names = ("_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel")
-    originals = {name: getattr(triton_kernels, name) for name in names}
-
-    class Recording:
-        def __init__(self, kernel) -> None:
-            self.kernel = kernel
-            self.jit = JITFunction(kernel.fn, **kernel.kwargs)   # the GPU's view of it
-
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                options = tuple(sorted((k, kwargs[k]) for k in ("num_warps", "num_stages")
-                                       if k in kwargs))
-                named = dict(zip(self.jit.arg_names, args)) | {
-                    k: v for k, v in kwargs.items() if k not in ("num_warps", "num_stages")}
-                signature, constexprs, attrs = device_check.specialise(self.jit, named)
-                seen.add((self.kernel.fn.__name__, repr(sorted(signature.items())),
-                          repr(sorted(constexprs.items())), repr(sorted(attrs.items())), options))
-                self.kernel[grid](*args, **kwargs)
-            return launch
-
-    for name, kernel in originals.items():
-        setattr(triton_kernels, name, Recording(kernel))
-    try:
-        yield seen
-    finally:
-        for name, kernel in originals.items():
-            setattr(triton_kernels, name, kernel)
-
-
 def test_warm_up_leaves_no_kernel_variant_to_compile(make_engine, monkeypatch):
     """After `Engine.warm_up` (which a CUDA engine runs before it serves), a generation that
     grows contexts past the split threshold, mixes decodes with chunked prefills and ends
@@ -458,12 +417,14 @@ def test_warm_up_leaves_no_kernel_variant_to_compile(make_engine, monkeypatch):
     engine = make_engine(attention_backend="triton", max_model_len=160,
                          max_num_batched_tokens=24, num_blocks=64)
     lines: list[str] = []
-    with recorded_variants() as seen:
+    device_check = _device_check()
+    with device_check.captured_launches(forward=True) as launches:
         engine.warm_up(lines.append)
-        warmed = set(seen)
-        seen.clear()
+        warmed = {device_check.variant_key(*launch) for launch in launches}
+        launches.clear()
         prompts = [list(range(3, 90)), list(range(40, 61)), list(range(7, 44))]
         engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        seen = {device_check.variant_key(*launch) for launch in launches}
     assert {variant[0] for variant in warmed} == {
         "_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel"}
     assert {variant[0] for variant in seen} == {variant[0] for variant in warmed}
