@@ -60,7 +60,6 @@ import argparse
 import functools
 import gc
 import json
-import math
 import os
 import re
 import statistics

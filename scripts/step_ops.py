@@ -19,7 +19,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
