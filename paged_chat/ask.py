@@ -1,41 +1,45 @@
 """`paged-chat ask`: one-shot chat on the command line, and batches of prompts.
 
 stdout carries only answers (streamed, flushed per delta) or JSON; everything else
-(loading, warnings, stats, errors) goes to stderr, so `ask` composes in pipes. Several
-prompts (`--file`) all go into the one engine at once and are answered in input order:
-the earliest unfinished answer streams live while later ones are held until their turn.
+(loading, warnings, stats, errors) goes to stderr, so `ask` composes in pipes. Every
+prompt is a ChatSession turn (paged_chat.session, as in the TUI) through the in-process
+engine client; several prompts (`--file`) all go into the one engine at once and are
+answered in input order: the earliest unfinished answer streams live while later ones are
+held until their turn.
 
-Ctrl+C sets a flag that the step loop checks between steps, so the engine is never
-interrupted mid-step: the requests are aborted (their blocks freed), the partial answers
-stay on stdout and are saved with finish_reason "abort", and the exit code is 130.
+Ctrl+C, SIGTERM (`timeout`, `kill`) and SIGHUP (the terminal went away) stop the replies
+between steps (their blocks freed): the partial answers stay on stdout and are saved with
+finish_reason "abort", and the exit code is 128 + the signal's number (130, 143, 129), as a
+shell reports a process that signal ended. A second signal cancels at once.
+
+On a terminal, stdout shows the model's text sanitized (no escape sequences, no control
+characters); piped, it is exact.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, aclosing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from paged_chat.settings import SAMPLING_KEYS
+from paged_chat.session import ChatSession, Turn, chat_title
+from paged_chat.settings import chat_sampling
+from paged_chat.text import StreamSanitizer, check_text
 
 if TYPE_CHECKING:
-    from paged_chat.chat import Conversation
-    from paged_chat.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+    from paged_chat.engine import Engine, EngineClient, EngineConfig, SamplingParams
     from paged_chat.settings import Settings
     from paged_chat.store import Chat, ChatStore
 
 EngineFactory = Callable[["EngineConfig"], "Engine"]
-
-# A streaming reply is saved at most this often, so a killed process keeps most of it.
-SAVE_INTERVAL_S = 1.0
-_TITLE_LENGTH = 60
 
 
 class UsageError(ValueError):
@@ -73,37 +77,60 @@ def read_prompt(argument: str | None, stdin: TextIO | None) -> str:
     A terminal stdin is never read (it would wait for input), so a missing prompt is an
     error, never a hang. Returns "" when there is no prompt at all.
     """
+    argument = _valid_text(argument or "", "the prompt argument")
     piped = ""
     if stdin is not None and not stdin.isatty():
         try:
             piped = stdin.read()
         except UnicodeDecodeError as exc:
             raise UsageError(f"stdin is not UTF-8 text ({exc.reason})") from exc
-    return "\n\n".join(part for part in (piped.strip(), (argument or "").strip()) if part)
+    return "\n\n".join(part for part in (piped.strip(), argument.strip()) if part)
+
+
+def read_prompt_file(file: TextIO) -> list[FilePrompt]:
+    """The prompts of the --file `file` (see `parse_prompt_file`); a file that is not
+    UTF-8 is a usage error naming it, as non-UTF-8 stdin is."""
+    name = "stdin" if file.name in ("-", "<stdin>") else f"the prompt file {file.name}"
+    try:
+        text = file.read()
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{name} is not UTF-8 text ({exc.reason})") from exc
+    return parse_prompt_file(text)
 
 
 def parse_prompt_file(text: str) -> list[FilePrompt]:
     """The prompts of a --file: JSONL when the first non-blank line is a JSON object (then
     every line must be one, with a "prompt" string and optionally a "system" string),
-    else one prompt per line. Blank lines are skipped. UsageError names the bad line."""
-    lines = [(number, line) for number, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    else one prompt per line. Blank lines and a leading byte-order mark are skipped.
+    UsageError names the bad line."""
+    lines = [(number, line) for number, line in
+             enumerate(text.removeprefix("\ufeff").splitlines(), start=1) if line.strip()]
     if not lines:
         raise UsageError("the prompt file has no prompts")
     if not _is_json_object(lines[0][1]):
-        return [FilePrompt(line.strip()) for _, line in lines]
+        return [FilePrompt(_valid_text(line.strip(), f"line {number} of the prompt file"))
+                for number, line in lines]
     return [_json_prompt(number, line) for number, line in lines]
+
+
+def _json_value(line: str) -> Any:
+    """json.loads, where nesting too deep for the parser is a ValueError like any bad JSON."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
 
 
 def _is_json_object(line: str) -> bool:
     try:
-        return isinstance(json.loads(line), dict)
+        return isinstance(_json_value(line), dict)
     except ValueError:
         return False
 
 
 def _json_prompt(number: int, line: str) -> FilePrompt:
     try:
-        item = json.loads(line)
+        item = _json_value(line)
     except ValueError as exc:
         raise UsageError(f"line {number} of the prompt file is not JSON ({exc}); a JSONL file "
                          "holds one object per line") from exc
@@ -113,169 +140,103 @@ def _json_prompt(number: int, line: str) -> FilePrompt:
         raise UsageError(f'line {number} of the prompt file needs a non-empty "prompt" string')
     if system is not None and not isinstance(system, str):
         raise UsageError(f'line {number} of the prompt file: "system" must be a string')
-    return FilePrompt(prompt, system)
+    where = f"line {number} of the prompt file"
+    return FilePrompt(_valid_text(prompt, f'{where}: "prompt"'),
+                      None if system is None else _valid_text(system, f'{where}: "system"'))
+
+
+def check_text_options(options: AskOptions) -> None:
+    """The options that reach the tokenizer or the store hold text: a UsageError names
+    the one that does not (undecodable bytes in argv), before anything loads."""
+    _valid_text(options.system or "", "--system")
+    _valid_text(options.chat_id or "", "--chat")
+
+
+def _valid_text(text: str, what: str) -> str:
+    try:
+        return check_text(text, what)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 @dataclass(slots=True, eq=False)
 class Answer:
-    """One prompt's reply as it streams, with its timings."""
+    """One prompt of this run: its chat session and what its JSON object leads with."""
 
     index: int
-    prompt_ids: list[int]
+    session: ChatSession
+    user_text: str
     params: SamplingParams
-    load_s: float  # how long the model took to load, for --stats and --json
-    meta: dict[str, Any] = field(default_factory=dict)  # leads its JSON object
-    request_id: str = ""
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-    num_cached_tokens: int = 0
-    added_at: float = 0.0
-    first_token_at: float | None = None
-    finished_at: float | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
 
-    def update(self, output: RequestOutput, now: float) -> None:
-        if output.new_token_ids and self.first_token_at is None:
-            self.first_token_at = now
-        self.text, self.token_ids = output.text, output.token_ids
-        self.num_cached_tokens = output.num_cached_tokens
-        if output.finished:
-            self.finished_at = now
-            self.finish_reason, self.error = output.finish_reason, output.error
+    @property
+    def turn(self) -> Turn:
+        assert self.session.turn is not None, "the answer has not started"
+        return self.session.turn
 
-    def timings(self) -> dict[str, float]:
-        """Seconds to load the model, to the first token and to the end; the generation
-        speed after the first token (tokens/s)."""
-        end = self.finished_at or time.perf_counter()
-        first = self.first_token_at or end
-        decode_s = end - first
-        speed = (len(self.token_ids) - 1) / decode_s if len(self.token_ids) > 1 and decode_s > 0 else 0.0
-        return {"load_s": round(self.load_s, 3), "ttft_s": round(first - self.added_at, 3),
-                "total_s": round(end - self.added_at, 3), "tokens_per_s": round(speed, 1)}
+    def to_json(self, load_s: float) -> dict[str, Any]:
+        turn, timings = self.turn, self.turn.timings()
+        return {**self.meta, "text": turn.text, "finish_reason": turn.finish_reason,
+                "error": turn.error, "prompt_tokens": len(turn.prompt_ids),
+                "cached_tokens": turn.num_cached_tokens,
+                "tier_cached_tokens": turn.num_tier_cached_tokens,
+                "completion_tokens": len(turn.token_ids),
+                "timings": {"load_s": round(load_s, 3), "ttft_s": timings["ttft_s"],
+                            "total_s": timings["total_s"], "tokens_per_s": timings["tokens_per_s"]}}
 
-    def to_json(self) -> dict[str, Any]:
-        return {**self.meta, "text": self.text, "finish_reason": self.finish_reason,
-                "error": self.error, "prompt_tokens": len(self.prompt_ids),
-                "cached_tokens": self.num_cached_tokens, "completion_tokens": len(self.token_ids),
-                "timings": self.timings()}
-
-    def stats_line(self) -> str:
-        t = self.timings()
-        return (f"{len(self.prompt_ids)} prompt tokens ({self.num_cached_tokens} from the prefix "
-                f"cache), {len(self.token_ids)} generated, first token after {t['ttft_s']:.2f} s, "
-                f"{t['tokens_per_s']:.1f} tokens/s, model loaded in {t['load_s']:.1f} s")
+    def stats_line(self, load_s: float) -> str:
+        turn, timings = self.turn, self.turn.timings()
+        first = "no token" if timings["ttft_s"] is None else f"first token after {timings['ttft_s']:.2f} s"
+        tier = (f" ({turn.num_tier_cached_tokens:,} read back from the KV tier)"
+                if turn.num_tier_cached_tokens else "")
+        return (f"{len(turn.prompt_ids):,} prompt tokens ({turn.num_cached_tokens:,} from the "
+                f"cache{tier}), {len(turn.token_ids)} generated, {first}, "
+                f"{timings['tokens_per_s']:.1f} tokens/s, model loaded in {load_s:.1f} s")
 
 
 class OrderedOutput:
     """Writes answers to stdout in input order while they finish in any order: the earliest
     unfinished answer streams live, later ones are held until it is done. Plain text puts
-    a blank line between answers; JSON writes one object per line as each one's turn comes."""
+    a blank line between answers; JSON writes one object per line as each one's turn comes.
+    On a terminal the text is sanitized as it streams, each answer on its own, so a
+    sequence the model leaves open never reaches into the next answer."""
 
-    def __init__(self, answers: list[Answer], as_json: bool, stdout: TextIO) -> None:
-        self.answers = answers
+    def __init__(self, count: int, as_json: bool, stdout: TextIO) -> None:
+        self.count = count
         self.as_json = as_json
         self.stdout = stdout
         self.current = 0
         self.held: dict[int, list[str]] = {}
-        self.done: set[int] = set()
+        self.done: dict[int, dict[str, Any]] = {}
+        self.sanitizer = StreamSanitizer() if stdout.isatty() else None
 
-    def delta(self, answer: Answer, text: str) -> None:
+    def delta(self, index: int, text: str) -> None:
         if self.as_json or not text:
             return
-        if answer.index == self.current:
+        if index == self.current:
             self._write(text)
         else:
-            self.held.setdefault(answer.index, []).append(text)
+            self.held.setdefault(index, []).append(text)
 
-    def finished(self, answer: Answer) -> None:
-        self.done.add(answer.index)
+    def finished(self, index: int, as_json: dict[str, Any]) -> None:
+        self.done[index] = as_json
         while self.current in self.done:
-            finished = self.answers[self.current]
-            self._write(json.dumps(finished.to_json(), ensure_ascii=False) + "\n" if self.as_json else "\n")
+            self._end_of_answer()
+            finished = self.done.pop(self.current)
+            self._write(json.dumps(finished, ensure_ascii=False) + "\n" if self.as_json else "\n")
             self.current += 1
-            if self.current < len(self.answers) and not self.as_json:
+            if self.current < self.count and not self.as_json:
                 self._write("\n" + "".join(self.held.pop(self.current, [])))
 
     def _write(self, text: str) -> None:
+        if self.sanitizer is not None:
+            text = self.sanitizer.feed(text)
         self.stdout.write(text)
         self.stdout.flush()
 
-
-def run_requests(engine: Engine, answers: list[Answer], output: OrderedOutput,
-                 on_progress: Callable[[Answer], None]) -> bool:
-    """Run every answer's request through the engine together; True when Ctrl+C stopped them."""
-    by_request = {}
-    for answer in answers:
-        answer.request_id = engine.add_request(answer.prompt_ids, answer.params)
-        answer.added_at = time.perf_counter()
-        by_request[answer.request_id] = answer
-    stopping = False
-    with _ctrl_c_flag() as interrupted:
-        while engine.has_unfinished():
-            if interrupted() and not stopping:
-                stopping = True
-                for answer in answers:
-                    engine.abort(answer.request_id)
-            for delta in engine.step():
-                answer = by_request.get(delta.request_id)
-                if answer is None:
-                    continue
-                answer.update(delta, time.perf_counter())
-                output.delta(answer, delta.new_text)
-                if delta.finished:
-                    output.finished(answer)
-                else:
-                    on_progress(answer)
-    return stopping
-
-
-@contextmanager
-def _ctrl_c_flag() -> Iterator[Callable[[], bool]]:
-    """While inside, Ctrl+C only raises a flag (a second one interrupts at once). Outside
-    the main thread signals cannot be caught: Ctrl+C then interrupts as usual."""
-    presses: list[int] = []
-
-    def on_sigint(signum: int, frame: object) -> None:
-        presses.append(signum)
-        if len(presses) > 1:
-            raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGINT, on_sigint)
-    except ValueError:  # not the main thread
-        previous = None
-    try:
-        yield lambda: bool(presses)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
-
-
-class ChatRecorder:
-    """Saves one `ask` turn in the chat store: the user row and an assistant row written
-    before the reply starts, updated while it streams (every SAVE_INTERVAL_S) and when it
-    ends, so a kill keeps what was said so far."""
-
-    def __init__(self, store: ChatStore, chat: Chat) -> None:
-        self.store = store
-        self.chat = chat
-        self.reply_id = 0
-        self.saved_at = 0.0
-
-    def start(self, conversation: Conversation, user_text: str, prompt_ids: list[int]) -> None:
-        self.store.add_message(self.chat.id, "user", user_text, conversation.added_ids(prompt_ids))
-        self.reply_id = self.store.add_message(self.chat.id, "assistant", "", []).id
-        self.saved_at = time.monotonic()
-
-    def progress(self, answer: Answer) -> None:
-        if time.monotonic() - self.saved_at >= SAVE_INTERVAL_S:
-            self.store.update_message(self.reply_id, answer.text, answer.token_ids, None)
-            self.saved_at = time.monotonic()
-
-    def finish(self, answer: Answer) -> None:
-        self.store.update_message(self.reply_id, answer.text, answer.token_ids,
-                                  answer.finish_reason, answer.timings())
+    def _end_of_answer(self) -> None:
+        if self.sanitizer is not None:
+            self.stdout.write(self.sanitizer.flush())
 
 
 def run_ask(options: AskOptions, settings: Settings, make_engine: EngineFactory,
@@ -307,40 +268,35 @@ def _run_turn(options: AskOptions, settings: Settings, make_engine: EngineFactor
         config, params = _configure(settings, engine_overrides,
                                     {**(chat.sampling if chat else {}), **options.sampling})
         engine, load_s = _load(make_engine, config)
-        if chat is not None:
-            conversation = Conversation.from_chat(chat, engine.tokenizer, engine.chat_template)
-        else:
-            conversation = Conversation(engine.tokenizer, engine.chat_template,
-                                        options.system or settings.chat.system_prompt)
-        prompt_ids = conversation.next_prompt_ids(user_text)
-        recorder = None
+        system = options.system or settings.chat.system_prompt
         if options.save:
-            sampling = {name: getattr(params, name) for name in SAMPLING_KEYS}
-            chat = chat or store.create_chat(_title(options.prompt or user_text), _model_spec(config.model),
-                                             conversation.system_prompt, sampling)
-            recorder = ChatRecorder(store, chat)
-            recorder.start(conversation, user_text, prompt_ids)
-        meta = {"model": config.model, "chat_id": chat.id if recorder is not None else None}
-        return _generate(engine, [Answer(0, prompt_ids, params, load_s, meta)], options, recorder)
+            chat = chat or store.create_chat(chat_title((options.prompt or "").strip() or user_text),
+                                             _model_spec(config.model), system,
+                                             chat_sampling(params))
+            session = ChatSession(store, chat, on_warning=_warn)
+        else:
+            info = engine.info
+            conversation = (Conversation.from_chat(chat, info.tokenizer, info.chat_template)
+                            if chat is not None else None)
+            session = ChatSession(system_prompt=system, conversation=conversation)
+        meta = {"model": config.model, "chat_id": session.chat_id}
+        return _answer(engine, [Answer(0, session, user_text, params, meta)], options, load_s)
 
 
 def _run_batch(options: AskOptions, settings: Settings, make_engine: EngineFactory) -> int:
     """--file: every prompt a one-shot chat, all through the engine at once; not saved."""
-    from paged_chat.chat import Conversation
-
     if options.prompt or options.continue_chat or options.chat_id is not None:
         raise UsageError("--file runs its own prompts: drop the PROMPT argument, -c and --chat")
-    prompts = parse_prompt_file(options.file.read())
+    prompts = read_prompt_file(options.file)
     config, params = _configure(settings, options.engine, options.sampling)
     with _warnings_to_stderr():
         engine, load_s = _load(make_engine, config)
-        answers = []
-        for index, item in enumerate(prompts):
-            system = item.system or options.system or settings.chat.system_prompt
-            conversation = Conversation(engine.tokenizer, engine.chat_template, system)
-            meta = {"index": index, "prompt": item.prompt, "model": config.model}
-            answers.append(Answer(index, conversation.next_prompt_ids(item.prompt), params, load_s, meta))
-        return _generate(engine, answers, options, None)
+        answers = [Answer(index, ChatSession(system_prompt=item.system or options.system
+                                             or settings.chat.system_prompt),
+                          item.prompt, params,
+                          {"index": index, "prompt": item.prompt, "model": config.model})
+                   for index, item in enumerate(prompts)]
+        return _answer(engine, answers, options, load_s)
 
 
 def _configure(settings: Settings, engine: dict[str, Any], sampling: dict[str, Any]
@@ -353,25 +309,83 @@ def _configure(settings: Settings, engine: dict[str, Any], sampling: dict[str, A
         raise UsageError(str(exc)) from exc
 
 
-def _generate(engine: Engine, answers: list[Answer], options: AskOptions,
-              recorder: ChatRecorder | None) -> int:
-    output = OrderedOutput(answers, options.json, sys.stdout)
+def _answer(engine: Engine, answers: list[Answer], options: AskOptions, load_s: float) -> int:
+    """Stream every answer through the engine together; the exit status."""
+    from paged_chat.engine import AsyncEngine
+
+    client = AsyncEngine(engine)
+    output = OrderedOutput(len(answers), options.json, sys.stdout)
     try:
-        interrupted = run_requests(engine, answers, output,
-                                   recorder.progress if recorder is not None else _ignore)
+        signals = asyncio.run(_stream_all(client, answers, output, load_s))
+        preemptions = client.stats().num_preemptions
     finally:
-        if recorder is not None:  # also when cut short: the row keeps what was said
-            recorder.finish(answers[0])
+        client.shutdown()
     if options.stats:
-        _print_stats(answers, engine)
-    failed = [answer for answer in answers if answer.finish_reason == "error"]
+        _print_stats(answers, load_s, preemptions)
+    failed = [answer for answer in answers if answer.turn.finish_reason == "error"]
     for answer in failed:
-        _say(f"Error: {f'prompt {answer.index + 1}: ' if len(answers) > 1 else ''}{answer.error}")
-    return 130 if interrupted else 1 if failed else 0
+        _say(f"Error: {f'prompt {answer.index + 1}: ' if len(answers) > 1 else ''}{answer.turn.error}")
+    return STOP_SIGNALS[signals[0]] if signals else 1 if failed else 0
 
 
-def _ignore(answer: Answer) -> None:
-    pass
+async def _stream_all(client: EngineClient, answers: list[Answer], output: OrderedOutput,
+                      load_s: float) -> list[int]:
+    """Run the answers' turns at once; the stop signals received meanwhile."""
+
+    async def answer_one(answer: Answer) -> None:
+        async with aclosing(answer.session.send(client, answer.user_text, answer.params)) as deltas:
+            async for delta in deltas:
+                output.delta(answer.index, delta.new_text)
+        output.finished(answer.index, answer.to_json(load_s))
+
+    def stop_all() -> None:
+        for answer in answers:
+            answer.session.stop()
+
+    with _stop_signals(stop_all) as received:
+        try:
+            await asyncio.gather(*(answer_one(answer) for answer in answers))
+        except asyncio.CancelledError:  # a second signal: every turn was saved as stopped
+            if not received:
+                raise
+    return received
+
+
+STOP_SIGNALS = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+
+
+@contextmanager
+def _stop_signals(stop: Callable[[], None]) -> Iterator[list[int]]:
+    """While inside, Ctrl+C, SIGTERM and SIGHUP call `stop` (the replies end between steps,
+    their partial text kept); a second one cancels the running task at once. Yields the
+    signals received. Outside the main thread signals cannot be caught: they act as usual."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        received.append(signum)
+        if len(received) == 1:
+            stop()
+        else:
+            task.cancel()
+
+    installed = []
+    for signum in STOP_SIGNALS:
+        try:
+            loop.add_signal_handler(signum, on_signal, signum)
+        except (ValueError, RuntimeError):  # not the main thread
+            break
+        installed.append(signum)
+    try:
+        yield received
+    finally:
+        for signum in installed:
+            loop.remove_signal_handler(signum)
+
+
+def _warn(message: str) -> None:
+    _say(f"Warning: {message}")
 
 
 def _chat_to_continue(options: AskOptions, store: ChatStore) -> Chat:
@@ -418,27 +432,21 @@ def _load(make_engine: EngineFactory, config: EngineConfig) -> tuple[Engine, flo
     return engine, time.perf_counter() - started
 
 
-def _title(prompt: str) -> str:
-    """A new chat's title: the first line of the argument (what was asked, not the piped
-    material it was about) or else of stdin, shortened."""
-    first = prompt.strip().splitlines()[0].strip()
-    return first if len(first) <= _TITLE_LENGTH else first[:_TITLE_LENGTH - 1].rstrip() + "…"
-
-
-def _print_stats(answers: list[Answer], engine: Engine) -> None:
+def _print_stats(answers: list[Answer], load_s: float, preemptions: int) -> None:
     if len(answers) == 1:
-        _say(answers[0].stats_line())
+        _say(answers[0].stats_line(load_s))
         return
     for answer in answers:
-        _say(f"[{answer.index + 1}] {answer.stats_line()}")
-    started = min(answer.added_at for answer in answers)
-    ended = max(answer.finished_at or started for answer in answers)
-    generated = sum(len(answer.token_ids) for answer in answers)
+        _say(f"[{answer.index + 1}] {answer.stats_line(load_s)}")
+    turns = [answer.turn for answer in answers]
+    started = min(turn.submitted_at for turn in turns)
+    ended = max(turn.finished_at or started for turn in turns)
+    generated = sum(len(turn.token_ids) for turn in turns)
     rate = generated / (ended - started) if ended > started else 0.0
-    cached = sum(answer.num_cached_tokens for answer in answers)
+    cached = sum(turn.num_cached_tokens for turn in turns)
     _say(f"{len(answers)} prompts: {generated} tokens generated in {ended - started:.2f} s "
          f"({rate:.1f} tokens/s together), {cached} prompt tokens from the prefix cache, "
-         f"{engine.stats().num_preemptions} preemptions")
+         f"{preemptions} preemptions")
 
 
 @contextmanager

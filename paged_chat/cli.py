@@ -1,5 +1,5 @@
 """The `paged-chat` command line: the TUI (bare command), `ask`, `models`, `chats`, `config`,
-`bench`.
+`bench`, `cache`.
 
 Only typer and the settings module are imported up front; torch, transformers, textual
 and the store load inside the commands that need them, so `--help` and `--version` start
@@ -7,15 +7,20 @@ at once. Per-invocation state (debug flag, config path, loaded settings, the eng
 factory tests replace) lives in `ctx.obj`, a CliState.
 
 Exit codes: 0 ok, 1 runtime error (one `Error: ...` line on stderr; the traceback only
-with --debug), 2 usage error, 130 Ctrl+C.
+with --debug), 2 usage error, 130 Ctrl+C (143 SIGTERM, 129 SIGHUP during a reply).
+
+Stored text (titles, messages) printed to a terminal is sanitized first: a chat can hold
+anything a prompt or a model put in it, escape sequences included. Piped, it is exact.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +32,7 @@ import click
 import typer
 
 from paged_chat.settings import Settings, config_path, load_settings
+from paged_chat.text import sanitize_for_terminal
 
 if TYPE_CHECKING:
     from paged_chat.engine import Engine, EngineConfig
@@ -36,6 +42,8 @@ app = typer.Typer(name="paged-chat", add_completion=False, pretty_exceptions_ena
                   context_settings={"help_option_names": ["-h", "--help"]})
 chats_app = typer.Typer()
 app.add_typer(chats_app, name="chats")
+cache_app = typer.Typer(help="The engine's disk cache (the KV tier: chat histories' KV).")
+app.add_typer(cache_app, name="cache")
 
 
 @dataclass(slots=True)
@@ -69,12 +77,16 @@ def _state(ctx: typer.Context) -> CliState:
 @contextmanager
 def _reported(ctx: typer.Context) -> Iterator[None]:
     """Turn failures into exit codes: a usage error is one line and status 2, any other
-    error one line and status 1 (re-raised with --debug), Ctrl+C status 130."""
+    error one line and status 1 (re-raised with --debug), Ctrl+C status 130. Python
+    warnings (e.g. a directory made private) are one `Warning: ...` line each."""
     from paged_chat.ask import UsageError
 
     try:
-        yield
-    except (click.exceptions.Exit, click.ClickException, click.Abort):
+        with warnings.catch_warnings():
+            warnings.simplefilter("default")
+            warnings.showwarning = lambda message, *args, **kwargs: typer.echo(f"Warning: {message}", err=True)
+            yield
+    except (click.exceptions.Exit, typer.Exit, click.ClickException, click.Abort):
         raise
     except KeyboardInterrupt:  # while loading; during a reply `ask` handles Ctrl+C itself
         raise typer.Exit(130) from None
@@ -92,13 +104,11 @@ def _reported(ctx: typer.Context) -> Iterator[None]:
 
 
 def _describe(error: Exception) -> str:
-    """Our errors' messages are written for the user; anything else is a surprise, so it is
-    named, with the way to see more."""
-    from paged_chat.engine import PagedChatError
+    """A surprise (not an error written for the user) says how to see more."""
+    from paged_chat.engine.errors import USER_ERRORS, describe_error
 
-    if isinstance(error, (PagedChatError, ValueError, OSError)):
-        return str(error)
-    return f"{type(error).__name__}: {error} (`paged-chat --debug ...` shows the traceback)"
+    line = describe_error(error)
+    return line if isinstance(error, USER_ERRORS) else f"{line} (`paged-chat --debug ...` shows the traceback)"
 
 
 def _version(value: bool) -> None:
@@ -177,7 +187,7 @@ def ask(ctx: typer.Context,
             "--chat", help="Continue this chat (an id or its first characters).")] = None,
         no_save: Annotated[bool, typer.Option("--no-save", help="Do not save this turn.")] = False,
         file: Annotated[typer.FileText | None, typer.Option(
-            "--file", "-f", help="Answer every prompt of this file at once (one per line, or JSONL "
+            "--file", "-f", encoding="utf-8", help="Answer every prompt of this file at once (one per line, or JSONL "
                                  'with {"prompt": ...}); "-" reads stdin. Not saved.')] = None,
         ) -> None:
     """Answer a prompt, streaming the reply to stdout. Saved as a chat unless --no-save.
@@ -192,17 +202,21 @@ def ask(ctx: typer.Context,
 
         paged-chat ask --file prompts.txt --json
     """
-    from paged_chat.ask import AskOptions, run_ask
+    from paged_chat.ask import AskOptions, check_text_options, run_ask
 
     state = _state(ctx)
     options = AskOptions(
-        prompt=prompt, system=system, stats=stats, json=json_output, continue_chat=continue_chat,
-        chat_id=chat, save=not no_save, file=file,
+        prompt=prompt if prompt and prompt.strip() else None, system=system, stats=stats,
+        json=json_output, continue_chat=continue_chat, chat_id=chat, save=not no_save, file=file,
         engine={"model": model, "device": device, "dtype": dtype},
         sampling={"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                   "top_k": top_k, "seed": seed})
     with _reported(ctx):
-        code = run_ask(options, state.settings(), state.make_engine, sys.stdin)
+        check_text_options(options)
+        settings = state.settings()
+        if system == "":  # an explicit empty --system clears the configured one
+            settings = dataclasses.replace(settings, chat=dataclasses.replace(settings.chat, system_prompt=None))
+        code = run_ask(options, settings, state.make_engine, sys.stdin)
     raise typer.Exit(code)
 
 
@@ -233,8 +247,9 @@ def show_config(ctx: typer.Context,
         return
     with _reported(ctx):
         settings = state.settings()
+        store, cache = data_dir() / "chats.db", cache_dir()
     where = "" if settings.path is not None else " (not found: defaults)"
-    typer.echo(f"# config: {path}{where}\n# chats:  {data_dir() / 'chats.db'}\n# cache:  {cache_dir()}\n")
+    typer.echo(f"# config: {path}{where}\n# chats:  {store}\n# cache:  {cache}\n")
     typer.echo(settings.to_toml(), nl=False)
 
 
@@ -262,7 +277,8 @@ def bench(ctx: typer.Context,
           ) -> None:
     """Run one seeded chat workload through paged-chat and the Hugging Face baselines, side
     by side in one process, and print absolute figures and ratios."""
-    from paged_chat.bench import BenchOptions, format_report, plot, run_bench, write_json
+    from paged_chat.bench import BenchOptions, run_bench
+    from paged_chat.bench.report import format_report, plot, write_json
 
     with _reported(ctx):
         sizes = (dict(num_chats=8, min_output=16, max_output=48) if quick else
@@ -312,7 +328,7 @@ def show_chat(ctx: typer.Context, chat_id: ChatId) -> None:
     """Print a chat as Markdown."""
     with _open_store(ctx) as store:
         chat = store.get_chat(store.resolve_id(chat_id))
-    typer.echo(_markdown(chat), nl=False)
+    _echo_stored(_markdown(chat), nl=False)
 
 
 @chats_app.command("export")
@@ -327,9 +343,9 @@ def export_chat(ctx: typer.Context, chat_id: ChatId,
     with _open_store(ctx) as store:
         chat = store.get_chat(store.resolve_id(chat_id))
     if export_format is ExportFormat.json:
-        typer.echo(json.dumps(asdict(chat), ensure_ascii=False, indent=2))
+        _echo_stored(json.dumps(asdict(chat), ensure_ascii=False, indent=2))
     else:
-        typer.echo(_markdown(chat), nl=False)
+        _echo_stored(_markdown(chat), nl=False)
 
 
 @chats_app.command("delete")
@@ -337,14 +353,38 @@ def delete_chat(ctx: typer.Context, chat_id: ChatId,
                 yes: Annotated[bool, typer.Option(
                     "--yes", "-y", help="Do not ask for confirmation.")] = False,
                 ) -> None:
-    """Delete a chat and its messages."""
+    """Delete a chat and its messages. Asks first, reading the answer from stdin (a
+    terminal or a pipe: `echo y | paged-chat chats delete ID`); no answer is a no."""
     with _open_store(ctx) as store:
         chat = store.get_chat(store.resolve_id(chat_id))
-        if not yes and sys.stdin.isatty():
-            typer.confirm(f"Delete chat {chat.id} ({chat.title!r}, {len(chat.messages)} messages)?",
-                          abort=True, err=True)
+        title = sanitize_for_terminal(chat.title)
+        if not yes:
+            typer.echo(f"Delete chat {chat.id} ({title!r}, {len(chat.messages)} messages)? [y/N] ",
+                       nl=False, err=True)
+            answer = sys.stdin.readline()
+            if not sys.stdin.isatty():  # a terminal echoed the answer and its newline
+                typer.echo(answer.strip(), err=True)
+            if not answer:
+                from paged_chat.ask import UsageError
+
+                raise UsageError("no answer on stdin: the chat was not deleted (--yes "
+                                 "deletes without asking)")
+            if answer.strip().lower() not in ("y", "yes"):
+                typer.echo(f"not deleted: chat {chat.id}", err=True)
+                raise typer.Exit(1)
         store.delete_chat(chat.id)
-    typer.echo(f"deleted chat {chat.id} ({chat.title})", err=True)
+    typer.echo(f"deleted chat {chat.id} ({title})", err=True)
+
+
+@cache_app.command("clear")
+def clear_cache(ctx: typer.Context) -> None:
+    """Delete the disk KV tier (every model's); the next turn of each chat prefills its history."""
+    with _reported(ctx):
+        from paged_chat.engine.kv_tier import TIER_DIR, clear_disk_tier
+        from paged_chat.settings import cache_dir
+
+        files, freed = clear_disk_tier(cache_dir())
+    typer.echo(f"freed {freed / 2**20:,.1f} MiB ({files} KV blocks) from {cache_dir() / TIER_DIR}")
 
 
 @contextmanager
@@ -373,15 +413,23 @@ def _markdown(chat: Chat) -> str:
     return "\n".join(lines)
 
 
+def _echo_stored(text: str, nl: bool = True) -> None:
+    """Print stored text on stdout: sanitized on a terminal, exact in a pipe (color=True:
+    click would otherwise strip what looks like a color code from piped output)."""
+    typer.echo(sanitize_for_terminal(text) if sys.stdout.isatty() else text, nl=nl, color=True)
+
+
 def _local_time(timestamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp))
 
 
 def _print_table(header: list[str], rows: list[list[str]]) -> None:
     """Plain aligned columns: readable in a terminal, and easy to cut or grep in a pipe."""
+    if sys.stdout.isatty():
+        rows = [[sanitize_for_terminal(str(cell)) for cell in row] for row in rows]
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
-        typer.echo("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
+        typer.echo("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip(), color=True)
 
 
 def main() -> None:

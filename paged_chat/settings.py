@@ -2,7 +2,9 @@
 
 Paths: platformdirs locations, each overridable by an env var, so tests and scripted runs
 keep everything out of the real home directory. Each directory is created on first use,
-so callers can write into it straight away.
+so callers can write into it straight away. The data and cache directories are private
+(0700, as ssh and gpg keep theirs): chats are personal. One that other users can read is
+made private when it is next used, with a one-time warning saying so.
 
 Settings: config.toml holds the user's defaults in three tables, `[engine]` (EngineConfig
 knobs), `[chat]` (system prompt and sampling defaults) and `[tui]` (theme, and
@@ -11,8 +13,14 @@ is a SettingsError naming the file, the line and the key, so a typo never silent
 back to a default. Command-line options override the file through the `**overrides` of
 `Settings.engine_config` and `Settings.sampling_params`.
 
-This module imports neither torch nor the engine at import time (the CLI's `--help` must
-start fast); the engine's own validators run when settings are loaded.
+The `[engine]` and `[chat]` keys are not written out here: `[engine]` is every
+EngineConfig field, `[chat]` the system prompt and the SamplingParams fields a chat keeps
+(CHAT_SAMPLING_KEYS), each with the dataclass's own type. So a new engine knob is a
+setting the moment it exists, and the ranges live in one place (the engine's validators,
+which run when settings are loaded).
+
+This module imports neither torch nor the engine's model code at import time (the CLI's
+`--help` must start fast): the two config dataclasses come from light modules.
 """
 
 from __future__ import annotations
@@ -21,23 +29,52 @@ import dataclasses
 import difflib
 import os
 import re
+import stat
 import tomllib
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import platformdirs
 
-if TYPE_CHECKING:
-    from paged_chat.engine import EngineConfig, SamplingParams
+from paged_chat.engine.config import EngineConfig
+from paged_chat.engine.request import SamplingParams
 
 APP_NAME = "paged-chat"
 
 
-def _ensure(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
+def _ensure(path: Path, variable: str, mode: int = 0o777) -> Path:
+    """`path`, a directory, created (with `mode`, less the umask) if it is missing;
+    `variable` is the environment variable that can move it."""
+    if path.exists() and not path.is_dir():
+        raise NotADirectoryError(f"{path} should be a directory but is a file: move the file "
+                                 f"away, or set {variable} to use another place")
+    path.mkdir(mode=mode, parents=True, exist_ok=True)
     return path
+
+
+def _ensure_private(path: Path, variable: str) -> Path:
+    """`path`, a directory only its owner can use, created or tightened (see the module
+    docstring)."""
+    notice = make_private(_ensure(path, variable, 0o700), 0o700)
+    if notice:
+        warnings.warn(notice, stacklevel=3)
+    return path
+
+
+def make_private(path: Path, mode: int) -> str | None:
+    """Take the group and other permissions off `path`, keeping at most `mode`; a notice
+    saying what changed (or that it could not), None when it was private already."""
+    old = stat.S_IMODE(path.stat().st_mode)
+    if not old & 0o077:
+        return None
+    try:
+        os.chmod(path, old & mode)
+    except OSError as exc:  # a read-only file system, or someone else's file
+        return f"{path} can be read by other users (mode {old:04o}) and could not be made private: {exc.strerror}"
+    return f"{path} could be read by other users (mode {old:04o}): made it private (mode {old & mode:04o})"
 
 
 def _env_path(var: str) -> Path | None:
@@ -47,12 +84,14 @@ def _env_path(var: str) -> Path | None:
 
 def cache_dir() -> Path:
     """Converted artefacts that can be rebuilt at any time (e.g. GGUF tokenizers)."""
-    return _ensure(_env_path("PAGED_CHAT_CACHE_DIR") or platformdirs.user_cache_path(APP_NAME))
+    return _ensure_private(_env_path("PAGED_CHAT_CACHE_DIR") or platformdirs.user_cache_path(APP_NAME),
+                           "PAGED_CHAT_CACHE_DIR")
 
 
 def data_dir() -> Path:
     """User data that cannot be rebuilt (the chat store)."""
-    return _ensure(_env_path("PAGED_CHAT_DATA_DIR") or platformdirs.user_data_path(APP_NAME))
+    return _ensure_private(_env_path("PAGED_CHAT_DATA_DIR") or platformdirs.user_data_path(APP_NAME),
+                           "PAGED_CHAT_DATA_DIR")
 
 
 def config_path() -> Path:
@@ -62,7 +101,7 @@ def config_path() -> Path:
 
 def config_dir() -> Path:
     """The directory holding config.toml."""
-    return _ensure(config_path().parent)
+    return _ensure(config_path().parent, "PAGED_CHAT_CONFIG")
 
 
 class SettingsError(ValueError):
@@ -73,44 +112,51 @@ class SettingsError(ValueError):
     """
 
 
-@dataclass(slots=True)
-class EngineSettings:
-    """`[engine]`: the EngineConfig fields a user may set. None (not in the file) means
-    EngineConfig's own default, so the engine stays the one place defaults live."""
-
-    model: str | None = None
-    device: str | None = None
-    dtype: str | None = None
-    block_size: int | None = None
-    num_blocks: int | None = None
-    kv_cache_memory: int | str | None = None
-    gpu_memory_utilization: float | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    enable_prefix_caching: bool | None = None
-    attention_backend: str | None = None
+# The SamplingParams fields a chat keeps (in the store and in `[chat]`) and its settings
+# dialog edits; the others (stop strings, penalties beyond repetition) are per request.
+CHAT_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                      "max_tokens", "seed")
+# What SmolLM2 (the default model) recommends: low temperature, top-p 0.9.
+_CHAT_SAMPLING_DEFAULTS = {"temperature": 0.2, "top_p": 0.9, "max_tokens": 512}
+# Where the engine may write is the app's cache dir, not a user setting.
+_NOT_SETTINGS = {"cache_dir"}
 
 
-@dataclass(slots=True)
-class ChatSettings:
-    """`[chat]`: what a new chat starts with. The sampling keys are SamplingParams fields;
-    the defaults are what SmolLM2 (the default model) recommends: low temperature, top-p 0.9."""
-
-    system_prompt: str | None = None
-    temperature: float = 0.2
-    top_p: float = 0.9
-    top_k: int = 0
-    min_p: float = 0.0
-    max_tokens: int = 512
-    repetition_penalty: float = 1.0
-
-    def sampling(self) -> dict[str, Any]:
-        """The sampling defaults as SamplingParams keyword arguments (what a chat stores)."""
-        return {name: getattr(self, name) for name in SAMPLING_KEYS}
+def _optional(hint: Any) -> Any:
+    return hint if type(None) in typing.get_args(hint) else hint | None
 
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "max_tokens", "repetition_penalty")
+def _chat_sampling_fields() -> list[tuple[str, Any, Any]]:
+    hints = typing.get_type_hints(SamplingParams)
+    defaults = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+    return [(name, hints[name], field(default=_CHAT_SAMPLING_DEFAULTS.get(name, defaults[name])))
+            for name in CHAT_SAMPLING_KEYS]
+
+
+def _sampling(self: Any) -> dict[str, Any]:
+    """The sampling defaults as SamplingParams keyword arguments (what a chat stores)."""
+    return {name: getattr(self, name) for name in CHAT_SAMPLING_KEYS}
+
+
+_ENGINE_HINTS = typing.get_type_hints(EngineConfig)
+EngineSettings = dataclasses.make_dataclass(
+    "EngineSettings",
+    [(f.name, _optional(_ENGINE_HINTS[f.name]), field(default=None))
+     for f in dataclasses.fields(EngineConfig) if f.name not in _NOT_SETTINGS],
+    slots=True)
+EngineSettings.__doc__ = """`[engine]`: the EngineConfig fields a user may set. None (not in
+the file) means EngineConfig's own default, so the engine stays the one place defaults live."""
+
+ChatSettings = dataclasses.make_dataclass(
+    "ChatSettings", [("system_prompt", str | None, field(default=None)), *_chat_sampling_fields()],
+    slots=True, namespace={"sampling": _sampling})
+ChatSettings.__doc__ = """`[chat]`: what a new chat starts with: its system prompt and the
+CHAT_SAMPLING_KEYS of SamplingParams, defaulting to what the default model recommends."""
+
+
+def chat_sampling(params: SamplingParams) -> dict[str, Any]:
+    """What a chat stores of the sampling it was started with."""
+    return {name: getattr(params, name) for name in CHAT_SAMPLING_KEYS}
 
 
 @dataclass(slots=True)
@@ -135,16 +181,12 @@ class Settings:
     def engine_config(self, **overrides: Any) -> EngineConfig:
         """An EngineConfig from `[engine]`, with `overrides` on top (None values are ignored,
         so a CLI can pass every option it has, given or not)."""
-        from paged_chat.engine import EngineConfig
-
         return EngineConfig(**{"cache_dir": str(cache_dir()), **_given(dataclasses.asdict(self.engine)),
                                **_given(overrides)})
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the `[chat]` sampling defaults, with `overrides` on top (any
         SamplingParams field; None values are ignored)."""
-        from paged_chat.engine import SamplingParams
-
         return SamplingParams(**{**self.chat.sampling(), **_given(overrides)})
 
     def to_toml(self) -> str:
@@ -174,7 +216,7 @@ def load_settings(path: Path | None = None) -> Settings:
     """
     path = path or config_path()
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = path.read_bytes().decode("utf-8-sig")  # a BOM (Notepad writes one) is fine
     except FileNotFoundError:
         return Settings()
     except (OSError, UnicodeDecodeError) as exc:
@@ -241,8 +283,6 @@ class _Loader:
     def _check_with_engine(self, settings: Settings) -> None:
         """Run each value through EngineConfig / SamplingParams, one key at a time, so the
         ranges live in one place (the engine) and the error still names the key."""
-        from paged_chat.engine import EngineConfig, SamplingParams
-
         checks = [("engine", EngineConfig, name, value) for name, value in _scalar_items(settings.engine)]
         checks += [("chat", SamplingParams, name, value) for name, value in settings.chat.sampling().items()]
         for table, validator, name, value in checks:

@@ -21,13 +21,28 @@ cut may lose the last commits, a killed process loses nothing committed).
 Versions. `PRAGMA user_version` is the schema version; `MIGRATIONS[v]` takes a database
 from version v to v + 1, all in one transaction. A database from a newer paged-chat is
 refused and left byte-for-byte untouched. A corrupt file is never deleted: it is renamed
-aside (`chats.db.corrupt-<time>`), an empty store takes its place and `ChatStore.notice`
-says so, with both paths, for the UI to show.
+aside (`chats.db.corrupt-<time>`, never over an earlier one), an empty store takes its
+place and `ChatStore.notice` says so, with both paths, for the UI to show. Processes that
+find the store corrupt at once take turns (a lock file, `chats.db.lock`), and each looks
+again when its turn comes, so only the first moves the corrupt file and none moves the
+store that replaced it.
+
+Privacy. Chats are personal: chats.db and its -wal and -shm files are created 0600 (SQLite
+gives the -wal and -shm files the database's mode), and looser ones are tightened when
+the store opens, with a notice (the data directory itself is settings.data_dir's).
+
+Read-only stores. A store this process cannot write (a read-only file system, a file
+without write permission) opens read-only, so it can still be listed and shown; a write
+raises StoreError naming it. It is opened immutable, as SQLite can read a WAL database
+on a read-only file system no other way.
 """
 
 from __future__ import annotations
 
+import fcntl
+import itertools
 import json
+import os
 import sqlite3
 import sys
 import threading
@@ -38,10 +53,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from paged_chat.engine.errors import PagedChatError
-from paged_chat.settings import data_dir
+from paged_chat.settings import data_dir, make_private
 
 ROLES = ("system", "user", "assistant")
 INTERRUPTED = "interrupted"
@@ -77,6 +91,7 @@ MIGRATIONS: list[tuple[str, ...]] = [
 _CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
 _CHAT_COLUMNS = "id, title, model, system_prompt, sampling, created, updated"
 _MESSAGE_COLUMNS = "id, chat_id, role, content, token_ids, finish_reason, created, timings"
+_FILE_SUFFIXES = ("", "-wal", "-shm")
 
 
 class StoreError(PagedChatError):
@@ -88,6 +103,11 @@ class ChatNotFound(StoreError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0])
+
+
+class ChatMovedOn(StoreError):
+    """A turn was started from a chat that someone else (another `ask -c`, another window)
+    added to in the meantime: saving it would interleave two conversations."""
 
 
 class MessageNotFound(StoreError, KeyError):
@@ -127,21 +147,26 @@ class _CorruptDatabase(Exception):
 
 class ChatStore:
     """All reads and writes of chats.db. Thread-safe (one connection behind a lock), and
-    safe to use from several processes at once (SQLite's own locking, 5 s busy timeout)."""
+    safe to use from several processes at once (SQLite's own locking, 5 s busy timeout).
+    `notice` is what the UI should tell the user about opening it (a corrupt file moved
+    aside, files made private), None when there is nothing to say; `read_only` is True
+    for a store that can only be read."""
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or data_dir() / "chats.db"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.moved_aside: Path | None = None
-        self.notice: str | None = None
         self._lock = threading.RLock()
+        notices = self._prepare_files()
+        self.read_only = not (os.access(self.path, os.W_OK) and os.access(self.path.parent, os.W_OK))
         try:
             self._conn = self._open()
         except _CorruptDatabase as exc:
-            self.moved_aside = self._move_aside()
-            self.notice = (f"the chat store {self.path} is corrupt ({exc}): moved it to "
-                           f"{self.moved_aside} and started an empty one")
-            self._conn = self._open()
+            if self.read_only:
+                raise StoreError(f"the chat store {self.path} is corrupt ({exc}) and read-only, "
+                                 "so it cannot be moved aside") from exc
+            with self._exclusive():
+                notices.append(self._recover())
+        self.notice = "; ".join(notices) or None
 
     def __enter__(self) -> ChatStore:
         return self
@@ -180,7 +205,11 @@ class ChatStore:
 
     def resolve_id(self, prefix: str) -> str:
         """The id of the one chat whose id starts with `prefix` (so users can type a few
-        characters, as with git); ChatNotFound when none or several match."""
+        characters, as with git); ChatNotFound when none or several match, or when
+        `prefix` is blank (it would match every chat)."""
+        if not prefix.strip():
+            raise ChatNotFound("an empty chat id names no chat: give an id or its first "
+                               "characters (`paged-chat chats` lists them)")
         with self._transaction(write=False) as db:
             ids = [row[0] for row in db.execute(
                 "SELECT id FROM chats WHERE substr(id, 1, length(?1)) = ?1 LIMIT 2", (prefix,))]
@@ -221,14 +250,26 @@ class ChatStore:
     # ---- messages ---------------------------------------------------------------------
 
     def add_message(self, chat_id: str, role: str, content: str, token_ids: list[int],
-                    finish_reason: str | None = None, timings: dict | None = None) -> Message:
-        """Append a message (see the module docstring for which token ids it holds)."""
+                    finish_reason: str | None = None, timings: dict | None = None,
+                    after: int | None = None) -> Message:
+        """Append a message (see the module docstring for which token ids it holds).
+
+        `after` is the id of the chat's last message as the writer last saw it (0: none):
+        if the chat has moved on since, nothing is written and ChatMovedOn is raised.
+        """
         if role not in ROLES:
             raise ValueError(f"message role {role!r} is invalid: expected one of {', '.join(ROLES)}")
         message = Message(0, chat_id, role, content, list(token_ids), finish_reason,
                           time.time(), dict(timings or {}))
         with self._transaction() as db:
             self._touch(db, "id = ?", chat_id, message.created)
+            if after is not None:
+                last = db.execute("SELECT coalesce(max(id), 0) FROM messages WHERE chat_id = ?",
+                                  (chat_id,)).fetchone()[0]
+                if last != after:
+                    raise ChatMovedOn(f"chat {chat_id} gained a message while this turn was "
+                                      "being prepared (another `ask -c` or window?): nothing "
+                                      "was saved; run it again to continue from the latest")
             cursor = db.execute(
                 f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?)",
                 (chat_id, role, content, _pack(message.token_ids), finish_reason,
@@ -281,6 +322,9 @@ class ChatStore:
         """One transaction: all of it commits or none of it does. Writers take the write
         lock up front (IMMEDIATE), so they wait on the busy timeout instead of failing on
         upgrade; readers get one consistent snapshot across their statements."""
+        if write and self.read_only:
+            raise StoreError(f"cannot save to the chat store {self.path}: it is read-only (no "
+                             "write permission, or a read-only file system)")
         with self._lock:
             self._conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
             try:
@@ -290,13 +334,60 @@ class ChatStore:
                 raise
             self._conn.execute("COMMIT")
 
+    def _prepare_files(self) -> list[str]:
+        """Check the path, create a missing database file private, and make existing ones
+        private; the notices of what was tightened."""
+        if self.path.is_dir():
+            raise StoreError(f"the chat store {self.path} is a directory, not a file: move it "
+                             "away, or set PAGED_CHAT_DATA_DIR to use another store")
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not self.path.exists():
+                self._create()
+        except OSError as exc:
+            raise StoreError(f"cannot create the chat store {self.path}: {exc.strerror}") from exc
+        files = [self.path.with_name(self.path.name + suffix) for suffix in _FILE_SUFFIXES]
+        return [notice for file in files if file.exists() and (notice := make_private(file, 0o600))]
+
+    def _create(self) -> None:
+        """An empty database file, private (SQLite would create it with the umask's mode)."""
+        os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600))
+
+    def _recover(self) -> str:
+        """Under the recovery lock: open the store if another process has already set it
+        right, else move the corrupt file aside and start an empty one; the notice."""
+        try:
+            self._conn = self._open()
+            return (f"the chat store {self.path} was corrupt: another paged-chat moved it aside "
+                    "and started an empty one")
+        except _CorruptDatabase as exc:
+            self.moved_aside = self._move_aside()
+            self._create()
+            self._conn = self._open()
+            return (f"the chat store {self.path} is corrupt ({exc}): moved it to "
+                    f"{self.moved_aside} and started an empty one")
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold `chats.db.lock` (an advisory lock every paged-chat process takes here)."""
+        lock = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(lock)
+
     def _open(self) -> sqlite3.Connection:
         """Connect, check the file, and migrate it to the current schema.
 
         The version is read before anything writes (switching to WAL writes the header),
         so a newer database is refused untouched.
         """
-        conn = sqlite3.connect(self.path, timeout=5.0, isolation_level=None, check_same_thread=False)
+        target, uri = self.path, False
+        if self.read_only:
+            target, uri = f"{self.path.resolve().as_uri()}?mode=ro&immutable=1", True
+        conn = sqlite3.connect(target, timeout=5.0, isolation_level=None, check_same_thread=False,
+                               uri=uri)
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version > len(MIGRATIONS):
@@ -307,6 +398,11 @@ class ChatStore:
             check = conn.execute("PRAGMA quick_check").fetchone()[0]
             if check != "ok":
                 raise _CorruptDatabase(f"integrity check: {check}")
+            if self.read_only:
+                if version < len(MIGRATIONS):
+                    raise StoreError(f"the chat store {self.path} is read-only and needs an "
+                                     "upgrade (or is empty): make it writable once")
+                return conn
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")
             conn.execute("PRAGMA foreign_keys = ON")
@@ -341,10 +437,15 @@ class ChatStore:
         conn.execute("COMMIT")
 
     def _move_aside(self) -> Path:
-        """Rename the corrupt file (and its WAL and shared-memory files) out of the way."""
+        """Rename the corrupt file (and its WAL and shared-memory files) out of the way, to
+        a name no earlier corrupt file has (under the recovery lock, so none can race)."""
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
-        for suffix in ("", "-wal", "-shm"):
+        for attempt in itertools.count(1):
+            target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}"
+                                         + (f"-{attempt}" if attempt > 1 else ""))
+            if not any(target.with_name(target.name + suffix).exists() for suffix in _FILE_SUFFIXES):
+                break
+        for suffix in _FILE_SUFFIXES:
             source = self.path.with_name(self.path.name + suffix)
             if source.exists():
                 source.rename(target.with_name(target.name + suffix))

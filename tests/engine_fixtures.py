@@ -12,6 +12,7 @@ import pytest
 import transformers
 
 from paged_chat.engine import Engine, EngineConfig
+from engine_helpers import assert_no_leaks
 from tiny_models import build_tiny_model
 
 
@@ -19,6 +20,12 @@ from tiny_models import build_tiny_model
 def smollm2_source():
     from paged_chat.engine.models.loader import load_model_source
     return load_model_source("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_source):
+    """The default model's tokenizer (a real, full-vocabulary one)."""
+    return smollm2_source.tokenizer
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +64,4 @@ def make_engine(tiny_model_dir):
 
     yield make
     for engine in engines:
-        if not engine.has_unfinished():
-            assert engine.stats().blocks_in_use == 0, "a block leaked"
-        engine.kv_cache.pool.check_invariants()
+        assert_no_leaks(engine)

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 from paged_chat.engine import AsyncEngine, Engine, EngineConfig, RequestOutput, SamplingParams
 from paged_chat.engine.models.loader import ModelSource, load_model_source
+from engine_helpers import engine_thread_idle, phase_of
 from paged_chat.engine.request import Request
 
 _NUM_SYSTEM_PROMPTS = 4
@@ -81,6 +82,7 @@ class SoakReport:
     worst_wait_s: float = 0.0  # arrival to first token
     worst_wait_steps: int | None = None  # the same in engine steps (engine mode only)
     leaked_blocks: int = 0
+    tier_hit_blocks: int = 0  # blocks the KV tier read back (when the config has one)
     greedy_checked: int = 0
     greedy_mismatches: int = 0
     problems: list[str] = field(default_factory=list)
@@ -140,6 +142,8 @@ def run_soak(config: EngineConfig, duration_s: float = 600.0, num_chats: int = 6
     report.preemptions, report.evictions = stats.num_preemptions, stats.num_evictions
     report.prefix_cache_hit_rate = stats.prefix_cache_hit_rate
     report.leaked_blocks = stats.blocks_in_use
+    report.tier_hit_blocks = stats.tier.hit_blocks
+    engine.close()
     if engine.has_unfinished() or engine.requests:
         report.problem(f"{len(engine.requests)} request(s) never finished")
     if report.leaked_blocks:
@@ -274,7 +278,7 @@ def _aborts_now(turn: _Turn, request: Request, step: int) -> bool:
         return False
     scaled = turn.abort_at * len(_ABORT_PHASES)
     phase, fraction = _ABORT_PHASES[int(scaled)], scaled % 1
-    if request.phase != phase:
+    if phase_of(request) != phase:
         return False
     if phase == "waiting":
         return step - turn.added_step >= fraction * _ABORT_WAITING_STEPS
@@ -305,7 +309,7 @@ def _drive_engine(engine: Engine, workload: _Workload, report: SoakReport,
         for request_id, turn in in_flight.items():
             request = engine.requests.get(request_id)
             if request is not None and _aborts_now(turn, request, step):
-                report.aborts_by_state[request.phase] += 1
+                report.aborts_by_state[phase_of(request)] += 1
                 engine.abort(request_id)
         outputs = engine.step()
         step += 1
@@ -374,7 +378,7 @@ async def _until_idle(async_engine: AsyncEngine, report: SoakReport, timeout_s: 
     """Wait until the engine thread has applied every cancellation it was sent: with every
     stream closed, nothing may stay running or waiting."""
     give_up = time.monotonic() + timeout_s
-    while not async_engine.is_idle():
+    while not engine_thread_idle(async_engine):
         if time.monotonic() > give_up:
             report.problem(f"the engine did not go idle within {timeout_s} s of the last "
                            f"stream closing ({len(async_engine.engine.requests)} requests left)")

@@ -21,6 +21,7 @@ from paged_chat.engine import AsyncEngine, SamplingParams
 from paged_chat.engine.detokenizer import IncrementalDetokenizer
 from paged_chat.engine.runner import ModelRunner
 from paged_chat.text import sanitize_for_terminal
+from engine_helpers import generate
 from test_engine import GREEDY
 
 pytestmark = pytest.mark.timeout(300)
@@ -102,10 +103,10 @@ async def test_a_megabyte_prompt_fails_alone(make_engine):
     engine = AsyncEngine(make_engine())
     try:
         paste = ("All work and no play makes Jack a dull boy. \x1b[31m" * 20_000)[:1_000_000]
-        bystander = asyncio.create_task(engine.generate([5, 6, 7], GREEDY))
-        paste_out = await asyncio.wait_for(engine.generate(paste, SHORT), 120)
+        bystander = asyncio.create_task(generate(engine, [5, 6, 7], GREEDY))
+        paste_out = await asyncio.wait_for(generate(engine, paste, SHORT), 120)
         assert paste_out.finish_reason == "error" and "max_model_len" in paste_out.error
-        ids_out = await asyncio.wait_for(engine.generate([5] * 300_000, SHORT), 120)
+        ids_out = await asyncio.wait_for(generate(engine, [5] * 300_000, SHORT), 120)
         assert ids_out.finish_reason == "error"
         final = await asyncio.wait_for(bystander, 120)
         assert final.finish_reason == "length" and len(final.token_ids) == 24
@@ -156,11 +157,6 @@ def stop_strings(text: str, data: st.DataObject) -> list[str]:
         start = data.draw(st.integers(0, len(text) - 1))
         stop.append(text[start:start + data.draw(st.integers(1, 4))])
     return stop
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_source):
-    return smollm2_source.tokenizer
 
 
 # ids a fuzzer can build hard cases from: byte fragments of multi-byte characters, special

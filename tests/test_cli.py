@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings as hypothesis_settings, strategies as st
 from typer.testing import CliRunner
 
-from paged_chat import ask as ask_module
+from paged_chat import session as session_module
 from paged_chat.ask import UsageError, parse_prompt_file, read_prompt
 from paged_chat.cli import CliState, app
 from paged_chat.engine import Engine
@@ -217,7 +216,7 @@ def test_stats_go_to_stderr(cli):
     result = cli("ask", "--stats", "Hi")
     assert result.exit_code == 0
     stats = one_line(result.stderr)
-    for part in ("prompt tokens", "from the prefix cache", "generated", "first token after", "tokens/s"):
+    for part in ("prompt tokens", "from the cache", "generated", "first token after", "tokens/s"):
         assert part in stats
     assert result.stdout == cli.json("--no-save", "Hi")["text"] + "\n"
 
@@ -244,6 +243,22 @@ def test_continue_reuses_the_exact_history_and_hits_the_prefix_cache(cli):
     history_text = tokenizer.decode([t for m in chat.messages for t in m.token_ids])
     assert rendered.startswith(history_text)  # but for the end of turn, when the reply was cut
     assert rendered[len(history_text):] in ("\n", "<|im_end|>\n")
+
+
+def test_continue_in_a_new_engine_reads_the_history_back_from_the_kv_tier(cli, tmp_path, monkeypatch):
+    """`ask -c --stats` in a new process (here a new Engine with an empty pool): the history's
+    full blocks come back from the disk tier, and the stats line says how many."""
+    monkeypatch.setenv("PAGED_CHAT_CACHE_DIR", str(tmp_path / "cache"))
+    first = cli.json("--max-tokens", "40", "Tell me about caches and why they matter")
+    assert len(cli.engines) == 1
+    continued = cli("ask", "--stats", "--json", "-c", "And about pages?")
+    assert continued.exit_code == 0, continued.stderr
+    assert len(cli.engines) == 2  # a second engine: its pool started empty
+    second = json.loads(continued.stdout)
+    history = first["prompt_tokens"] + first["completion_tokens"]
+    block_size = cli.engines[1].block_size
+    assert second["tier_cached_tokens"] == second["cached_tokens"] >= (history - 1) // block_size * block_size > 0
+    assert f"({second['tier_cached_tokens']:,} read back from the KV tier)" in continued.stderr
 
 
 def test_chat_option_continues_that_chat(cli):
@@ -300,31 +315,37 @@ def test_engine_error_is_status_1_and_saved(cli):
     assert reply.finish_reason == "error" and reply.content == ""
 
 
-def test_ctrl_c_keeps_the_partial_answer_and_stops_the_engine(cli, monkeypatch):
-    def engine_interrupted_after_3_steps(config) -> Engine:
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_ctrl_c_sigterm_and_sighup_keep_the_partial_answer_and_stop_the_engine(cli, signum, status):
+    """`timeout N paged-chat ask ...` (SIGTERM) and a closed terminal (SIGHUP) end a reply
+    as Ctrl+C does: the partial answer stays on stdout and in the store."""
+    before = signal.getsignal(signum)
+
+    def engine_signalled_after_3_steps(config) -> Engine:
         engine = cli._engine(config)
         step, steps = engine.step, []
 
-        def step_then_ctrl_c():
+        def step_then_signal():
             steps.append(1)
             if len(steps) == 3:
-                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signum)
             return step()
 
-        engine.step = step_then_ctrl_c
+        engine.step = step_then_signal
         return engine
 
-    result = cli("ask", "--max-tokens", "50", "Hi", obj=CliState(engine_factory=engine_interrupted_after_3_steps))
-    assert result.exit_code == 130
+    result = cli("ask", "--max-tokens", "50", "Hi", obj=CliState(engine_factory=engine_signalled_after_3_steps))
+    assert result.exit_code == status
     reply = cli.store().latest_chat().messages[1]
     assert reply.finish_reason == "abort" and 0 < len(reply.token_ids) < 50
     assert result.stdout == reply.content + "\n"
+    assert signal.getsignal(signum) is before
 
 
 def test_a_streaming_reply_is_saved_as_it_grows(cli, monkeypatch):
     """A killed `ask` keeps what it had said: the reply row exists before the first token
     and is updated while the answer streams (here after every step)."""
-    monkeypatch.setattr(ask_module, "SAVE_INTERVAL_S", 0.0)
+    monkeypatch.setattr(session_module, "SAVE_INTERVAL_S", 0.0)
     seen = []
 
     def engine_watching_the_store(config) -> Engine:

@@ -7,7 +7,8 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from paged_chat.engine import Engine, EngineConfig, SamplingParams
+from engine_helpers import holders_of, owners_of
+from paged_chat.engine import EngineConfig, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 # The reference's counterpart of ignore_eos: no end token at all (min_new_tokens would
@@ -159,9 +160,9 @@ def test_stats_snapshot(make_engine):
     assert stats.blocks_in_use == 5 and stats.num_running == 1
     assert stats.blocks_in_use + stats.blocks_cached + stats.blocks_free == 64
     assert stats.batch_size == 1 and stats.batch_tokens == 37
-    holders = [stats.blocks.holders_of(b) for b in range(64)]
+    holders = [holders_of(stats.blocks, b) for b in range(64)]
     assert sum(h == [request] for h in holders) == 5
-    assert {stats.blocks.owners_of(b)[0] for b in range(64) if holders[b]} == {"tab-1"}
+    assert {owners_of(stats.blocks, b)[0] for b in range(64) if holders[b]} == {"tab-1"}
     table = engine.kv_cache.block_ids(request)
     held = [b for b in range(64) if holders[b]]
     positions = {b: int(stats.blocks.holder_positions[stats.blocks.holder_ptr[b]]) for b in held}

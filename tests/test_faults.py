@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from paged_chat.engine import AsyncEngine, Engine, EngineDeadError, PagedChatError, SamplingParams
-from paged_chat.engine.models.llama import LlamaForCausalLM
 from paged_chat.engine.runner import ModelRunner
+from engine_helpers import engine_thread_idle, generate, phase_of
 from test_engine import GREEDY, random_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -73,7 +73,7 @@ def test_abort_mid_chunked_prefill(make_engine):
     keep = engine.add_request(keep_prompt, GREEDY)
     drop = engine.add_request(long_prompt + long_prompt, GREEDY)
     step_until(engine, lambda: engine.requests[drop].num_computed_tokens > 0)
-    assert engine.requests[drop].phase == "prefilling"
+    assert phase_of(engine.requests[drop]) == "prefilling"
     engine.abort(drop)
     final = run_to_end(engine)
     assert final[drop].finish_reason == "abort" and final[drop].token_ids == []
@@ -84,7 +84,7 @@ def test_abort_while_preempted(make_engine):
     engine = make_engine(num_blocks=24, block_size=8)
     prompts = random_prompts(6, seed=11, low=30, high=60)
     ids = [engine.add_request(prompt, GREEDY) for prompt in prompts]
-    preempted = lambda: [r for r in engine.requests.values() if r.phase == "preempted"]  # noqa: E731
+    preempted = lambda: [r for r in engine.requests.values() if phase_of(r) == "preempted"]  # noqa: E731
     step_until(engine, lambda: preempted())
     victim = preempted()[0].request_id
     engine.abort(victim)
@@ -101,7 +101,7 @@ def test_abort_while_waiting_and_odd_aborts(make_engine):
     first, waiting, later = (engine.add_request([5 + i, 6, 7], SHORT) for i in range(3))
     engine.abort(later)  # before any step
     final = {out.request_id: out for out in engine.step() if out.finished}
-    assert engine.requests[waiting].phase == "waiting"
+    assert phase_of(engine.requests[waiting]) == "waiting"
     assert engine.kv_cache.block_ids(waiting) == []
     engine.abort(waiting)
     engine.abort(waiting)  # twice: ignored
@@ -126,7 +126,7 @@ def test_random_abort_storm(make_engine, seed):
     while engine.has_unfinished():
         for request_id, request in list(engine.requests.items()):
             if rng.random() < 0.05:
-                aborted_in[request_id] = request.phase
+                aborted_in[request_id] = phase_of(request)
                 engine.abort(request_id)
         final.update((out.request_id, out) for out in engine.step() if out.finished)
         engine.kv_cache.check_invariants()
@@ -144,7 +144,7 @@ def test_aborts_land_while_preempted_in_a_storm(make_engine):
     aborted = []
     while engine.has_unfinished():
         for request in list(engine.requests.values()):
-            if request.phase == "preempted":
+            if phase_of(request) == "preempted":
                 aborted.append(request.request_id)
                 engine.abort(request.request_id)
         engine.step()
@@ -166,7 +166,7 @@ def storm_engine(make_engine):
 async def wait_idle(engine: AsyncEngine, timeout_s: float = 60) -> None:
     """Until every cancellation is applied; then nothing may be held."""
     async def poll():
-        while not engine.is_idle():
+        while not engine_thread_idle(engine):
             await asyncio.sleep(0.01)
     await asyncio.wait_for(poll(), timeout_s)
     assert not engine.engine.requests and engine.engine.stats().blocks_in_use == 0
@@ -193,7 +193,7 @@ async def test_async_cancel_storm(storm_engine):
     await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 120)
     await wait_idle(storm_engine)
     assert not storm_engine._streams
-    final = await asyncio.wait_for(storm_engine.generate([5, 6, 7], SHORT), 60)
+    final = await asyncio.wait_for(generate(storm_engine, [5, 6, 7], SHORT), 60)
     assert final.finish_reason == "length" and len(final.token_ids) == 8
 
 
@@ -321,7 +321,7 @@ async def test_failed_step_ends_streams_in_every_phase_and_serving_resumes(make_
         runner.execute = fails_on_the_fourth_step
         prompts = random_prompts(5, seed=19, low=60, high=120)  # decoding, prefilling, waiting
         results = await asyncio.wait_for(asyncio.gather(
-            *(engine.generate(p, GREEDY) for p in prompts), return_exceptions=True), 60)
+            *(generate(engine, p, GREEDY) for p in prompts), return_exceptions=True), 60)
         assert all(isinstance(r, EngineDeadError) and "injected forward fault" in str(r)
                    for r in results)
         await wait_idle(engine)
@@ -329,7 +329,7 @@ async def test_failed_step_ends_streams_in_every_phase_and_serving_resumes(make_
         runner.execute = execute
         expected = alone(make_engine, prompts[:2])
         finals = await asyncio.wait_for(asyncio.gather(
-            *(engine.generate(p, GREEDY) for p in prompts[:2])), 60)
+            *(generate(engine, p, GREEDY) for p in prompts[:2])), 60)
         assert [f.token_ids for f in finals] == expected
     finally:
         engine.shutdown()
@@ -354,14 +354,14 @@ async def test_a_crashed_engine_thread_says_so_and_restarts(make_engine):
 
         core.stats = crashing_stats
         with pytest.raises(EngineDeadError, match="internal error.*injected engine bug"):
-            await asyncio.wait_for(engine.generate([5, 6, 7], GREEDY), 30)
+            await asyncio.wait_for(generate(engine, [5, 6, 7], GREEDY), 30)
         assert not engine.running
         with pytest.raises(EngineDeadError, match="injected engine bug"):
-            await engine.generate([5, 6, 7], GREEDY)
+            await generate(engine, [5, 6, 7], GREEDY)
         crash = False
         await asyncio.get_running_loop().run_in_executor(None, engine.restart)
         assert engine.running and engine.engine is core and engine.last_error is None
-        final = await asyncio.wait_for(engine.generate([5, 6, 7], SHORT), 30)
+        final = await asyncio.wait_for(generate(engine, [5, 6, 7], SHORT), 30)
         assert final.finish_reason == "length"
     finally:
         engine.shutdown()
@@ -371,7 +371,7 @@ async def test_restart_ends_open_streams_and_rebuilds_an_engine_it_cannot_reset(
     engine = AsyncEngine(make_engine(), stats_interval_s=0.01)
     try:
         old = engine.engine
-        task = asyncio.create_task(engine.generate([5, 6, 7], SamplingParams(max_tokens=1000,
+        task = asyncio.create_task(generate(engine, [5, 6, 7], SamplingParams(max_tokens=1000,
                                                                              ignore_eos=True)))
         while engine.stats().num_running == 0:
             await asyncio.sleep(0.01)
@@ -385,7 +385,7 @@ async def test_restart_ends_open_streams_and_rebuilds_an_engine_it_cannot_reset(
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(task, 30)
         assert engine.running and engine.engine is not old
-        final = await asyncio.wait_for(engine.generate([5, 6, 7], SHORT), 30)
+        final = await asyncio.wait_for(generate(engine, [5, 6, 7], SHORT), 30)
         assert final.finish_reason == "length"
         reset()  # leave the old engine clean for make_engine's teardown check
     finally:
@@ -396,9 +396,9 @@ async def test_restart_after_shutdown(make_engine):
     engine = AsyncEngine(make_engine())
     engine.shutdown()
     with pytest.raises(EngineDeadError, match="shut down"):
-        await engine.generate([5], SHORT)
+        await generate(engine, [5], SHORT)
     await asyncio.get_running_loop().run_in_executor(None, engine.restart)
-    assert (await asyncio.wait_for(engine.generate([5, 6], SHORT), 30)).finish_reason == "length"
+    assert (await asyncio.wait_for(generate(engine, [5, 6], SHORT), 30)).finish_reason == "length"
     engine.shutdown()
 
 
@@ -422,7 +422,7 @@ def test_out_of_memory_at_start_up_names_the_setting_to_lower(make_engine, monke
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
     with monkeypatch.context() as patch:
-        patch.setattr(LlamaForCausalLM, "from_weights", out_of_memory)
+        patch.setattr("paged_chat.engine.engine.load_model", out_of_memory)
         with pytest.raises(PagedChatError, match="loading the weights.*smaller model or dtype"):
             make_engine()
     with monkeypatch.context() as patch:

@@ -6,14 +6,15 @@ import dataclasses
 import json
 import tempfile
 import tomllib
+import typing
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings as hypothesis_settings, strategies as st
 
 from paged_chat.engine import EngineConfig, SamplingParams
-from paged_chat.settings import (SAMPLING_KEYS, EngineSettings, Settings, SettingsError,
-                                 config_path, load_settings)
+from paged_chat.settings import (CHAT_SAMPLING_KEYS, ChatSettings, EngineSettings, Settings,
+                                 SettingsError, cache_dir, config_path, load_settings)
 
 FULL = """\
 # every key, none at its default
@@ -68,9 +69,23 @@ def test_the_default_path_comes_from_the_environment(tmp_path, monkeypatch):
 
 
 def test_unset_engine_keys_take_the_engine_defaults():
-    assert Settings().engine_config() == EngineConfig()
-    assert {f.name for f in dataclasses.fields(EngineSettings)} < {f.name for f in dataclasses.fields(EngineConfig)}
-    assert set(SAMPLING_KEYS) < {f.name for f in dataclasses.fields(SamplingParams)}
+    assert Settings().engine_config() == EngineConfig(cache_dir=str(cache_dir()))
+
+
+def test_settings_derive_from_the_engine_dataclasses():
+    """Every EngineConfig knob is an [engine] key, typed as the engine types it; [chat] holds
+    the sampling fields a chat keeps, typed as SamplingParams types them."""
+    engine_fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"cache_dir"}
+    assert {f.name for f in dataclasses.fields(EngineSettings)} == engine_fields
+    hints, engine_hints = typing.get_type_hints(EngineSettings), typing.get_type_hints(EngineConfig)
+    assert all(set(typing.get_args(hints[name])) >= set(typing.get_args(engine_hints[name])
+                                                         or (engine_hints[name],))
+               for name in engine_fields)
+    assert set(CHAT_SAMPLING_KEYS) < {f.name for f in dataclasses.fields(SamplingParams)}
+    assert [f.name for f in dataclasses.fields(ChatSettings)] == ["system_prompt", *CHAT_SAMPLING_KEYS]
+
+
+def test_engine_defaults_appear_in_the_shown_config():
     shown = tomllib.loads(Settings().to_toml())["engine"]
     assert shown["model"] == EngineConfig().model and shown["block_size"] == EngineConfig().block_size
     assert "num_blocks" not in shown  # sized by the engine
@@ -165,7 +180,7 @@ def test_fuzz_any_text_loads_or_is_a_settings_error(text):
 
 SECTION_KEYS = {
     "engine": [f.name for f in dataclasses.fields(EngineSettings)] + ["blok_size"],
-    "chat": list(SAMPLING_KEYS) + ["system_prompt", "temprature"],
+    "chat": list(CHAT_SAMPLING_KEYS) + ["system_prompt", "temprature"],
     "tui": ["theme", "colour"],
     "extra": ["anything"],
 }

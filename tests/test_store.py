@@ -160,6 +160,9 @@ def test_resolve_id_takes_a_unique_prefix(store):
     with pytest.raises(ChatNotFound, match="no chat"):
         store.resolve_id("xyz")
     with pytest.raises(ChatNotFound, match="several chats"):
+        store.resolve_id(next(digit for digit in "0123456789abcdef"  # 40 ids, 16 digits
+                              if sum(c.id.startswith(digit) for c in chats) > 1))
+    with pytest.raises(ChatNotFound, match="empty chat id"):
         store.resolve_id("")
 
 

@@ -416,10 +416,10 @@ def test_warm_up_leaves_no_kernel_variant_to_compile(make_engine, monkeypatch):
     monkeypatch.setattr(triton_kernels, "MIN_KEYS_PER_SPLIT", 16)
     engine = make_engine(attention_backend="triton", max_model_len=160,
                          max_num_batched_tokens=24, num_blocks=64)
-    lines: list[str] = []
+    reports: list[tuple[str, int, int]] = []
     device_check = _device_check()
     with device_check.captured_launches(forward=True) as launches:
-        engine.warm_up(lines.append)
+        engine.warm_up(lambda *report: reports.append(report))
         warmed = {device_check.variant_key(*launch) for launch in launches}
         launches.clear()
         prompts = [list(range(3, 90)), list(range(40, 61)), list(range(7, 44))]
@@ -429,4 +429,4 @@ def test_warm_up_leaves_no_kernel_variant_to_compile(make_engine, monkeypatch):
         "_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel"}
     assert {variant[0] for variant in seen} == {variant[0] for variant in warmed}
     assert seen <= warmed, seen - warmed
-    assert lines[-1].startswith("kernels ready")
+    assert reports == [("compiling kernels", done, 2) for done in range(3)]

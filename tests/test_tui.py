@@ -16,6 +16,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -28,11 +29,13 @@ from paged_chat.engine.stats import BlockMap
 from paged_chat.settings import ChatSettings, Settings, TuiSettings
 from paged_chat.store import ChatStore
 from paged_chat.text import sanitize_for_terminal as clean
-from paged_chat.tui.app import ACTIONS, PagedChatApp, StoredChats
+from paged_chat.tui.actions import ACTIONS, StoredChats
+from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.block_map import CACHED, FREE, SHARED, TAB0, BlockMapView, Layout, block_codes, cell_grid, downsample
 from paged_chat.tui.chat_tab import ChatTab
 from paged_chat.tui.dialogs import ChatSettingsScreen, HelpScreen, TextPromptScreen
-from paged_chat.tui.engine_panel import TabInfo, blocks_owned, describe_block
+from engine_helpers import assert_no_leaks, blocks_owned
+from paged_chat.tui.engine_panel import TabInfo, describe_block
 from paged_chat.tui.messages import AssistantMessage, ErrorMessage, UserMessage, code_blocks
 from paged_chat.tui.prompt_input import PromptInput
 
@@ -58,8 +61,7 @@ def make_async_engine(chat_model_dir):
     yield make
     for engine in engines:
         engine.shutdown()
-        assert engine.engine.stats().blocks_in_use == 0, "a block leaked"
-        engine.engine.kv_cache.pool.check_invariants()
+        assert_no_leaks(engine.engine)
 
 
 @pytest.fixture
@@ -298,7 +300,7 @@ async def test_tabs_stream_concurrently_and_share_blocks(engine, tmp_path):
             await wait_until(pilot, lambda: app.active_tab is tab and tab.display)
             await pilot.pause()
             [reply] = replies(tab)
-            assert tab.metrics.tokens == 300 and reply.text
+            assert len(tab.session.turn.token_ids) == 300 and reply.text
             # Hidden tabs buffer while streaming; every reply ends fully rendered.
             assert "".join(chunk.source for chunk in reply._chunks) == clean(reply.text)
             assert "ttft" in reply.footer and "t/s" in app.tabs.get_tab(tab.id).label.plain
@@ -312,13 +314,13 @@ async def test_fork_shares_every_full_block(engine, tmp_path):
         await type_prompt(pilot, "tell me about paging")
         await wait_until(pilot, lambda: idle(app))
         original = app.active_tab
-        history = len(original.conversation.token_ids)
+        history = len(original.session.conversation.token_ids)
         fork = await new_tab(pilot, "ctrl+f")
         assert fork is not original and fork.title.endswith("(fork)")
         assert [m.text for m in fork.query(UserMessage)] == ["tell me about paging"]
-        assert fork.conversation.token_ids == original.conversation.token_ids
+        assert fork.session.conversation.token_ids == original.session.conversation.token_ids
         # Both tabs answer the same follow-up at once: their histories' blocks are shared.
-        original.sampling = fork.sampling = {"max_tokens": 300}
+        original.session.sampling = fork.session.sampling = {"max_tokens": 300}
         shared = []
 
         async def watch():
@@ -336,7 +338,7 @@ async def test_fork_shares_every_full_block(engine, tmp_path):
         await wait_until(pilot, lambda: idle(app), timeout=120)
         watching.cancel()
         assert max(shared) >= history // 16
-        assert fork.metrics.cached_tokens >= history // 16 * 16
+        assert fork.session.turn.num_cached_tokens >= history // 16 * 16
 
 
 @pytest.mark.timeout(120)
@@ -345,7 +347,7 @@ async def test_stop_frees_blocks(engine, tmp_path):
     async with app.run_test(size=(120, 40)) as pilot:
         await type_prompt(pilot, "go on forever")
         tab = app.active_tab
-        await wait_until(pilot, lambda: tab.metrics.tokens > 8)
+        await wait_until(pilot, lambda: tab.session.turn is not None and len(tab.session.turn.token_ids) > 8)
         assert engine.stats().blocks_in_use > 0
         await press(pilot, "escape")
         await wait_until(pilot, lambda: idle(app))
@@ -353,12 +355,12 @@ async def test_stop_frees_blocks(engine, tmp_path):
         [reply] = replies(tab)
         assert reply.footer.endswith("stopped") and reply.text
         [stored] = [m for m in app.store.get_chat(tab.chat_id).messages if m.role == "assistant"]
-        assert stored.finish_reason == "abort" and stored.token_ids == tab.conversation.token_ids[-len(stored.token_ids):]
+        assert stored.finish_reason == "abort" and stored.token_ids == tab.session.conversation.token_ids[-len(stored.token_ids):]
         # The stopped reply is part of the context: the next turn reuses its blocks.
+        tab.session.sampling = {"max_tokens": 4}
         await type_prompt(pilot, "short one")
-        tab.sampling = {"max_tokens": 4}
         await wait_until(pilot, lambda: idle(app))
-        assert tab.metrics.cached_tokens > 0
+        assert tab.session.turn.num_cached_tokens > 0
 
 
 @pytest.mark.timeout(180)
@@ -373,7 +375,7 @@ async def test_restart_restores_chats_lazily(engine, tmp_path):
         await wait_until(pilot, lambda: idle(app))
         first, second = app.chat_tabs
         ids = [first.chat_id, second.chat_id]
-        history = list(first.conversation.token_ids)
+        history = list(first.session.conversation.token_ids)
         replies_before = [replies(t)[0].text for t in (first, second)]
     app.store.close()
 
@@ -394,8 +396,8 @@ async def test_restart_restores_chats_lazily(engine, tmp_path):
         # A follow-up prompt continues from the exact stored ids: the prefix cache hits.
         await type_prompt(pilot, "and again")
         await wait_until(pilot, lambda: idle(app))
-        assert tabs[0].conversation.token_ids[:len(history)] == history
-        assert tabs[0].metrics.cached_tokens >= len(history) // 16 * 16
+        assert tabs[0].session.conversation.token_ids[:len(history)] == history
+        assert tabs[0].session.turn.num_cached_tokens >= len(history) // 16 * 16
 
 
 @pytest.mark.timeout(120)
@@ -420,9 +422,10 @@ async def test_long_chat_mounts_lazily(engine, tmp_path):
 @pytest.mark.timeout(120)
 async def test_model_loads_in_a_worker_while_the_ui_is_open(chat_model_dir, tmp_path, monkeypatch):
     from_config = AsyncEngine.from_config.__func__
+    loading_seen = threading.Event()
 
     def slow_load(cls, config):  # the tiny model loads too fast to see "loading"
-        time.sleep(1.5)
+        loading_seen.wait(60)
         return from_config(cls, config)
 
     monkeypatch.setattr(AsyncEngine, "from_config", classmethod(slow_load))
@@ -433,6 +436,8 @@ async def test_model_loads_in_a_worker_while_the_ui_is_open(chat_model_dir, tmp_
         await pilot.pause()
         assert "loading" in text_of(app.query_one("#status"))
         await type_prompt(pilot, "typed before the model is ready")   # waits for the model
+        assert app.engine is None
+        loading_seen.set()
         await wait_until(pilot, lambda: app.engine is not None, timeout=60)
         await wait_until(pilot, lambda: idle(app))
         assert "ready" in text_of(app.query_one("#status"))
@@ -474,7 +479,7 @@ async def test_engine_error_shows_in_the_tab_and_the_app_carries_on(engine, tmp_
         assert "simulated device fault" in text_of(tab.query_one(ErrorMessage))
         await type_prompt(pilot, "this one works")
         await wait_until(pilot, lambda: idle(app))
-        assert replies(tab)[-1].text and tab.metrics.tokens == 8
+        assert replies(tab)[-1].text and len(tab.session.turn.token_ids) == 8
 
 
 @pytest.mark.timeout(180)
@@ -522,7 +527,7 @@ async def test_regenerate_copy_and_broadcast(engine, tmp_path):
         await wait_until(pilot, lambda: idle(app))
         tab = app.active_tab
         first = replies(tab)[0].text
-        tab.sampling = {"temperature": 1.0, "seed": 7}
+        tab.session.sampling = {"temperature": 1.0, "seed": 7}
         await press(pilot, "ctrl+r")
         await wait_until(pilot, lambda: idle(app))
         [reply] = replies(tab)
@@ -559,12 +564,13 @@ async def test_dialogs_rename_settings_close(engine, tmp_path):
         await wait_until(pilot, lambda: "temperature" in text_of(app.screen.query_one("#settings-error")))
         app.screen.query_one("#f-temperature").value = "0.5"
         await press(pilot, "ctrl+s")
-        await wait_until(pilot, lambda: not isinstance(app.screen, ChatSettingsScreen))
+        await wait_until(pilot, lambda: not isinstance(app.screen, ChatSettingsScreen)
+                         and tab.session.system_prompt == "Be terse.")
         chat = app.store.get_chat(tab.chat_id)
         assert chat.system_prompt == "Be terse." and chat.sampling == {"temperature": 0.5}
         # Closing a streaming tab asks first.
         await type_prompt(pilot, "long reply")
-        await wait_until(pilot, lambda: tab.metrics.tokens > 2)
+        await wait_until(pilot, lambda: tab.session.turn is not None and len(tab.session.turn.token_ids) > 2)
         await press(pilot, "ctrl+w")
         await wait_until(pilot, lambda: app.screen.__class__.__name__ == "ConfirmScreen")
         await press(pilot, "n")
@@ -619,7 +625,7 @@ async def test_demo_tabs_chat_by_themselves(engine, tmp_path):
             await pilot.pause(0.02)
         assert all(len(replies(t)) >= 2 for t in app.chat_tabs)
         assert max_batch > 1
-        systems = [t.system_prompt for t in app.chat_tabs]
+        systems = [t.session.system_prompt for t in app.chat_tabs]
         assert systems[0] == systems[2]   # shared system prompt across demo tabs
 
 

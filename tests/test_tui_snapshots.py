@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from paged_chat.engine.client import ModelInfo
 from paged_chat.engine.stats import BlockMap, EngineStats
+from paged_chat.session import Turn
 from paged_chat.settings import Settings
 from paged_chat.store import ChatStore
 from paged_chat.tui.app import PagedChatApp
@@ -36,10 +37,9 @@ class FakeEngine:
         self.series = series
         self.calls = 0
         self.last_error = None
-        self.tokenizer = FakeTokenizer()
-        self.engine = SimpleNamespace(model_name="smollm2-135m", device=SimpleNamespace(type="cuda"),
-                                      dtype="torch.bfloat16", num_blocks=NUM_BLOCKS,
-                                      block_size=BLOCK_SIZE, max_model_len=8192, chat_template="")
+        self.info = ModelInfo(name="smollm2-135m", tokenizer=FakeTokenizer(), chat_template="",
+                              device="cuda", dtype="bfloat16", num_blocks=NUM_BLOCKS,
+                              block_size=BLOCK_SIZE, max_model_len=8192, num_parameters=0)
 
     def stats(self) -> EngineStats:
         stats = self.series[min(self.calls, len(self.series) - 1)]
@@ -78,7 +78,7 @@ def snapshot(step: int, owners: list[str]) -> EngineStats:
         batch_size=3 if step % 7 else 4, batch_tokens=3 if step % 7 else 260,
         prompt_tokens_per_s=180.0 + step, generation_tokens_per_s=90.0 + (step % 13) * 5,
         prefix_cache_queried_tokens=1200, prefix_cache_hit_tokens=780, kv_slots_wasted=20,
-        step_time_s=0.021, blocks=blocks)
+        step_time_s=0.021, forward_time_s=0.019, blocks=blocks)
 
 
 def populated_store(path: Path) -> tuple[ChatStore, list[str]]:
@@ -115,8 +115,8 @@ async def settle(pilot) -> None:
     for prompt in app.query(PromptInput):
         prompt.cursor_blink = False
     for index, tab in enumerate(app.chat_tabs):   # each tab's live request, as in snapshot()
-        tab.request_id = f"{tab.chat_id}/1"
-        tab.live_ids = list(range(1000 * index, 1000 * index + 200))
+        tab.session.turn = Turn("", list(range(1000 * index, 1000 * index + 200)),
+                                f"{tab.chat_id}/1")
     for _ in range(60):   # the panel's history: 60 deterministic polls
         app._poll()
     await pilot.pause()

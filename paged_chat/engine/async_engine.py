@@ -26,6 +26,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from paged_chat.engine.client import ModelInfo
 from paged_chat.engine.config import EngineConfig
 from paged_chat.engine.engine import Engine
 from paged_chat.engine.errors import EngineDeadError
@@ -53,11 +54,18 @@ class _Abort:
 
 
 @dataclass(slots=True)
+class _ResetPrefixCache:
+    pass
+
+
+@dataclass(slots=True)
 class _Shutdown:
     reason: str  # what the open streams are told
 
 
 class AsyncEngine:
+    """The in-process EngineClient (paged_chat.engine.client): an Engine on its own thread."""
+
     def __init__(self, engine: Engine, stats_interval_s: float = 0.05) -> None:
         self.engine = engine
         self.stats_interval_s = stats_interval_s
@@ -75,19 +83,13 @@ class AsyncEngine:
         return cls(Engine(config))
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
+    def info(self) -> ModelInfo:
+        return self.engine.info
 
     @property
     def running(self) -> bool:
         """Whether the engine thread serves requests (False after shutdown or a crash)."""
         return self._stopped is None
-
-    def is_idle(self) -> bool:
-        """No request in the engine and no command waiting for its thread. Once every stream
-        is closed, this turning True means every cancellation has been applied: a test or
-        a soak can then look at the engine (its thread sleeps) and find nothing held."""
-        return self._commands.empty() and not self.engine.has_unfinished()
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -123,20 +125,17 @@ class AsyncEngine:
             if not finished:  # also after an error: its add may still be queued behind it
                 self._commands.put(_Abort(request_id))
 
-    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                       owner: str | None = None) -> RequestOutput:
-        """The final output of one request."""
-        last = None
-        async for last in self.stream(prompt, params, owner=owner):
-            pass
-        return last
-
     def abort(self, request_id: str) -> None:
         self._commands.put(_Abort(request_id))
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, on the engine thread, before its next step."""
+        self._commands.put(_ResetPrefixCache())
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Abort everything, stop the thread and wait for it."""
+        """Abort everything, stop the thread and wait for it and for the KV tier's writes."""
         self._stop("the engine has shut down", timeout_s)
+        self.engine.flush()
 
     def restart(self, timeout_s: float = 30.0) -> None:
         """Serve again after `shutdown()` or a crash of the engine thread, or start afresh.
@@ -193,8 +192,8 @@ class AsyncEngine:
             if idle:
                 self._publish()
             for command in self._drain(block=idle):
-                if isinstance(command, _Shutdown):
-                    self.engine.reset()
+                if isinstance(command, _Shutdown):  # the cached prefixes stay valid
+                    self.engine.abort_all()
                     self._publish()
                     self._end_streams(command.reason)
                     return
@@ -222,9 +221,12 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Add | _Abort | _ResetPrefixCache) -> None:
         if isinstance(command, _Abort):
             self.engine.abort(command.request_id)
+            return
+        if isinstance(command, _ResetPrefixCache):
+            self.engine.reset_prefix_cache()
             return
         with self._streams_lock:
             stream = self._streams.get(command.request_id)

@@ -4,6 +4,9 @@ One `step()` schedules work under the token budget, runs one forward over every 
 token, samples, detokenizes, and returns the per-request deltas of that step. Finished
 requests leave at once (their blocks go back to the pool) and waiting ones join on the
 next step: continuous batching.
+
+With a KV tier (EngineConfig.kv_tier_*), finished and evicted blocks outlive the pool
+and the process: `close()` (or interpreter exit) finishes the tier's queued disk writes.
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import operator
 import os
 import random
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,32 +27,43 @@ import torch
 from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.torch_backend import TorchAttention
+from paged_chat.engine.client import ModelInfo
 from paged_chat.engine.config import EngineConfig
 from paged_chat.engine.detokenizer import IncrementalDetokenizer
+from paged_chat.engine.dtypes import dtype_name, resolve_dtype
 from paged_chat.engine.errors import PagedChatError
 from paged_chat.engine.kv_cache_manager import KVCacheManager
+from paged_chat.engine.kv_tier import TIER_DIR, KVTier, TierLayout, model_fingerprint
 from paged_chat.engine.models.llama import LlamaForCausalLM
-from paged_chat.engine.models.loader import ModelSource, load_model_source
+from paged_chat.engine.models.loader import (
+    ModelSource,
+    ProgressHook,
+    load_model,
+    load_model_source,
+)
 from paged_chat.engine.models.model_config import ModelConfig
 from paged_chat.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from paged_chat.engine.runner import ModelRunner
 from paged_chat.engine.sampler import SamplingBatch, sample
 from paged_chat.engine.scheduler import Scheduler, SchedulerOutput
-from paged_chat.engine.stats import BlockMap, EngineStats, RateMeter
+from paged_chat.engine.stats import BlockMap, EngineStats, KVTierStats, RateMeter
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _DEFAULT_CPU_KV_FRACTION = 0.2
 _DEFAULT_CPU_KV_CAP = 2 * 2**30
+_CPU_ALLOCATION_FAILURE = "can't allocate memory"
+_DEFAULT_CUDA_TIER_HOST_BYTES = 2 * 2**30
 
 
 class Engine:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None,
-                 progress: Callable[[str], None] | None = None) -> None:
-        """`progress` gets a line per start-up stage that takes a while (kernel warm-up)."""
+                 on_progress: ProgressHook | None = None) -> None:
+        """`on_progress(stage, done, total)` hears how a slow start-up stage advances (a
+        GGUF's first conversion; on CUDA, compiling the kernels and capturing CUDA graphs).
+        Nothing of `source` but its tokenizer and config is kept."""
         self.config = config
         self.device = _resolve_device(config.device)
-        self.dtype = _resolve_dtype(config.dtype, self.device)
-        source = source or load_model_source(config.model)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        source = source or load_model_source(config.model, config.cache_dir, on_progress)
         self.model_name = source.name
         self.model_config = source.config
         self.tokenizer = source.tokenizer
@@ -57,8 +72,8 @@ class Engine:
                         source.config.max_position_embeddings)
         with _out_of_memory(f"loading the weights onto {self.device}", "the model does not fit; "
                             "use a smaller model or dtype, or device='cpu'"):
-            model = LlamaForCausalLM.from_weights(source.config, source.weights, self.dtype,
-                                                  self.device, max_positions=model_len)
+            model = load_model(source, self.dtype, self.device, config.cache_dir,
+                                config.weight_cache_size, on_progress)
         self.block_size = config.block_size
         attention = self._attention(source.config)
         with _out_of_memory("profiling a step to size the KV cache",
@@ -66,15 +81,17 @@ class Engine:
             self.num_blocks = config.num_blocks or self._size_kv_pool(model, attention, model_len)
         # A request can never outgrow the pool: it is the one bound nothing can preempt.
         self.max_model_len = min(model_len, self.num_blocks * self.block_size)
+        model.build_rope_tables(self.max_model_len)
         kv_cache = self._allocate_kv_cache(attention)
         self.runner = ModelRunner(model, kv_cache, self.block_size, attention)
         if attention.compiles_kernels and self.device.type == "cuda":
-            self.warm_up(progress)
+            self.warm_up(on_progress)
             if not config.enforce_eager:
                 self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len,
-                                                  progress or (lambda line: None))
+                                                  on_progress or _no_progress)
         self.kv_cache = KVCacheManager(self.num_blocks, self.block_size,
-                                       config.enable_prefix_caching)
+                                       config.enable_prefix_caching,
+                                       self._kv_tier(model, kv_cache), self.runner)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.eos_token_ids = frozenset(source.config.eos_token_ids) | (
@@ -88,6 +105,11 @@ class Engine:
         self._generation_rate = RateMeter()
         self._last_batch = (0, 0)
         self._last_step_time = 0.0
+        self.info = ModelInfo(
+            name=self.model_name, tokenizer=self.tokenizer, chat_template=self.chat_template,
+            device=self.device.type, dtype=dtype_name(self.dtype), num_blocks=self.num_blocks,
+            block_size=self.block_size, max_model_len=self.max_model_len,
+            num_parameters=sum(p.numel() for p in model.parameters()))
 
     # ---- requests -------------------------------------------------------------------
 
@@ -95,13 +117,18 @@ class Engine:
                     request_id: str | None = None, owner: str | None = None) -> str:
         """Queue a prompt (text or token ids); return its request id.
 
+        `request_id`, when given, is a non-empty string not in use; when not, the engine
+        picks one (`req-N`) that no request in flight has, a caller's included.
         A prompt that can never fit (max_model_len, the pool) is accepted and finishes on
         the next step with finish_reason "error", so callers see one uniform stream.
         """
         params = params or SamplingParams()
+        if request_id is not None and not (isinstance(request_id, str) and request_id):
+            raise ValueError(f"request_id={request_id!r} is invalid: expected a non-empty string")
         token_ids = self._tokenize(prompt)
-        request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self.requests:
+        if request_id is None:
+            request_id = next(free for free in (f"req-{n}" for n in self._ids) if free not in self.requests)
+        elif request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(request_id, token_ids, params, seed, time.monotonic(), owner=owner)
@@ -122,21 +149,37 @@ class Engine:
         if request is not None:
             self._pending.append(self._finish(request, "abort"))
 
-    def reset(self) -> None:
-        """Abort every request, discarding their outputs, and forget the prefix cache.
-
-        For a caller that has given up on everything in flight (AsyncEngine after a failed
-        step, or a restart) and has told the consumers itself. The cached prefixes go
-        too: after a failure nobody can vouch that the blocks they index were written.
-        """
+    def abort_all(self) -> None:
+        """Abort every request, discarding their outputs: for a caller that has given up on
+        everything in flight and has told the consumers itself (AsyncEngine shutting down)."""
         for request_id in list(self.requests):
             self.abort(request_id)
         self._pending.clear()
-        self.kv_cache.pool.reset_prefix_cache()
         assert not self.scheduler.has_unfinished() and not self.kv_cache.tables
+
+    def reset(self) -> None:
+        """Abort everything (see abort_all) and forget the prefix cache: after a failed step
+        or for a restart, nobody can vouch that the blocks the index names were written."""
+        self.abort_all()
+        self.reset_prefix_cache()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix; blocks in use stay as they are."""
+        self.kv_cache.pool.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def flush(self) -> None:
+        """Wait until the KV tier's queued disk writes are done (a process about to end
+        leaves its chats' blocks for the next one)."""
+        if self.kv_cache.tier is not None:
+            self.kv_cache.tier.flush()
+
+    def close(self) -> None:
+        """Finish the KV tier's queued disk writes and stop its writer (also done at exit)."""
+        if self.kv_cache.tier is not None:
+            self.kv_cache.tier.close()
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -159,6 +202,7 @@ class Engine:
         outputs, self._pending = self._pending, []
         if not self.scheduler.has_unfinished():
             self._last_batch = (0, 0)
+            self._last_step_time = self.runner.last_forward_s = 0.0
             return outputs
         started = time.perf_counter()
         schedule = self.scheduler.schedule()
@@ -231,6 +275,7 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_prompt_tokens,
             error=request.error,
+            num_tier_cached_tokens=request.num_tier_cached_tokens,
         )
 
     def _record_prompt_work(self, schedule: SchedulerOutput) -> None:
@@ -244,8 +289,8 @@ class Engine:
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt, validated: the model would index its embedding with them.
 
-        Ids must be integers proper: `int()` would turn 3.7 into 3 and "12" into 12, and
-        bytes iterate as ints, so each of those would be a different prompt than meant.
+        Ids must be integers proper: `int()` would turn 3.7 into 3 and "12" into 12, bytes
+        iterate as ints and True is 1, so each of those would be a different prompt than meant.
         """
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
@@ -253,7 +298,7 @@ class Engine:
             raise ValueError("the prompt is bytes: decode it to text, or pass token ids")
         else:
             try:
-                token_ids = [operator.index(t) for t in prompt]
+                token_ids = [_token_id(t) for t in prompt]
             except TypeError as error:
                 raise ValueError("the prompt must be text or a sequence of integer token ids "
                                  f"({error})") from None
@@ -297,12 +342,14 @@ class Engine:
             prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
             kv_slots_wasted=wasted,
             step_time_s=self._last_step_time,
-            blocks=BlockMap.build(ref_counts, hashed, tables, owners),
+            forward_time_s=self.runner.last_forward_s,
+            blocks=BlockMap.build(ref_counts, hashed, tables, owners, pool.from_tier_mask()),
+            tier=self.kv_cache.tier.stats() if self.kv_cache.tier is not None else KVTierStats(),
         )
 
     # ---- set-up ---------------------------------------------------------------------
 
-    def warm_up(self, progress: Callable[[str], None] | None = None) -> None:
+    def warm_up(self, on_progress: ProgressHook | None = None) -> None:
         """Compile every kernel variant this configuration can reach before serving, so none
         compiles mid-chat (a pause of a second or more each on a GPU).
 
@@ -311,17 +358,16 @@ class Engine:
         split merge runs; two steps reach them all: the largest prefill the token budget
         allows, and one decode at the longest context (split when a GPU would split it).
         """
-        report = progress or (lambda line: None)
+        report = on_progress or _no_progress
         longest, budget = self.max_model_len, min(self.config.max_num_batched_tokens,
                                                   self.max_model_len)
-        steps = [("prefill", [budget], [budget]), ("decode", [1], [longest])]
-        started = time.perf_counter()
-        for done, (kind, query_lens, seq_lens) in enumerate(steps, 1):
-            report(f"compiling kernels: {kind} ({done}/{len(steps)})")
+        steps = [([budget], [budget]), ([1], [longest])]
+        report("compiling kernels", 0, len(steps))
+        for done, (query_lens, seq_lens) in enumerate(steps, 1):
             self.runner.run_dummy_step(query_lens, seq_lens)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        report(f"kernels ready in {time.perf_counter() - started:.1f} s")
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            report("compiling kernels", done, len(steps))
 
     def _attention(self, model: ModelConfig) -> AttentionBackend:
         """Triton kernels on CUDA when triton imports ("auto"), else the torch reference.
@@ -332,7 +378,7 @@ class Engine:
         """
         backend = self.config.attention_backend
         args = (model.num_heads, model.num_kv_heads, model.head_dim)
-        scale = model.head_dim ** -0.5
+        scale = model.attention_scale
         if backend == "torch" or (backend == "auto" and self.device.type != "cuda"):
             return TorchAttention(*args, scale=scale)
         try:
@@ -348,6 +394,22 @@ class Engine:
                                  "attention_backend='torch'")
         return TritonAttention(*args, scale=scale)
 
+    def _kv_tier(self, model: LlamaForCausalLM, kv_cache: torch.Tensor) -> KVTier | None:
+        """The host and disk KV tiers the config asks for, or None (they need the prefix cache)."""
+        config = self.config
+        host_bytes = config.kv_tier_host_bytes
+        if host_bytes is None:
+            host_bytes = _DEFAULT_CUDA_TIER_HOST_BYTES if self.device.type == "cuda" else 0
+        disk_dir = Path(config.cache_dir) / TIER_DIR if config.cache_dir else None
+        wanted = host_bytes or (disk_dir and config.kv_tier_disk_bytes)
+        if not config.enable_prefix_caching or not wanted:
+            return None
+        num_layers, _, kv_heads, _, block_size, head_dim = kv_cache.shape
+        layout = TierLayout(model_fingerprint(dict(model.named_parameters())), self.dtype,
+                            (num_layers, 2, kv_heads, block_size, head_dim))
+        return KVTier(layout, host_bytes, disk_dir, config.kv_tier_disk_bytes,
+                      pin_memory=self.device.type == "cuda")
+
     def _bytes_per_block(self, attention: AttentionBackend) -> int:
         layer = math.prod(attention.kv_cache_shape(1, self.block_size))
         element = torch.tensor([], dtype=self.dtype).element_size()
@@ -362,10 +424,10 @@ class Engine:
                    else "gpu_memory_utilization" if self.device.type == "cuda"
                    else "kv_cache_memory")
         size = f"{self.num_blocks} blocks, {nbytes / 2**30:.2f} GiB"
-        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        ram = _available_ram()
         if self.device.type == "cpu" and nbytes > ram:  # zeroing it would wake the OOM killer
             raise PagedChatError(f"the KV cache ({size}) is larger than this machine's "
-                                 f"{ram / 2**30:.1f} GiB of RAM: lower {setting}")
+                                 f"{ram / 2**30:.1f} GiB of available RAM: lower {setting}")
         with _out_of_memory(f"allocating the KV cache ({size})", f"lower {setting}"):
             kv_cache = torch.zeros((self.model_config.num_layers, 2,
                                     *attention.kv_cache_shape(self.num_blocks, self.block_size)),
@@ -398,6 +460,7 @@ class Engine:
         scratch = torch.zeros((self.model_config.num_layers, 2,
                                *attention.kv_cache_shape(blocks, self.block_size)),
                               dtype=self.dtype, device=self.device)
+        model.build_rope_tables(tokens)
         meta = AttentionMetadata.build([tokens], [tokens], [list(range(blocks))], self.block_size,
                                        self.device)
         rows = torch.arange(min(self.config.max_num_seqs, tokens), device=self.device)
@@ -450,13 +513,37 @@ def _worst_case_sampling(rows: int, vocab_size: int, device: torch.device) -> Sa
                                prompt_lens=[1] * rows, vocab_size=vocab_size, device=device)
 
 
+def _no_progress(stage: str, done: int, total: int) -> None:
+    """A ProgressHook that hears nothing."""
+
+
 @contextmanager
 def _out_of_memory(doing: str, advice: str) -> Iterator[None]:
     """Turn an out-of-memory error at start-up into one line that says what to change."""
     try:
         yield
-    except torch.OutOfMemoryError as error:
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        # On the CPU, torch's allocator reports a failure as a plain RuntimeError.
+        if not isinstance(error, torch.OutOfMemoryError) and _CPU_ALLOCATION_FAILURE not in str(error):
+            raise
         raise PagedChatError(f"out of memory while {doing}: {advice}") from error
+
+
+def _token_id(value: object) -> int:
+    if isinstance(value, bool):
+        raise TypeError("a bool is not a token id")
+    return operator.index(value)
+
+
+def _available_ram() -> int:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), which is
+    what a new allocation can count on; total RAM where /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            line = next(line for line in meminfo if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _resolve_device(device: str) -> torch.device:
@@ -465,22 +552,3 @@ def _resolve_device(device: str) -> torch.device:
     if device == "cuda" and not torch.cuda.is_available():
         raise PagedChatError("device='cuda' but torch sees no CUDA device: use device='cpu'")
     return torch.device(device)
-
-
-def _resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
-
-
-def _cpu_has_native_bf16() -> bool:
-    """bf16 halves the bytes every decode step reads, but only pays where the CPU has bf16
-    dot products (AVX512-BF16 or AMX); elsewhere torch emulates it and fp32 is faster."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -1,4 +1,5 @@
-"""Exceptions the engine raises. The CLI and TUI turn each into one line for the user."""
+"""Exceptions (and the one warning) the engine raises. The CLI and TUI turn each into one line
+for the user."""
 
 
 class PagedChatError(Exception):
@@ -13,5 +14,22 @@ class UnsupportedModelError(ModelLoadError):
     """The weights are readable but the architecture is not one the decoder implements."""
 
 
+class KVTierWarning(UserWarning):
+    """The disk KV tier turned itself off (full, read-only or vanished directory); the engine
+    goes on without it, and `EngineStats.tier.disk_error` says why."""
+
+
 class EngineDeadError(PagedChatError):
     """The engine's step loop failed; every open stream gets this."""
+
+
+# Errors whose message is written for the user: ours, ValueError (a bad setting names its
+# field) and OSError (names its path). Anything else is a surprise.
+USER_ERRORS = (PagedChatError, ValueError, OSError)
+
+
+def describe_error(error: BaseException) -> str:
+    """The one line a user sees for an error: its message, or for a surprise its type too."""
+    if isinstance(error, USER_ERRORS):
+        return str(error)
+    return f"{type(error).__name__}: {error}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -17,8 +18,9 @@ GREEDY_BELOW_TEMPERATURE = 1e-5
 class SamplingParams:
     """How to pick tokens for one request. `temperature=0` (or below 1e-5) is greedy.
 
-    Every field is validated on construction; a bad value is a `ValueError` that names the
-    field. `top_k=0` and `top_p=1` disable those filters; `min_p=0` disables min-p.
+    Every field is validated on construction; a bad value (of the wrong type too: a bool
+    is no number here, nor "1") is a `ValueError` that names the field. `top_k=0` and
+    `top_p=1` disable those filters; `min_p=0` disables min-p.
     """
 
     temperature: float = 1.0
@@ -37,24 +39,26 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(math.isfinite(self.temperature) and self.temperature >= 0,
-               "temperature", self.temperature, "a number >= 0 (0 is greedy)")
-        _check(0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0,
+        _check(_is_number(self.temperature) and math.isfinite(self.temperature)
+               and self.temperature >= 0, "temperature", self.temperature, "a number >= 0 (0 is greedy)")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
+        _check(_is_integer(self.top_k) and self.top_k >= 0,
                "top_k", self.top_k, "an integer >= 0 (0 disables it)")
-        _check(0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1]")
-        _check(math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1]")
+        _check(_is_number(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
+               and self.repetition_penalty > 0,
                "repetition_penalty", self.repetition_penalty, "a number > 0 (1 disables it)")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
-            _check(math.isfinite(value) and -2 <= value <= 2, name, value, "a number in [-2, 2]")
-        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            _check(_is_number(value) and math.isfinite(value) and -2 <= value <= 2,
+                   name, value, "a number in [-2, 2]")
+        _check(_is_integer(self.max_tokens) and self.max_tokens >= 1,
                "max_tokens", self.max_tokens, "an integer >= 1")
-        _check(self.seed is None or (isinstance(self.seed, int) and self.seed >= 0),
+        _check(self.seed is None or (_is_integer(self.seed) and self.seed >= 0),
                "seed", self.seed, "an integer >= 0 or None")
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop", self.stop, "a list of non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+        _check(all(_is_integer(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
 
     @property
@@ -65,6 +69,14 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_integer(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
@@ -100,6 +112,7 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_cached_prompt_tokens: int = 0
+    num_tier_cached_tokens: int = 0     # of num_cached_prompt_tokens, read back from a KV tier
     num_preemptions: int = 0
     first_token_time: float | None = None
     owner: str | None = None
@@ -128,24 +141,14 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    @property
-    def phase(self) -> str:
-        """Where the request is, finer than `status`: "waiting" (never scheduled),
-        "preempted" (waiting to recompute), "prefilling" (its known tokens are not all
-        computed yet), "decoding" or "finished". Aborts and faults must be safe in each."""
-        if self.status is RequestStatus.WAITING:
-            return "preempted" if self.num_preemptions else "waiting"
-        if self.status is RequestStatus.RUNNING:
-            return "prefilling" if self.num_computed_tokens < self.num_tokens - 1 else "decoding"
-        return "finished"
-
 
 @dataclass(slots=True, frozen=True)
 class RequestOutput:
     """What one request produced in one step (a delta), or in total from `Engine.generate`.
 
     For a delta, `new_token_ids` and `new_text` are this step's; `token_ids` and `text` are
-    everything so far.
+    everything so far. `num_cached_tokens` prompt tokens were not prefilled (prefix cache
+    hits); `num_tier_cached_tokens` of them were read back from a KV tier (host RAM or disk).
     """
 
     request_id: str
@@ -158,3 +161,4 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    num_tier_cached_tokens: int = 0

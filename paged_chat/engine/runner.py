@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +24,7 @@ import torch
 from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata, StagingBuffer
 from paged_chat.engine.models.llama import LlamaForCausalLM
+from paged_chat.engine.models.loader import ProgressHook
 from paged_chat.engine.sampler import SamplingBatch, sample
 from paged_chat.engine.scheduler import ScheduledRequest
 
@@ -41,6 +41,8 @@ class _DecodeGraph:
     graph: torch.cuda.CUDAGraph
     meta: AttentionMetadata
     logits: torch.Tensor
+# The cache is [layers, 2, kv_heads, blocks, block_size, head_dim] (AttentionBackend.kv_cache_shape).
+_BLOCK_AXIS = 3
 
 
 class SamplingError(Exception):
@@ -94,7 +96,7 @@ class ModelRunner:
         """A forward over made-up tokens, no sampling: what warm-up and profiling run. Its
         K/V go to blocks 0, 1, 2... of the pool, which holds nothing yet: every block is
         written by the request that owns it before anything reads it."""
-        num_blocks = self.kv_cache.shape[3]
+        num_blocks = self.kv_cache.shape[_BLOCK_AXIS]
         tables = [[block % num_blocks for block in range(-(-length // self.block_size))]
                   for length in seq_lens]
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size,
@@ -105,7 +107,7 @@ class ModelRunner:
     # ---- CUDA graphs of decode steps -------------------------------------------------
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int,
-                              progress: Callable[[str], None]) -> None:
+                              on_progress: ProgressHook) -> None:
         """Capture one CUDA graph of a whole decode step (every layer, logits of every row) per
         batch-size bucket up to `max_batch`, largest first, in one shared memory pool.
 
@@ -123,8 +125,8 @@ class ModelRunner:
         buckets = sorted({b for b in GRAPH_BATCH_SIZES if b < max_batch} | {max_batch},
                          reverse=True)
         pool = torch.cuda.graph_pool_handle()
-        for done, batch in enumerate(buckets, 1):
-            progress(f"capturing CUDA graphs: batch {batch} ({done}/{len(buckets)})")
+        for done, batch in enumerate(buckets):
+            on_progress("capturing CUDA graphs", done, len(buckets))
             meta = self._graph_meta(batch, [], [], [])
             self.attention.plan_graph(meta, self.kv_cache, max_model_len)
             input_ids, logits_indices = meta.extra
@@ -139,6 +141,7 @@ class ModelRunner:
                     logits = self.model(input_ids, meta.positions, self.kv_cache, meta,
                                         self.attention, logits_indices)
             self._graphs[batch] = _DecodeGraph(graph, meta, logits)
+        on_progress("capturing CUDA graphs", len(buckets), len(buckets))
 
     def _graph_batch(self, scheduled: list[ScheduledRequest]) -> int | None:
         """The captured bucket this step replays in: every item a single token, and few enough."""
@@ -172,6 +175,17 @@ class ModelRunner:
         if len(samples) == len(scheduled):
             return captured.logits[:len(samples)]
         return captured.logits[torch.tensor(samples, device=self.device)]
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of whole blocks' KV on the CPU, [blocks, layers, 2, kv_heads, block_size,
+        head_dim], that no later step touches (a KV tier keeps it)."""
+        index = torch.tensor(block_ids, device=self.device)
+        return self.kv_cache.movedim(_BLOCK_AXIS, 0)[index].cpu()
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Put whole blocks' KV (as `read_blocks` returns it) into the cache."""
+        index = torch.tensor(block_ids, device=self.device)
+        blocks = self.kv_cache.movedim(_BLOCK_AXIS, 0)
+        blocks.index_copy_(0, index, kv.to(self.device, self.kv_cache.dtype))
 
     def _sample_row(self, logits: torch.Tensor, item: ScheduledRequest) -> int | Exception:
         try:

@@ -91,7 +91,7 @@ class Autopilot:
             return
         if self.turns >= self.turns_per_chat:
             self.turns = 0
-            await tab.clear_chat()
+            await tab.start_over()
         tab.send(self.next_prompt())
 
 

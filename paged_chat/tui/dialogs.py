@@ -3,6 +3,8 @@ settings (system prompt and sampling), and the help screen with the current keys
 
 from __future__ import annotations
 
+import typing
+
 from rich.table import Table
 from rich.text import Text
 from textual import on
@@ -13,12 +15,13 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static, TextArea
 
 from paged_chat.engine.request import SamplingParams
+from paged_chat.settings import CHAT_SAMPLING_KEYS
 
-# The sampling fields the dialog edits, with their types; empty means "the default".
+# The number type of each sampling field the dialog edits (an empty field means "the default").
 SAMPLING_FIELDS: dict[str, type] = {
-    "temperature": float, "top_p": float, "top_k": int, "min_p": float,
-    "repetition_penalty": float, "max_tokens": int, "seed": int,
-}
+    name: next(kind for kind in typing.get_args(hint) or (hint,) if kind is not type(None))
+    for name, hint in ((name, typing.get_type_hints(SamplingParams)[name])
+                       for name in CHAT_SAMPLING_KEYS)}
 
 
 class ConfirmScreen(ModalScreen[bool]):

@@ -8,7 +8,6 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import Horizontal, Vertical
@@ -187,14 +186,3 @@ class EnginePanel(Vertical):
             return
         detail.update(describe_block(block, self.stats.blocks, self.stats.block_size,
                                      self.tabs, self.decode), layout=False)
-
-
-def blocks_owned(stats: EngineStats, owner: str) -> np.ndarray:
-    """Ids of the blocks held by a request of `owner` (tests and the tab header use it)."""
-    blocks = stats.blocks
-    request_of = np.asarray([o == owner for o in blocks.request_owners], dtype=bool)
-    if not request_of.any():
-        return np.zeros(0, dtype=np.int64)
-    ptr = np.asarray(blocks.holder_ptr)
-    block_of_entry = np.repeat(np.arange(len(ptr) - 1), np.diff(ptr))
-    return np.unique(block_of_entry[request_of[np.asarray(blocks.holders)]])

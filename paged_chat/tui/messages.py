@@ -13,7 +13,7 @@ import re
 from rich.text import Text
 from textual.containers import Vertical
 from textual.widgets import Markdown, Static
-from textual.widgets._markdown import MarkdownStream
+from textual.widgets.markdown import MarkdownStream
 
 from paged_chat.text import sanitize_for_terminal as clean
 
@@ -132,12 +132,3 @@ class AssistantMessage(Vertical):
         """Render what a hidden tab kept back (called when the tab is shown)."""
         if self._stale or self._backlog:
             await self.finish_stream()
-
-    async def replace(self, text: str) -> None:
-        """Show `text` as the whole reply (used when a reply is redone)."""
-        await self.finish_stream()
-        for chunk in self._chunks[1:]:
-            await chunk.remove()
-        self._chunks = self._chunks[:1]
-        self.text, self._chunk_text = text, clean(text)
-        await self._chunks[0].update(self._chunk_text)

@@ -38,6 +38,7 @@ class AttentionBackend:
                  meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
         """query [T, heads, dim], key/value [T, kv_heads, dim] -> output [T, heads, dim].
 
-        `sliding_window` (transformers' semantics): a query at position p attends the keys
-        k with p - sliding_window < k <= p; None attends the whole prefix."""
+        With `sliding_window`, a query at position p attends the keys at k with
+        p - sliding_window < k <= p (transformers' sliding_window_overlay); else all k <= p.
+        """
         raise NotImplementedError

@@ -1,0 +1,31 @@
+"""The dtypes the engine runs in, by the names the config and the command line use."""
+
+from __future__ import annotations
+
+import torch
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The torch dtype for a config's `dtype`; "auto" picks by what the device does fast."""
+    if dtype != "auto":
+        return TORCH_DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if _cpu_has_native_bf16() else torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _cpu_has_native_bf16() -> bool:
+    """bf16 halves the bytes every decode step reads, but only pays where the CPU has bf16
+    dot products (AVX512-BF16 or AMX); elsewhere torch emulates it and fp32 is faster."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

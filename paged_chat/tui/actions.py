@@ -1,0 +1,225 @@
+"""The app's actions: each has a key (rebindable in `[tui.keys]`) and a palette entry.
+
+`ChatActions` is mixed into the app; it acts on the active tab through the tab's own
+methods and the app's tab management (`open_new_chat`, `open_session_tab`, `close_tab`,
+`cycle_tabs`), nothing deeper.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from functools import partial
+from typing import TYPE_CHECKING
+
+from textual import work
+from textual.app import SystemCommand
+from textual.binding import Binding
+from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual.screen import Screen
+
+from paged_chat.tui.dialogs import ChatSettingsScreen, ConfirmScreen, HelpScreen, TextPromptScreen
+
+if TYPE_CHECKING:
+    from paged_chat.tui.chat_tab import ChatTab
+
+# (action, default keys, footer label, description, priority): every action also has a
+# palette entry. The action name is the binding id: `[tui.keys] new_chat = "ctrl+t"`.
+ACTIONS: list[tuple[str, str, str, str, bool]] = [
+    ("new_chat", "ctrl+n", "New", "New chat", True),
+    ("close_chat", "ctrl+w", "Close", "Close chat", True),
+    ("next_chat", "ctrl+pagedown,alt+right", "Next", "Next chat", True),
+    ("prev_chat", "ctrl+pageup,alt+left", "Prev", "Previous chat", True),
+    ("rename_chat", "f2", "Rename", "Rename chat", False),
+    ("fork_chat", "ctrl+f", "Fork", "Fork chat (shares its KV blocks)", True),
+    ("chat_settings", "f4", "Settings", "System prompt and sampling", False),
+    ("stop", "escape", "Stop", "Stop the reply", False),
+    ("regenerate", "ctrl+r", "Regenerate", "Regenerate the last reply", True),
+    ("copy_reply", "alt+c", "Copy", "Copy the last reply", False),
+    ("copy_code", "alt+x", "Copy code", "Copy the last code block", False),
+    ("broadcast", "ctrl+b", "Broadcast", "Broadcast the prompt to every tab", True),
+    ("toggle_panel", "f8", "Panel", "Show or hide the engine panel", False),
+    ("help", "f1", "Help", "Help and keys", False),
+]
+SHOWN = {"new_chat", "close_chat", "fork_chat", "chat_settings", "stop", "regenerate",
+         "broadcast", "toggle_panel", "help"}
+DELETE_CHAT_HELP = "Delete this chat from the store"
+
+
+def make_bindings() -> list[Binding]:
+    return [Binding(keys, action, label, show=action in SHOWN, priority=priority, id=action,
+                    tooltip=description) for action, keys, label, description, priority in ACTIONS]
+
+
+class StoredChats(Provider):
+    """Palette: reopen a chat from the store that has no open tab."""
+
+    async def search(self, query: str) -> Hits:
+        app = self.app
+        matcher = self.matcher(query)
+        for chat in app.closed_chats():
+            text = f"Open chat: {chat.title}"
+            score = matcher.match(text)
+            if score > 0:
+                yield Hit(score, matcher.highlight(text), partial(app.open_stored_chat, chat.id),
+                          help=f"last used {time.strftime('%Y-%m-%d %H:%M', time.localtime(chat.updated))}")
+
+    async def discover(self) -> Hits:
+        app = self.app
+        for chat in app.closed_chats()[:20]:
+            yield DiscoveryHit(f"Open chat: {chat.title}", partial(app.open_stored_chat, chat.id))
+
+
+class ChatActions:
+    """The action_* methods of the app (mixed into PagedChatApp, whose tab management they
+    call), and what the palette and help list of them."""
+
+    def _need_tab(self) -> ChatTab | None:
+        tab = self.active_tab
+        if tab is None:
+            self.notify("no chat is open", severity="warning", markup=False)
+        return tab
+
+    async def action_new_chat(self) -> None:
+        await self.open_new_chat()
+
+    @work(group="dialog")
+    async def action_close_chat(self) -> None:
+        tab = self._need_tab()
+        if tab is None:
+            return
+        if tab.streaming and not await self.push_screen_wait(
+                ConfirmScreen(f"A reply is streaming in {tab.title!r}. Close it anyway?", "Close")):
+            return
+        await self.close_tab(tab)
+
+    def action_next_chat(self) -> None:
+        self.cycle_tabs(+1)
+
+    def action_prev_chat(self) -> None:
+        self.cycle_tabs(-1)
+
+    @work(group="dialog")
+    async def action_rename_chat(self) -> None:
+        tab = self._need_tab()
+        if tab is None:
+            return
+        title = await self.push_screen_wait(TextPromptScreen("Rename chat", tab.title))
+        if title:
+            tab.set_title(title)
+
+    async def action_fork_chat(self) -> None:
+        tab = self._need_tab()
+        if tab is None:
+            return
+        if tab.streaming:
+            self.notify("wait for the reply to finish (or stop it) before forking",
+                        severity="warning", markup=False)
+            return
+        await tab.ensure_loaded()
+        fork = await self.open_session_tab(tab.session.fork(f"{tab.title} (fork)"))
+        await fork.ensure_loaded()
+        self.notify(f"forked {tab.title!r}: the fork shares every full KV block of its history",
+                    markup=False)
+
+    @work(group="dialog")
+    async def action_chat_settings(self) -> None:
+        tab = self._need_tab()
+        if tab is None:
+            return
+        await tab.ensure_loaded()
+        result = await self.push_screen_wait(ChatSettingsScreen(
+            tab.title, tab.session.system_prompt, tab.session.sampling,
+            self.settings.chat.sampling()))
+        if result is not None:
+            tab.apply_settings(*result)
+
+    def action_stop(self) -> None:
+        tab = self.active_tab
+        if tab is not None:
+            self.pause_demo(tab)
+            tab.stop()
+
+    def action_regenerate(self) -> None:
+        tab = self._need_tab()
+        if tab is not None:
+            tab.regenerate()
+
+    def action_copy_reply(self) -> None:
+        tab = self._need_tab()
+        text = tab.last_reply() if tab else None
+        if not text:
+            self.notify("no reply to copy yet", severity="warning", markup=False)
+            return
+        self.copy_to_clipboard(text)
+        self.notify(f"copied the last reply ({len(text)} characters)", markup=False)
+
+    def action_copy_code(self, index: int = -1) -> None:
+        tab = self._need_tab()
+        blocks = tab.code_blocks() if tab else []
+        if not blocks:
+            self.notify("no code block in this chat", severity="warning", markup=False)
+            return
+        self.copy_to_clipboard(blocks[index])
+        self.notify(f"copied a code block ({len(blocks[index].splitlines())} lines)", markup=False)
+
+    @work(group="dialog")
+    async def action_broadcast(self) -> None:
+        tab = self.active_tab
+        text = tab.prompt.text.strip() if tab else ""
+        if not text:
+            text = await self.push_screen_wait(TextPromptScreen(
+                "Broadcast: send this prompt to every open tab", placeholder="prompt"))
+            if not text:
+                return
+        elif tab is not None:
+            tab.prompt.remember(text)
+        sent = [t for t in self.chat_tabs if not t.streaming and t.send(text)]
+        busy = len(self.chat_tabs) - len(sent)
+        self.notify(f"sent to {len(sent)} tabs" + (f" ({busy} busy, skipped)" if busy else ""),
+                    markup=False)
+
+    def action_toggle_panel(self) -> None:
+        self.panel.toggle_class("collapsed")
+
+    def action_help(self) -> None:
+        if isinstance(self.screen, HelpScreen):
+            return
+        self.push_screen(HelpScreen(self.key_help()))
+
+    @work(group="dialog")
+    async def action_delete_chat(self) -> None:
+        tab = self._need_tab()
+        if tab is None:
+            return
+        if not await self.push_screen_wait(ConfirmScreen(
+                f"Delete {tab.title!r} and its messages from the store?", "Delete")):
+            return
+        chat_id = tab.chat_id
+        await self.close_tab(tab)
+        self.store.delete_chat(chat_id)
+
+    def key_help(self) -> list[tuple[str, str]]:
+        """(keys, description) per action, as currently bound (keymap applied)."""
+        keymap = getattr(self, "_keymap", {})
+        rows = []
+        for action, keys, _, description, _ in ACTIONS:
+            bound = keymap.get(action, keys)
+            rows.append((", ".join(self.get_key_display(Binding(k, action)) for k in bound.split(",")),
+                         description))
+        rows += [("enter", "Send the prompt"), ("shift+enter, ctrl+j", "New line in the prompt"),
+                 ("up / down", "Earlier prompts (on the first / last line)"),
+                 ("ctrl+p", "Command palette (every action)"), ("ctrl+q", "Quit")]
+        return rows
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        for action, _, _, description, _ in ACTIONS:
+            yield SystemCommand(description, f"action: {action}", partial(self.run_action, action))
+        yield SystemCommand("Delete chat", DELETE_CHAT_HELP, partial(self.run_action, "delete_chat"))
+        tab = self.active_tab
+        if tab is not None:
+            for index, block in enumerate(tab.code_blocks()):
+                first = block.strip().splitlines()[0][:40] if block.strip() else ""
+                yield SystemCommand(f"Copy code block {index + 1}", first,
+                                    partial(self.action_copy_code, index), discover=False)
