@@ -35,11 +35,8 @@ class PagedSequence:
         positions = torch.arange(self.length, self.length + count)
         slots = self.table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
         self.length += count
-        meta = AttentionMetadata(
-            slot_mapping=slots, query_start_loc=torch.tensor([0, count], dtype=torch.int32),
-            seq_lens=torch.tensor([self.length], dtype=torch.int32),
-            block_tables=self.table[None].int(), num_decodes=int(count == 1),
-            query_start_loc_list=[0, count], seq_lens_list=[self.length], block_size=BLOCK_SIZE)
+        meta = AttentionMetadata.build([count], [self.length], self.table[None], BLOCK_SIZE,
+                                       torch.device("cpu"), slot_mapping=slots)
         return self.model(torch.tensor(token_ids), positions, self.cache, meta, self.attention,
                           torch.arange(count))
 

@@ -132,7 +132,7 @@ def test_to_toml_reads_back_the_same(tmp_path):
     ("[engine]\nnum_blocks = 1.5\n", 2, "engine.num_blocks = 1.5 is invalid: expected an integer"),
     ("[engine]\nblock_size = 7\n", 2, "engine.block_size = 7 is invalid: expected one of 8, 16, 32, 64, 128"),
     ("[engine]\ndevice = 'tpu'\n", 2, "engine.device = \"tpu\" is invalid: expected one of 'auto', 'cpu', 'cuda'"),
-    ("[engine]\ngpu_memory_utilization = 1.5\n", 2, "expected a fraction in (0, 1]"),
+    ("[engine]\ngpu_memory_utilization = 1.5\n", 2, "expected a fraction in (0, 1)"),
     ("[engine]\nkv_cache_memory = 'lots'\n", 2, "engine.kv_cache_memory = \"lots\" is invalid"),
     ("[chat]\ntop_p = 0\n", 2, "chat.top_p = 0.0 is invalid: expected a number in (0, 1]"),
     ("[chat]\nmax_tokens = 0\n", 2, "chat.max_tokens = 0 is invalid: expected an integer >= 1"),

@@ -42,7 +42,6 @@ def test_paged_attention_matches_dense(shared_blocks, num_prefill):
         tables.append(table)
         slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)])
         contexts.append(slots)
-    width = max(map(len, tables))
     total = sum(new_tokens)
     query = torch.randn(total, HEADS, DIM, generator=generator)
     key = torch.randn(total, KV_HEADS, DIM, generator=generator)
@@ -52,11 +51,9 @@ def test_paged_attention_matches_dense(shared_blocks, num_prefill):
         starts.append(starts[-1] + count)
     slot_mapping = torch.cat([slots[length - count:] for slots, length, count
                               in zip(contexts, seq_lens, new_tokens)])
-    meta = AttentionMetadata(
-        slot_mapping=slot_mapping, query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        num_decodes=4, query_start_loc_list=starts, seq_lens_list=seq_lens, block_size=BLOCK)
+    meta = AttentionMetadata.build(new_tokens, seq_lens, tables, BLOCK, torch.device("cpu"),
+                                   slot_mapping=slot_mapping)
+    assert meta.num_decodes == 4
 
     out = attention(query, key, value, key_cache, value_cache, meta)
 

@@ -10,6 +10,7 @@ head dims that are not powers of two, shuffled block tables, tiles that span blo
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,13 +22,15 @@ import torch
 
 triton = pytest.importorskip("triton", reason="the Triton kernels need the triton package "
                              "(extra 'gpu')")
+import triton.language as tl  # noqa: E402
 
 from paged_chat.engine import PagedChatError, SamplingParams
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.torch_backend import TorchAttention
-from paged_chat.engine.attention.triton_backend import TritonAttention
-from paged_chat.engine.attention.triton_kernels import (
-    MAX_SPLITS, choose_num_splits, paged_attention, store_kv)
+from paged_chat.engine.attention import triton_backend  # noqa: E402
+from paged_chat.engine.attention.triton_backend import SHARED_MEMORY_BYTES, TritonAttention
+from paged_chat.engine.attention.triton_kernels import (  # noqa: E402
+    MAX_SPLITS, _cache_offsets, choose_num_splits, paged_attention, store_kv)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Reference in fp32 on the same (rounded) inputs; ours rounds P (fp16) and the output, and
@@ -83,13 +86,9 @@ class Batch:
         self.query = poisoned((num_tokens, num_heads, head_dim), dtype, generator)
         self.key = poisoned((num_tokens, num_kv_heads, head_dim), dtype, generator)
         self.value = poisoned((num_tokens, num_kv_heads, head_dim), dtype, generator)
-        self.meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(DEVICE),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=DEVICE),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
-            block_tables=self.block_tables.to(DEVICE),
-            num_decodes=next((i for i, (_, new) in enumerate(seqs) if new != 1), len(seqs)),
-            query_start_loc_list=starts, seq_lens_list=seq_lens, block_size=block_size)
+        self.meta = AttentionMetadata.build([new for _, new in seqs], seq_lens,
+                                            self.block_tables, block_size, DEVICE,
+                                            slot_mapping=torch.cat(slots))
         self.key_cache, self.value_cache = self.key_cache.to(DEVICE), self.value_cache.to(DEVICE)
 
     def reference(self, num_heads: int, num_kv_heads: int,
@@ -250,20 +249,31 @@ def test_engine_greedy_tokens_match_torch_backend(make_engine):
     assert engine.stats().prefix_cache_hit_tokens > 0
 
 
-def test_kernels_compile_for_hopper(tmp_path):
-    """The interpreter never lowers the kernels; triton's compiler does, without a GPU. The
-    bf16 variants the backend launches compile for sm_90 and ptxas reports no spills."""
+def test_kernels_compile_clean_on_the_archs_with_least_room(tmp_path):
+    """The interpreter never lowers the kernels; triton's compiler does, without a GPU.
+
+    CI runs the corner of the compile matrix that was hardest to fit (the full matrix,
+    `device_check.py --compile-only`, is ~4 minutes): sm_80 (where fp32 with three stages
+    and bf16 at head dim 256 with eight warps spilled) and sm_89 (99 KB of shared memory,
+    where bf16 prefill at head dim 256 used not to fit), at head dims 80 (padded to 128)
+    and 256, in bf16 and fp32. Every variant must compile with no spills and within the
+    arch's shared memory."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     script = Path(__file__).resolve().parent.parent / "scripts" / "device_check.py"
     summary = tmp_path / "device_check.json"
-    result = subprocess.run([sys.executable, str(script), "--compile-only", "--quick",
+    result = subprocess.run([sys.executable, str(script), "--compile-only", "--arch", "80,89",
+                             "--head-dims", "80,256", "--dtypes", "bf16,fp32",
                              "--out", str(summary)], env=env, capture_output=True, text=True,
-                            timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+                            timeout=600)
     compiled = json.loads(summary.read_text())["compile"]
+    assert {(c["arch"], c["head_dim"], c["dtype"]) for c in compiled} == {
+        (arch, dim, dtype) for arch in (80, 89) for dim in (80, 256) for dtype in ("bf16", "fp32")}
     assert {c["kernel"] for c in compiled} == {
         "_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel"}
-    assert all(c["spill_bytes"] == 0 for c in compiled), compiled
+    for variant in compiled:
+        assert variant["spill_bytes"] == 0, variant
+        assert variant["shared_bytes"] <= SHARED_MEMORY_BYTES[variant["arch"]], variant
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_engine_picks_the_backend(make_engine, monkeypatch):
@@ -273,3 +283,150 @@ def test_engine_picks_the_backend(make_engine, monkeypatch):
         monkeypatch.delenv("TRITON_INTERPRET")
         with pytest.raises(PagedChatError, match="runs on CUDA"):
             make_engine(attention_backend="triton")
+
+
+def _device_check():
+    """scripts/device_check.py as a module (its checks are tested here, on the CPU)."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / "device_check.py"
+    spec = importlib.util.spec_from_file_location("device_check", path)
+    module = sys.modules.setdefault("device_check", importlib.util.module_from_spec(spec))
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_device_check_catches_a_dropped_split():
+    """The device check's row check passes the kernels' 4-way split and merge, and fails
+    when one split is left out of the merge (before, a max-error bound of 2e-2 let a lost
+    split through at long contexts)."""
+    device_check = _device_check()
+    shape = device_check.Shape("tiny-d80-gqa3", 6, 2, 80, 16)
+    result = device_check.drop_split_self_test(shape, [(70, 1), (45, 1)], torch.float16, DEVICE)
+    assert result["clean_ok"], result
+    assert not result["dropped_ok"] and result["dropped_bad_rows"] > 0, result
+    assert result["ok"]
+
+
+@triton.jit
+def _cache_offsets_probe(blocks_ptr, heads_ptr, out_ptr, stride_cb, stride_cs, stride_ch,
+                         stride_cd, N: tl.constexpr):
+    index = tl.arange(0, N)
+    block = tl.load(blocks_ptr + index)
+    head = tl.load(heads_ptr + index)
+    offsets = _cache_offsets(block, index % 16, head, index, stride_cb, stride_cs, stride_ch,
+                             stride_cd)
+    tl.store(out_ptr + index, offsets)
+
+
+def test_cache_offsets_do_not_overflow_past_2_31_elements():
+    """The kernels' cache address arithmetic for a head-major pool of 2**31+ elements: int32
+    block ids and heads whose offsets pass 2**31 (the interpreter wraps int32 like a GPU)."""
+    num_kv_heads, num_blocks, block_size, head_dim = 4, 2**21 + 5, 16, 128
+    strides = (block_size * head_dim, head_dim, num_blocks * block_size * head_dim, 1)
+    assert num_kv_heads * strides[2] > 2**31
+    blocks = torch.tensor([0, 1, 2**20, num_blocks - 1] * 4, dtype=torch.int32)
+    heads = torch.tensor([0] * 4 + [1] * 4 + [2] * 4 + [3] * 4, dtype=torch.int32)
+    out = torch.zeros(16, dtype=torch.int64)
+    _cache_offsets_probe[(1,)](blocks, heads, out, *strides, N=16)
+    expected = [b * strides[0] + (i % 16) * strides[1] + h * strides[2] + i * strides[3]
+                for i, (b, h) in enumerate(zip(blocks.tolist(), heads.tolist()))]
+    assert max(expected) > 2**31
+    assert out.tolist() == expected
+
+
+def dense_windowed_reference(batch: Batch, caches: tuple[torch.Tensor, torch.Tensor],
+                             num_heads: int, window: int) -> torch.Tensor:
+    """Attention of every query token over its own sequence's keys k with
+    position - window < k <= position (transformers' sliding window), dense, in fp32."""
+    meta, block_size = batch.meta, batch.meta.block_size
+    keys_cache, values_cache = (c.float().nan_to_num(0.0) for c in caches)
+    num_kv_heads, head_dim = keys_cache.shape[0], keys_cache.shape[-1]
+    out = torch.zeros(batch.query.shape, dtype=torch.float32)
+    for seq, seq_len in enumerate(meta.seq_lens_list):
+        start, end = meta.query_start_loc_list[seq], meta.query_start_loc_list[seq + 1]
+        positions = torch.arange(seq_len)
+        slots = batch.block_tables[seq, positions // block_size].long() * block_size \
+            + positions % block_size
+        keys = keys_cache.view(num_kv_heads, -1, head_dim)[:, slots].cpu()
+        values = values_cache.view(num_kv_heads, -1, head_dim)[:, slots].cpu()
+        group = num_heads // num_kv_heads
+        keys, values = keys.repeat_interleave(group, 0), values.repeat_interleave(group, 0)
+        query = batch.query[start:end].float().cpu().transpose(0, 1)       # [heads, q, dim]
+        query_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]
+        visible = (positions[None, :] <= query_pos) & (positions[None, :] > query_pos - window)
+        scores = (query @ keys.transpose(1, 2)) * head_dim ** -0.5
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[start:end] = (probs @ values).transpose(0, 1)
+    return out.to(DEVICE)
+
+
+# (prefix, new): decodes past and within the window, a chunk mid-block, a fresh prompt.
+WINDOW_SEQS = [(100, 1), (7, 1), (37, 1), (21, 19), (0, 40), (45, 3)]
+
+
+@pytest.mark.parametrize("window", [1, 10, 13, 20, 500])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_sliding_window_matches_dense_reference(window, num_splits):
+    """Windows shorter than a block, not a multiple of the block size (16), and longer than
+    every sequence; decode and prefill launches (a prefill chunk that starts mid-block)."""
+    num_heads, num_kv_heads, head_dim = 6, 2, 16
+    batch = Batch(WINDOW_SEQS, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                  head_dim=head_dim, block_size=16, dtype=torch.float32, seed=window)
+    _, *caches = batch.reference(num_heads, num_kv_heads, head_dim)
+    expected = dense_windowed_reference(batch, caches, num_heads, window)
+    store_kv(batch.key, batch.value, batch.key_cache, batch.value_cache, batch.meta.slot_mapping)
+    output = torch.full(batch.query.shape, float("nan"), device=DEVICE)
+    for seqs, block_q in ((range(3), 4), (range(3, len(WINDOW_SEQS)), 8)):
+        paged_attention(batch.query, batch.key_cache, batch.value_cache, output, batch.meta,
+                        seqs, head_dim ** -0.5, block_q=block_q, tile_n=16,
+                        num_splits=num_splits, sliding_window=window)
+    check_output(output, expected, torch.float32)
+
+
+def test_sliding_window_never_reads_tiles_before_the_window():
+    """Keys in tiles wholly before every row's window are NaN: a kernel that loaded them
+    would put NaN into the output (0 * NaN in P @ V)."""
+    num_heads, num_kv_heads, head_dim, window = 4, 2, 16, 20
+    batch = Batch([(100, 1), (60, 4)], num_heads=num_heads, num_kv_heads=num_kv_heads,
+                  head_dim=head_dim, block_size=16, dtype=torch.float32, seed=5)
+    _, *caches = batch.reference(num_heads, num_kv_heads, head_dim)
+    expected = dense_windowed_reference(batch, caches, num_heads, window)
+    backend = TritonAttention(num_heads, num_kv_heads, head_dim, scale=head_dim ** -0.5)
+    # The decode at 100 sees keys 81..100; the chunk at 60..63 sees 41..63.
+    for seq, kind, first_key in ((0, "decode", 81), (1, "prefill", 41)):
+        tile_n = backend.tile(kind, torch.float32)[1].tile_n
+        stale = torch.arange(first_key // tile_n * tile_n)
+        assert len(stale) >= 32
+        slots = batch.block_tables[seq, stale // 16].long() * 16 + stale % 16
+        for cache in (batch.key_cache, batch.value_cache):
+            cache.view(num_kv_heads, -1, head_dim)[:, slots.to(DEVICE)] = float("nan")
+    ours = backend(batch.query, batch.key, batch.value, batch.key_cache, batch.value_cache,
+                   batch.meta, sliding_window=window)
+    check_output(ours, expected, torch.float32)
+
+
+def test_warm_up_leaves_no_kernel_variant_to_compile(make_engine, monkeypatch):
+    """After `Engine.warm_up` (which a CUDA engine runs before it serves), a generation that
+    grows contexts past the split threshold, mixes decodes with chunked prefills and ends
+    chunks mid-block launches no kernel variant the warm-up did not: nothing compiles mid-chat.
+    Splits are planned as for a 132-SM GPU (the interpreter would never split), from 32
+    keys on (not 512), to keep the interpreter's work small."""
+    from paged_chat.engine.attention import triton_kernels
+
+    monkeypatch.setattr(triton_backend, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(triton_kernels, "MIN_KEYS_PER_SPLIT", 16)
+    engine = make_engine(attention_backend="triton", max_model_len=160,
+                         max_num_batched_tokens=24, num_blocks=64)
+    reports: list[tuple[str, int, int]] = []
+    device_check = _device_check()
+    with device_check.captured_launches(forward=True) as launches:
+        engine.warm_up(lambda *report: reports.append(report))
+        warmed = {device_check.variant_key(*launch) for launch in launches}
+        launches.clear()
+        prompts = [list(range(3, 90)), list(range(40, 61)), list(range(7, 44))]
+        engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        seen = {device_check.variant_key(*launch) for launch in launches}
+    assert {variant[0] for variant in warmed} == {
+        "_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel"}
+    assert {variant[0] for variant in seen} == {variant[0] for variant in warmed}
+    assert seen <= warmed, seen - warmed
+    assert reports == [("compiling kernels", done, 2) for done in range(3)]

@@ -37,6 +37,9 @@ class EngineConfig:
     `threads` is the number of torch threads a step runs on; None or "auto" starts from
     the cores this process may use and adapts when other processes compete for them
     (engine/threads.py).
+
+    `enforce_eager=False` captures CUDA graphs of decode steps (per batch-size bucket, Triton
+    backend on CUDA only). It stays True by default until the capture path has run on a GPU.
     """
 
     model: str = "smollm2-135m"
@@ -53,6 +56,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     cache_dir: str | None = None
+    enforce_eager: bool = True
     weight_cache_size: int | str = "4GiB"
     kv_tier_disk_bytes: int | str = 4 * 2**30
     kv_tier_host_bytes: int | str | None = None
@@ -78,9 +82,11 @@ class EngineConfig:
             self.kv_tier_host_bytes = parse_memory("kv_tier_host_bytes", self.kv_tier_host_bytes,
                                                    allow_zero=True)
         if not (isinstance(self.gpu_memory_utilization, (int, float))
-                and 0 < self.gpu_memory_utilization <= 1):
+                and 0 < self.gpu_memory_utilization < 1):
             raise ValueError(f"EngineConfig.gpu_memory_utilization={self.gpu_memory_utilization!r}"
-                             " is invalid: expected a fraction in (0, 1]")
+                             " is invalid: expected a fraction in (0, 1), below 1 so the CUDA "
+                             "context, the allocator's fragmentation and other processes keep "
+                             "some room")
         if self.threads is not None and self.threads != "auto" and not (
                 isinstance(self.threads, int) and not isinstance(self.threads, bool)
                 and self.threads >= 1):
@@ -88,6 +94,9 @@ class EngineConfig:
                              "integer >= 1, or 'auto' (None) to adapt to the machine")
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("EngineConfig.model is empty: expected an alias, a path or a hub id")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"EngineConfig.enforce_eager={self.enforce_eager!r} is invalid: "
+                             "expected true or false")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"EngineConfig.seed={self.seed!r} is invalid: expected an integer >= 0")
 

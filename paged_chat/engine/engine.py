@@ -44,6 +44,7 @@ from paged_chat.engine.models.loader import (
 from paged_chat.engine.models.model_config import ModelConfig
 from paged_chat.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from paged_chat.engine.runner import ModelRunner
+from paged_chat.engine.sampler import SamplingBatch, sample
 from paged_chat.engine.scheduler import Scheduler, SchedulerOutput
 from paged_chat.engine.stats import BlockMap, EngineStats, KVTierStats, RateMeter
 from paged_chat.engine.threads import ThreadPolicy
@@ -57,8 +58,9 @@ _DEFAULT_CUDA_TIER_HOST_BYTES = 2 * 2**30
 class Engine:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None,
                  on_progress: ProgressHook | None = None) -> None:
-        """`on_progress(stage, done, total)` hears how a slow load (a GGUF's first
-        conversion) advances. Nothing of `source` but its tokenizer and config is kept."""
+        """`on_progress(stage, done, total)` hears how a slow start-up stage advances (a
+        GGUF's first conversion; on CUDA, compiling the kernels and capturing CUDA graphs).
+        Nothing of `source` but its tokenizer and config is kept."""
         self.config = config
         self.device = _resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -83,6 +85,11 @@ class Engine:
         model.build_rope_tables(self.max_model_len)
         kv_cache = self._allocate_kv_cache(attention)
         self.runner = ModelRunner(model, kv_cache, self.block_size, attention)
+        if attention.compiles_kernels and self.device.type == "cuda":
+            self.warm_up(on_progress)
+            if not config.enforce_eager:
+                self.runner.capture_decode_graphs(config.max_num_seqs, self.max_model_len,
+                                                  on_progress or _no_progress)
         self.kv_cache = KVCacheManager(self.num_blocks, self.block_size,
                                        config.enable_prefix_caching,
                                        self._kv_tier(model, kv_cache), self.runner)
@@ -349,6 +356,26 @@ class Engine:
 
     # ---- set-up ---------------------------------------------------------------------
 
+    def warm_up(self, on_progress: ProgressHook | None = None) -> None:
+        """Compile every kernel variant this configuration can reach before serving, so none
+        compiles mid-chat (a pause of a second or more each on a GPU).
+
+        The Triton kernels take the split count and the sliding window at run time, so a
+        launch's variant depends only on its kind (decode or prefill) and on whether a
+        split merge runs; two steps reach them all: the largest prefill the token budget
+        allows, and one decode at the longest context (split when a GPU would split it).
+        """
+        report = on_progress or _no_progress
+        longest, budget = self.max_model_len, min(self.config.max_num_batched_tokens,
+                                                  self.max_model_len)
+        steps = [([budget], [budget]), ([1], [longest])]
+        report("compiling kernels", 0, len(steps))
+        for done, (query_lens, seq_lens) in enumerate(steps, 1):
+            self.runner.run_dummy_step(query_lens, seq_lens)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            report("compiling kernels", done, len(steps))
+
     def _attention(self, model: ModelConfig) -> AttentionBackend:
         """Triton kernels on CUDA when triton imports ("auto"), else the torch reference.
 
@@ -433,37 +460,68 @@ class Engine:
     def _cuda_kv_budget(self, model: LlamaForCausalLM, attention: AttentionBackend,
                         model_len: int) -> int:
         """Profile the largest step this config allows (a full token budget of prefill, logits
-        for max_num_seqs rows) against a scratch cache; the pool gets what is left of
-        `gpu_memory_utilization` of the card after that peak, counting this process only."""
+        for max_num_seqs rows, then the sampler at its worst over them) against a scratch
+        cache; the pool gets what `kv_budget` leaves of the card after that."""
         tokens = min(self.config.max_num_batched_tokens, model_len)
         blocks = -(-tokens // self.block_size)
         scratch = torch.zeros((self.model_config.num_layers, 2,
                                *attention.kv_cache_shape(blocks, self.block_size)),
                               dtype=self.dtype, device=self.device)
-        positions = torch.arange(tokens, device=self.device)
         model.build_rope_tables(tokens)
-        meta = AttentionMetadata(
-            slot_mapping=positions, block_size=self.block_size, num_decodes=0,
-            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=self.device),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=self.device)[None],
-            query_start_loc_list=[0, tokens], seq_lens_list=[tokens])
+        meta = AttentionMetadata.build([tokens], [tokens], [list(range(blocks))], self.block_size,
+                                       self.device)
         rows = torch.arange(min(self.config.max_num_seqs, tokens), device=self.device)
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         with torch.inference_mode():
-            model(torch.zeros_like(positions), positions, scratch, meta, attention, rows)
+            logits = model(torch.zeros_like(meta.positions), meta.positions, scratch, meta,
+                           attention, rows)
+            sample(torch.zeros_like(logits), _worst_case_sampling(len(rows), logits.shape[-1],
+                                                                  self.device))
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - scratch.nbytes
-        del scratch
+        step_peak = torch.cuda.max_memory_allocated(self.device) - before
+        del scratch, meta, logits
         torch.cuda.empty_cache()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        budget = int(total * self.config.gpu_memory_utilization) - peak
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = kv_budget(total, free, step_peak, self.config.gpu_memory_utilization)
         if budget <= 0:
             raise PagedChatError(
                 f"gpu_memory_utilization={self.config.gpu_memory_utilization} leaves no room for "
-                f"the KV cache: the weights and a {tokens}-token step take {peak / 2**30:.1f} GiB; "
-                "raise it, or lower max_num_batched_tokens")
+                f"the KV cache: {(total - free) / 2**30:.1f} GiB of the card are in use (weights, "
+                f"CUDA context, other processes) and a {tokens}-token step takes "
+                f"{step_peak / 2**30:.1f} GiB more; raise it, or lower max_num_batched_tokens "
+                "or max_num_seqs")
         return budget
+
+
+# Kept free for the allocator's fragmentation and what the profile does not see (cuBLAS
+# workspaces, Triton's loaded modules, a CUDA graph pool): a share of the card.
+_FRAGMENTATION_SLACK = 0.03
+
+
+def kv_budget(total: int, free: int, step_peak: int, utilization: float) -> int:
+    """Bytes for the KV pool on a card of `total` bytes with `free` free now (so the weights,
+    the CUDA context and other processes' memory are counted, not only this process's
+    tensors), when a step needs `step_peak` bytes beyond that at its worst, and the process
+    may use `utilization` of the card in all."""
+    assert 0 < utilization < 1
+    in_use = total - free
+    return int(total * utilization) - in_use - step_peak - int(total * _FRAGMENTATION_SLACK)
+
+
+def _worst_case_sampling(rows: int, vocab_size: int, device: torch.device) -> SamplingBatch:
+    """Every filter and penalty on for every row, so `sample` makes all its [rows, vocab]
+    buffers; with uniform logits top-p's nucleus spans the vocabulary (its largest sort)."""
+    params = SamplingParams(temperature=0.7, top_p=0.95, top_k=vocab_size // 2, min_p=1e-9,
+                            repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1)
+    return SamplingBatch.build(params=[params] * rows, seeds=list(range(rows)),
+                               output_indices=[1] * rows, token_histories=[[0, 1]] * rows,
+                               prompt_lens=[1] * rows, vocab_size=vocab_size, device=device)
+
+
+def _no_progress(stage: str, done: int, total: int) -> None:
+    """A ProgressHook that hears nothing."""
 
 
 @contextmanager

@@ -1,10 +1,11 @@
 """ModelRunner: turns a scheduled step into flat batch tensors, runs the model, samples.
 
 The KV cache is one preallocated tensor `[layers, 2, *attention.kv_cache_shape(...)]`
-(keys and values of every layer, in the attention backend's layout); the runner owns it. Per step it builds, on the host and in one transfer:
-token ids, positions, slot mapping, query offsets, context lengths and block tables; the
-model computes logits only for the rows that sample (the last token of each sequence
-whose known tokens are all computed after this step).
+(keys and values of every layer, in the attention backend's layout); the runner owns it.
+Per step it builds, on the host with numpy and sent in one copy (`AttentionMetadata.build`):
+token ids, positions, slot mapping, query offsets, context lengths, block tables and the
+rows to compute logits for: the model computes them only for the rows that sample (the
+last token of each sequence whose known tokens are all computed after this step).
 
 Sampling faults stay with their request: a row whose logits are not finite, or a batch
 whose sampling raises, yields an exception in that row's place (the batch is then sampled
@@ -15,30 +16,31 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.backend import AttentionBackend
+from paged_chat.engine.attention.metadata import AttentionMetadata, StagingBuffer
 from paged_chat.engine.models.llama import LlamaForCausalLM
+from paged_chat.engine.models.loader import ProgressHook
 from paged_chat.engine.sampler import SamplingBatch, sample
 from paged_chat.engine.scheduler import ScheduledRequest
 
 
-def pad_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
-    """The tables as one int32 `[num_seqs, longest]` tensor, rows padded with block 0.
-
-    Built flat (one pass over all ids, one masked store) rather than from padded row lists:
-    at batch 256 with 2k-token contexts that is ~30k ids per step.
-    """
-    lengths = np.fromiter(map(len, block_tables), dtype=np.int64, count=len(block_tables))
-    padded = np.zeros((len(block_tables), int(lengths.max())), dtype=np.int32)
-    padded[np.arange(padded.shape[1]) < lengths[:, None]] = np.fromiter(
-        itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(lengths.sum()))
-    return torch.from_numpy(padded)
+# Batch sizes a decode step's CUDA graph is captured for (plus max_num_seqs); a step runs in
+# the smallest that holds it.
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+@dataclass(slots=True)
+class _DecodeGraph:
+    """A captured decode step: `meta`'s tensors are its inputs, `logits` its output."""
+
+    graph: torch.cuda.CUDAGraph
+    meta: AttentionMetadata
+    logits: torch.Tensor
 # The cache is [layers, 2, kv_heads, blocks, block_size, head_dim] (AttentionBackend.kv_cache_shape).
 _BLOCK_AXIS = 3
 
@@ -56,6 +58,10 @@ class ModelRunner:
         self.attention = attention
         self.device = kv_cache.device
         self.last_forward_s = 0.0
+        self._staging = StagingBuffer(self.device)
+        self._graphs: dict[int, _DecodeGraph] = {}
+        self._graph_width = 0
+        self._graph_staging: StagingBuffer | None = None
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest],
@@ -66,14 +72,16 @@ class ModelRunner:
         `scheduled` must list single-token items first (the scheduler sorts it so). An
         exception from the forward propagates: it concerns the whole batch.
         """
-        input_ids, positions, meta = self._prepare(scheduled, block_tables)
         samplers = [item for item in scheduled if item.samples]
-        ends = torch.tensor(meta.query_start_loc_list[1:])
-        sample_mask = torch.tensor([item.samples for item in scheduled])
-        logits_indices = (ends[sample_mask] - 1).to(self.device)
         started = time.perf_counter()
-        logits = self.model(input_ids, positions, self.kv_cache, meta, self.attention,
-                            logits_indices)
+        graph_batch = self._graph_batch(scheduled)
+        if graph_batch is None:
+            meta = self._prepare(scheduled, block_tables)
+            input_ids, logits_indices = meta.extra
+            logits = self.model(input_ids, meta.positions, self.kv_cache, meta, self.attention,
+                                logits_indices)
+        else:
+            logits = self._replay(graph_batch, scheduled, block_tables)
         self.last_forward_s = time.perf_counter() - started
         if not samplers:
             return []
@@ -83,6 +91,90 @@ class ModelRunner:
             return [self._sample_row(logits[row:row + 1], item)
                     for row, item in enumerate(samplers)]
 
+    @torch.inference_mode()
+    def run_dummy_step(self, query_lens: list[int], seq_lens: list[int]) -> None:
+        """A forward over made-up tokens, no sampling: what warm-up and profiling run. Its
+        K/V go to blocks 0, 1, 2... of the pool, which holds nothing yet: every block is
+        written by the request that owns it before anything reads it."""
+        num_blocks = self.kv_cache.shape[_BLOCK_AXIS]
+        tables = [[block % num_blocks for block in range(-(-length // self.block_size))]
+                  for length in seq_lens]
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size,
+                                       self.device, staging=self._staging)
+        self.model(torch.zeros_like(meta.positions), meta.positions, self.kv_cache, meta,
+                   self.attention, meta.query_start_loc[1:].long() - 1)
+
+    # ---- CUDA graphs of decode steps -------------------------------------------------
+
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int,
+                              on_progress: ProgressHook) -> None:
+        """Capture one CUDA graph of a whole decode step (every layer, logits of every row) per
+        batch-size bucket up to `max_batch`, largest first, in one shared memory pool.
+
+        A graph replays fixed kernels on fixed addresses: its inputs are the views of a
+        staging buffer of its own (`_graph_meta` lays a bucket's arrays out the same way at
+        every step, the tables `ceil(max_model_len / block_size)` wide, the batch padded
+        with decodes that store nothing), and its splits are planned for `max_model_len`.
+        Only the Triton backend qualifies (its launches read lengths on the device; the
+        torch backend reads them on the host). Not yet run on a GPU: off by default
+        (`EngineConfig.enforce_eager`).
+        """
+        assert self.device.type == "cuda" and self.attention.compiles_kernels
+        self._graph_width = -(-max_model_len // self.block_size)
+        self._graph_staging = StagingBuffer(self.device)
+        buckets = sorted({b for b in GRAPH_BATCH_SIZES if b < max_batch} | {max_batch},
+                         reverse=True)
+        pool = torch.cuda.graph_pool_handle()
+        for done, batch in enumerate(buckets):
+            on_progress("capturing CUDA graphs", done, len(buckets))
+            meta = self._graph_meta(batch, [], [], [])
+            self.attention.plan_graph(meta, self.kv_cache, max_model_len)
+            input_ids, logits_indices = meta.extra
+            with torch.inference_mode():
+                # An eager run first: lazy initialisation (cuBLAS handles, the split
+                # workspace, which the graph then reuses) must not happen during capture.
+                self.model(input_ids, meta.positions, self.kv_cache, meta, self.attention,
+                           logits_indices)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self.model(input_ids, meta.positions, self.kv_cache, meta,
+                                        self.attention, logits_indices)
+            self._graphs[batch] = _DecodeGraph(graph, meta, logits)
+        on_progress("capturing CUDA graphs", len(buckets), len(buckets))
+
+    def _graph_batch(self, scheduled: list[ScheduledRequest]) -> int | None:
+        """The captured bucket this step replays in: every item a single token, and few enough."""
+        if not self._graphs or len(scheduled) > max(self._graphs) or any(
+                item.num_new_tokens != 1 for item in scheduled):
+            return None
+        return min(batch for batch in self._graphs if batch >= len(scheduled))
+
+    def _graph_meta(self, batch: int, seq_lens: list[int], block_tables: list[list[int]],
+                    token_ids: list[int]) -> AttentionMetadata:
+        """A decode step's inputs in bucket `batch`'s fixed layout of the graph staging buffer."""
+        tokens = np.zeros(batch, dtype=np.int64)
+        tokens[:len(token_ids)] = token_ids
+        return AttentionMetadata.build(
+            [1] * len(seq_lens), seq_lens, block_tables, self.block_size, self.device,
+            table_width=self._graph_width, pad_to=batch,
+            extra=(tokens, np.arange(batch, dtype=np.int64)), staging=self._graph_staging)
+
+    def _replay(self, batch: int, scheduled: list[ScheduledRequest],
+                block_tables: list[list[int]]) -> torch.Tensor:
+        """Logits of the sampling rows of a decode step, by replaying its bucket's graph."""
+        captured = self._graphs[batch]
+        requests = [item.request for item in scheduled]
+        meta = self._graph_meta(batch, [r.num_computed_tokens + 1 for r in requests],
+                                block_tables,
+                                [r.all_token_ids[r.num_computed_tokens] for r in requests])
+        assert meta.block_tables.data_ptr() == captured.meta.block_tables.data_ptr(), \
+            "a graph's inputs moved: the staging buffer grew after capture"
+        captured.graph.replay()
+        samples = [row for row, item in enumerate(scheduled) if item.samples]
+        if len(samples) == len(scheduled):
+            return captured.logits[:len(samples)]
+        return captured.logits[torch.tensor(samples, device=self.device)]
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of whole blocks' KV on the CPU, [blocks, layers, 2, kv_heads, block_size,
         head_dim], that no later step touches (a KV tier keeps it)."""
@@ -117,35 +209,22 @@ class ModelRunner:
                 if token < 0 else token for token in torch.where(bad, -1, tokens).tolist()]
 
     def _prepare(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                 ) -> AttentionMetadata:
+        """The step's metadata, its token ids and logits rows (`meta.extra`) on the device,
+        built with numpy on the host and sent in one copy through the runner's staging
+        buffer (whose device side, block tables included, is rewritten in place)."""
         starts = [item.request.num_computed_tokens for item in scheduled]
         counts = [item.num_new_tokens for item in scheduled]
-        token_ids = list(itertools.chain.from_iterable(
+        token_ids = np.fromiter(itertools.chain.from_iterable(
             item.request.all_token_ids[start:start + count]
-            for item, start, count in zip(scheduled, starts, counts)))
-        query_start_loc = [0, *itertools.accumulate(counts)]
-        seq_lens = [start + count for start, count in zip(starts, counts)]
-
-        counts_t = torch.tensor(counts)
-        seq_index = torch.repeat_interleave(torch.arange(len(scheduled)), counts_t)
-        offsets = torch.repeat_interleave(torch.tensor(starts) - torch.tensor(query_start_loc[:-1]),
-                                          counts_t)
-        positions = torch.arange(len(token_ids)) + offsets
-        tables = pad_block_tables(block_tables)
-        slots = (tables[seq_index, positions // self.block_size].long() * self.block_size
-                 + positions % self.block_size)
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(self.device),
-            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=self.device),
-            block_tables=tables.to(self.device),
-            num_decodes=sum(1 for count in counts if count == 1),
-            query_start_loc_list=query_start_loc,
-            seq_lens_list=seq_lens,
-            block_size=self.block_size,
-        )
-        input_ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        return input_ids, positions.to(self.device), meta
+            for item, start, count in zip(scheduled, starts, counts)), dtype=np.int64)
+        samples = np.fromiter((item.samples for item in scheduled), dtype=bool,
+                              count=len(scheduled))
+        logits_indices = np.cumsum(counts)[samples] - 1
+        return AttentionMetadata.build(
+            counts, [start + count for start, count in zip(starts, counts)], block_tables,
+            self.block_size, self.device, extra=(token_ids, logits_indices),
+            staging=self._staging)
 
     def _sampling_batch(self, samplers: list[ScheduledRequest], vocab_size: int) -> SamplingBatch:
         requests = [item.request for item in samplers]
