@@ -272,12 +272,24 @@ def bench(ctx: typer.Context,
           json_path: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
           plot_path: Annotated[Path | None, typer.Option("--plot", help="Draw a PNG here.")] = None,
           seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
+          tui: Annotated[int, typer.Option(
+              "--tui", min=0, help="Instead: the app headless with N streaming tabs vs the engine "
+                                   "alone (replies of --max-output tokens), and a UI profile.")] = 0,
           ) -> None:
     """Run one seeded chat workload through paged-chat and the Hugging Face baselines, side
     by side in one process, and print absolute figures and ratios."""
     from paged_chat.bench import BenchOptions, format_report, plot, run_bench, write_json
 
     with _reported(ctx):
+        if tui:
+            from paged_chat.bench.tui import TuiBenchOptions, format_tui_report, run_tui_bench
+            report = run_tui_bench(TuiBenchOptions(model=model, tabs=tui, max_tokens=max_output,
+                                                   dtype=dtype, seed=seed, threads=threads),
+                                   log=lambda line: typer.echo(line, err=True))
+            typer.echo(format_tui_report(report))
+            if json_path is not None:
+                Path(json_path).write_text(json.dumps(report, indent=2))
+            return
         sizes = (dict(num_chats=8, min_output=16, max_output=48) if quick else
                  dict(num_chats=chats, min_output=min_output, max_output=max_output))
         if sizes["min_output"] > sizes["max_output"]:
