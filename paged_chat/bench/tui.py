@@ -27,6 +27,7 @@ from paged_chat.chat import Conversation
 from paged_chat.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
 from paged_chat.settings import ChatSettings, Settings
 from paged_chat.store import ChatStore
+from paged_chat.tui.threads import leave_the_ui_a_core
 
 PROFILE_TOP = 12        # functions listed by own time
 AREAS = {               # where a profiled function's file lies -> what it is part of
@@ -153,12 +154,12 @@ def run_tui_bench(options: TuiBenchOptions, log: Callable[[str], None] = print) 
     log(f"tui: {options.tabs} tabs x {options.max_tokens} tokens, engine alone ...")
     alone = run_engine_alone(engine, chats, params)
     log("tui: the app, headless ...")
-    torch.set_num_threads(options.threads)  # the app may leave its UI thread a core
+    app_threads = leave_the_ui_a_core()  # as the app does for the engine it loads
     app = run_app(engine, chats, params, options.size)
     log("tui: the app under cProfile (its UI thread) ...")
     profile = cProfile.Profile()
     profiled = run_app(engine, chats, params, options.size, profile)
-    return {"options": asdict(options), "engine_alone": alone, "app": app,
+    return {"options": asdict(options), "app_threads": app_threads, "engine_alone": alone, "app": app,
             "app_vs_engine": app["output_tokens_per_s"] / alone["output_tokens_per_s"],
             "profiled_app": profiled, "profile": profile_summary(profile, profiled["wall_s"])}
 
@@ -167,7 +168,8 @@ def format_tui_report(report: dict) -> str:
     alone, app, profile = report["engine_alone"], report["app"], report["profile"]
     lines = [f"tui: engine alone {alone['output_tokens_per_s']:.1f} tok/s, app "
              f"{app['output_tokens_per_s']:.1f} tok/s ({100 * report['app_vs_engine']:.0f}% of the "
-             f"engine alone; {report['options']['tabs']} tabs, {alone['output_tokens']} tokens each run)",
+             f"engine alone; {report['options']['tabs']} tabs, {alone['output_tokens']} tokens each run; "
+             f"torch threads {report['options']['threads']} alone, {report['app_threads']} in the app)",
              f"tui: UI thread busy {profile['ui_busy_per_s']:.2f} s per s of streaming (profiled run "
              f"{report['profiled_app']['output_tokens_per_s']:.1f} tok/s): " + ", ".join(
                  f"{area} {share:.2f}" for area, share in profile["areas_per_s"].items())]

@@ -33,6 +33,7 @@ from paged_chat.tui.actions import ACTIONS, ChatActions, StoredChats, make_bindi
 from paged_chat.tui.chat_tab import ChatTab
 from paged_chat.tui.engine_panel import EnginePanel, TabInfo
 from paged_chat.tui.open_tabs import OpenTabs
+from paged_chat.tui.threads import leave_the_ui_a_core
 
 if TYPE_CHECKING:
     from paged_chat.engine import EngineClient, EngineConfig, SamplingParams
@@ -162,6 +163,7 @@ class PagedChatApp(ChatActions, App):
         from paged_chat.engine import AsyncEngine
 
         started = time.monotonic()
+        leave_the_ui_a_core()
         try:
             engine = AsyncEngine.from_config(self.engine_config)
         except BaseException as error:  # shown in the status line and in any waiting tab
