@@ -278,7 +278,8 @@ def bench(ctx: typer.Context,
           ) -> None:
     """Run one seeded chat workload through paged-chat and the Hugging Face baselines, side
     by side in one process, and print absolute figures and ratios."""
-    from paged_chat.bench import BenchOptions, format_report, plot, run_bench, write_json
+    from paged_chat.bench import BenchOptions, run_bench
+    from paged_chat.bench.report import format_report, plot, write_json
 
     with _reported(ctx):
         if tui:

@@ -53,7 +53,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from paged_chat.engine.errors import PagedChatError
 from paged_chat.settings import data_dir, make_private

@@ -23,6 +23,12 @@ def smollm2_source():
 
 
 @pytest.fixture(scope="session")
+def tokenizer(smollm2_source):
+    """The default model's tokenizer (a real, full-vocabulary one)."""
+    return smollm2_source.tokenizer
+
+
+@pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smollm2_source) -> Path:
     folder = tmp_path_factory.mktemp("tiny-llama")
     build_tiny_model("llama", folder)

@@ -159,11 +159,6 @@ def stop_strings(text: str, data: st.DataObject) -> list[str]:
     return stop
 
 
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_source):
-    return smollm2_source.tokenizer
-
-
 # ids a fuzzer can build hard cases from: byte fragments of multi-byte characters, special
 # tokens, spaces, escapes, ordinary words
 INTERESTING_IDS = st.sampled_from([0, 2, 17, 30, 201, 212, 75, 34, 58, 141, 216, 229, 242,

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from paged_chat.bench import BenchOptions, format_report, run_bench, write_json
+from paged_chat.bench import BenchOptions, run_bench
+from paged_chat.bench.report import format_report, write_json
 
 
 @pytest.fixture(scope="module")

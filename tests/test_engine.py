@@ -8,7 +8,7 @@ import torch
 from transformers import GenerationConfig
 
 from engine_helpers import holders_of, owners_of
-from paged_chat.engine import Engine, EngineConfig, SamplingParams
+from paged_chat.engine import EngineConfig, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 # The reference's counterpart of ignore_eos: no end token at all (min_new_tokens would

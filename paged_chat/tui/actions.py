@@ -1,7 +1,8 @@
 """The app's actions: each has a key (rebindable in `[tui.keys]`) and a palette entry.
 
 `ChatActions` is mixed into the app; it acts on the active tab through the tab's own
-methods and the app's tab management (`open_chat_tab`, `close_tab`), nothing deeper.
+methods and the app's tab management (`open_new_chat`, `open_session_tab`, `close_tab`,
+`cycle_tabs`), nothing deeper.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from textual.screen import Screen
 from paged_chat.tui.dialogs import ChatSettingsScreen, ConfirmScreen, HelpScreen, TextPromptScreen
 
 if TYPE_CHECKING:
-    from paged_chat.tui.app import PagedChatApp
     from paged_chat.tui.chat_tab import ChatTab
 
 # (action, default keys, footer label, description, priority): every action also has a
@@ -55,7 +55,7 @@ class StoredChats(Provider):
     """Palette: reopen a chat from the store that has no open tab."""
 
     async def search(self, query: str) -> Hits:
-        app: PagedChatApp = self.app  # type: ignore[assignment]
+        app = self.app
         matcher = self.matcher(query)
         for chat in app.closed_chats():
             text = f"Open chat: {chat.title}"
@@ -65,25 +65,26 @@ class StoredChats(Provider):
                           help=f"last used {time.strftime('%Y-%m-%d %H:%M', time.localtime(chat.updated))}")
 
     async def discover(self) -> Hits:
-        app: PagedChatApp = self.app  # type: ignore[assignment]
+        app = self.app
         for chat in app.closed_chats()[:20]:
             yield DiscoveryHit(f"Open chat: {chat.title}", partial(app.open_stored_chat, chat.id))
 
 
 class ChatActions:
-    """The action_* methods of PagedChatApp, and what the palette and help list of them."""
+    """The action_* methods of the app (mixed into PagedChatApp, whose tab management they
+    call), and what the palette and help list of them."""
 
-    def _need_tab(self: PagedChatApp) -> ChatTab | None:
+    def _need_tab(self) -> ChatTab | None:
         tab = self.active_tab
         if tab is None:
             self.notify("no chat is open", severity="warning", markup=False)
         return tab
 
-    async def action_new_chat(self: PagedChatApp) -> None:
+    async def action_new_chat(self) -> None:
         await self.open_new_chat()
 
     @work(group="dialog")
-    async def action_close_chat(self: PagedChatApp) -> None:
+    async def action_close_chat(self) -> None:
         tab = self._need_tab()
         if tab is None:
             return
@@ -92,14 +93,14 @@ class ChatActions:
             return
         await self.close_tab(tab)
 
-    def action_next_chat(self: PagedChatApp) -> None:
+    def action_next_chat(self) -> None:
         self.cycle_tabs(+1)
 
-    def action_prev_chat(self: PagedChatApp) -> None:
+    def action_prev_chat(self) -> None:
         self.cycle_tabs(-1)
 
     @work(group="dialog")
-    async def action_rename_chat(self: PagedChatApp) -> None:
+    async def action_rename_chat(self) -> None:
         tab = self._need_tab()
         if tab is None:
             return
@@ -107,7 +108,7 @@ class ChatActions:
         if title:
             tab.set_title(title)
 
-    async def action_fork_chat(self: PagedChatApp) -> None:
+    async def action_fork_chat(self) -> None:
         tab = self._need_tab()
         if tab is None:
             return
@@ -122,7 +123,7 @@ class ChatActions:
                     markup=False)
 
     @work(group="dialog")
-    async def action_chat_settings(self: PagedChatApp) -> None:
+    async def action_chat_settings(self) -> None:
         tab = self._need_tab()
         if tab is None:
             return
@@ -133,18 +134,18 @@ class ChatActions:
         if result is not None:
             tab.apply_settings(*result)
 
-    def action_stop(self: PagedChatApp) -> None:
+    def action_stop(self) -> None:
         tab = self.active_tab
         if tab is not None:
             self.pause_demo(tab)
             tab.stop()
 
-    def action_regenerate(self: PagedChatApp) -> None:
+    def action_regenerate(self) -> None:
         tab = self._need_tab()
         if tab is not None:
             tab.regenerate()
 
-    def action_copy_reply(self: PagedChatApp) -> None:
+    def action_copy_reply(self) -> None:
         tab = self._need_tab()
         text = tab.last_reply() if tab else None
         if not text:
@@ -153,7 +154,7 @@ class ChatActions:
         self.copy_to_clipboard(text)
         self.notify(f"copied the last reply ({len(text)} characters)", markup=False)
 
-    def action_copy_code(self: PagedChatApp, index: int = -1) -> None:
+    def action_copy_code(self, index: int = -1) -> None:
         tab = self._need_tab()
         blocks = tab.code_blocks() if tab else []
         if not blocks:
@@ -163,7 +164,7 @@ class ChatActions:
         self.notify(f"copied a code block ({len(blocks[index].splitlines())} lines)", markup=False)
 
     @work(group="dialog")
-    async def action_broadcast(self: PagedChatApp) -> None:
+    async def action_broadcast(self) -> None:
         tab = self.active_tab
         text = tab.prompt.text.strip() if tab else ""
         if not text:
@@ -178,16 +179,16 @@ class ChatActions:
         self.notify(f"sent to {len(sent)} tabs" + (f" ({busy} busy, skipped)" if busy else ""),
                     markup=False)
 
-    def action_toggle_panel(self: PagedChatApp) -> None:
+    def action_toggle_panel(self) -> None:
         self.panel.toggle_class("collapsed")
 
-    def action_help(self: PagedChatApp) -> None:
+    def action_help(self) -> None:
         if isinstance(self.screen, HelpScreen):
             return
         self.push_screen(HelpScreen(self.key_help()))
 
     @work(group="dialog")
-    async def action_delete_chat(self: PagedChatApp) -> None:
+    async def action_delete_chat(self) -> None:
         tab = self._need_tab()
         if tab is None:
             return
@@ -198,7 +199,7 @@ class ChatActions:
         await self.close_tab(tab)
         self.store.delete_chat(chat_id)
 
-    def key_help(self: PagedChatApp) -> list[tuple[str, str]]:
+    def key_help(self) -> list[tuple[str, str]]:
         """(keys, description) per action, as currently bound (keymap applied)."""
         keymap = getattr(self, "_keymap", {})
         rows = []
@@ -211,8 +212,8 @@ class ChatActions:
                  ("ctrl+p", "Command palette (every action)"), ("ctrl+q", "Quit")]
         return rows
 
-    def get_system_commands(self: PagedChatApp, screen: Screen) -> Iterable[SystemCommand]:
-        yield from super().get_system_commands(screen)  # type: ignore[misc]
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
         for action, _, _, description, _ in ACTIONS:
             yield SystemCommand(description, f"action: {action}", partial(self.run_action, action))
         yield SystemCommand("Delete chat", DELETE_CHAT_HELP, partial(self.run_action, "delete_chat"))
