@@ -289,7 +289,7 @@ def bench(ctx: typer.Context,
                                    log=lambda line: typer.echo(line, err=True))
             typer.echo(format_tui_report(report))
             if json_path is not None:
-                Path(json_path).write_text(json.dumps(report, indent=2))
+                write_json(report, str(json_path))
             return
         sizes = (dict(num_chats=8, min_output=16, max_output=48) if quick else
                  dict(num_chats=chats, min_output=min_output, max_output=max_output))

@@ -3,8 +3,9 @@
 The same chats (the demo's tabs: their system prompts and first prompts, greedy, EOS
 ignored so both runs produce the same tokens) run three times on one engine, in one
 process: through the engine alone (`Engine.generate`), through the real app run headless
-(Textual's `run_test`) with one tab streaming each chat, and through the app again under
-cProfile. cProfile watches only the thread that enables it, here the app's event loop
+(Textual's `run_test`) with one tab streaming each chat while a key is typed into the
+shown tab's prompt every TYPE_EVERY_S (keypress-to-echo times), and through the app again
+under cProfile. cProfile watches only the thread that enables it, here the app's event loop
 (the UI thread), so its figures are where the UI's time goes; they are divided by the
 profiled run's streaming time (seconds of UI work per second of streaming). The prefix
 cache is reset before each run so none of them starts warm.
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from textual import events
+
 from paged_chat.chat import Conversation
 from paged_chat.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
 from paged_chat.settings import ChatSettings, Settings
@@ -30,6 +33,8 @@ from paged_chat.store import ChatStore
 from paged_chat.tui.threads import leave_the_ui_a_core
 
 PROFILE_TOP = 12        # functions listed by own time
+TYPE_EVERY_S = 0.1      # a fast typist's pace, for the keypress-to-echo samples
+ECHO_TIMEOUT_S = 5.0    # an echo slower than this counts as this
 AREAS = {               # where a profiled function's file lies -> what it is part of
     "markdown": ("textual/widgets/_markdown", "markdown_it", "paged_chat/tui/messages"),
     "engine panel": ("paged_chat/tui/engine_panel", "paged_chat/tui/block_map",
@@ -102,19 +107,42 @@ def run_app(engine: Engine, chats: list[tuple[str | None, str]], params: Samplin
             started = time.perf_counter()
             for tab, (_, prompt) in zip(tabs, chats):
                 tab.send(prompt)
+            echoes = await type_while_streaming(app, tabs) if profile is None else []
             while any(tab.streaming for tab in tabs):
                 await asyncio.sleep(0.02)
             wall = time.perf_counter() - started
             if profile is not None:
                 profile.disable()
             tokens = sum(len(tab.session.turn.token_ids) for tab in tabs)
-            return {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}
+            result = {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}
+            if echoes:
+                echoes.sort()
+                result |= {"keypress_echo_samples": len(echoes),
+                           "keypress_echo_median_ms": 1e3 * echoes[len(echoes) // 2],
+                           "keypress_echo_p95_ms": 1e3 * echoes[int(0.95 * (len(echoes) - 1))]}
+            return result
 
     try:
         return asyncio.run(drive())
     finally:
         client.shutdown()
         store.close()
+
+
+async def type_while_streaming(app, tabs: list) -> list[float]:
+    """Seconds from a key event reaching the app to its character being in the shown tab's
+    prompt, one key every TYPE_EVERY_S while at least half the tabs stream."""
+    prompt = app.active_tab.prompt
+    prompt.focus()
+    echoes = []
+    while sum(tab.streaming for tab in tabs) * 2 >= len(tabs):
+        before, started = prompt.text, time.perf_counter()
+        app.post_message(events.Key("x", "x"))
+        while prompt.text == before and time.perf_counter() - started < ECHO_TIMEOUT_S:
+            await asyncio.sleep(0.001)
+        echoes.append(time.perf_counter() - started)
+        await asyncio.sleep(TYPE_EVERY_S)
+    return echoes
 
 
 def profile_summary(profile: cProfile.Profile, streaming_s: float) -> dict:
@@ -173,6 +201,10 @@ def format_tui_report(report: dict) -> str:
              f"tui: UI thread busy {profile['ui_busy_per_s']:.2f} s per s of streaming (profiled run "
              f"{report['profiled_app']['output_tokens_per_s']:.1f} tok/s): " + ", ".join(
                  f"{area} {share:.2f}" for area, share in profile["areas_per_s"].items())]
+    if "keypress_echo_median_ms" in app:
+        lines.append(f"tui: keypress to echo while the tabs stream: median "
+                     f"{app['keypress_echo_median_ms']:.1f} ms, p95 {app['keypress_echo_p95_ms']:.1f} ms "
+                     f"({app['keypress_echo_samples']} keys)")
     lines += [f"  {row['own_per_s']:.3f} s/s own, {row['cumulative_per_s']:.3f} cum  {row['function']}"
               for row in profile["top"]]
     return "\n".join(lines)
