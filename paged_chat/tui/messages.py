@@ -112,13 +112,22 @@ class AssistantMessage(Vertical):
         if not fragment:
             return
         self._rendered_at = time.monotonic()
-        if len(self._chunk_text) >= CHUNK_CHARS and "\n\n" in fragment:
-            cut = fragment.index("\n\n") + 2
-            if not _inside_fence(self._chunk_text + fragment[:cut]):
-                await self._append(fragment[:cut])
-                await self._new_chunk()
-                fragment = fragment[cut:]
+        while (cut := self._chunk_end(fragment)) is not None:
+            await self._append(fragment[:cut])
+            await self._new_chunk()
+            fragment = fragment[cut:]
         await self._append(fragment)
+
+    def _chunk_end(self, fragment: str) -> int | None:
+        """Where `fragment` ends the current chunk: after its first paragraph break outside
+        a code fence that makes the chunk at least CHUNK_CHARS long; None if none does."""
+        search = max(0, CHUNK_CHARS - len(self._chunk_text) - 2)
+        while (found := fragment.find("\n\n", search)) != -1:
+            cut = found + 2
+            if not _inside_fence(self._chunk_text + fragment[:cut]):
+                return cut
+            search = cut
+        return None
 
     async def _append(self, fragment: str) -> None:
         if not fragment:
