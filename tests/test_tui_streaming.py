@@ -1,5 +1,6 @@
 """Streaming replies as the user sees them: what the reply's Markdown widgets show, compared
-with the reply the session stores, across tab switches (issue 15 item 1).
+with the reply the session stores, across tab switches (issue 15 item 1); and the engine
+panel's block map, which redraws only what changed.
 
 A random tiny model writes no poem with line breaks, and the bug needs one (a paragraph of
 several lines streaming while its tab is hidden), so the reply here comes from a client
@@ -13,13 +14,16 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
 
+import numpy as np
 from textual import events
 from textual.widgets.markdown import MarkdownBlock
 
 from paged_chat.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from paged_chat.engine.stats import BlockMap
 from paged_chat.settings import ChatSettings, Settings
 from paged_chat.store import ChatStore
 from paged_chat.tui.app import PagedChatApp
+from paged_chat.tui.block_map import TAB0, BlockMapView
 from paged_chat.tui.messages import AssistantMessage
 
 
@@ -126,3 +130,31 @@ async def test_a_reply_streamed_while_its_tab_was_hidden_shows_all_its_words(cha
         await wait_until(lambda: not tab.streaming)
         stored = app.store.get_chat(tab.chat_id).messages[-1].content
         assert stored.split() == expected == shown_words(reply)
+
+
+def _pool(held: list[int]) -> BlockMap:
+    ref = np.zeros(16, dtype=np.int32)
+    ref[held] = 1
+    return BlockMap.build(ref, np.zeros(16, dtype=bool), {"a/1": held}, {"a/1": "tab-a"})
+
+
+async def test_the_block_map_redraws_only_when_a_cell_changed():
+    from textual.app import App
+
+    view = BlockMapView()
+
+    class Host(App):
+        def compose(self):
+            yield view
+
+    async with Host().run_test() as pilot:
+        view.show(_pool([0, 1]), {"tab-a": 0})
+        await pilot.pause()
+        drawn = view._strips
+        assert drawn is not None
+        view.show(_pool([0, 1]), {"tab-a": 0})   # a new snapshot, the same cells
+        await pilot.pause()
+        assert view._strips is drawn
+        view.show(_pool([0, 1, 2]), {"tab-a": 0})
+        await pilot.pause()
+        assert view._strips is not drawn and view.codes[2] == TAB0

@@ -212,7 +212,7 @@ class PagedChatApp(ChatActions, App):
             if self.load_error is None:
                 self._update_status()
             return
-        if not self.screen.is_attached or not self.query(EnginePanel):
+        if not self.screen_stack or not self.screen.is_attached or not self.query(EnginePanel):
             return  # shutting down
         stats = self.engine.stats()
         if self._tab_infos is None:
