@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import cProfile
 import pstats
+import re
 import tempfile
 import time
 from collections.abc import Callable
@@ -165,11 +166,8 @@ def profile_summary(profile: cProfile.Profile, streaming_s: float) -> dict:
 
 
 def _short(path: str) -> str:
-    for anchor in ("site-packages/", "paged_chat/", "lib/python"):
-        if anchor in path:
-            return path[path.index(anchor) + len(anchor):] if anchor != "paged_chat/" \
-                else path[path.index(anchor):]
-    return path
+    """A profiled file's path from its package on."""
+    return re.sub(r"^.*/(?:site-packages/|python3\.\d+/|(?=paged_chat/))", "", path)
 
 
 def run_tui_bench(options: TuiBenchOptions, log: Callable[[str], None] = print) -> dict:
