@@ -150,15 +150,18 @@ def profile_summary(profile: cProfile.Profile, streaming_s: float) -> dict:
     """The UI thread's time per second of streaming: by area, and the top functions."""
     stats = pstats.Stats(profile)
     areas = dict.fromkeys([*AREAS, "other"], 0.0)
-    rows = []
+    idle, rows = 0.0, []
     for (path, line, name), (_, _, own, cumulative, _) in stats.stats.items():
+        if name.endswith("of 'select.epoll' objects>") or name.endswith("of 'select.select' objects>"):
+            idle += own  # the event loop waiting for something to do
+            continue
         where = path.replace("\\", "/")
         area = next((area for area, parts in AREAS.items() if any(p in where for p in parts)),
                     "other")
         areas[area] += own
         rows.append((own, cumulative, f"{_short(where)}:{line}({name})"))
     rows.sort(reverse=True)
-    return {"ui_busy_per_s": sum(areas.values()) / streaming_s,
+    return {"ui_busy_per_s": sum(areas.values()) / streaming_s, "ui_idle_per_s": idle / streaming_s,
             "areas_per_s": {area: own / streaming_s for area, own in areas.items()},
             "top": [{"function": where, "own_per_s": own / streaming_s,
                      "cumulative_per_s": cumulative / streaming_s}
@@ -196,7 +199,8 @@ def format_tui_report(report: dict) -> str:
              f"{app['output_tokens_per_s']:.1f} tok/s ({100 * report['app_vs_engine']:.0f}% of the "
              f"engine alone; {report['options']['tabs']} tabs, {alone['output_tokens']} tokens each run; "
              f"torch threads {report['options']['threads']} alone, {report['app_threads']} in the app)",
-             f"tui: UI thread busy {profile['ui_busy_per_s']:.2f} s per s of streaming (profiled run "
+             f"tui: UI thread busy {profile['ui_busy_per_s']:.2f} s, idle {profile['ui_idle_per_s']:.2f} s "
+             f"per s of streaming (profiled run "
              f"{report['profiled_app']['output_tokens_per_s']:.1f} tok/s): " + ", ".join(
                  f"{area} {share:.2f}" for area, share in profile["areas_per_s"].items())]
     if "keypress_echo_median_ms" in app:
