@@ -61,6 +61,8 @@ class AskOptions:
     chat_id: str | None = None
     save: bool = True
     file: TextIO | None = None
+    server: str | None = None       # an OpenAI-compatible server's URL instead of the engine
+    api_key: str | None = None
 
 
 @dataclass(slots=True)
@@ -178,15 +180,19 @@ class Answer:
         turn, timings = self.turn, self.turn.timings()
         return {**self.meta, "text": turn.text, "finish_reason": turn.finish_reason,
                 "error": turn.error, "prompt_tokens": len(turn.prompt_ids),
-                "cached_tokens": turn.num_cached_tokens, "completion_tokens": len(turn.token_ids),
+                "cached_tokens": turn.num_cached_tokens,
+                "tier_cached_tokens": turn.num_tier_cached_tokens,
+                "completion_tokens": len(turn.token_ids),
                 "timings": {"load_s": round(load_s, 3), "ttft_s": timings["ttft_s"],
                             "total_s": timings["total_s"], "tokens_per_s": timings["tokens_per_s"]}}
 
     def stats_line(self, load_s: float) -> str:
         turn, timings = self.turn, self.turn.timings()
         first = "no token" if timings["ttft_s"] is None else f"first token after {timings['ttft_s']:.2f} s"
-        return (f"{len(turn.prompt_ids)} prompt tokens ({turn.num_cached_tokens} from the prefix "
-                f"cache), {len(turn.token_ids)} generated, {first}, "
+        tier = (f" ({turn.num_tier_cached_tokens:,} read back from the KV tier)"
+                if turn.num_tier_cached_tokens else "")
+        return (f"{len(turn.prompt_ids):,} prompt tokens ({turn.num_cached_tokens:,} from the "
+                f"cache{tier}), {len(turn.token_ids)} generated, {first}, "
                 f"{timings['tokens_per_s']:.1f} tokens/s, model loaded in {load_s:.1f} s")
 
 
@@ -263,7 +269,7 @@ def _run_turn(options: AskOptions, settings: Settings, make_engine: EngineFactor
         engine_overrides = options.engine if chat is None else {**options.engine, "model": chat.model}
         config, params = _configure(settings, engine_overrides,
                                     {**(chat.sampling if chat else {}), **options.sampling})
-        engine, load_s = _load(make_engine, config)
+        client, load_s = _load(make_engine, config, options)
         system = options.system or settings.chat.system_prompt
         if options.save:
             chat = chat or store.create_chat(chat_title((options.prompt or "").strip() or user_text),
@@ -271,12 +277,12 @@ def _run_turn(options: AskOptions, settings: Settings, make_engine: EngineFactor
                                              chat_sampling(params))
             session = ChatSession(store, chat, on_warning=_warn)
         else:
-            info = engine.info
+            info = client.info
             conversation = (Conversation.from_chat(chat, info.tokenizer, info.chat_template)
                             if chat is not None else None)
             session = ChatSession(system_prompt=system, conversation=conversation)
         meta = {"model": config.model, "chat_id": session.chat_id}
-        return _answer(engine, [Answer(0, session, user_text, params, meta)], options, load_s)
+        return _answer(client, [Answer(0, session, user_text, params, meta)], options, load_s)
 
 
 def _run_batch(options: AskOptions, settings: Settings, make_engine: EngineFactory) -> int:
@@ -286,13 +292,13 @@ def _run_batch(options: AskOptions, settings: Settings, make_engine: EngineFacto
     prompts = read_prompt_file(options.file)
     config, params = _configure(settings, options.engine, options.sampling)
     with _warnings_to_stderr():
-        engine, load_s = _load(make_engine, config)
+        client, load_s = _load(make_engine, config, options)
         answers = [Answer(index, ChatSession(system_prompt=item.system or options.system
                                              or settings.chat.system_prompt),
                           item.prompt, params,
                           {"index": index, "prompt": item.prompt, "model": config.model})
                    for index, item in enumerate(prompts)]
-        return _answer(engine, answers, options, load_s)
+        return _answer(client, answers, options, load_s)
 
 
 def _configure(settings: Settings, engine: dict[str, Any], sampling: dict[str, Any]
@@ -305,11 +311,8 @@ def _configure(settings: Settings, engine: dict[str, Any], sampling: dict[str, A
         raise UsageError(str(exc)) from exc
 
 
-def _answer(engine: Engine, answers: list[Answer], options: AskOptions, load_s: float) -> int:
+def _answer(client: EngineClient, answers: list[Answer], options: AskOptions, load_s: float) -> int:
     """Stream every answer through the engine together; the exit status."""
-    from paged_chat.engine import AsyncEngine
-
-    client = AsyncEngine(engine)
     output = OrderedOutput(len(answers), options.json, sys.stdout)
     try:
         signals = asyncio.run(_stream_all(client, answers, output, load_s))
@@ -380,6 +383,24 @@ def _stop_signals(stop: Callable[[], None]) -> Iterator[list[int]]:
             loop.remove_signal_handler(signum)
 
 
+def load_progress() -> Callable[[str, int, int], None]:
+    """A one-line progress bar on stderr for a slow model load (a GGUF's first conversion),
+    redrawn at most ten times a second."""
+    drawn = {"at": 0.0, "stage": ""}
+
+    def show(stage: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if stage == drawn["stage"] and done < total and now - drawn["at"] < 0.1:
+            return
+        drawn.update(at=now, stage=stage)
+        filled = 30 * done // max(total, 1)
+        end = "\n" if done >= total else ""
+        sys.stderr.write(f"\r{stage} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}{end}")
+        sys.stderr.flush()
+
+    return show
+
+
 def _warn(message: str) -> None:
     _say(f"Warning: {message}")
 
@@ -419,13 +440,21 @@ def _same_model(a: str, b: str) -> bool:
     return a == b or Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
-def _load(make_engine: EngineFactory, config: EngineConfig) -> tuple[Engine, float]:
-    """The engine, and how long it took; says what is loading when stderr is a terminal."""
+def _load(make_engine: EngineFactory, config: EngineConfig, options: AskOptions
+          ) -> tuple[EngineClient, float]:
+    """The engine client (in-process, or the --server's), and how long it took; says what
+    is loading when stderr is a terminal."""
+    from paged_chat.engine import AsyncEngine
+    from paged_chat.remote import RemoteEngine
+
     started = time.perf_counter()
     if sys.stderr.isatty():
-        _say(f"loading {config.model} ...")
-    engine = make_engine(config)
-    return engine, time.perf_counter() - started
+        _say(f"loading {options.server or config.model} ...")
+    if options.server:
+        client = RemoteEngine(options.server, options.api_key, model=options.engine.get("model"))
+    else:
+        client = AsyncEngine(make_engine(config))
+    return client, time.perf_counter() - started
 
 
 def _print_stats(answers: list[Answer], load_s: float, preemptions: int) -> None:

@@ -1,8 +1,10 @@
-"""What `paged-chat models` lists: the model aliases, and the models already on this
-machine in the Hugging Face cache (GGUF files and HF folders), without the network.
+"""What `paged-chat models` lists: the model aliases, the models already on this machine
+in the Hugging Face cache (GGUF files and HF folders), without the network, and the GGUF
+weights paged-chat has converted and keeps in its own cache.
 
 Every entry's `name` is what `--model` takes. Nothing here raises on a strange cache: an
-unreadable file is listed as such, and cache problems come back as notes.
+unreadable file is listed as such, and cache problems come back as notes. A GGUF header is
+read with a bound on bytes (and so on time): a hostile file is marked, never looped on.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _SAFETENSORS_SUFFIX = ".safetensors"
+# A real header (the vocabulary included) is a few MB; more is not read.
+_GGUF_HEADER_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,13 +27,33 @@ class ModelEntry:
     status: str         # "ready", or what is missing and how to get it
 
 
-def find_models() -> tuple[list[ModelEntry], list[str]]:
-    """The aliases, then the usable models in the HF cache; and notes on the cache."""
+def find_models(cache_dir: Path | None = None) -> tuple[list[ModelEntry], list[str]]:
+    """The aliases, the usable models in the HF cache and in Ollama's and LM Studio's
+    stores, then the converted weights kept under `cache_dir` (the app's cache dir by
+    default); and notes on the caches and stores."""
     from paged_chat.engine.models.loader import MODEL_ALIASES
+    from paged_chat.settings import cache_dir as app_cache_dir
 
     entries = [_alias_entry(name) for name in MODEL_ALIASES]
     cached, notes = _hf_cache_entries()
-    return entries + cached, notes
+    stored, store_notes = _model_store_entries()
+    converted = _converted_entries((cache_dir or app_cache_dir()) / "weights")
+    return entries + cached + stored + converted, notes + store_notes
+
+
+def _converted_entries(root: Path) -> list[ModelEntry]:
+    """The GGUF conversions the engine keeps (most recently used first): their source file
+    is what --model takes, and loads from this copy in seconds."""
+    import time
+
+    from paged_chat.engine.models.weight_cache import CachedWeights, list_cached_weights
+
+    def status(entry: CachedWeights) -> str:
+        used = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.last_used))
+        return f"converted to {entry.dtype.lower()}, last used {used}"
+
+    return [ModelEntry(entry.source, "converted", _size(entry.size), entry.architecture,
+                       status(entry)) for entry in list_cached_weights(root)]
 
 
 def _alias_entry(name: str) -> ModelEntry:
@@ -75,15 +99,31 @@ def _hf_cache_entries() -> tuple[list[ModelEntry], list[str]]:
     return entries, notes
 
 
+def _model_store_entries() -> tuple[list[ModelEntry], list[str]]:
+    """The GGUF models of Ollama and LM Studio (paged_chat.model_stores), by the names
+    --model takes for them."""
+    from paged_chat.model_stores import find_stored_models
+
+    models, notes = find_stored_models()
+    entries = []
+    for model in models:
+        architecture = _gguf_architecture(model.path)
+        entries.append(ModelEntry(model.spec, model.store, _size(model.path.stat().st_size),
+                                  architecture, _status(architecture, gguf=True)))
+    return entries, notes
+
+
 def _gguf_architecture(path: Path) -> str:
-    """general.architecture from the GGUF header (memory-mapped: no weights are read)."""
-    import gguf
+    """general.architecture from the GGUF header, which is checked whole (every count
+    against the file) within a byte bound; no weights are read."""
+    from paged_chat.engine.errors import ModelLoadError
+    from paged_chat.engine.models.gguf_header import read_gguf_header
 
     try:
-        field = gguf.GGUFReader(path).get_field("general.architecture")
-    except (OSError, ValueError, IndexError, OverflowError):
+        architecture = read_gguf_header(path, _GGUF_HEADER_BYTES).metadata.get("general.architecture")
+    except (ModelLoadError, OSError):
         return "unreadable"
-    return str(field.contents()) if field is not None else "unknown"
+    return str(architecture) if architecture is not None else "unknown"
 
 
 def _model_type(config_file: Path) -> str:

@@ -1,5 +1,5 @@
-"""The `paged-chat` command line: the TUI (bare command), `ask`, `models`, `chats`, `config`,
-`bench`.
+"""The `paged-chat` command line: the TUI (bare command), `ask`, `chat`, `models`, `chats`,
+`config`, `bench`, `cache`.
 
 Only typer and the settings module are imported up front; torch, transformers, textual
 and the store load inside the commands that need them, so `--help` and `--version` start
@@ -42,6 +42,10 @@ app = typer.Typer(name="paged-chat", add_completion=False, pretty_exceptions_ena
                   context_settings={"help_option_names": ["-h", "--help"]})
 chats_app = typer.Typer()
 app.add_typer(chats_app, name="chats")
+cache_app = typer.Typer(help="The engine's disk cache (the KV tier: chat histories' KV).")
+app.add_typer(cache_app, name="cache")
+MODEL_HELP = ("Alias, .gguf file, HF folder, cached hub id, ollama:NAME(:TAG) or "
+              "lmstudio:PUBLISHER/REPO(/FILE).")
 
 
 @dataclass(slots=True)
@@ -63,9 +67,10 @@ class CliState:
     def make_engine(self, config: EngineConfig) -> Engine:
         if self.engine_factory is not None:
             return self.engine_factory(config)
+        from paged_chat.ask import load_progress
         from paged_chat.engine import Engine
 
-        return Engine(config)
+        return Engine(config, on_progress=load_progress() if sys.stderr.isatty() else None)
 
 
 def _state(ctx: typer.Context) -> CliState:
@@ -125,6 +130,13 @@ def root(ctx: typer.Context,
              "--config", exists=True, dir_okay=False,
              help="The config.toml to read (default: $PAGED_CHAT_CONFIG, else the user config dir).")
          ] = None,
+         serve: Annotated[int | None, typer.Option(
+             "--serve", min=0, max=65535, metavar="PORT",
+             help="Also serve the OpenAI-compatible API on 127.0.0.1:PORT (e.g. 8000) on the "
+                  "engine the TUI shows.")] = None,
+         server: Annotated[str | None, typer.Option(
+             "--server", metavar="URL", help="Chat on this OpenAI-compatible server (vLLM, "
+                                             "another paged-chat...) instead of the local engine.")] = None,
          debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
          version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                                help="Print the version and exit.")] = False,
@@ -138,8 +150,9 @@ def root(ctx: typer.Context,
     state.debug = debug
     state.config = config
     if ctx.invoked_subcommand is not None:
-        if demo is not None:
-            raise typer.BadParameter("it opens the TUI, so it takes no command", param_hint="--demo")
+        for name, value in (("--demo", demo), ("--serve", serve), ("--server", server)):
+            if value is not None:
+                raise typer.BadParameter("it opens the TUI, so it takes no command", param_hint=name)
         return
     if not _has_terminal():
         typer.echo("Error: the chat TUI needs a terminal; in pipes and scripts use "
@@ -148,7 +161,11 @@ def root(ctx: typer.Context,
     with _reported(ctx):
         from paged_chat.tui.app import run_app
 
-        run_app(state.settings(), demo)
+        settings = state.settings()
+        if serve is not None and (server or settings.server.url):
+            raise typer.BadParameter("--serve serves the local engine; it cannot with --server",
+                                     param_hint="--serve")
+        run_app(settings, demo, serve_port=serve, server=server or settings.server.url)
 
 
 def _has_terminal() -> bool:
@@ -160,7 +177,7 @@ def ask(ctx: typer.Context,
         prompt: Annotated[str | None, typer.Argument(
             help="The prompt. Piped stdin is read too and comes first.", show_default=False)] = None,
         model: Annotated[str | None, typer.Option(
-            "--model", "-m", help="Alias, .gguf file, HF folder or cached hub id.")] = None,
+            "--model", "-m", help=MODEL_HELP)] = None,
         system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")] = None,
         max_tokens: Annotated[int | None, typer.Option(
             min=1, help="Most tokens to generate.")] = None,
@@ -187,6 +204,11 @@ def ask(ctx: typer.Context,
         file: Annotated[typer.FileText | None, typer.Option(
             "--file", "-f", encoding="utf-8", help="Answer every prompt of this file at once (one per line, or JSONL "
                                  'with {"prompt": ...}); "-" reads stdin. Not saved.')] = None,
+        server: Annotated[str | None, typer.Option(
+            "--server", help="Ask this OpenAI-compatible server (URL) instead of the local engine; "
+                             "--model then names a local copy of its tokenizer.")] = None,
+        api_key: Annotated[str | None, typer.Option(
+            "--api-key", envvar="PAGED_CHAT_API_KEY", help="The --server's API key.")] = None,
         ) -> None:
     """Answer a prompt, streaming the reply to stdout. Saved as a chat unless --no-save.
 
@@ -212,15 +234,81 @@ def ask(ctx: typer.Context,
     with _reported(ctx):
         check_text_options(options)
         settings = state.settings()
+        options.server = server or settings.server.url
+        options.api_key = api_key or settings.server.api_key
         if system == "":  # an explicit empty --system clears the configured one
             settings = dataclasses.replace(settings, chat=dataclasses.replace(settings.chat, system_prompt=None))
         code = run_ask(options, settings, state.make_engine, sys.stdin)
     raise typer.Exit(code)
 
 
+@app.command("chat")
+def chat_command(ctx: typer.Context,
+                 model: Annotated[str | None, typer.Option("--model", "-m", help=MODEL_HELP)] = None,
+                 system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")] = None,
+                 continue_chat: Annotated[bool, typer.Option(
+                     "--continue", "-c", help="Go on with the most recent chat.")] = False,
+                 chat_id: Annotated[str | None, typer.Option(
+                     "--chat", help="Go on with this chat (an id or its first characters).")] = None,
+                 ) -> None:
+    """Chat in this terminal, line by line: replies stream, and every turn is saved.
+
+    Commands: /new, /system TEXT, /stats, /help, /quit (or Ctrl+D); Ctrl+C stops a reply.
+    """
+    from paged_chat.ask import AskOptions, check_text_options
+    from paged_chat.repl import run_chat
+
+    state = _state(ctx)
+    options = AskOptions(system=system, continue_chat=continue_chat, chat_id=chat_id,
+                         engine={"model": model})
+    with _reported(ctx):
+        check_text_options(options)
+        code = run_chat(options, state.settings(), state.make_engine, sys.stdin, sys.stdout)
+    raise typer.Exit(code)
+
+
+@app.command()
+def serve(ctx: typer.Context,
+          host: Annotated[str, typer.Option(help="Address to bind; any but loopback needs --api-key.")
+                          ] = "127.0.0.1",
+          port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0: any free one).")] = 8000,
+          model: Annotated[str | None, typer.Option(
+              "--model", "-m", help="Alias, .gguf file, HF folder or cached hub id.")] = None,
+          api_key: Annotated[str | None, typer.Option(
+              "--api-key", envvar="PAGED_CHAT_API_KEY",
+              help="Require `Authorization: Bearer KEY` on every request.")] = None,
+          ) -> None:
+    """Serve the engine as an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
+    /v1/models, /health, /metrics) until Ctrl+C.
+
+    Example:
+
+        paged-chat serve --port 8000 &
+
+        curl localhost:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{"messages": [{"role": "user", "content": "Hi"}]}'
+    """
+    state = _state(ctx)
+    with _reported(ctx):
+        import asyncio
+
+        from paged_chat.engine import AsyncEngine
+        from paged_chat.server import ApiServer, check_bind
+
+        check_bind(host, api_key)
+        config = state.settings().engine_config(model=model)
+        client = AsyncEngine(state.make_engine(config))
+        try:
+            server = ApiServer(client, host, port, api_key, model_names=[config.model])
+            typer.echo(f"serving {client.info.name} on {server.url}/v1 (Ctrl+C stops)", err=True)
+            asyncio.run(server.serve())
+        finally:
+            client.shutdown()
+
+
 @app.command()
 def models(ctx: typer.Context) -> None:
-    """List the model aliases and the models found offline in the Hugging Face cache."""
+    """List the model aliases and the models found offline in the Hugging Face cache and in
+    Ollama's and LM Studio's stores."""
     from paged_chat.catalog import find_models
 
     with _reported(ctx):
@@ -319,16 +407,22 @@ ChatId = Annotated[str, typer.Argument(help="A chat id, or its first characters.
 def chats(ctx: typer.Context) -> None:
     """List, show, export and delete saved chats. Without a command, lists them."""
     if ctx.invoked_subcommand is None:
-        list_chats(ctx)
+        list_chats(ctx, search=None)
 
 
 @chats_app.command("list")
-def list_chats(ctx: typer.Context) -> None:
+def list_chats(ctx: typer.Context,
+               search: Annotated[str | None, typer.Option(
+                   "--search", "-s", help="Only the chats whose title or messages hold every "
+                                          "word of this text (or words starting with it).")] = None,
+               ) -> None:
     """List saved chats, most recent first."""
     with _open_store(ctx) as store:
-        rows = [[chat.id, _local_time(chat.updated), chat.model, chat.title] for chat in store.list_chats()]
+        found = store.list_chats() if search is None else store.search_chats(search)
+        rows = [[chat.id, _local_time(chat.updated), chat.model, chat.title] for chat in found]
     if not rows:
-        typer.echo('no chats yet: `paged-chat ask "..."` starts one', err=True)
+        typer.echo('no chats yet: `paged-chat ask "..."` starts one' if search is None
+                   else f"no chat holds {search!r}", err=True)
         return
     _print_table(["ID", "UPDATED", "MODEL", "TITLE"], rows)
 
@@ -384,6 +478,17 @@ def delete_chat(ctx: typer.Context, chat_id: ChatId,
                 raise typer.Exit(1)
         store.delete_chat(chat.id)
     typer.echo(f"deleted chat {chat.id} ({title})", err=True)
+
+
+@cache_app.command("clear")
+def clear_cache(ctx: typer.Context) -> None:
+    """Delete the disk KV tier (every model's); the next turn of each chat prefills its history."""
+    with _reported(ctx):
+        from paged_chat.engine.kv_tier import TIER_DIR, clear_disk_tier
+        from paged_chat.settings import cache_dir
+
+        files, freed = clear_disk_tier(cache_dir())
+    typer.echo(f"freed {freed / 2**20:,.1f} MiB ({files} KV blocks) from {cache_dir() / TIER_DIR}")
 
 
 @contextmanager

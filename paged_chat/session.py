@@ -64,7 +64,8 @@ class Turn:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
-    num_cached_tokens: int = 0
+    num_cached_tokens: int = 0         # prompt tokens whose KV was cached, not computed
+    num_tier_cached_tokens: int = 0    # of those, read back from the KV tier (RAM or disk)
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -72,7 +73,9 @@ class Turn:
     def add(self, output: RequestOutput, now: float) -> None:
         if output.new_token_ids and self.first_token_at is None:
             self.first_token_at = now
-            self.num_cached_tokens = output.num_cached_tokens
+        # An engine knows these from the prefill on; a remote server may tell them at the end.
+        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        self.num_tier_cached_tokens = max(self.num_tier_cached_tokens, output.num_tier_cached_tokens)
         self.text, self.token_ids = output.text, list(output.token_ids)
         if output.finished:
             self.finish(output.finish_reason, output.error, now)
@@ -109,7 +112,8 @@ class Turn:
         return {"ttft_s": None if ttft is None else round(ttft, 3),
                 "total_s": round(end - self.submitted_at, 3),
                 "tokens_per_s": round(self.tokens_per_s, 1),
-                "prompt_tokens": len(self.prompt_ids), "cached_tokens": self.num_cached_tokens}
+                "prompt_tokens": len(self.prompt_ids), "cached_tokens": self.num_cached_tokens,
+                "tier_cached_tokens": self.num_tier_cached_tokens}
 
 
 class ChatSession:
@@ -137,6 +141,7 @@ class ChatSession:
         self._reply_id: int | None = None
         self._turn_base: Conversation | None = None   # the conversation before the last turn
         self._turns = 0
+        self._save_failed = False   # this turn's store trouble was reported (once a turn)
         self._loaded = loaded
         self._last_message_id = chat.messages[-1].id if chat is not None and chat.messages else 0
 
@@ -252,6 +257,7 @@ class ChatSession:
             raise
         self._turn_base = base
         self._client = client
+        self._save_failed = False
         saved_at = time.monotonic()
         try:
             async with aclosing(client.stream(prompt_ids, params, request_id=request_id,
@@ -305,8 +311,10 @@ class ChatSession:
                                       turn.finish_reason if final else None,
                                       timings if final else None)
         except (StoreError, sqlite3.Error) as error:
-            self.on_warning(f"the reply could not be saved ({error})"
-                            + ("" if final else "; it goes on and is saved when it can be"))
+            if not self._save_failed:
+                self._save_failed = True
+                self.on_warning(f"the reply could not be saved ({error})"
+                                + ("" if final else "; it goes on and is saved when it can be"))
 
     def _conversation(self, client: EngineClient) -> Conversation:
         if self.conversation is None:

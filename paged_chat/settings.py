@@ -169,6 +169,16 @@ class TuiSettings:
 
 
 @dataclass(slots=True)
+class ServerSettings:
+    """`[server]`: an OpenAI-compatible server to use instead of the in-process engine
+    (`url`, e.g. "http://127.0.0.1:8000/v1"), and its API key; `--server` / `--api-key`
+    override them."""
+
+    url: str | None = None
+    api_key: str | None = None
+
+
+@dataclass(slots=True)
 class Settings:
     """The effective settings: config.toml over the defaults. `path` is the file they came
     from, None when there was none (all defaults)."""
@@ -176,13 +186,20 @@ class Settings:
     engine: EngineSettings = field(default_factory=EngineSettings)
     chat: ChatSettings = field(default_factory=ChatSettings)
     tui: TuiSettings = field(default_factory=TuiSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
     path: Path | None = None
 
     def engine_config(self, **overrides: Any) -> EngineConfig:
         """An EngineConfig from `[engine]`, with `overrides` on top (None values are ignored,
-        so a CLI can pass every option it has, given or not)."""
-        return EngineConfig(**{"cache_dir": str(cache_dir()), **_given(dataclasses.asdict(self.engine)),
-                               **_given(overrides)})
+        so a CLI can pass every option it has, given or not). A model in another app's store
+        (`ollama:...`, `lmstudio:...`) becomes its GGUF file's path here."""
+        from paged_chat.model_stores import resolve_model_spec
+
+        config = {"cache_dir": str(cache_dir()), **_given(dataclasses.asdict(self.engine)),
+                  **_given(overrides)}
+        if isinstance(config.get("model"), str):
+            config["model"] = resolve_model_spec(config["model"])
+        return EngineConfig(**config)
 
     def sampling_params(self, **overrides: Any) -> SamplingParams:
         """SamplingParams from the `[chat]` sampling defaults, with `overrides` on top (any
@@ -228,7 +245,8 @@ def load_settings(path: Path | None = None) -> Settings:
     return _Loader(path, text).settings(data)
 
 
-_SECTIONS = {"engine": EngineSettings, "chat": ChatSettings, "tui": TuiSettings}
+_SECTIONS = {"engine": EngineSettings, "chat": ChatSettings, "tui": TuiSettings,
+             "server": ServerSettings}
 
 
 class _Loader:

@@ -60,6 +60,28 @@ from paged_chat.settings import data_dir, make_private
 ROLES = ("system", "user", "assistant")
 INTERRUPTED = "interrupted"
 
+
+
+def _search_index(index: str, table: str, column: str, key: str) -> tuple[str, ...]:
+    """An FTS5 index of `table.column` (external content: the text is not stored twice),
+    kept in step by triggers, and built from the rows already there."""
+    return (
+        f"CREATE VIRTUAL TABLE {index} USING fts5({column}, content='{table}', "
+        f"content_rowid='{key}', tokenize='unicode61 remove_diacritics 2')",
+        f"""CREATE TRIGGER {index}_insert AFTER INSERT ON {table} BEGIN
+            INSERT INTO {index} (rowid, {column}) VALUES (new.{key}, new.{column});
+        END""",
+        f"""CREATE TRIGGER {index}_delete AFTER DELETE ON {table} BEGIN
+            INSERT INTO {index} ({index}, rowid, {column}) VALUES ('delete', old.{key}, old.{column});
+        END""",
+        f"""CREATE TRIGGER {index}_update AFTER UPDATE OF {column} ON {table} BEGIN
+            INSERT INTO {index} ({index}, rowid, {column}) VALUES ('delete', old.{key}, old.{column});
+            INSERT INTO {index} (rowid, {column}) VALUES (new.{key}, new.{column});
+        END""",
+        f"INSERT INTO {index} ({index}) VALUES ('rebuild')",
+    )
+
+
 # MIGRATIONS[v]: the statements that take the schema from version v to v + 1. Append only:
 # a released migration never changes, so every database walks the same path.
 MIGRATIONS: list[tuple[str, ...]] = [
@@ -86,12 +108,18 @@ MIGRATIONS: list[tuple[str, ...]] = [
         )""",
         "CREATE INDEX messages_by_chat ON messages (chat_id, id)",
     ),
+    _search_index("chat_search", "chats", "title", "rowid")
+    + _search_index("message_search", "messages", "content", "id"),
 ]
 
 _CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
 _CHAT_COLUMNS = "id, title, model, system_prompt, sampling, created, updated"
 _MESSAGE_COLUMNS = "id, chat_id, role, content, token_ids, finish_reason, created, timings"
 _FILE_SUFFIXES = ("", "-wal", "-shm")
+# A chat holds search term ?n in its title or in one of its messages.
+_CHAT_HOLDS = ("(rowid IN (SELECT rowid FROM chat_search WHERE chat_search MATCH ?{n}) "
+               "OR id IN (SELECT chat_id FROM messages WHERE id IN "
+               "(SELECT rowid FROM message_search WHERE message_search MATCH ?{n})))")
 
 
 class StoreError(PagedChatError):
@@ -190,6 +218,20 @@ class ChatStore:
         """Every chat, most recently updated first, without messages."""
         with self._transaction(write=False) as db:
             rows = db.execute(f"SELECT {_CHAT_COLUMNS} FROM chats ORDER BY updated DESC, rowid DESC")
+            return [_chat(row) for row in rows]
+
+    def search_chats(self, text: str) -> list[Chat]:
+        """The chats that hold every word of `text` in their title or messages (as a word
+        or the start of one, case and accents ignored), most recently updated first,
+        without messages. Each word is quoted, so FTS5's syntax characters are searched
+        for as text, never parsed."""
+        terms = _search_terms(text)
+        if not terms:
+            return []
+        where = " AND ".join(_CHAT_HOLDS.format(n=n) for n in range(1, len(terms) + 1))
+        with self._transaction(write=False) as db:
+            rows = db.execute(f"SELECT {_CHAT_COLUMNS} FROM chats WHERE {where} "
+                              "ORDER BY updated DESC, rowid DESC", terms)
             return [_chat(row) for row in rows]
 
     def get_chat(self, chat_id: str) -> Chat:
@@ -455,6 +497,13 @@ class ChatStore:
 def _new_id() -> str:
     """12 hex digits: short enough to type (a unique prefix will do), 48 random bits."""
     return uuid.uuid4().hex[:12]
+
+
+def _search_terms(text: str) -> list[str]:
+    """Every word of `text` as a quoted FTS5 prefix query ("word"*); words without a
+    letter or digit are left out (there is nothing in them to find)."""
+    return ['"' + word.replace('"', '""') + '"*' for word in text.split()
+            if any(char.isalnum() for char in word)]
 
 
 def _chat(row: tuple) -> Chat:

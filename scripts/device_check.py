@@ -480,6 +480,7 @@ def timings_stage(plan: Plan, copy_gb_per_s: float | None) -> list[dict[str, Any
 def model_source(dtype: torch.dtype) -> Any:
     """The default model when installed, else random weights of SmolLM2-135M's shape."""
     from paged_chat.engine.errors import ModelLoadError
+    from paged_chat.engine.models.checkpoint import TensorCheckpoint
     from paged_chat.engine.models.loader import ModelSource, load_model_source
     from paged_chat.engine.models.model_config import ModelConfig
 
@@ -522,7 +523,8 @@ def model_source(dtype: torch.dtype) -> Any:
     words.pre_tokenizer = WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t2", bos_token="t1")
     return ModelSource(name="random-smollm2-shape", path=Path("."), config=config, hf_config=hf,
-                       weights=weights, tokenizer=tokenizer, chat_template="")
+                       checkpoint=TensorCheckpoint(weights), tokenizer=tokenizer,
+                       chat_template="")
 
 
 def engine_stage(plan: Plan) -> dict[str, Any]:

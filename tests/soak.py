@@ -82,6 +82,7 @@ class SoakReport:
     worst_wait_s: float = 0.0  # arrival to first token
     worst_wait_steps: int | None = None  # the same in engine steps (engine mode only)
     leaked_blocks: int = 0
+    tier_hit_blocks: int = 0  # blocks the KV tier read back (when the config has one)
     greedy_checked: int = 0
     greedy_mismatches: int = 0
     problems: list[str] = field(default_factory=list)
@@ -141,6 +142,8 @@ def run_soak(config: EngineConfig, duration_s: float = 600.0, num_chats: int = 6
     report.preemptions, report.evictions = stats.num_preemptions, stats.num_evictions
     report.prefix_cache_hit_rate = stats.prefix_cache_hit_rate
     report.leaked_blocks = stats.blocks_in_use
+    report.tier_hit_blocks = stats.tier.hit_blocks
+    engine.close()
     if engine.has_unfinished() or engine.requests:
         report.problem(f"{len(engine.requests)} request(s) never finished")
     if report.leaked_blocks:

@@ -45,12 +45,19 @@ def test_scenarios(report):
     turns = scenarios["five_turn_chat"]
     assert len(turns) == 5
     assert all(turn["prefilled"] <= turn["prompt_tokens"] - 100 for turn in turns[1:])
+    resumed = scenarios["tier_resume"]  # a new engine: the disk tier serves the whole history
+    assert resumed["history_tokens"] >= 512 and resumed["same_reply"]  # half the tiny model's context
+    assert resumed["prefilled_without_tier"] == resumed["history_tokens"]
+    assert resumed["prefilled_with_tier"] <= 16 + 20
+    assert resumed["tier_cached_tokens"] == resumed["history_tokens"] - resumed["prefilled_with_tier"]
+    assert resumed["disk_bytes_per_token"] > 0
     assert report["roofline"]["floor_ms"] > 0
 
 
 def test_report_prints_and_saves(report, tmp_path):
     table = format_report(report)
     assert "paged-chat" in table and "hf-cb" in table and "x" in table
+    assert "KiB on disk per token" in table
     write_json(report, str(tmp_path / "bench.json"))
     assert json.loads((tmp_path / "bench.json").read_text())["workload"]["chats"] == 4
 

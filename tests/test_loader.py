@@ -18,7 +18,6 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from paged_chat import settings
 from paged_chat.engine.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.loader import (
     MODEL_ALIASES,
@@ -61,6 +60,16 @@ def hf_folder(folder: Path, arch: str, **overrides: Any) -> dict[str, torch.Tens
     return model.state_dict()
 
 
+def read_weights(src: ModelSource) -> dict[str, torch.Tensor]:
+    """Every tensor of the source's checkpoint, read (as the decoder's loader reads them)
+    into float32."""
+    weights = {}
+    for name, stored in src.checkpoint.tensors.items():
+        weights[name] = torch.empty(stored.shape)
+        src.checkpoint.read_into(name, weights[name])
+    return weights
+
+
 def load_quietly(spec: str | Path) -> ModelSource:
     """load_model_source for sources whose tokenizer lacks a template (the fallback warns)."""
     with pytest.warns(UserWarning, match="no chat template"):
@@ -76,10 +85,10 @@ def test_hf_folder_loads_identical_tensors_and_config(tmp_path: Path, arch: str)
     src = load_quietly(tmp_path / "model")
 
     assert src.name == "model" and src.path == tmp_path / "model"
-    assert set(src.weights) == set(state)
+    weights = read_weights(src)
+    assert set(weights) == set(state)
     for name, tensor in state.items():
-        assert src.weights[name].dtype == tensor.dtype
-        assert torch.equal(src.weights[name], tensor), name
+        assert torch.equal(weights[name], tensor), name
     c = src.config
     assert (c.model_type, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size,
             c.vocab_size) == (arch, 2, 4, 2, 16, 64, len(VOCAB))
@@ -104,7 +113,7 @@ def test_hf_folder_tied_embeddings_have_no_lm_head(tmp_path: Path) -> None:
     hf_folder(tmp_path, "llama", tie_word_embeddings=True)
     src = load_quietly(tmp_path)
     assert src.config.tie_word_embeddings
-    assert "lm_head.weight" not in src.weights
+    assert "lm_head.weight" not in src.checkpoint.tensors
 
 
 def test_hf_folder_sharded_checkpoint(tmp_path: Path) -> None:
@@ -114,8 +123,9 @@ def test_hf_folder_sharded_checkpoint(tmp_path: Path) -> None:
     model.save_pretrained(tmp_path, max_shard_size="20KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     src = load_quietly(tmp_path)
-    assert set(src.weights) == set(state)
-    assert all(torch.equal(src.weights[k], v) for k, v in state.items())
+    weights = read_weights(src)
+    assert set(weights) == set(state)
+    assert all(torch.equal(weights[k], v) for k, v in state.items())
 
 
 def test_hf_folder_without_model_prefix(tmp_path: Path) -> None:
@@ -123,7 +133,7 @@ def test_hf_folder_without_model_prefix(tmp_path: Path) -> None:
     state = hf_folder(tmp_path, "llama")
     save_file({k.removeprefix("model."): v for k, v in state.items()},
               tmp_path / "model.safetensors")
-    assert set(load_quietly(tmp_path).weights) == set(state)
+    assert set(load_quietly(tmp_path).checkpoint.tensors) == set(state)
 
 
 def test_generation_config_eos_ids_are_merged(tmp_path: Path) -> None:
@@ -144,7 +154,7 @@ def test_cached_hub_id_loads_from_hf_cache(tmp_path: Path,
     src = load_quietly("tiny-org/tiny-llama")
     assert src.name == "tiny-org/tiny-llama"
     assert src.path == repo / "snapshots" / commit
-    assert set(src.weights) == set(state)
+    assert set(src.checkpoint.tensors) == set(state)
 
 
 # ---------------------------------------------------------------- GGUF files
@@ -159,15 +169,20 @@ GGUF_BLOCK_NAMES = {
 }
 GGUF_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
                   "lm_head": "output"}
+# Gemma 3's norms, as convert_hf_to_gguf.py names them.
+GEMMA3_BLOCK_NAMES = GGUF_BLOCK_NAMES | {
+    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm"}
 Q = gguf.GGMLQuantizationType
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
     module, kind = hf_name.rsplit(".", 1)
     if module in GGUF_TOP_NAMES:
         return f"{GGUF_TOP_NAMES[module]}.{kind}"
     _, _, layer, rest = module.split(".", 3)
-    return f"blk.{layer}.{GGUF_BLOCK_NAMES[rest]}.{kind}"
+    names = GEMMA3_BLOCK_NAMES if arch == "gemma3" else GGUF_BLOCK_NAMES
+    return f"blk.{layer}.{names[rest]}.{kind}"
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -176,8 +191,11 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
         w.shape)
 
 
-def storage_type(hf_name: str, array: np.ndarray) -> gguf.GGMLQuantizationType:
-    """A mix like real files: layer 1 matrices in Q8_0, the embedding in F16, the rest F32."""
+def storage_type(hf_name: str, array: np.ndarray, quantize: bool) -> gguf.GGMLQuantizationType:
+    """A mix like real files: layer 1 matrices in Q8_0, the embedding in F16, the rest F32
+    (or all F32 when not `quantize`)."""
+    if not quantize:
+        return Q.F32
     if hf_name == "model.embed_tokens.weight":
         return Q.F16
     if hf_name.startswith("model.layers.1.") and array.ndim == 2:
@@ -186,10 +204,12 @@ def storage_type(hf_name: str, array: np.ndarray) -> gguf.GGMLQuantizationType:
 
 
 def write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], hf_cfg: Any, *,
-               permute: bool, tokenizer: bool = True,
+               permute: bool, tokenizer: bool = True, quantize: bool = True,
                extra: Callable[[gguf.GGUFWriter], None] = lambda w: None,
+               after: Callable[[gguf.GGUFWriter], None] = lambda w: None,
                ) -> dict[str, torch.Tensor]:
     """Write `state` as llama.cpp would; return what a correct loader must read back.
+    `extra` adds metadata or tensors before the tokenizer's metadata, `after` after it.
 
     The expected tensors are the originals after the same quantize/dequantize round trip,
     so they stay in HF (un-permuted) row order.
@@ -203,7 +223,8 @@ def write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], hf_cfg: An
     writer.add_head_count_kv(hf_cfg.num_key_value_heads)
     writer.add_key_length(hf_cfg.head_dim)
     writer.add_rope_dimension_count(hf_cfg.head_dim)
-    writer.add_rope_freq_base(hf_cfg.rope_parameters["rope_theta"])
+    rope = hf_cfg.rope_parameters
+    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
     writer.add_layer_norm_rms_eps(hf_cfg.rms_norm_eps)
     if tokenizer:
         writer.add_tokenizer_model("gpt2")
@@ -213,22 +234,25 @@ def write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], hf_cfg: An
         writer.add_token_merges([f"{a} {b}" for a, b in MERGES])
         writer.add_bos_token_id(BOS_ID)
         writer.add_eos_token_id(EOS_ID)
-        writer.add_chat_template(SYSTEM_CHATML)
     extra(writer)
+    if tokenizer:
+        writer.add_chat_template(SYSTEM_CHATML)
+    after(writer)
     expected = {}
     for name, tensor in state.items():
         array = tensor.numpy()
-        qtype = storage_type(name, array)
-        stored = array
+        qtype = storage_type(name, array, quantize)
+        stored = array + 1 if arch == "gemma3" and name.endswith("norm.weight") else array
         if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = hf_cfg.num_attention_heads if "q_proj" in name else hf_cfg.num_key_value_heads
             stored = llama_cpp_permute(array, heads)
         if qtype == Q.F32:
-            writer.add_tensor(gguf_name(name), stored)
+            writer.add_tensor(gguf_name(name, arch), stored)
         elif qtype == Q.F16:
-            writer.add_tensor(gguf_name(name), stored.astype(np.float16))
+            writer.add_tensor(gguf_name(name, arch), stored.astype(np.float16))
         else:
-            writer.add_tensor(gguf_name(name), gguf.quants.quantize(stored, qtype), raw_dtype=qtype)
+            writer.add_tensor(gguf_name(name, arch), gguf.quants.quantize(stored, qtype),
+                              raw_dtype=qtype)
         round_trip = array if qtype == Q.F32 else gguf.quants.dequantize(
             gguf.quants.quantize(array, qtype), qtype)
         expected[name] = torch.from_numpy(np.asarray(round_trip, dtype=np.float32))
@@ -254,10 +278,10 @@ def test_gguf_round_trip_unpermutes_llama_qk(tmp_path: Path, arch: str) -> None:
     src = load_model_source(str(path))
 
     assert src.name == f"tiny-{arch}" and src.path == path
-    assert set(src.weights) == set(expected)
+    weights = read_weights(src)
+    assert set(weights) == set(expected)
     for name, tensor in expected.items():
-        assert src.weights[name].dtype == torch.float32
-        assert torch.equal(src.weights[name], tensor), name
+        assert torch.equal(weights[name], tensor), name
     c = src.config
     assert (c.model_type, c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.hidden_size,
             c.intermediate_size, c.vocab_size) == (arch, 2, 4, 2, 16, 64, 96, len(VOCAB))
@@ -269,15 +293,37 @@ def test_gguf_round_trip_unpermutes_llama_qk(tmp_path: Path, arch: str) -> None:
     assert src.chat_template == SYSTEM_CHATML
 
 
+def test_gemma3_gguf_runs_like_the_hf_model_it_came_from(tmp_path: Path) -> None:
+    """Norms stored plus one, Gemma's tensor names, five local layers then a global one."""
+    from paged_chat.engine.models.loader import load_model
+    from test_model import PagedSequence
+
+    model = build_tiny_model("gemma3_text", tmp_path / "hf", **TINY, num_layers=6,
+                             sliding_window=7, query_pre_attn_scalar=16, tie_word_embeddings=True)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    path = tmp_path / "gemma3.gguf"
+    write_gguf(path, "gemma3", state, model.config, permute=False, quantize=False,
+               extra=lambda w: w.add_sliding_window(7))
+    src = load_model_source(str(path))
+    assert src.config.layer_windows == (7,) * 5 + (None,)
+    ours = load_model(src, torch.float32, torch.device("cpu"))
+    ours.build_rope_tables(64)
+    prompt = torch.randint(3, len(VOCAB), (30,), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        expected = model(prompt[None]).logits[0]
+    logits = PagedSequence(ours, len(prompt)).feed(prompt.tolist())
+    assert (logits - expected).abs().max() / expected.abs().max() < 1e-4
+
+
 def test_gguf_tokenizer_is_converted_once_then_cached(tmp_path: Path) -> None:
     path, _, _ = tiny_gguf(tmp_path)
-    first = load_model_source(str(path))
-    cached = list((settings.cache_dir() / "tokenizers").glob("*/tokenizer.json"))
+    cache_dir = tmp_path / "cache"
+    first = load_model_source(str(path), cache_dir=cache_dir)
+    cached = list((cache_dir / "tokenizers").glob("*/tokenizer.json"))
     assert cached, "the converted tokenizer was not saved"
     cached_dirs = {p.parent for p in cached}
-    second = load_model_source(str(path))
-    assert {p.parent for p in (settings.cache_dir() / "tokenizers").glob("*/tokenizer.json")} \
-        == cached_dirs
+    second = load_model_source(str(path), cache_dir=cache_dir)
+    assert {p.parent for p in (cache_dir / "tokenizers").glob("*/tokenizer.json")} == cached_dirs
     assert second.tokenizer.encode(SAMPLE_TEXT) == first.tokenizer.encode(SAMPLE_TEXT)
     assert second.chat_template == first.chat_template
 
@@ -288,7 +334,7 @@ def test_gguf_without_output_tensor_is_tied(tmp_path: Path) -> None:
     path = tmp_path / "tied.gguf"
     write_gguf(path, "llama", state, model.config, permute=True)
     src = load_model_source(str(path))
-    assert src.config.tie_word_embeddings and "lm_head.weight" not in src.weights
+    assert src.config.tie_word_embeddings and "lm_head.weight" not in src.checkpoint.tensors
 
 
 def llama3_rope_freqs(theta: float, head_dim: int, scaling: dict[str, Any]) -> np.ndarray:
@@ -406,7 +452,7 @@ def test_unsupported_architecture_folder(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": 64}))
     with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported.*llama, mistral, "
-                                                    "qwen2, qwen3"):
+                                                    "qwen2, qwen3, gemma3_text"):
         load_model_source(str(tmp_path))
 
 
@@ -464,7 +510,7 @@ def test_alias_config_tokenizer_and_template(smollm2: ModelSource) -> None:
     c = smollm2.config
     assert (c.model_type, c.num_layers, c.num_heads, c.num_kv_heads, c.hidden_size, c.head_dim,
             c.vocab_size) == ("llama", 30, 9, 3, 576, 64, 49152)
-    assert c.tie_word_embeddings and "lm_head.weight" not in smollm2.weights
+    assert c.tie_word_embeddings and "lm_head.weight" not in smollm2.checkpoint.tensors
     assert (c.rms_norm_eps, c.rope_theta, c.bos_token_id, c.eos_token_ids) == (
         1e-5, 100000.0, 1, (2,))
 
@@ -485,6 +531,7 @@ def test_alias_weights_match_transformers_gguf_loader(smollm2: ModelSource) -> N
     path = resolve_alias_path("smollm2-135m")
     reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
                                                      dtype=torch.float32).state_dict()
-    assert set(smollm2.weights) == set(reference) - {"lm_head.weight"}
-    for name, tensor in smollm2.weights.items():
+    weights = read_weights(smollm2)
+    assert set(weights) == set(reference) - {"lm_head.weight"}
+    for name, tensor in weights.items():
         assert torch.equal(tensor, reference[name]), name

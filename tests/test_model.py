@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import GenerationConfig
 
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.torch_backend import TorchAttention
 from paged_chat.engine.models.llama import LlamaForCausalLM
-from paged_chat.engine.models.model_config import ModelConfig
-from tiny_models import ARCHITECTURES, build_tiny_model
+from tiny_models import ARCHITECTURES, build_tiny_model, load_decoder
 
 BLOCK_SIZE = 8
 
@@ -19,11 +17,12 @@ BLOCK_SIZE = 8
 class PagedSequence:
     """One sequence run through the decoder with a shuffled (non-contiguous) block table."""
 
-    def __init__(self, model: LlamaForCausalLM, config: ModelConfig, max_tokens: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, max_tokens: int) -> None:
+        config = model.config
         num_blocks = 2 * -(-max_tokens // BLOCK_SIZE)
         self.model = model
         self.attention = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim,
-                                        config.head_dim ** -0.5)
+                                        config.attention_scale)
         self.cache = torch.zeros(config.num_layers, 2,
                                  *self.attention.kv_cache_shape(num_blocks, BLOCK_SIZE))
         self.table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))
@@ -45,27 +44,33 @@ class PagedSequence:
                           torch.arange(count))
 
 
+def greedy_reference(reference, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' greedy continuation of `prompt` and its logits at every position."""
+    with torch.inference_mode():
+        expected = reference.generate(prompt[None], generation_config=GenerationConfig(
+            max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0))[0]
+        return expected, reference(expected[None]).logits[0]
+
+
+def run_paged(model: LlamaForCausalLM, expected: torch.Tensor,
+              prompt_chunks: list[torch.Tensor]) -> torch.Tensor:
+    """Our logits for `expected`: the prompt fed in chunks, then one token at a time."""
+    sequence = PagedSequence(model, len(expected))
+    num_prompt = sum(len(chunk) for chunk in prompt_chunks)
+    logits = [sequence.feed(chunk.tolist()) for chunk in prompt_chunks]
+    logits += [sequence.feed([token]) for token in expected[num_prompt:-1].tolist()]
+    return torch.cat(logits)
+
+
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("tied", [False, True])
 def test_logits_and_greedy_tokens_match_transformers(architecture, tied, tmp_path):
     reference = build_tiny_model(architecture, tmp_path, tie_word_embeddings=tied)
-    config = ModelConfig.from_hf(reference.config.to_dict())
-    weights = load_file(tmp_path / "model.safetensors")
-    if tied:
-        weights.pop("lm_head.weight", None)
-    model = LlamaForCausalLM.from_weights(config, weights, torch.float32, torch.device("cpu"), 1024)
-    prompt = torch.randint(3, config.vocab_size, (37,), generator=torch.Generator().manual_seed(2))
-    steps = 32
-
-    with torch.inference_mode():
-        expected = reference.generate(prompt[None], generation_config=GenerationConfig(
-            max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0))[0]
-        reference_logits = reference(expected[None]).logits[0]
-    sequence = PagedSequence(model, config, len(expected))
-    logits = [sequence.feed(prompt.tolist())]
-    for token in expected[len(prompt):-1].tolist():
-        logits.append(sequence.feed([token]))
-    ours = torch.cat(logits)
+    model = load_decoder(tmp_path)
+    prompt = torch.randint(3, model.config.vocab_size, (37,),
+                           generator=torch.Generator().manual_seed(2))
+    expected, reference_logits = greedy_reference(reference, prompt, steps=32)
+    ours = run_paged(model, expected, [prompt])
 
     scale = reference_logits.abs().max()
     assert (ours - reference_logits[:-1]).abs().max() / scale < 1e-4
@@ -79,12 +84,36 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
     reference = build_tiny_model("llama", tmp_path, rope_parameters={**scaling, "rope_theta": 5e5})
-    config = ModelConfig.from_hf(reference.config.to_dict())
+    model = load_decoder(tmp_path)
+    config = model.config
     assert config.rope_scaling["rope_type"] == "llama3" and config.rope_theta == 5e5
-    model = LlamaForCausalLM.from_weights(config, load_file(tmp_path / "model.safetensors"),
-                                          torch.float32, torch.device("cpu"), 1024)
     prompt = torch.randint(3, config.vocab_size, (150,), generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         expected = reference(prompt[None]).logits[0]
-    ours = PagedSequence(model, config, len(prompt)).feed(prompt.tolist())
+    ours = PagedSequence(model, len(prompt)).feed(prompt.tolist())
     assert (ours - expected).abs().max() / expected.abs().max() < 1e-4
+
+
+# Windows that are not multiples of BLOCK_SIZE, prompts several windows long.
+WINDOWED = {
+    "mistral": dict(sliding_window=13),
+    "qwen2": dict(use_sliding_window=True, sliding_window=11, max_window_layers=1),
+    "gemma3_text": dict(sliding_window=9, num_layers=3,
+                        layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+}
+
+
+@pytest.mark.parametrize("architecture", WINDOWED)
+def test_sliding_window_chunked_prefill_and_decode_match_transformers(architecture, tmp_path):
+    reference = build_tiny_model(architecture, tmp_path, **WINDOWED[architecture])
+    model = load_decoder(tmp_path)
+    assert any(model.config.layer_windows), "the window was not read from the config"
+    prompt = torch.randint(3, model.config.vocab_size, (45,),
+                           generator=torch.Generator().manual_seed(4))
+    expected, reference_logits = greedy_reference(reference, prompt, steps=16)
+    # Chunks that end inside blocks: chunked prefill across block boundaries.
+    ours = run_paged(model, expected, [prompt[:10], prompt[10:27], prompt[27:]])
+
+    scale = reference_logits.abs().max()
+    assert (ours - reference_logits[:-1]).abs().max() / scale < 1e-4
+    assert torch.equal(ours[len(prompt) - 1:].argmax(-1), expected[len(prompt):])

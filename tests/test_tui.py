@@ -424,7 +424,8 @@ async def test_model_loads_in_a_worker_while_the_ui_is_open(chat_model_dir, tmp_
     from_config = AsyncEngine.from_config.__func__
     loading_seen = threading.Event()
 
-    def slow_load(cls, config):  # the tiny model loads too fast to see "loading"
+    def slow_load(cls, config, on_progress):  # the tiny model loads too fast to see "loading"
+        on_progress("converting weights", 3, 10)
         loading_seen.wait(60)
         return from_config(cls, config)
 
@@ -434,6 +435,7 @@ async def test_model_loads_in_a_worker_while_the_ui_is_open(chat_model_dir, tmp_
                   store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
+        await wait_until(pilot, lambda: "converting weights 3/10" in text_of(app.query_one("#status")))
         assert "loading" in text_of(app.query_one("#status"))
         await type_prompt(pilot, "typed before the model is ready")   # waits for the model
         assert app.engine is None

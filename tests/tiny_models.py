@@ -1,4 +1,5 @@
-"""Tiny random llama-family models, built with transformers and saved as HF folders.
+"""Tiny random models of every supported family, built with transformers and saved as HF
+folders, and our decoder loaded from such a folder.
 
 Random models with the default init have nearly flat logits, so greedy near-ties flip on
 rounding; a larger `initializer_range` gives them clear preferences.
@@ -6,18 +7,28 @@ rounding; a larger `initializer_range` gives them clear preferences.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 import transformers
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3")
+from paged_chat.engine.models.checkpoint import Checkpoint, SafetensorsFile
+from paged_chat.engine.models.llama import LlamaForCausalLM
+from paged_chat.engine.models.loader import stream_weights
+from paged_chat.engine.models.model_config import ModelConfig
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
 _CONFIGS = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
+# Mistral windows every layer by default: off unless a test asks for a window.
+_DEFAULTS = {"mistral": {"sliding_window": None}}
 
 
 def build_tiny_model(architecture: str, folder: Path, *, vocab_size: int = 512,
@@ -31,9 +42,19 @@ def build_tiny_model(architecture: str, folder: Path, *, vocab_size: int = 512,
         num_hidden_layers=num_layers, num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=1024,
         initializer_range=0.25, tie_word_embeddings=tie_word_embeddings, bos_token_id=1,
-        eos_token_id=2, pad_token_id=0, **overrides)
+        eos_token_id=2, pad_token_id=0, **(_DEFAULTS.get(architecture, {}) | overrides))
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
+    return model
+
+
+def load_decoder(folder: Path, dtype: torch.dtype = torch.float32,
+                 max_positions: int = 1024) -> LlamaForCausalLM:
+    """Our decoder with the weights of a folder `build_tiny_model` saved."""
+    config = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    model = LlamaForCausalLM.empty(config, dtype, "cpu")
+    stream_weights(model, Checkpoint(SafetensorsFile(folder / "model.safetensors").tensors))
+    model.build_rope_tables(max_positions)
     return model

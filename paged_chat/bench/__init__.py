@@ -29,7 +29,8 @@ import torch
 from paged_chat.bench.scenarios import decode_step_time, memory_scenarios, roofline
 from paged_chat.bench.systems import (SYSTEMS, SystemResult, build_hf_model, run_hf_cb, run_hf_seq,
                                       run_hf_static, run_paged_chat)
-from paged_chat.bench.workload import chat_workload
+from paged_chat.bench.tier_resume import tier_resume
+from paged_chat.bench.workload import SYSTEM_PROMPT, chat_workload
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.dtypes import TORCH_DTYPES
 from paged_chat.engine.models.loader import load_model_source
@@ -103,6 +104,10 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
     if options.scenarios:
         log("running memory scenarios ...")
         report["scenarios"] = memory_scenarios(engine, source, workload)
+        log("running the KV tier scenario ...")
+        report["scenarios"]["tier_resume"] = tier_resume(
+            options.model, source, options.dtype, options.block_size,
+            options.max_num_batched_tokens, SYSTEM_PROMPT)
     if options.roofline:
         log("measuring the machine ...")
         step = decode_step_time(engine, options.num_chats)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from paged_chat.bench.tier_resume import format_tier_resume
+
 
 def format_report(report: dict) -> str:
     columns = [("system", "{}"), ("output_tokens_per_s", "{:.1f}"), ("total_tokens_per_s", "{:.1f}"),
@@ -34,6 +36,7 @@ def format_report(report: dict) -> str:
         turns = ", ".join(f"{t['prefilled']}/{t['prompt_tokens']}"
                           for t in report["scenarios"]["five_turn_chat"])
         lines.append(f"5-turn chat, tokens prefilled / in prompt per turn: {turns}")
+        lines.append(format_tier_resume(report["scenarios"]["tier_resume"]))
     if "roofline" in report:
         roof = report["roofline"]
         lines.append(f"machine: {roof['bandwidth_gb_s']:.0f} GB/s, {roof['matmul_gflop_s']:.0f} "

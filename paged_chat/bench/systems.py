@@ -216,8 +216,10 @@ def build_hf_model(source: ModelSource, dtype: torch.dtype, attention: str):
 
     config = AutoConfig.for_model(**source.hf_config)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attention, dtype=dtype)
-    missing, unexpected = model.load_state_dict(source.weights, strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    state = model.state_dict()
+    for name in source.checkpoint.tensors:
+        source.checkpoint.read_into(name, state[name])
+    assert set(state) - set(source.checkpoint.tensors) <= {"lm_head.weight"}
     if config.tie_word_embeddings:
         model.tie_weights()
     return model.eval()

@@ -18,6 +18,8 @@ _EXPORTS = {
     "EngineConfig": "paged_chat.engine.config",
     "EngineDeadError": "paged_chat.engine.errors",
     "EngineStats": "paged_chat.engine.stats",
+    "KVTierStats": "paged_chat.engine.stats",
+    "KVTierWarning": "paged_chat.engine.errors",
     "ModelInfo": "paged_chat.engine.client",
     "ModelLoadError": "paged_chat.engine.errors",
     "PagedChatError": "paged_chat.engine.errors",
@@ -31,9 +33,10 @@ if TYPE_CHECKING:
     from paged_chat.engine.client import EngineClient, ModelInfo
     from paged_chat.engine.config import EngineConfig
     from paged_chat.engine.engine import Engine
-    from paged_chat.engine.errors import EngineDeadError, ModelLoadError, PagedChatError
+    from paged_chat.engine.errors import (EngineDeadError, KVTierWarning, ModelLoadError,
+                                          PagedChatError)
     from paged_chat.engine.request import RequestOutput, SamplingParams
-    from paged_chat.engine.stats import BlockMap, EngineStats
+    from paged_chat.engine.stats import BlockMap, EngineStats, KVTierStats
 
 
 def __getattr__(name: str):

@@ -30,6 +30,7 @@ from paged_chat.engine.client import ModelInfo
 from paged_chat.engine.config import EngineConfig
 from paged_chat.engine.engine import Engine
 from paged_chat.engine.errors import EngineDeadError
+from paged_chat.engine.models.loader import ProgressHook
 from paged_chat.engine.request import RequestOutput, SamplingParams
 from paged_chat.engine.stats import EngineStats
 
@@ -79,8 +80,10 @@ class AsyncEngine:
         self._thread = self._start_thread()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncEngine":
-        return cls(Engine(config))
+    def from_config(cls, config: EngineConfig, on_progress: ProgressHook | None = None
+                    ) -> "AsyncEngine":
+        """Load the model (`on_progress(stage, done, total)` hears a slow load advance)."""
+        return cls(Engine(config, on_progress=on_progress))
 
     @property
     def info(self) -> ModelInfo:
@@ -133,8 +136,9 @@ class AsyncEngine:
         self._commands.put(_ResetPrefixCache())
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Abort everything, stop the thread and wait for it."""
+        """Abort everything, stop the thread and wait for it and for the KV tier's writes."""
         self._stop("the engine has shut down", timeout_s)
+        self.engine.flush()
 
     def restart(self, timeout_s: float = 30.0) -> None:
         """Serve again after `shutdown()` or a crash of the engine thread, or start afresh.

@@ -17,6 +17,10 @@ recently used; eviction is lazy: a block loses its hash only when it is popped f
 `cached_blocks` maps a block hash to the block holding that content. A hash is chained
 over the parent block's hash and this block's token ids (128-bit BLAKE2b), so equal
 hashes mean equal whole prefixes, not just equal blocks. Only full blocks are hashed.
+
+With `track_evictions`, `allocate` lists each evicted block's (hash, block id) in
+`evicted`: its KV is intact until the next forward, so the owner of a KV tier can copy
+it out first (and must clear the list).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class KVBlock:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
+    from_tier: bool = False     # its KV was read back from a KV tier, not computed
     prev_free: "KVBlock | None" = None
     next_free: "KVBlock | None" = None
 
@@ -74,12 +79,15 @@ class FreeBlockQueue:
 class BlockPool:
     """All `num_blocks` KV blocks of the cache and the prefix-cache index over them."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool,
+                 track_evictions: bool = False) -> None:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.enable_caching = enable_caching
         self.cached_blocks: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
+        self.track_evictions = track_evictions
+        self.evicted: list[tuple[bytes, int]] = []
 
     @property
     def num_blocks(self) -> int:
@@ -100,10 +108,13 @@ class BlockPool:
         for _ in range(count):
             block = self.free_queue.popleft()
             if block.block_hash is not None:
+                if self.track_evictions:
+                    self.evicted.append((block.block_hash, block.block_id))
                 del self.cached_blocks[block.block_hash]
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_count = 1
+            block.from_tier = False
             taken.append(block)
         return taken
 
@@ -147,6 +158,9 @@ class BlockPool:
         mask = np.zeros(len(self.blocks), dtype=bool)
         mask[[b.block_id for b in self.cached_blocks.values()]] = True
         return mask
+
+    def from_tier_mask(self) -> np.ndarray:
+        return np.fromiter((b.from_tier for b in self.blocks), dtype=bool, count=len(self.blocks))
 
     def check_invariants(self) -> None:
         """Assert the three-state invariant of the module docstring (tests call this)."""

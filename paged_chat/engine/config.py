@@ -25,6 +25,14 @@ class EngineConfig:
     `cache_dir` is where the engine may keep what it can rebuild (converted tokenizers and
     weights, the disk KV tier); None keeps nothing on disk. The app passes its platformdirs
     cache dir: the engine never reads the app's settings itself.
+    `weight_cache_size` bounds the converted GGUF weights kept there (bytes or "4GiB";
+    least recently used models go first).
+
+    Below the prefix cache, a KV tier keeps full blocks' KV past their eviction and past
+    the process: `kv_tier_disk_bytes` (bytes or "4GiB"; 0 turns it off) bounds the disk
+    tier under `<cache_dir>/kv-tier` (no cache_dir: no disk tier), `kv_tier_host_bytes`
+    a host-RAM tier in front of it (default: none on CPU, where the pool is RAM already;
+    2 GiB on CUDA). Both need `enable_prefix_caching`.
     """
 
     model: str = "smollm2-135m"
@@ -41,6 +49,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     seed: int = 0
     cache_dir: str | None = None
+    weight_cache_size: int | str = "4GiB"
+    kv_tier_disk_bytes: int | str = 4 * 2**30
+    kv_tier_host_bytes: int | str | None = None
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
@@ -55,6 +66,12 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_memory("kv_cache_memory", self.kv_cache_memory)
+        self.weight_cache_size = parse_memory("weight_cache_size", self.weight_cache_size)
+        self.kv_tier_disk_bytes = parse_memory("kv_tier_disk_bytes", self.kv_tier_disk_bytes,
+                                               allow_zero=True)
+        if self.kv_tier_host_bytes is not None:
+            self.kv_tier_host_bytes = parse_memory("kv_tier_host_bytes", self.kv_tier_host_bytes,
+                                                   allow_zero=True)
         if not (isinstance(self.gpu_memory_utilization, (int, float))
                 and 0 < self.gpu_memory_utilization <= 1):
             raise ValueError(f"EngineConfig.gpu_memory_utilization={self.gpu_memory_utilization!r}"
@@ -65,8 +82,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.seed={self.seed!r} is invalid: expected an integer >= 0")
 
 
-def parse_memory(name: str, value: int | str) -> int:
-    """Bytes from an int or a string like "512MiB", "2GiB", "1.5GB"."""
+def parse_memory(name: str, value: int | str, allow_zero: bool = False) -> int:
+    """Bytes from an int or a string like "512MiB", "2GiB", "1.5GB" (0 only with `allow_zero`)."""
     if isinstance(value, bool):
         value = -1
     if isinstance(value, int):
@@ -78,8 +95,9 @@ def parse_memory(name: str, value: int | str) -> int:
             raise ValueError(f"EngineConfig.{name}={value!r} is invalid: expected bytes or a "
                              "size like '512MiB' or '2GiB'")
         number = int(float(match.group(1)) * _MEMORY_UNITS[unit])
-    if number <= 0:
-        raise ValueError(f"EngineConfig.{name}={value!r} is invalid: expected a size > 0")
+    if number < 0 or (number == 0 and not allow_zero):
+        bound = ">= 0 (0 turns it off)" if allow_zero else "> 0"
+        raise ValueError(f"EngineConfig.{name}={value!r} is invalid: expected a size {bound}")
     return number
 
 

@@ -4,6 +4,9 @@ One `step()` schedules work under the token budget, runs one forward over every 
 token, samples, detokenizes, and returns the per-request deltas of that step. Finished
 requests leave at once (their blocks go back to the pool) and waiting ones join on the
 next step: continuous batching.
+
+With a KV tier (EngineConfig.kv_tier_*), finished and evicted blocks outlive the pool
+and the process: `close()` (or interpreter exit) finishes the tier's queued disk writes.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import random
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -29,24 +33,35 @@ from paged_chat.engine.detokenizer import IncrementalDetokenizer
 from paged_chat.engine.dtypes import dtype_name, resolve_dtype
 from paged_chat.engine.errors import PagedChatError
 from paged_chat.engine.kv_cache_manager import KVCacheManager
+from paged_chat.engine.kv_tier import TIER_DIR, KVTier, TierLayout, model_fingerprint
 from paged_chat.engine.models.llama import LlamaForCausalLM
-from paged_chat.engine.models.loader import ModelSource, load_model_source
+from paged_chat.engine.models.loader import (
+    ModelSource,
+    ProgressHook,
+    load_model,
+    load_model_source,
+)
 from paged_chat.engine.models.model_config import ModelConfig
 from paged_chat.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from paged_chat.engine.runner import ModelRunner
 from paged_chat.engine.scheduler import Scheduler, SchedulerOutput
-from paged_chat.engine.stats import BlockMap, EngineStats, RateMeter
+from paged_chat.engine.stats import BlockMap, EngineStats, KVTierStats, RateMeter
 
 _DEFAULT_CPU_KV_FRACTION = 0.2
 _DEFAULT_CPU_KV_CAP = 2 * 2**30
+_CPU_ALLOCATION_FAILURE = "can't allocate memory"
+_DEFAULT_CUDA_TIER_HOST_BYTES = 2 * 2**30
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, source: ModelSource | None = None) -> None:
+    def __init__(self, config: EngineConfig, source: ModelSource | None = None,
+                 on_progress: ProgressHook | None = None) -> None:
+        """`on_progress(stage, done, total)` hears how a slow load (a GGUF's first
+        conversion) advances. Nothing of `source` but its tokenizer and config is kept."""
         self.config = config
         self.device = _resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        source = source or load_model_source(config.model)
+        source = source or load_model_source(config.model, config.cache_dir, on_progress)
         self.model_name = source.name
         self.model_config = source.config
         self.tokenizer = source.tokenizer
@@ -55,8 +70,8 @@ class Engine:
                         source.config.max_position_embeddings)
         with _out_of_memory(f"loading the weights onto {self.device}", "the model does not fit; "
                             "use a smaller model or dtype, or device='cpu'"):
-            model = LlamaForCausalLM.from_weights(source.config, source.weights, self.dtype,
-                                                  self.device, max_positions=model_len)
+            model = load_model(source, self.dtype, self.device, config.cache_dir,
+                                config.weight_cache_size, on_progress)
         self.block_size = config.block_size
         attention = self._attention(source.config)
         with _out_of_memory("profiling a step to size the KV cache",
@@ -64,10 +79,12 @@ class Engine:
             self.num_blocks = config.num_blocks or self._size_kv_pool(model, attention, model_len)
         # A request can never outgrow the pool: it is the one bound nothing can preempt.
         self.max_model_len = min(model_len, self.num_blocks * self.block_size)
+        model.build_rope_tables(self.max_model_len)
         kv_cache = self._allocate_kv_cache(attention)
         self.runner = ModelRunner(model, kv_cache, self.block_size, attention)
         self.kv_cache = KVCacheManager(self.num_blocks, self.block_size,
-                                       config.enable_prefix_caching)
+                                       config.enable_prefix_caching,
+                                       self._kv_tier(model, kv_cache), self.runner)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.eos_token_ids = frozenset(source.config.eos_token_ids) | (
@@ -145,6 +162,17 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def flush(self) -> None:
+        """Wait until the KV tier's queued disk writes are done (a process about to end
+        leaves its chats' blocks for the next one)."""
+        if self.kv_cache.tier is not None:
+            self.kv_cache.tier.flush()
+
+    def close(self) -> None:
+        """Finish the KV tier's queued disk writes and stop its writer (also done at exit)."""
+        if self.kv_cache.tier is not None:
+            self.kv_cache.tier.close()
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -240,6 +268,7 @@ class Engine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_prompt_tokens,
             error=request.error,
+            num_tier_cached_tokens=request.num_tier_cached_tokens,
         )
 
     def _record_prompt_work(self, schedule: SchedulerOutput) -> None:
@@ -307,7 +336,8 @@ class Engine:
             kv_slots_wasted=wasted,
             step_time_s=self._last_step_time,
             forward_time_s=self.runner.last_forward_s,
-            blocks=BlockMap.build(ref_counts, hashed, tables, owners),
+            blocks=BlockMap.build(ref_counts, hashed, tables, owners, pool.from_tier_mask()),
+            tier=self.kv_cache.tier.stats() if self.kv_cache.tier is not None else KVTierStats(),
         )
 
     # ---- set-up ---------------------------------------------------------------------
@@ -321,7 +351,7 @@ class Engine:
         """
         backend = self.config.attention_backend
         args = (model.num_heads, model.num_kv_heads, model.head_dim)
-        scale = model.head_dim ** -0.5
+        scale = model.attention_scale
         if backend == "torch" or (backend == "auto" and self.device.type != "cuda"):
             return TorchAttention(*args, scale=scale)
         try:
@@ -337,6 +367,22 @@ class Engine:
                                  "attention_backend='torch'")
         return TritonAttention(*args, scale=scale)
 
+    def _kv_tier(self, model: LlamaForCausalLM, kv_cache: torch.Tensor) -> KVTier | None:
+        """The host and disk KV tiers the config asks for, or None (they need the prefix cache)."""
+        config = self.config
+        host_bytes = config.kv_tier_host_bytes
+        if host_bytes is None:
+            host_bytes = _DEFAULT_CUDA_TIER_HOST_BYTES if self.device.type == "cuda" else 0
+        disk_dir = Path(config.cache_dir) / TIER_DIR if config.cache_dir else None
+        wanted = host_bytes or (disk_dir and config.kv_tier_disk_bytes)
+        if not config.enable_prefix_caching or not wanted:
+            return None
+        num_layers, _, kv_heads, _, block_size, head_dim = kv_cache.shape
+        layout = TierLayout(model_fingerprint(dict(model.named_parameters())), self.dtype,
+                            (num_layers, 2, kv_heads, block_size, head_dim))
+        return KVTier(layout, host_bytes, disk_dir, config.kv_tier_disk_bytes,
+                      pin_memory=self.device.type == "cuda")
+
     def _bytes_per_block(self, attention: AttentionBackend) -> int:
         layer = math.prod(attention.kv_cache_shape(1, self.block_size))
         element = torch.tensor([], dtype=self.dtype).element_size()
@@ -351,10 +397,10 @@ class Engine:
                    else "gpu_memory_utilization" if self.device.type == "cuda"
                    else "kv_cache_memory")
         size = f"{self.num_blocks} blocks, {nbytes / 2**30:.2f} GiB"
-        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        ram = _available_ram()
         if self.device.type == "cpu" and nbytes > ram:  # zeroing it would wake the OOM killer
             raise PagedChatError(f"the KV cache ({size}) is larger than this machine's "
-                                 f"{ram / 2**30:.1f} GiB of RAM: lower {setting}")
+                                 f"{ram / 2**30:.1f} GiB of available RAM: lower {setting}")
         with _out_of_memory(f"allocating the KV cache ({size})", f"lower {setting}"):
             kv_cache = torch.zeros((self.model_config.num_layers, 2,
                                     *attention.kv_cache_shape(self.num_blocks, self.block_size)),
@@ -388,6 +434,7 @@ class Engine:
                                *attention.kv_cache_shape(blocks, self.block_size)),
                               dtype=self.dtype, device=self.device)
         positions = torch.arange(tokens, device=self.device)
+        model.build_rope_tables(tokens)
         meta = AttentionMetadata(
             slot_mapping=positions, block_size=self.block_size, num_decodes=0,
             query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=self.device),
@@ -417,7 +464,10 @@ def _out_of_memory(doing: str, advice: str) -> Iterator[None]:
     """Turn an out-of-memory error at start-up into one line that says what to change."""
     try:
         yield
-    except torch.OutOfMemoryError as error:
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        # On the CPU, torch's allocator reports a failure as a plain RuntimeError.
+        if not isinstance(error, torch.OutOfMemoryError) and _CPU_ALLOCATION_FAILURE not in str(error):
+            raise
         raise PagedChatError(f"out of memory while {doing}: {advice}") from error
 
 
@@ -425,6 +475,17 @@ def _token_id(value: object) -> int:
     if isinstance(value, bool):
         raise TypeError("a bool is not a token id")
     return operator.index(value)
+
+
+def _available_ram() -> int:
+    """Bytes the kernel says can be allocated without swapping (MemAvailable), which is
+    what a new allocation can count on; total RAM where /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            line = next(line for line in meminfo if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def _resolve_device(device: str) -> torch.device:

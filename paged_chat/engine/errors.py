@@ -1,4 +1,5 @@
-"""Exceptions the engine raises. The CLI and TUI turn each into one line for the user."""
+"""Exceptions (and the one warning) the engine raises. The CLI and TUI turn each into one line
+for the user."""
 
 
 class PagedChatError(Exception):
@@ -11,6 +12,11 @@ class ModelLoadError(PagedChatError):
 
 class UnsupportedModelError(ModelLoadError):
     """The weights are readable but the architecture is not one the decoder implements."""
+
+
+class KVTierWarning(UserWarning):
+    """The disk KV tier turned itself off (full, read-only or vanished directory); the engine
+    goes on without it, and `EngineStats.tier.disk_error` says why."""
 
 
 class EngineDeadError(PagedChatError):

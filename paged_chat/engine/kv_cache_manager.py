@@ -4,6 +4,13 @@ A request's block table is the list of blocks holding its positions in order: bl
 holds positions `[i * block_size, (i + 1) * block_size)`. Tables grow on demand, one block
 at a time as tokens arrive, and go back to the pool whole when the request finishes, is
 aborted, errors or is preempted.
+
+With a KV tier (host RAM, disk) below the pool, the prefix-cache walk goes on past the
+pool's last hit: blocks the tier holds are read back into fresh blocks before the
+request's first chunk is scheduled, and count as computed. Blocks go down to the tier
+when they leave the pool's keeping: a request's hashed blocks when it frees them (finish,
+abort, preemption), and cached blocks when eviction takes them. Their KV is copied out at
+that moment (the next forward may overwrite it); the tier writes it to disk off the step.
 """
 
 from __future__ import annotations
@@ -11,8 +18,12 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import Counter
+from typing import Protocol
+
+import torch
 
 from paged_chat.engine.block_pool import BlockPool, KVBlock
+from paged_chat.engine.kv_tier import KVTier
 from paged_chat.engine.request import Request
 
 
@@ -23,10 +34,23 @@ def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
     return digest.digest()
 
 
+class BlockKV(Protocol):
+    """Copies whole blocks' KV out of and into the pool (the ModelRunner owns the tensor)."""
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor: ...
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None: ...
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
+                 tier: KVTier | None = None, block_kv: BlockKV | None = None) -> None:
+        assert tier is None or (enable_caching and block_kv is not None), (
+            "a KV tier needs the prefix cache and a way to copy blocks")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, track_evictions=tier is not None)
+        self.tier = tier
+        self.block_kv = block_kv
         self.tables: dict[str, list[KVBlock]] = {}
         self._num_hashed: dict[str, int] = {}
 
@@ -55,31 +79,37 @@ class KVCacheManager:
         return hits
 
     def allocate(self, request: Request, num_new_tokens: int,
-                 cached_prefix: list[KVBlock] | None = None) -> bool:
+                 cached_prefix: list[KVBlock] | None = None,
+                 tier_kv: list[torch.Tensor] | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and after the
-        `cached_prefix`, taken over here). Returns False, changing nothing, when the pool
-        is short."""
-        cached_prefix = cached_prefix or []
-        table = self.tables.setdefault(request.request_id, [])
-        num_tokens = (request.num_computed_tokens + len(cached_prefix) * self.block_size
-                      + num_new_tokens)
-        num_new_blocks = self.blocks_needed(num_tokens) - len(table) - len(cached_prefix)
-        revived = sum(1 for block in cached_prefix if block.ref_count == 0)
-        if num_new_blocks > self.pool.num_free_blocks - revived:
-            if not table:
-                del self.tables[request.request_id]
+        `cached_prefix`, taken over here, and the `tier_kv` blocks, written into fresh
+        blocks here). Returns False, changing nothing, when the pool is short."""
+        cached_prefix, tier_kv = cached_prefix or [], tier_kv or []
+        num_tokens = (request.num_computed_tokens + num_new_tokens
+                      + (len(cached_prefix) + len(tier_kv)) * self.block_size)
+        num_new_blocks = self._blocks_to_allocate(request, num_tokens, cached_prefix)
+        if num_new_blocks is None:
+            assert not tier_kv, "read_tier_prefix reads only what fits"
             return False
+        table = self.tables.setdefault(request.request_id, [])
         self.pool.touch(cached_prefix)
         table.extend(cached_prefix)
         if num_new_blocks > 0:
-            table.extend(self.pool.allocate(num_new_blocks))
+            fresh = self.pool.allocate(num_new_blocks)
+            self._offload_evicted()
+            self._restore(fresh[:len(tier_kv)], tier_kv)
+            table.extend(fresh)
         self._cache_full_blocks(request, num_tokens)
         return True
 
     def free(self, request: Request) -> None:
-        """Return the request's blocks, tail first, so its prefix is evicted last."""
+        """Return the request's blocks, tail first, so its prefix is evicted last (their KV
+        goes down to the tier first, when there is one)."""
         table = self.tables.pop(request.request_id, [])
         self._num_hashed.pop(request.request_id, None)
+        if self.tier is not None:
+            self._offload([(block.block_hash, block.block_id) for block in table
+                           if block.block_hash is not None])
         self.pool.free(table[::-1])
 
     def check_invariants(self) -> None:
@@ -96,6 +126,63 @@ class KVCacheManager:
             assert block.ref_count == holders[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count}, "
                 f"held by {holders[block.block_id]} tables")
+
+    def _blocks_to_allocate(self, request: Request, num_tokens: int,
+                            cached_prefix: list[KVBlock]) -> int | None:
+        """Fresh blocks the request's table needs to hold `num_tokens` once it has taken over
+        `cached_prefix`, or None when the pool cannot give that many."""
+        count = (self.blocks_needed(num_tokens) - len(self.tables.get(request.request_id, ()))
+                 - len(cached_prefix))
+        revived = sum(1 for block in cached_prefix if block.ref_count == 0)
+        return count if count <= self.pool.num_free_blocks - revived else None
+
+    # ---- the KV tier ------------------------------------------------------------------
+
+    def read_tier_prefix(self, request: Request, cached_prefix: list[KVBlock],
+                         budget: int) -> list[torch.Tensor] | None:
+        """The KV of the request's full blocks right after its `cached_prefix` (the pool's
+        hits) that the tier holds, read back now; [] without a tier or a hit.
+
+        Reads only when the pool has room for those blocks and a first chunk of up to
+        `budget` tokens, so `allocate` cannot then fail; returns None (the request waits,
+        as one whose chunk does not fit) when it has not. A block that turns out missing
+        or corrupt ends the run: the rest is prefilled.
+        """
+        if self.tier is None:
+            return []
+        start, max_blocks = len(cached_prefix), (request.num_tokens - 1) // self.block_size
+        run = 0
+        for block_hash in request.block_hashes[start:max_blocks]:
+            if block_hash not in self.tier:
+                break
+            run += 1
+        num_cached = (start + run) * self.block_size
+        num_tokens = num_cached + min(request.num_tokens - num_cached, budget)
+        if self._blocks_to_allocate(request, num_tokens, cached_prefix) is None:
+            return None
+        tier_kv = self.tier.load(request.block_hashes[start:start + run])
+        self.tier.record_misses(max_blocks - start - len(tier_kv))
+        return tier_kv
+
+    def _restore(self, blocks: list[KVBlock], tier_kv: list[torch.Tensor]) -> None:
+        if tier_kv:
+            self.block_kv.write_blocks([block.block_id for block in blocks], torch.stack(tier_kv))
+            for block in blocks:
+                block.from_tier = True
+
+    def _offload_evicted(self) -> None:
+        if self.pool.evicted:
+            evicted, self.pool.evicted = self.pool.evicted, []
+            self._offload(evicted)
+
+    def _offload(self, blocks: list[tuple[bytes, int]]) -> None:
+        """Copy out the KV of (hash, block id) pairs the tier does not hold yet and hand it
+        over; what the tier has no room for now is dropped."""
+        blocks = [(block_hash, block_id) for block_hash, block_id in blocks
+                  if block_hash not in self.tier][:self.tier.room()]
+        if blocks:
+            hashes, block_ids = zip(*blocks)
+            self.tier.store(list(hashes), self.block_kv.read_blocks(list(block_ids)))
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Index the blocks that are full once this step's tokens are written.

@@ -112,6 +112,7 @@ class Request:
     finish_reason: FinishReason | None = None
     error: str | None = None
     num_cached_prompt_tokens: int = 0
+    num_tier_cached_tokens: int = 0     # of num_cached_prompt_tokens, read back from a KV tier
     num_preemptions: int = 0
     first_token_time: float | None = None
     owner: str | None = None
@@ -146,7 +147,8 @@ class RequestOutput:
     """What one request produced in one step (a delta), or in total from `Engine.generate`.
 
     For a delta, `new_token_ids` and `new_text` are this step's; `token_ids` and `text` are
-    everything so far.
+    everything so far. `num_cached_tokens` prompt tokens were not prefilled (prefix cache
+    hits); `num_tier_cached_tokens` of them were read back from a KV tier (host RAM or disk).
     """
 
     request_id: str
@@ -159,3 +161,4 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    num_tier_cached_tokens: int = 0

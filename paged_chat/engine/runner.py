@@ -25,6 +25,10 @@ from paged_chat.engine.sampler import SamplingBatch, sample
 from paged_chat.engine.scheduler import ScheduledRequest
 
 
+# The cache is [layers, 2, kv_heads, blocks, block_size, head_dim] (AttentionBackend.kv_cache_shape).
+_BLOCK_AXIS = 3
+
+
 class SamplingError(Exception):
     """One request's sampling went wrong; the engine finishes that request with an error."""
 
@@ -64,6 +68,18 @@ class ModelRunner:
         except Exception:  # find the rows at fault; the others keep their tokens
             return [self._sample_row(logits[row:row + 1], item)
                     for row, item in enumerate(samplers)]
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of whole blocks' KV on the CPU, [blocks, layers, 2, kv_heads, block_size,
+        head_dim], that no later step touches (a KV tier keeps it)."""
+        index = torch.tensor(block_ids, device=self.device)
+        return self.kv_cache.movedim(_BLOCK_AXIS, 0)[index].cpu()
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Put whole blocks' KV (as `read_blocks` returns it) into the cache."""
+        index = torch.tensor(block_ids, device=self.device)
+        blocks = self.kv_cache.movedim(_BLOCK_AXIS, 0)
+        blocks.index_copy_(0, index, kv.to(self.device, self.kv_cache.dtype))
 
     def _sample_row(self, logits: torch.Tensor, item: ScheduledRequest) -> int | Exception:
         try:

@@ -8,7 +8,8 @@ Each step has one budget of `max_num_batched_tokens` shared by every kind of wor
    blocks go back (their content stays cached, so the recompute is mostly prefix hits)
    and it returns to the head of the waiting queue.
 2. Waiting requests, in arrival order, join while budget, `max_num_seqs` and blocks last.
-   Each first takes over its cached prefix, then prefills what is left, chunked.
+   Each first takes over its cached prefix (the pool's blocks, then what the KV tier reads
+   back into fresh blocks, both counted as cached), then prefills what is left, chunked.
 
 Nothing waits behind a long prompt: decodes are scheduled before it every step, and it
 only gets what budget is left. A preempted request goes back to the head of the queue, and
@@ -88,15 +89,20 @@ class Scheduler:
                and len(self.running) < self.max_num_seqs):
             request = self.waiting[0]
             cached_prefix = self.kv_cache.find_cached_prefix(request)
-            num_cached = len(cached_prefix) * self.kv_cache.block_size
+            tier_kv = self.kv_cache.read_tier_prefix(request, cached_prefix, budget)
+            if tier_kv is None:
+                break
+            num_tier_cached = len(tier_kv) * self.kv_cache.block_size
+            num_cached = len(cached_prefix) * self.kv_cache.block_size + num_tier_cached
             num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv_cache.allocate(request, num_new, cached_prefix):
+            if not self.kv_cache.allocate(request, num_new, cached_prefix, tier_kv):
                 break
             self.waiting.popleft()
             self.prefix_cache_queried_tokens += request.num_tokens
             self.prefix_cache_hit_tokens += num_cached
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = num_cached
+                request.num_tier_cached_tokens = num_tier_cached
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -25,10 +25,12 @@ class BlockMap:
     holder_positions: np.ndarray    # int32, parallel to holders: index in that request's table
     request_ids: tuple[str, ...]
     request_owners: tuple[str | None, ...]   # the owner tag each request was added with
+    from_tier: np.ndarray           # bool [num_blocks]: KV read back from a KV tier (host or disk)
 
     @classmethod
     def build(cls, ref_counts: np.ndarray, cached: np.ndarray,
-              tables: dict[str, list[int]], owners: dict[str, str | None]) -> "BlockMap":
+              tables: dict[str, list[int]], owners: dict[str, str | None],
+              from_tier: np.ndarray | None = None) -> "BlockMap":
         request_ids = tuple(tables)
         lengths = [len(tables[rid]) for rid in request_ids]
         block_ids = np.fromiter((b for rid in request_ids for b in tables[rid]), dtype=np.int64,
@@ -41,7 +43,37 @@ class BlockMap:
         holder_ptr = np.zeros(len(ref_counts) + 1, dtype=np.int32)
         np.cumsum(counts, out=holder_ptr[1:])
         return cls(ref_counts, cached, holder_ptr, request_index[order], positions[order],
-                   request_ids, tuple(owners.get(rid) for rid in request_ids))
+                   request_ids, tuple(owners.get(rid) for rid in request_ids),
+                   np.zeros(len(ref_counts), dtype=bool) if from_tier is None else from_tier)
+
+
+@dataclass(slots=True, frozen=True)
+class KVTierStats:
+    """The KV tiers under the prefix cache (all zero when they are off). Hits and misses count
+    full prompt blocks the pool did not have, from requests admitted since the start."""
+
+    host_capacity_bytes: int = 0     # 0: no host tier
+    host_bytes: int = 0              # KV held in the host tier now
+    host_blocks: int = 0
+    disk_capacity_bytes: int = 0     # 0: no disk tier
+    disk_bytes: int = 0              # every entry in the tier directory (other models' too)
+    disk_blocks: int = 0
+    hit_blocks: int = 0              # read back from a tier instead of prefilled
+    hit_tokens: int = 0
+    host_hit_blocks: int = 0         # of hit_blocks, from host RAM
+    disk_hit_blocks: int = 0         # of hit_blocks, from disk
+    miss_blocks: int = 0             # in neither the pool nor a tier: prefilled
+    miss_tokens: int = 0
+    bytes_read: int = 0              # from disk
+    bytes_written: int = 0           # to disk
+    writes_dropped: int = 0          # the writer's queue was full: not stored
+    entries_rejected: int = 0        # header or checksum mismatch: deleted, never loaded
+    disk_error: str | None = None    # why the disk tier turned itself off, if it did
+
+    @property
+    def hit_rate(self) -> float:
+        looked_up = self.hit_blocks + self.miss_blocks
+        return self.hit_blocks / looked_up if looked_up else 0.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -65,6 +97,7 @@ class EngineStats:
     step_time_s: float       # the last step, end to end
     forward_time_s: float    # the model's forward in the last step (the rest is host work)
     blocks: BlockMap
+    tier: KVTierStats = KVTierStats()
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -30,13 +30,15 @@ from paged_chat.settings import Settings, data_dir
 from paged_chat.store import ChatStore
 from paged_chat.text import sanitize_for_terminal as clean
 from paged_chat.tui.actions import ACTIONS, ChatActions, StoredChats, make_bindings
+from paged_chat.tui.chat_search import ChatSearch
 from paged_chat.tui.chat_tab import ChatTab
-from paged_chat.tui.engine_panel import EnginePanel, TabInfo
+from paged_chat.tui.engine_panel import EnginePanel, TabInfo, with_request_owners
 from paged_chat.tui.open_tabs import OpenTabs
 from paged_chat.tui.threads import leave_the_ui_a_core
 
 if TYPE_CHECKING:
     from paged_chat.engine import EngineClient, EngineConfig, SamplingParams
+    from paged_chat.server import ApiServer
     from paged_chat.store import Chat
     from paged_chat.tui.demo import Autopilot
 
@@ -49,13 +51,15 @@ class PagedChatApp(ChatActions, App):
     CSS_PATH = Path(__file__).with_name("app.tcss")
     TITLE = "paged-chat"
     BINDINGS = make_bindings()
-    COMMANDS = App.COMMANDS | {StoredChats}
+    COMMANDS = App.COMMANDS | {StoredChats, ChatSearch}
 
     def __init__(self, settings: Settings | None = None, *, engine: EngineClient | None = None,
                  engine_config: EngineConfig | None = None, store: ChatStore | None = None,
                  session_path: Path | None = None, demo: int | None = None,
-                 restore: bool = True, poll_s: float = 0.1) -> None:
+                 restore: bool = True, poll_s: float = 0.1, serve_port: int | None = None) -> None:
         super().__init__()
+        self.serve_port = serve_port   # --serve: the API on this app's engine, on this port
+        self.api_server: ApiServer | None = None
         self.settings = settings or Settings()
         self.engine = engine
         self._owns_engine = engine is None
@@ -81,6 +85,7 @@ class PagedChatApp(ChatActions, App):
         self.load_error: str | None = None
         self.load_seconds: float | None = None
         self._load_started = time.monotonic()
+        self._load_progress = ""     # what a slow load is doing (a GGUF's first conversion)
         self._engine_ready: asyncio.Event | None = None
         self._tab_infos: dict[str, TabInfo] | None = None
         self._autopilots: dict[ChatTab, Autopilot] = {}
@@ -164,8 +169,12 @@ class PagedChatApp(ChatActions, App):
 
         started = time.monotonic()
         leave_the_ui_a_core()
+
+        def progress(stage: str, done: int, total: int) -> None:  # read by the status line's poll
+            self._load_progress = f"{stage} {done}/{total}"
+
         try:
-            engine = AsyncEngine.from_config(self.engine_config)
+            engine = AsyncEngine.from_config(self.engine_config, on_progress=progress)
         except BaseException as error:  # shown in the status line and in any waiting tab
             try:
                 self.call_from_thread(self._engine_failed, describe_error(error))
@@ -184,6 +193,23 @@ class PagedChatApp(ChatActions, App):
         self._update_status()
         if seconds:
             self.notify(f"{engine.info.name} is ready ({seconds:.1f} s)", timeout=3, markup=False)
+        if engine.info.num_blocks == 0:
+            self.panel.remote = engine
+        if self.serve_port is not None:
+            self._serve_api(engine)
+
+    def _serve_api(self, engine: EngineClient) -> None:
+        """--serve: the OpenAI-compatible API on this engine, on the app's event loop; its
+        requests show in the block map under their own owner."""
+        from paged_chat.server import ApiServer
+
+        try:
+            self.api_server = ApiServer(engine, port=self.serve_port, embedded=True)
+        except PagedChatError as error:
+            self.notify(f"--serve: {error}", severity="error", timeout=30, markup=False)
+            return
+        self.run_worker(self.api_server.serve(), group="api", exit_on_error=False)
+        self.notify(f"serving the API on {self.api_server.url}/v1", timeout=5, markup=False)
 
     def _engine_failed(self, message: str) -> None:
         self.load_error = message
@@ -219,7 +245,7 @@ class PagedChatApp(ChatActions, App):
             self._tab_infos = {tab.chat_id: TabInfo(clean(tab.title), tab.colour, tab.tokens_of)
                                for tab in self.chat_tabs}
         try:
-            self.panel.show_stats(stats, self._tab_infos)
+            self.panel.show_stats(stats, with_request_owners(self._tab_infos, stats.blocks))
         except NoMatches:  # the panel is being built or torn down
             return
         self._ticks += 1
@@ -257,7 +283,8 @@ class PagedChatApp(ChatActions, App):
             config = self.engine_config
             elapsed = time.monotonic() - self._load_started
             text.append("◌ ", style="yellow")
-            text.append(f"loading {config.model} ({config.device}, {config.dtype}) … "
+            doing = f" · {self._load_progress}" if self._load_progress else ""
+            text.append(f"loading {config.model} ({config.device}, {config.dtype}){doing} … "
                         f"{elapsed:.0f} s — you can type already", style="yellow")
         if self.demo:
             text.append(f" · demo: {self.demo} tabs chat by themselves (Esc pauses one)",
@@ -399,6 +426,8 @@ class PagedChatApp(ChatActions, App):
 
     async def on_unmount(self) -> None:
         # The tabs' workers are cancelled by now: their rows got finish_reason "abort".
+        if self.api_server is not None:
+            self.api_server.stop()
         if self._owns_engine and self.engine is not None:
             engine, self.engine = self.engine, None
             await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
@@ -407,9 +436,16 @@ class PagedChatApp(ChatActions, App):
             shutil.rmtree(self._demo_dir, ignore_errors=True)
 
 
-def run_app(settings: Settings, demo: int | None = None) -> None:
-    """The bare `paged-chat` command: open the TUI (with `demo`, N self-chatting tabs)."""
-    app = PagedChatApp(settings, demo=demo)
+def run_app(settings: Settings, demo: int | None = None, serve_port: int | None = None,
+            server: str | None = None) -> None:
+    """The bare `paged-chat` command: open the TUI (with `demo`, N self-chatting tabs; with
+    `serve_port`, the API on its engine too; with `server`, on that remote server's engine)."""
+    engine = None
+    if server:
+        from paged_chat.remote import RemoteEngine
+
+        engine = RemoteEngine(server, settings.server.api_key)
+    app = PagedChatApp(settings, demo=demo, engine=engine, serve_port=serve_port)
     try:
         app.run()
     finally:

@@ -8,6 +8,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -56,6 +57,10 @@ def format_numbers(stats: EngineStats) -> Text:
         ("queue", f"running {stats.num_running} · waiting {stats.num_waiting} · "
                   f"preempted {stats.num_preemptions}"),
     ]
+    return _table(rows)
+
+
+def _table(rows: list[tuple[str, str]]) -> Text:
     text = Text(no_wrap=True, overflow="ellipsis")
     for index, (name, value) in enumerate(rows):
         if index:
@@ -63,6 +68,29 @@ def format_numbers(stats: EngineStats) -> Text:
         text.append(f"{name:<7}", style="bold")
         text.append(value)
     return text
+
+
+def with_request_owners(tabs: Mapping[str, TabInfo], blocks: BlockMap) -> Mapping[str, TabInfo]:
+    """The tabs, plus an entry for every other owner holding blocks (an API caller under
+    `--serve`, by its `user` or "api"), coloured after the tabs."""
+    others = [owner for owner in dict.fromkeys(blocks.request_owners)
+              if owner is not None and owner not in tabs]
+    if not others:
+        return tabs
+    return {**tabs, **{owner: TabInfo(owner, len(tabs) + index) for index, owner in enumerate(others)}}
+
+
+def format_remote_numbers(stats: EngineStats, kv_usage: float | None, has_metrics: bool) -> Text:
+    """A remote engine's numbers: what its /metrics says, or that it says nothing."""
+    if not has_metrics:
+        return Text("the server has no vLLM /metrics: each tab shows\nthe TTFT and tokens/s "
+                    "this client measures", style="dim")
+    rows = [("kv", "?" if kv_usage is None else f"{kv_usage:.0%} used"),
+            ("tok/s", f"prompt {_n(stats.prompt_tokens_per_s)} · gen {_n(stats.generation_tokens_per_s)}"),
+            ("prefix", f"hit {stats.prefix_cache_hit_rate:.0%}"),
+            ("queue", f"running {stats.num_running} · waiting {stats.num_waiting} · "
+                      f"preempted {stats.num_preemptions}")]
+    return _table(rows)
 
 
 def format_legend(tabs: Mapping[str, TabInfo]) -> Text:
@@ -129,6 +157,7 @@ class EnginePanel(Vertical):
         self.stats: EngineStats | None = None
         self.tabs: Mapping[str, TabInfo] = {}
         self.decode: Callable[[Sequence[int]], str] | None = None
+        self.remote: Any = None   # a remote EngineClient (kv_cache_usage, has_metrics); no pool
         self._pinned: int | None = None
         self._shown_at = 0.0                    # when show_stats last drew
         self._shown_text: dict[str, Text] = {}  # what each readout shows
@@ -159,6 +188,11 @@ class EnginePanel(Vertical):
             return
         self._shown_at = now
         self.stats = stats
+        if self.remote is not None:
+            self._update_static("#pool-title", Text("remote engine: no block map", style="bold"))
+            self._update_static("#numbers", format_remote_numbers(
+                stats, self.remote.kv_cache_usage, self.remote.has_metrics))
+            return
         busy = bool(stats.num_running or stats.num_waiting)
         self._history["batch"].append(stats.batch_size if busy else 0)
         self._history["gen"].append(stats.generation_tokens_per_s if busy else 0.0)

@@ -32,6 +32,10 @@ class AttentionBackend:
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
-        """query [T, heads, dim], key/value [T, kv_heads, dim] -> output [T, heads, dim]."""
+                 meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
+        """query [T, heads, dim], key/value [T, kv_heads, dim] -> output [T, heads, dim].
+
+        With `sliding_window`, a query at position p attends the keys at k with
+        p - sliding_window < k <= p (transformers' sliding_window_overlay); else all k <= p.
+        """
         raise NotImplementedError

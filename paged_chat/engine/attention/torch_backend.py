@@ -18,7 +18,7 @@ plus the new tokens, with a causal mask offset by the prefix length.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,16 +32,17 @@ class TorchAttention(AttentionBackend):
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
+                 meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
         self._store(key, key_cache, meta.slot_mapping)
         self._store(value, value_cache, meta.slot_mapping)
         output = torch.empty_like(query)
         if meta.num_decodes:
             output[:meta.num_decodes] = self._decode(query[:meta.num_decodes], key_cache,
-                                                     value_cache, meta)
+                                                     value_cache, meta, sliding_window)
         for seq in range(meta.num_decodes, meta.num_seqs):
             start, end = meta.query_start_loc_list[seq], meta.query_start_loc_list[seq + 1]
-            output[start:end] = self._prefill(query[start:end], key_cache, value_cache, meta, seq)
+            output[start:end] = self._prefill(query[start:end], key_cache, value_cache, meta, seq,
+                                              sliding_window)
         return output
 
     def _store(self, new: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
@@ -54,7 +55,7 @@ class TorchAttention(AttentionBackend):
         return flat.view(kv_heads, num_seqs, -1, head_dim)
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:
         num_seqs, kv_heads, group, dim = query.shape[0], self.num_kv_heads, self.group_size, self.head_dim
         layout = _DecodeLayout.of(meta, num_seqs)
         grouped = query.view(num_seqs, kv_heads, group, dim).transpose(0, 1).contiguous()
@@ -70,7 +71,7 @@ class TorchAttention(AttentionBackend):
             shared_scores = torch.bmm(grouped.view(kv_heads, num_seqs * group, dim),
                                       shared_keys.transpose(1, 2))
             scores = torch.cat((shared_scores.view(kv_heads, num_seqs, group, -1), scores), dim=-1)
-        scores = scores.float().masked_fill_(layout.padding, float("-inf"))
+        scores = scores.float().masked_fill_(layout.mask(sliding_window), float("-inf"))
         probs = torch.softmax(scores * self.scale, dim=-1).to(values.dtype)
         shared_len = scores.shape[-1] - keys.shape[1]
         out = torch.bmm(probs[..., shared_len:].reshape(batch, group, -1), values)
@@ -81,7 +82,7 @@ class TorchAttention(AttentionBackend):
             num_seqs, self.num_heads, dim)
 
     def _prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 meta: AttentionMetadata, seq: int) -> torch.Tensor:
+                 meta: AttentionMetadata, seq: int, sliding_window: int | None) -> torch.Tensor:
         num_new = query.shape[0]
         seq_len = meta.seq_lens_list[seq]
         block_ids = meta.block_tables[seq, :-(-seq_len // meta.block_size)].long()
@@ -91,6 +92,8 @@ class TorchAttention(AttentionBackend):
         query_pos = torch.arange(seq_len - num_new, seq_len, device=query.device)
         key_pos = torch.arange(seq_len, device=query.device)
         mask = key_pos[None, :] <= query_pos[:, None]
+        if sliding_window is not None:
+            mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
         out = F.scaled_dot_product_attention(query.transpose(0, 1), keys, values, attn_mask=mask,
                                              scale=self.scale, enable_gqa=self.group_size > 1)
         return out.transpose(0, 1)
@@ -107,12 +110,26 @@ class _DecodeLayout:
     `shared_ids` are the leading blocks every decode sequence has in its table (a shared
     system prompt, a forked chat), or None; `unique_ids` the rest of each table up to the
     longest context, flat; `padding` marks positions past each sequence's end, over the
-    shared and unique keys in that order.
+    shared and unique keys in that order (which are positions 0, 1, ... of each sequence).
+    `windowed` caches, per sliding window, the padding plus the keys outside the window.
     """
 
     shared_ids: torch.Tensor | None
     unique_ids: torch.Tensor
     padding: torch.Tensor
+    key_positions: torch.Tensor
+    last_positions: torch.Tensor
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor:
+        """Where a decode query must not look: past its end, and before its window."""
+        if sliding_window is None:
+            return self.padding
+        mask = self.windowed.get(sliding_window)
+        if mask is None:
+            early = self.key_positions[None, :] <= self.last_positions[:, None] - sliding_window
+            mask = self.windowed[sliding_window] = self.padding | early[None, :, None, :]
+        return mask
 
     @classmethod
     def of(cls, meta: AttentionMetadata, num_seqs: int) -> "_DecodeLayout":
@@ -137,4 +154,5 @@ class _DecodeLayout:
         padding = positions[None, :] >= meta.seq_lens[:num_seqs, None]
         return cls(shared_ids=tables[0, :shared] if shared else None,
                    unique_ids=tables[:, shared:].reshape(-1),
-                   padding=padding[None, :, None, :])
+                   padding=padding[None, :, None, :], key_positions=positions,
+                   last_positions=meta.seq_lens[:num_seqs] - 1)

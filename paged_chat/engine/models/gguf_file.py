@@ -1,8 +1,9 @@
-"""Read a llama-family .gguf file as Hugging Face parts: config dict, weights, tokenizer.
+"""Read a .gguf file as Hugging Face parts: config dict, tensor locations, tokenizer.
 
 The decoder only knows HF parameter names and HF config keys, so everything GGUF-specific
-(metadata keys, tensor names, llama.cpp's q/k row permutation, Llama 3 rope factors stored as
-a tensor) is translated here and nowhere else.
+(metadata keys, tensor names, llama.cpp's q/k row permutation, Gemma's norm weights stored
+plus one, Llama 3 rope factors stored as a tensor) is translated here and nowhere else.
+Tensors are dequantized one at a time (large ones in row chunks) when the model loads.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -21,69 +23,103 @@ import torch
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from paged_chat import settings
 from paged_chat.engine.errors import ModelLoadError, UnsupportedModelError
+from paged_chat.engine.models.checkpoint import Checkpoint, StoredTensor, read_exact
+from paged_chat.engine.models.gguf_header import GGUFHeader, TensorInfo, read_gguf_header
 from paged_chat.engine.models.model_config import SUPPORTED_ARCHITECTURES
+from paged_chat.engine.models.tensor_names import gguf_to_hf_name
 
 # GGUF architecture -> HF model_type. llama.cpp stores Mistral models as "llama".
-GGUF_ARCHITECTURES: dict[str, str] = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHITECTURES: dict[str, str] = {
+    "llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
+}
 _HF_CLASSES = {
     "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
-
-_TOP_LEVEL_NAMES = {
-    "token_embd": "model.embed_tokens",
-    "output_norm": "model.norm",
-    "output": "lm_head",
-}
-_BLOCK_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
+# What llama.cpp hard-codes for Gemma 3 rather than storing it in the file.
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+_GEMMA3_SLIDING_WINDOW_PATTERN = 6
 # Llama 3 rope scaling: convert_hf_to_gguf writes per-frequency divisors instead of metadata.
 _ROPE_FREQS = "rope_freqs.weight"
-_MIB = 1 << 20
+# Large tensors are dequantized this many fp32 bytes at a time.
+_CHUNK_BYTES = 16 << 20
 
 
-def read_gguf(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Return (HF config dict, float32 weights under HF names) for a llama-family GGUF file."""
-    reader = _open_reader(path)
-    arch = _field(reader, "general.architecture")
+@dataclass(frozen=True, slots=True)
+class GGUFModel:
+    """A GGUF file's HF config, its tensors under HF names, and a digest of its header
+    (all metadata and tensor infos: what the converted tokenizer and weights depend on)."""
+
+    hf_config: dict[str, Any]
+    checkpoint: "GGUFCheckpoint"
+    header_digest: str
+
+
+class GGUFCheckpoint(Checkpoint):
+    """GGUF tensors under HF names, dequantized and put back in HF layout as they are read."""
+
+    def __init__(self, tensors: dict[str, StoredTensor], arch: str, num_heads: int,
+                 num_kv_heads: int) -> None:
+        super().__init__(tensors)
+        self.arch = arch
+        self.heads = {"self_attn.q_proj.weight": num_heads, "self_attn.k_proj.weight": num_kv_heads}
+
+    def read_into(self, name: str, out: torch.Tensor) -> int:
+        stored = self.tensors[name]
+        qtype = gguf.GGMLQuantizationType[stored.dtype]
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        cols = stored.shape[-1]
+        rows = math.prod(stored.shape[:-1])
+        row_bytes = cols // block * type_size
+        heads = self.heads.get(name.split(".", 3)[-1]) if self.arch == "llama" else None
+        chunk = rows if heads else max(1, _CHUNK_BYTES // (4 * cols))
+        flat = out.view(rows, cols)
+        for start in range(0, rows, chunk):
+            count = min(chunk, rows - start)
+            raw = np.empty((count, row_bytes), dtype=np.uint8)
+            read_exact(stored.file, stored.offset + start * row_bytes, memoryview(raw).cast("B"))
+            values = torch.from_numpy(_dequantize(raw, qtype, name, stored.file)).view(count, cols)
+            if heads:
+                values = _unpermute_rows(values, heads)
+            if self.arch == "gemma3" and name.endswith("norm.weight"):
+                values = values - 1  # convert_hf_to_gguf stores Gemma's (1 + w) as the weight
+            flat[start:start + count].copy_(values)
+        return 0
+
+
+def read_gguf(path: Path) -> GGUFModel:
+    """The HF config and the tensor locations of a GGUF file; no tensor data is read."""
+    header = read_gguf_header(path)
+    arch = _field(header, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         supported = ", ".join(SUPPORTED_ARCHITECTURES)
         raise UnsupportedModelError(
-            f"{path}: GGUF architecture {arch!r} is not supported: paged-chat runs the llama "
-            f"family ({supported})")
-    if (_field(reader, "split.count") or 1) > 1:
+            f"{path}: GGUF architecture {arch!r} is not supported: paged-chat runs {supported}")
+    if (_field(header, "split.count") or 1) > 1:
         raise ModelLoadError(
             f"{path} is one part of a split GGUF: merge the parts first with "
             f"`llama-gguf-split --merge FIRST_PART OUT.gguf`")
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {t.name: t for t in header.tensors}
     rope_freqs = tensors.pop(_ROPE_FREQS, None)
-    hf_config = _hf_config(reader, arch, tensors, rope_freqs, path)
-    weights = {_hf_tensor_name(name, path): _dequantize(t, path) for name, t in tensors.items()}
-    if arch == "llama":
-        _unpermute_qk(weights, hf_config["num_attention_heads"], hf_config["num_key_value_heads"])
-    return hf_config, weights
+    hf_config = _hf_config(header, arch, tensors, rope_freqs, path)
+    stored = {_hf_tensor_name(arch, name, path): _stored(t, path) for name, t in tensors.items()}
+    checkpoint = GGUFCheckpoint(stored, arch, hf_config["num_attention_heads"],
+                                hf_config["num_key_value_heads"])
+    return GGUFModel(hf_config, checkpoint, _header_digest(path, header.data_offset))
 
 
-def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+def load_gguf_tokenizer(path: Path, header_digest: str,
+                        cache_dir: Path | None) -> PreTrainedTokenizerBase:
     """Build the tokenizer from GGUF metadata, converting once and reusing a saved copy.
 
     The transformers conversion re-reads the whole vocabulary (seconds); the saved
-    tokenizer.json loads in a fraction of that.
+    tokenizer.json loads in a fraction of that. The copy is keyed by the whole header, so
+    a template edited in place is never served stale; `cache_dir` None keeps no copy.
     """
-    cached = settings.cache_dir() / "tokenizers" / _cache_key(path)
-    if cached.is_dir():
+    key = hashlib.sha256(f"{transformers.__version__}:{header_digest}".encode()).hexdigest()
+    cached = cache_dir / "tokenizers" / key[:32] if cache_dir is not None else None
+    if cached is not None and cached.is_dir():
         return AutoTokenizer.from_pretrained(cached)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -93,26 +129,15 @@ def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
             f"{path}: cannot build a tokenizer from its GGUF metadata ({reason}); use a GGUF "
             f"file made by a recent llama.cpp convert_hf_to_gguf.py, or the HF model folder"
         ) from exc
-    _save_atomically(tokenizer, cached)
+    if cached is not None:
+        _save_atomically(tokenizer, cached)
     return tokenizer
 
 
-def _open_reader(path: Path) -> gguf.GGUFReader:
-    try:
-        return gguf.GGUFReader(path)
-    except (OSError, ValueError, IndexError, OverflowError) as exc:
-        raise ModelLoadError(
-            f"{path} is not a readable GGUF file ({exc}): it is probably truncated or corrupt, "
-            f"download it again") from exc
-
-
-def _field(reader: gguf.GGUFReader, key: str) -> Any:
+def _field(header: GGUFHeader, key: str) -> Any:
     """A metadata value as a Python value (float32 values at their shortest repr), or None."""
-    field = reader.get_field(key)
-    if field is None:
-        return None
-    value = field.contents()
-    if field.types[-1] == gguf.GGUFValueType.FLOAT32:
+    value = header.metadata.get(key)
+    if value is not None and key in header.float32_keys:
         return _shortest_float32(value)
     return value
 
@@ -122,10 +147,10 @@ def _shortest_float32(value: float) -> float:
     return float(str(np.float32(value)))
 
 
-def _hf_config(reader: gguf.GGUFReader, arch: str, tensors: dict[str, gguf.ReaderTensor],
-               rope_freqs: gguf.ReaderTensor | None, path: Path) -> dict[str, Any]:
+def _hf_config(header: GGUFHeader, arch: str, tensors: dict[str, TensorInfo],
+               rope_freqs: TensorInfo | None, path: Path) -> dict[str, Any]:
     def meta(suffix: str) -> Any:
-        return _field(reader, f"{arch}.{suffix}")
+        return _field(header, f"{arch}.{suffix}")
 
     def required(suffix: str) -> Any:
         if (value := meta(suffix)) is None:
@@ -140,9 +165,10 @@ def _hf_config(reader: gguf.GGUFReader, arch: str, tensors: dict[str, gguf.Reade
             f"language model: download or convert it again")
     hidden = required("embedding_length")
     num_heads = required("attention.head_count")
-    head_dim = meta("attention.key_length") or hidden // num_heads
+    # A zero head count is refused by ModelConfig, naming the key; not divided by here.
+    head_dim = meta("attention.key_length") or (hidden // num_heads if num_heads else None)
     rotary_dim = meta("rope.dimension_count")
-    if rotary_dim is not None and rotary_dim != head_dim:
+    if None not in (rotary_dim, head_dim) and rotary_dim != head_dim:
         raise UnsupportedModelError(
             f"{path}: rope covers {rotary_dim} of {head_dim} head dims; paged-chat only runs "
             f"full-rotary llama-family models")
@@ -162,23 +188,35 @@ def _hf_config(reader: gguf.GGUFReader, arch: str, tensors: dict[str, gguf.Reade
         "rope_theta": rope_theta,
         "max_position_embeddings": meta("context_length") or 4096,
         "tie_word_embeddings": "output.weight" not in tensors,
-        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
-        "eos_token_id": _eos_token_ids(reader),
+        "bos_token_id": _field(header, "tokenizer.ggml.bos_token_id"),
+        "eos_token_id": _eos_token_ids(header),
     }
     rope_scaling = _metadata_rope_scaling(meta)
     if rope_freqs is not None:
-        rope_scaling = _llama3_rope_scaling(_dequantize(rope_freqs, path).numpy(), rope_theta,
-                                            head_dim, path)
+        raw = np.empty(rope_freqs.nbytes, dtype=np.uint8)
+        read_exact(path, rope_freqs.offset, memoryview(raw))
+        factors = _dequantize(raw, rope_freqs.qtype, _ROPE_FREQS, path)
+        rope_scaling = _llama3_rope_scaling(factors, rope_theta, head_dim, path)
     if rope_scaling:
         config["rope_scaling"] = rope_scaling
+    if (window := meta("attention.sliding_window")) is not None:
+        config["sliding_window"] = window
+    if arch == "gemma3":
+        config |= {"query_pre_attn_scalar": head_dim, "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_THETA}
+        pattern = meta("attention.sliding_window_pattern")
+        if isinstance(pattern, list):  # one bool per layer: True where the layer is windowed
+            config["layer_types"] = ["sliding_attention" if windowed else "full_attention"
+                                     for windowed in pattern]
+        else:
+            config["sliding_window_pattern"] = pattern or _GEMMA3_SLIDING_WINDOW_PATTERN
     return config
 
 
-def _eos_token_ids(reader: gguf.GGUFReader) -> int | list[int] | None:
+def _eos_token_ids(header: GGUFHeader) -> int | list[int] | None:
     """eos plus the end-of-turn/message tokens llama.cpp also stops on, as HF configs list them."""
     ids: list[int] = []
     for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
-        value = _field(reader, f"tokenizer.ggml.{key}")
+        value = _field(header, f"tokenizer.ggml.{key}")
         if value is not None and value not in ids:
             ids.append(value)
     if not ids:
@@ -248,63 +286,51 @@ def _llama3_rope_scaling(freqs: np.ndarray, theta: float, head_dim: int,
     return scaling
 
 
-def _hf_tensor_name(name: str, path: Path) -> str:
-    stem, _, suffix = name.rpartition(".")
-    if stem in _TOP_LEVEL_NAMES:
-        return f"{_TOP_LEVEL_NAMES[stem]}.{suffix}"
-    parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _BLOCK_NAMES:
-        return f"model.layers.{parts[1]}.{_BLOCK_NAMES[parts[2]]}.{suffix}"
-    raise UnsupportedModelError(
-        f"{path}: unexpected tensor {name!r} for a llama-family model; this GGUF uses "
-        f"features paged-chat does not implement")
+def _hf_tensor_name(arch: str, name: str, path: Path) -> str:
+    hf_name = gguf_to_hf_name(arch, name)
+    if hf_name is None:
+        raise UnsupportedModelError(
+            f"{path}: unexpected tensor {name!r} for a {arch} model; this GGUF uses features "
+            f"paged-chat does not implement")
+    return hf_name
 
 
-def _dequantize(tensor: gguf.ReaderTensor, path: Path) -> torch.Tensor:
-    """float32 copy of a GGUF tensor in HF layout ([out, in]: GGUF lists dims reversed)."""
+def _stored(tensor: TensorInfo, path: Path) -> StoredTensor:
+    """Where a tensor's bytes are, with its shape in HF order (GGUF lists dims reversed)."""
+    return StoredTensor(path, tensor.offset, tensor.nbytes, tensor.qtype.name,
+                        tuple(reversed(tensor.shape)))
+
+
+def _dequantize(raw: np.ndarray, qtype: gguf.GGMLQuantizationType, name: str,
+                path: Path) -> np.ndarray:
+    """float32 rows of stored rows (dequantize may return a read-only view: copy it)."""
     try:
-        array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        array = gguf.quants.dequantize(raw, qtype)
     except NotImplementedError as exc:
         raise ModelLoadError(
-            f"{path}: tensor {tensor.name} is stored as {tensor.tensor_type.name}, which the gguf "
-            f"package cannot dequantize; use a Q4_0/Q4_1/Q5_x/Q8_0/K-quant/F16/BF16/F32 file"
-        ) from exc
-    # The reader hands out read-only views of the memory-mapped file: copy them off it.
-    return torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+            f"{path}: tensor {name} is stored as {qtype.name}, which the gguf package cannot "
+            f"dequantize; use a Q4_0/Q4_1/Q5_x/Q8_0/K-quant/F16/BF16/F32 file") from exc
+    return np.require(array, np.float32, ["C", "W"])
 
 
-def _unpermute_qk(weights: dict[str, torch.Tensor], num_heads: int, num_kv_heads: int) -> None:
+def _unpermute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
     """Undo convert_hf_to_gguf's permute() of q/k rows (llama.cpp's rope pairs dims differently).
 
     permute() reshapes rows to (heads, 2, rows/heads/2) and swaps the last two axes; the
     inverse reshapes to (heads, rows/heads/2, 2) and swaps them back.
     """
-    for name, tensor in weights.items():
-        if name.endswith("self_attn.q_proj.weight"):
-            heads = num_heads
-        elif name.endswith("self_attn.k_proj.weight"):
-            heads = num_kv_heads
-        else:
-            continue
-        rows = tensor.shape[0]
-        weights[name] = (tensor.reshape(heads, rows // heads // 2, 2, *tensor.shape[1:])
-                         .swapaxes(1, 2).reshape(tensor.shape).contiguous())
+    count = rows.shape[0]
+    return rows.reshape(heads, count // heads // 2, 2, -1).swapaxes(1, 2).reshape(rows.shape)
 
 
-def _cache_key(path: Path) -> str:
-    """A content key that costs two MiB of reading even for multi-GB files.
-
-    Size plus first and last MiB identify a GGUF in practice (the header holds all metadata);
-    the transformers version is included because it decides the converted result.
-    """
-    digest = hashlib.sha256(transformers.__version__.encode())
-    size = path.stat().st_size
-    digest.update(str(size).encode())
+def _header_digest(path: Path, data_offset: int) -> str:
+    """sha256 of everything before the tensor data (metadata and tensor infos: small) and
+    of the data's size."""
+    digest = hashlib.sha256()
     with path.open("rb") as f:
-        digest.update(f.read(_MIB))
-        f.seek(max(size - _MIB, 0))
-        digest.update(f.read(_MIB))
-    return digest.hexdigest()[:32]
+        digest.update(f.read(data_offset))
+    digest.update(str(path.stat().st_size - data_offset).encode())
+    return digest.hexdigest()
 
 
 def _save_atomically(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:

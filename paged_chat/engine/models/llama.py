@@ -1,4 +1,4 @@
-"""One decoder for the llama family: Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3.
+"""One decoder for the llama family (Llama 2/3, Mistral, SmolLM, Qwen2, Qwen3) and Gemma 3.
 
 The forward takes a flat, unpadded batch: the step's new tokens of every sequence, their
 positions, and the attention metadata that says which tokens belong to which sequence and
@@ -6,12 +6,19 @@ where their K/V live in the paged cache. It returns logits only for the rows the
 samples from. Numerics follow Hugging Face transformers (RMSNorm in fp32, rotate-half
 RoPE from an fp32 table) so greedy tokens match `generate` on the same weights.
 
-Q/K/V and gate/up projections are fused at load time: one matmul instead of three (two).
+Q/K/V and gate/up projections are fused: one matmul instead of three (two). Checkpoint
+tensors are copied into their slice of the fused parameter one at a time (`destination`),
+so loading never holds a second copy of the model.
+
+Gemma 3 differs in a few places, each switched by `ModelConfig.gemma`: embeddings scaled
+by sqrt(hidden), RMSNorm by (1 + weight) in fp32, norms after attention and after the MLP
+too, GELU-tanh, and its sliding-window layers with their own RoPE base.
 """
 
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,27 +27,32 @@ from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.errors import UnsupportedModelError
 from paged_chat.engine.models.model_config import ModelConfig
-
+from paged_chat.engine.models.tensor_names import LAYER_TENSORS, TOP_TENSORS, split_hf_name
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """Llama's `weight * norm(x).to(dtype)`, or Gemma's `(norm(x) * (1 + weight)).to(dtype)`."""
+
+    def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
 
-def rope_inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+def rope_inverse_frequencies(head_dim: int, theta: float,
+                             scaling: dict | None) -> torch.Tensor:
     """Per-pair rotation frequencies, with linear or Llama 3 scaling applied."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    scaling = config.rope_scaling
+    dim = head_dim
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     if scaling is None:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -67,8 +79,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, window: int | None) -> None:
         super().__init__()
+        self.window = window
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
@@ -77,8 +90,9 @@ class Attention(nn.Module):
         self.split_sizes = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(config.hidden_size, q_size + 2 * kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        norm = lambda: RMSNorm(self.head_dim, config.rms_norm_eps, config.gemma)  # noqa: E731
+        self.q_norm = norm() if config.qk_norm else None
+        self.k_norm = norm() if config.qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
@@ -92,7 +106,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = attention(q, k, v, key_cache, value_cache, meta)
+        out = attention(q, k, v, key_cache, value_cache, meta, sliding_window=self.window)
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
@@ -101,19 +115,25 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gelu = config.gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(gate * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """Llama's layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, config: ModelConfig, window: int | None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma)
+        self.self_attn = Attention(config, window)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps,
+                                                config.gemma)
         self.mlp = MLP(config)
+        self.local_rope = window is not None and config.local_rope_theta is not None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
@@ -123,77 +143,113 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class GemmaDecoderLayer(DecoderLayer):
+    """Gemma 3's layer: norms before and after both attention and the MLP
+    (post_attention_layernorm normalises the attention output here)."""
+
+    def __init__(self, config: ModelConfig, window: int | None) -> None:
+        super().__init__(config, window)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, True)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
+                attention: AttentionBackend) -> torch.Tensor:
+        attended = self.self_attn(self.input_layernorm(x), cos, sin, key_cache, value_cache,
+                                  meta, attention)
+        x = x + self.post_attention_layernorm(attended)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+
+
 class LlamaForCausalLM(nn.Module):
-    """The decoder. Build it with `from_weights`; call it with a flat batch."""
+    """The decoder. Make it with `empty`, fill it through `destination`, then
+    `build_rope_tables`; call it with a flat batch."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        windows = config.layer_windows or (None,) * config.num_layers
+        layer_cls = GemmaDecoderLayer if config.gemma else DecoderLayer
+        # An explicit weight skips the random init: normal_ costs seconds on its first call,
+        # even on the meta device, and the checkpoint overwrites it anyway.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
+        self.layers = nn.ModuleList(layer_cls(config, window) for window in windows)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.gemma)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False)
+        q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        # Row sizes of the checkpoint tensors each fused parameter stacks, in order.
+        self.shard_rows = {"self_attn.qkv_proj": (q_size, kv_size, kv_size),
+                           "mlp.gate_up_proj": (config.intermediate_size,) * 2}
 
     @classmethod
-    def from_weights(cls, config: ModelConfig, weights: dict[str, torch.Tensor],
-                     dtype: torch.dtype, device: torch.device, max_positions: int) -> "LlamaForCausalLM":
-        """Build without random init (meta device), then take every parameter from `weights`."""
+    def empty(cls, config: ModelConfig, dtype: torch.dtype,
+              device: torch.device | str) -> "LlamaForCausalLM":
+        """Parameters allocated in `dtype` on `device`, uninitialised (no random init, no
+        float32 detour); on the meta device nothing is allocated at all."""
         with torch.device("meta"):
-            model = cls(config)
-        model.to_empty(device=device)
-        model.to(dtype)
-        model._load(weights)
-        model._build_rope_table(max_positions, dtype, device)
+            model = cls(config).to(dtype)
+        if torch.device(device).type != "meta":
+            model.to_empty(device=device)
+        embed_scale = torch.tensor(config.hidden_size ** 0.5 if config.gemma else 1.0)
+        model.register_buffer("embed_scale", embed_scale.to(dtype=dtype, device=device),
+                              persistent=False)
         return model.eval()
 
-    def _load(self, weights: dict[str, torch.Tensor]) -> None:
-        def take(name: str) -> torch.Tensor:
-            if name not in weights:
-                raise UnsupportedModelError(f"the checkpoint has no tensor {name!r}")
-            return weights[name]
-
-        own = dict(self.named_parameters())
-        loaded: set[str] = set()
-
-        def put(name: str, tensor: torch.Tensor) -> None:
-            param = own[name]
-            if tuple(param.shape) != tuple(tensor.shape):
-                raise UnsupportedModelError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                            f"the config implies {tuple(param.shape)}")
-            param.data.copy_(tensor)
-            loaded.add(name)
-
-        put("embed_tokens.weight", take("model.embed_tokens.weight"))
-        put("norm.weight", take("model.norm.weight"))
-        if self.lm_head is not None:
-            put("lm_head.weight", take("lm_head.weight"))
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every HF checkpoint tensor this model reads, with its shape."""
+        params = dict(self.named_parameters())
+        shapes = {f"{t.hf}.weight": tuple(params[f"{t.param}.weight"].shape)
+                  for t in TOP_TENSORS if f"{t.param}.weight" in params}
         for i in range(self.config.num_layers):
-            src, dst = f"model.layers.{i}.", f"layers.{i}."
-            projections = [take(f"{src}self_attn.{p}_proj.weight") for p in "qkv"]
-            put(f"{dst}self_attn.qkv_proj.weight", torch.cat(projections))
-            if self.config.attention_bias:
-                biases = [take(f"{src}self_attn.{p}_proj.bias") for p in "qkv"]
-                put(f"{dst}self_attn.qkv_proj.bias", torch.cat(biases))
-            put(f"{dst}self_attn.o_proj.weight", take(f"{src}self_attn.o_proj.weight"))
-            if self.config.qk_norm:
-                put(f"{dst}self_attn.q_norm.weight", take(f"{src}self_attn.q_norm.weight"))
-                put(f"{dst}self_attn.k_norm.weight", take(f"{src}self_attn.k_norm.weight"))
-            gate_up = [take(f"{src}mlp.{p}_proj.weight") for p in ("gate", "up")]
-            put(f"{dst}mlp.gate_up_proj.weight", torch.cat(gate_up))
-            put(f"{dst}mlp.down_proj.weight", take(f"{src}mlp.down_proj.weight"))
-            for norm in ("input_layernorm", "post_attention_layernorm"):
-                put(f"{dst}{norm}.weight", take(f"{src}{norm}.weight"))
-        missing = set(own) - loaded
-        assert not missing, f"parameters left uninitialised: {sorted(missing)}"
+            for t in LAYER_TENSORS:
+                for kind in ("weight", "bias"):
+                    param = params.get(f"layers.{i}.{t.param}.{kind}")
+                    if param is None:
+                        continue
+                    rows = self.shard_rows.get(t.param)
+                    shape = (rows[t.shard], *param.shape[1:]) if rows else tuple(param.shape)
+                    shapes[f"model.layers.{i}.{t.hf}.{kind}"] = shape
+        return shapes
 
-    def _build_rope_table(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
-        inv_freq = rope_inverse_frequencies(self.config).to(device)
+    def destination(self, hf_name: str) -> torch.Tensor | None:
+        """The parameter slice an HF checkpoint tensor is copied into, or None for one this
+        model does not read (a tied lm_head, extras such as rotary tables)."""
+        split = split_hf_name(hf_name)
+        if split is None:
+            return None
+        t, layer, kind = split
+        module = t.param if layer is None else f"layers.{layer}.{t.param}"
+        try:
+            param = self.get_parameter(f"{module}.{kind}")
+        except AttributeError:  # no such parameter in this config (a bias, a tied lm_head)
+            return None
+        rows = self.shard_rows.get(t.param)
+        if rows is None:
+            return param.data
+        return param.data.narrow(0, sum(rows[:t.shard]), rows[t.shard])
+
+    def build_rope_tables(self, max_positions: int) -> None:
+        """cos/sin tables for positions [0, max_positions): the global one and, where the
+        windowed layers have their own base (Gemma 3), a local one. Size them from the
+        engine's effective max_model_len, never from the checkpoint's metadata alone."""
+        c = self.config
+        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
+        self._register_rope("rope", rope_inverse_frequencies(c.head_dim, c.rope_theta,
+                                                             c.rope_scaling), max_positions,
+                            device, dtype)
+        if c.local_rope_theta is not None:
+            self._register_rope("local_rope", rope_inverse_frequencies(
+                c.head_dim, c.local_rope_theta, None), max_positions, device, dtype)
+
+    def _register_rope(self, name: str, inv_freq: torch.Tensor, max_positions: int,
+                       device: torch.device, dtype: torch.dtype) -> None:
         positions = torch.arange(max_positions, device=device, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
+        freqs = positions[:, None] * inv_freq.to(device)[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("rope_cos", angles.cos().to(dtype), persistent=False)
-        self.register_buffer("rope_sin", angles.sin().to(dtype), persistent=False)
+        self.register_buffer(f"{name}_cos", angles.cos().to(dtype), persistent=False)
+        self.register_buffer(f"{name}_sin", angles.sin().to(dtype), persistent=False)
 
     def output_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
@@ -203,10 +259,16 @@ class LlamaForCausalLM(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; kv_cache: [layers, 2, ...] in the attention
         backend's layout; returns fp32 logits [len(logits_indices), vocab]."""
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin[positions].unsqueeze(1)
+        rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
+        local = rope
+        if self.config.local_rope_theta is not None:
+            local = (self.local_rope_cos[positions].unsqueeze(1),
+                     self.local_rope_sin[positions].unsqueeze(1))
         x = self.embed_tokens(input_ids)
+        if self.config.gemma:
+            x = x * self.embed_scale
         for layer, layer_cache in zip(self.layers, kv_cache):
+            cos, sin = local if layer.local_rope else rope
             x = layer(x, cos, sin, layer_cache[0], layer_cache[1], meta, attention)
         x = self.norm(x[logits_indices])
         return F.linear(x, self.output_weight()).float()

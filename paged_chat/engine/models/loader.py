@@ -1,8 +1,12 @@
-"""Resolve a model spec (alias, .gguf path, HF folder, hub id) into config, weights and tokenizer.
+"""Resolve a model spec (alias, .gguf path, HF folder, hub id) into config, tensors and
+tokenizer; then stream the tensors into a decoder.
 
-Whatever the source, the result has the same shape (HF config dict, HF parameter names,
-a transformers tokenizer and a chat template), so the decoder and the chat code never care
-where a model came from. Every failure is a ModelLoadError whose one line says what to do.
+Whatever the source, the result has the same shape (HF config dict, a checkpoint of HF
+tensor names, a transformers tokenizer and a chat template), so the decoder and the chat
+code never care where a model came from. `load_model_source` reads headers only; the
+weights are read by `load_model`, one tensor at a time into their parameter, through the
+converted-weights cache for GGUF files. Every failure is a ModelLoadError whose one line
+says what to do.
 """
 
 from __future__ import annotations
@@ -14,18 +18,22 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from huggingface_hub import is_offline_mode, snapshot_download
 from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from paged_chat.engine.errors import ModelLoadError, UnsupportedModelError
+from paged_chat.engine.models.checkpoint import Checkpoint, SafetensorsFile
 from paged_chat.engine.models.gguf_file import load_gguf_tokenizer, read_gguf
-from paged_chat.engine.models.model_config import ModelConfig
+from paged_chat.engine.models.llama import LlamaForCausalLM
+from paged_chat.engine.models.model_config import ConfigValueError, ModelConfig
+from paged_chat.engine.models.weight_cache import EntryWriter, WeightCache, combine_checksums
+
+# on_progress(stage, done, total): called as a slow load advances (one call per tensor).
+ProgressHook = Callable[[str, int, int], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,33 +86,117 @@ _SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 @dataclass(frozen=True, slots=True)
 class ModelSource:
-    """Everything a model spec resolved to, in Hugging Face terms."""
+    """Everything a model spec resolved to, in Hugging Face terms. Holds headers only: the
+    weights stay on disk until `load_model` streams them into a decoder.
+
+    `header_digest` identifies a GGUF file's contents (its converted tokenizer and weights
+    are cached under it); None for HF folders, which are read directly.
+    """
 
     name: str
     path: Path
     config: ModelConfig
     hf_config: dict[str, Any]
-    weights: dict[str, torch.Tensor]
+    checkpoint: Checkpoint
     tokenizer: PreTrainedTokenizerBase
     chat_template: str
+    header_digest: str | None = None
 
 
-def load_model_source(spec: str) -> ModelSource:
-    """Load an alias, a .gguf file, an HF model folder or a hub id (through the HF cache)."""
+_GGUF_MAGIC = b"GGUF"
+
+
+def load_model_source(spec: str, cache_dir: Path | str | None = None,
+                      on_progress: ProgressHook | None = None) -> ModelSource:
+    """Load an alias, a .gguf file, an HF model folder or a hub id (through the HF cache).
+
+    `cache_dir` keeps the tokenizer converted from a GGUF (None: convert every time).
+    """
     name, path = _resolve(spec)
+    report = on_progress or _no_progress
+    cache = Path(cache_dir) if cache_dir is not None else None
+    header_digest = None
     if path.is_dir():
         hf_config = _read_hf_config(path)
-        config = _model_config(hf_config, path)
-        weights = _read_safetensors(path)
+        config = _model_config(hf_config, path / "config.json")
+        checkpoint = _read_safetensors(path)
         tokenizer = _load_folder_tokenizer(path)
     else:
-        hf_config, weights = read_gguf(path)
+        gguf_model = read_gguf(path)
+        hf_config, checkpoint = gguf_model.hf_config, gguf_model.checkpoint
+        header_digest = gguf_model.header_digest
         config = _model_config(hf_config, path)
-        tokenizer = load_gguf_tokenizer(path)
-    weights = _check_weights(config, weights, path)
+        report("preparing the tokenizer", 0, 1)
+        tokenizer = load_gguf_tokenizer(path, header_digest, cache)
+        report("preparing the tokenizer", 1, 1)
+    _check_shapes(config, checkpoint, path)
     return ModelSource(name=name, path=path, config=config, hf_config=hf_config,
-                       weights=weights, tokenizer=tokenizer,
-                       chat_template=_chat_template(tokenizer, name))
+                       checkpoint=checkpoint, tokenizer=tokenizer,
+                       chat_template=_chat_template(tokenizer, name), header_digest=header_digest)
+
+
+def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
+               cache_dir: Path | str | None = None, cache_bytes: int = 0,
+               on_progress: ProgressHook | None = None) -> LlamaForCausalLM:
+    """The decoder with every parameter read from `source`, one tensor at a time.
+
+    A GGUF is dequantized on its first load and kept, in `dtype`, in the converted-weights
+    cache under `cache_dir` (at most `cache_bytes` in all); later loads read that back. An
+    entry whose checksum fails is discarded and converted again. Rope tables are not built
+    here: the engine sizes them once it knows its max_model_len.
+    """
+    report = on_progress or _no_progress
+    model = LlamaForCausalLM.empty(source.config, dtype, device)
+    if source.header_digest is None or cache_dir is None:
+        stream_weights(model, source.checkpoint, "loading weights", report)
+        return model
+    cache = WeightCache(Path(cache_dir) / "weights", cache_bytes)
+    key = cache.key(source.header_digest, dtype)
+    shapes = _read_shapes(model, source.checkpoint)
+    cached = cache.open(key, shapes, dtype)
+    if cached is not None:
+        checksums = stream_weights(model, cached, "loading cached weights", report)
+        if combine_checksums(checksums) == cached.checksum:
+            cache.touch(cached.path)
+            return model
+        cache.discard(cached.path)
+    writer = cache.writer(key, shapes, dtype, source.path, source.config.model_type)
+    try:
+        stream_weights(model, source.checkpoint, "converting weights", report, writer)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None:
+        writer.commit()
+    return model
+
+
+def _no_progress(stage: str, done: int, total: int) -> None:
+    pass
+
+
+def _read_shapes(model: LlamaForCausalLM, checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:
+    """The checkpoint tensors the model reads, in checkpoint order, with their shapes."""
+    return {name: t.shape for name, t in checkpoint.tensors.items()
+            if model.destination(name) is not None}
+
+
+def stream_weights(model: LlamaForCausalLM, checkpoint: Checkpoint, stage: str = "loading weights",
+                   report: ProgressHook = _no_progress,
+                   writer: EntryWriter | None = None) -> list[int]:
+    """Read every tensor the model needs into its parameter (and on into `writer`, an entry
+    of the converted-weights cache); return their checksums."""
+    names = [name for name in checkpoint.tensors if model.destination(name) is not None]
+    checksums = []
+    with torch.no_grad():
+        for done, name in enumerate(names, 1):
+            out = model.destination(name)
+            checksums.append(checkpoint.read_into(name, out))
+            if writer is not None:
+                writer.write(name, out)
+            report(stage, done, len(names))
+    return checksums
 
 
 def resolve_alias_path(name: str) -> Path:
@@ -134,7 +226,7 @@ def _resolve(spec: str) -> tuple[str, Path]:
     if path.is_dir():
         return path.resolve().name, path
     if path.is_file():
-        if path.suffix.lower() != ".gguf":
+        if path.suffix.lower() != ".gguf" and not _has_gguf_magic(path):
             raise ModelLoadError(
                 f"{path} is not a .gguf file: pass a .gguf file, an HF model folder "
                 f"(config.json, *.safetensors, tokenizer files) or a hub id")
@@ -146,6 +238,15 @@ def _resolve(spec: str) -> tuple[str, Path]:
     raise ModelLoadError(
         f"{spec!r} is neither a model alias, an existing path, nor a cached hub id (org/name); "
         f"aliases: {_alias_list()}")
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    """A GGUF file by its first bytes, whatever its name (Ollama names its blobs by digest)."""
+    try:
+        with path.open("rb") as file:
+            return file.read(len(_GGUF_MAGIC)) == _GGUF_MAGIC
+    except OSError:
+        return False
 
 
 def _hub_snapshot(repo_id: str) -> Path:
@@ -191,16 +292,24 @@ def _read_hf_config(folder: Path) -> dict[str, Any]:
         raise ModelLoadError(
             f"{folder} has no config.json: pass an HF model folder (config.json, *.safetensors, "
             f"tokenizer files) or a .gguf file")
-    hf_config = _read_json(config_file)
+    hf_config = _read_json_object(config_file)
     generation_file = folder / "generation_config.json"
     if generation_file.is_file():
         eos_ids = [*_as_list(hf_config.get("eos_token_id"))]
-        for token_id in _as_list(_read_json(generation_file).get("eos_token_id")):
+        for token_id in _as_list(_read_json_object(generation_file).get("eos_token_id")):
             if token_id not in eos_ids:
                 eos_ids.append(token_id)
         if eos_ids:
             hf_config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     return hf_config
+
+
+def _read_json_object(path: Path) -> dict[str, Any]:
+    value = _read_json(path)
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path} holds {type(value).__name__}, not a JSON object: it is "
+                             f"broken, download it again")
+    return value
 
 
 def _as_list(value: int | list[int] | None) -> list[int]:
@@ -212,17 +321,19 @@ def _model_config(hf_config: dict[str, Any], path: Path) -> ModelConfig:
         return ModelConfig.from_hf(hf_config)
     except UnsupportedModelError as exc:
         raise UnsupportedModelError(f"{path}: {exc}") from exc
-    except (KeyError, TypeError) as exc:
-        raise ModelLoadError(
-            f"{path}: the model config lacks or mangles {exc}; the files are incomplete or not "
-            f"a llama-family model") from exc
+    except ConfigValueError as exc:
+        raise ModelLoadError(f"{path}: {exc}; the file is broken or not a model config") from exc
 
 
-def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of model.safetensors or of the shards its index lists, in stored dtypes."""
+def _read_safetensors(folder: Path) -> Checkpoint:
+    """The tensors of model.safetensors or of the shards its index lists (headers only)."""
     index = folder / _SAFETENSORS_INDEX
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map", {})
+        weight_map = _read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) for v in weight_map.values()):
+            raise ModelLoadError(f"{index}: weight_map is missing or not an object of file "
+                                 f"names; download the model again")
         files = [folder / name for name in sorted(set(weight_map.values()))]
     elif (folder / "model.safetensors").is_file():
         files = [folder / "model.safetensors"]
@@ -230,21 +341,19 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         raise ModelLoadError(
             f"{folder} has no model.safetensors or {_SAFETENSORS_INDEX}: paged-chat reads "
             f"safetensors only; re-save the model with save_pretrained(safe_serialization=True)")
-    weights: dict[str, torch.Tensor] = {}
+    tensors = {}
     for file in files:
         if not file.is_file():
             raise ModelLoadError(f"{file} is listed in {index.name} but missing: download it again")
         try:
-            weights.update(load_file(file))
-        except (SafetensorError, OSError) as exc:
-            raise ModelLoadError(
-                f"{file} is not a readable safetensors file ({exc}): it is probably truncated "
-                f"or corrupt, download it again") from exc
-    if not any(key.startswith("model.") for key in weights):
+            tensors.update(SafetensorsFile(file).tensors)
+        except OSError as exc:
+            raise ModelLoadError(f"{file} is not readable ({exc})") from exc
+    if not any(key.startswith("model.") for key in tensors):
         # Saved from the bare decoder (LlamaModel), not the ForCausalLM wrapper.
-        weights = {key if key.startswith("lm_head.") else f"model.{key}": tensor
-                   for key, tensor in weights.items()}
-    return weights
+        tensors = {key if key.startswith("lm_head.") else f"model.{key}": tensor
+                   for key, tensor in tensors.items()}
+    return Checkpoint(tensors)
 
 
 def _load_folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
@@ -256,51 +365,20 @@ def _load_folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
             f"tokenizer.json and tokenizer_config.json next to config.json") from exc
 
 
-def _expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every parameter the decoder reads for this config, with its HF shape."""
-    q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    hidden, inter = c.hidden_size, c.intermediate_size
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, hidden), "model.norm.weight": (hidden,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, hidden)
-    layer = {
-        "self_attn.q_proj.weight": (q_out, hidden),
-        "self_attn.k_proj.weight": (kv_out, hidden),
-        "self_attn.v_proj.weight": (kv_out, hidden),
-        "self_attn.o_proj.weight": (hidden, q_out),
-        "mlp.gate_proj.weight": (inter, hidden),
-        "mlp.up_proj.weight": (inter, hidden),
-        "mlp.down_proj.weight": (hidden, inter),
-        "input_layernorm.weight": (hidden,),
-        "post_attention_layernorm.weight": (hidden,),
-    }
-    if c.attention_bias:
-        layer |= {"self_attn.q_proj.bias": (q_out,), "self_attn.k_proj.bias": (kv_out,),
-                  "self_attn.v_proj.bias": (kv_out,)}
-    if c.qk_norm:
-        layer |= {"self_attn.q_norm.weight": (c.head_dim,),
-                  "self_attn.k_norm.weight": (c.head_dim,)}
-    for i in range(c.num_layers):
-        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
-    return shapes
-
-
-def _check_weights(config: ModelConfig, weights: dict[str, torch.Tensor],
-                   path: Path) -> dict[str, torch.Tensor]:
-    """Fail here, naming the tensor, rather than deep in the decoder; drop a tied lm_head."""
+def _check_shapes(config: ModelConfig, checkpoint: Checkpoint, path: Path) -> None:
+    """Fail here, naming the tensor, rather than deep in the decoder. The expected shapes
+    come from the decoder itself, built on the meta device (nothing is allocated)."""
+    expected = LlamaForCausalLM.empty(config, torch.float32, "meta").checkpoint_shapes()
     problems = []
-    for name, shape in _expected_shapes(config).items():
-        if name not in weights:
+    for name, shape in expected.items():
+        if name not in checkpoint.tensors:
             problems.append(f"{name} missing")
-        elif tuple(weights[name].shape) != shape:
-            problems.append(f"{name} is {tuple(weights[name].shape)}, expected {shape}")
+        elif checkpoint.tensors[name].shape != shape:
+            problems.append(f"{name} is {checkpoint.tensors[name].shape}, expected {shape}")
     if problems:
         raise ModelLoadError(
             f"{path}: weights do not match the model config ({'; '.join(problems[:3])}; "
             f"{len(problems)} problems in all): the files are incomplete or from different models")
-    if config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    return weights
 
 
 def _chat_template(tokenizer: PreTrainedTokenizerBase, name: str) -> str:

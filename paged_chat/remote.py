@@ -1,0 +1,384 @@
+"""RemoteEngine: the EngineClient over an OpenAI-compatible server (vLLM, SGLang,
+llama.cpp's server, Ollama's /v1, another `paged-chat serve`), through the `openai` client.
+
+Prompts. A ChatSession keeps the exact token ids of its chat and submits prompt ids, so
+the server's prefix cache sees the same ids turn after turn. They go to /v1/completions
+as a token-id prompt, which vLLM, SGLang and paged-chat take. A server that refuses
+token-id prompts (a 400 or 422 on the first one) is sent the ids decoded back to text by
+the local tokenizer from then on (it re-tokenizes them; the prefix cache still matches
+where the tokenizations agree). A server that refuses vLLM's sampling extras (`top_k`,
+`min_p`, ..., as `transformers serve` does) gets OpenAI's fields only from then on. Reply
+ids come from the server when it returns them (vLLM's `return_token_ids`), else from
+encoding the reply's text locally.
+
+The tokenizer and chat template are the served model's, loaded locally: from `model`
+(a spec: alias, .gguf, HF folder, cached hub id) when given, else from the first model id
+the server lists that resolves locally. None found is a RemoteEngineError saying to pass
+one: without the tokenizer a chat cannot keep its token ids.
+
+Stats. `stats()` never waits on the network: it returns the last scrape of the server's
+/metrics and schedules the next one on the running event loop (at most every
+`stats_interval_s`). Where the server speaks vLLM's metric names, running/waiting,
+preemptions, prefix-cache queries/hits and prompt/generation tokens/s (from counter deltas)
+fill the EngineStats, and `kv_cache_usage` holds the KV usage; a remote engine shows no
+blocks (num_blocks 0, an empty BlockMap). `has_metrics` says whether it had any.
+
+Errors (connection refused, a 401, a server that drops mid-stream) are RemoteEngineError
+with one line; a turn that fails mid-reply keeps what came (ChatSession marks it "error").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from paged_chat.engine.client import ModelInfo
+from paged_chat.engine.errors import ModelLoadError, PagedChatError
+from paged_chat.engine.request import RequestOutput, SamplingParams
+from paged_chat.engine.stats import BlockMap, EngineStats
+
+# What each EngineStats field reads from /metrics: vLLM's names, then older vLLM's.
+_GAUGES = {"num_running": ("vllm:num_requests_running",),
+           "num_waiting": ("vllm:num_requests_waiting",),
+           "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")}
+_COUNTERS = {"num_preemptions": ("vllm:num_preemptions",),
+             "prefix_cache_queried_tokens": ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
+             "prefix_cache_hit_tokens": ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
+             "prompt_tokens": ("vllm:prompt_tokens",),
+             "generation_tokens": ("vllm:generation_tokens",)}
+
+
+class RemoteEngineError(PagedChatError):
+    """The server could not be reached, refused the request, or dropped the stream."""
+
+
+@dataclass(slots=True)
+class _Scrape:
+    """One reading of /metrics: vLLM's values by EngineStats field, and when it was taken."""
+
+    values: dict[str, float]
+    taken_at: float
+
+
+@dataclass(slots=True)
+class _Stream:
+    request_id: str
+    task: asyncio.Task | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+
+
+class RemoteEngine:
+    """An EngineClient whose engine is an OpenAI-compatible server at `url` (…/v1 or the
+    server's root)."""
+
+    def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
+                 timeout_s: float = 600.0, stats_interval_s: float = 1.0) -> None:
+        self.base_url = url.rstrip("/").removesuffix("/v1") + "/v1"
+        self.api_key = api_key
+        self.timeout_s = timeout_s
+        self.stats_interval_s = stats_interval_s
+        self.last_error: str | None = None
+        self.kv_cache_usage: float | None = None
+        self.has_metrics = False
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._client: openai.AsyncOpenAI | None = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._ids = 0
+        self._token_prompts = True    # False once the server refused a token-id prompt
+        self._vllm_extras = True      # False once it refused vLLM's sampling fields
+        self._scrapes: list[_Scrape] = []
+        self._scraping: asyncio.Task | None = None
+        served = self._served_models()
+        self.model = model if model in served else served[0]
+        self.info = self._model_info(served, model)
+        self._stats = self._empty_stats()
+        self._record_scrape(self._get("/metrics", required=False))
+
+    # ---- set-up -----------------------------------------------------------------------
+
+    def _get(self, path: str, required: bool = True) -> str | None:
+        url = self.base_url.removesuffix("/v1") + path if path == "/metrics" else self.base_url + path
+        try:
+            response = httpx.get(url, headers=self._headers, timeout=30.0)
+        except httpx.HTTPError as error:
+            raise RemoteEngineError(f"cannot reach the server at {self.base_url} ({error})") from error
+        if response.status_code == 401:
+            raise RemoteEngineError(f"the server at {self.base_url} refused the API key (401): "
+                                    "set --api-key or [server] api_key")
+        if response.status_code != 200:
+            if required:
+                raise RemoteEngineError(f"{url} answered {response.status_code}: {response.text[:200]}")
+            return None
+        return response.text
+
+    def _served_models(self) -> list[str]:
+        """The server's model ids; also notes its max_model_len where it says (vLLM does)."""
+        try:
+            entries = json.loads(self._get("/models"))["data"]
+            models = [entry["id"] for entry in entries]
+        except (ValueError, KeyError, TypeError) as error:
+            raise RemoteEngineError(f"{self.base_url}/models is not an OpenAI model list ({error})") from error
+        if not models:
+            raise RemoteEngineError(f"the server at {self.base_url} serves no model")
+        self._max_model_len = entries[0].get("max_model_len")
+        return models
+
+    def _model_info(self, served: list[str], model: str | None) -> ModelInfo:
+        from paged_chat.engine.models.loader import load_model_source
+
+        tried: list[str] = []
+        for spec in ([model] if model else []) + served:
+            try:
+                source = load_model_source(spec)
+            except ModelLoadError:
+                tried.append(spec)
+                continue
+            max_len = self._max_model_len or source.config.max_position_embeddings
+            return ModelInfo(name=self.model, tokenizer=source.tokenizer,
+                             chat_template=source.chat_template, device="remote",
+                             dtype="remote", num_blocks=0, block_size=0, max_model_len=max_len,
+                             num_parameters=0)
+        raise RemoteEngineError(
+            f"no local tokenizer for the server's model (tried {', '.join(tried)}): pass "
+            "--model with a local copy of it (alias, .gguf, HF folder or cached hub id)")
+
+    # ---- EngineClient -----------------------------------------------------------------
+
+    async def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                     request_id: str | None = None, owner: str | None = None
+                     ) -> AsyncIterator[RequestOutput]:
+        """The reply's deltas as the server streams them; stop early (or `abort`) and the
+        HTTP stream is closed, which makes the server abort the request."""
+        params = params or SamplingParams()
+        self._ids += 1
+        request_id = request_id or f"remote-{self._ids}"
+        prompt_ids = self._prompt_ids(prompt)
+        state = _Stream(request_id)
+        self._streams[request_id] = state
+        deltas: asyncio.Queue = asyncio.Queue()
+        state.task = asyncio.create_task(self._pump(prompt, prompt_ids, params, owner, state, deltas))
+        finished = False
+        try:
+            while not finished:
+                item = await deltas.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            state.task.cancel()
+            await asyncio.gather(state.task, return_exceptions=True)
+
+    def abort(self, request_id: str) -> None:
+        state = self._streams.get(request_id)
+        if state is not None and state.task is not None:
+            state.task.cancel()
+
+    def stats(self) -> EngineStats:
+        self._schedule_scrape()
+        return self._stats
+
+    def reset_prefix_cache(self) -> None:
+        """A remote server's cache is its own: nothing to do from here."""
+
+    def shutdown(self) -> None:
+        for state in list(self._streams.values()):
+            if state.task is not None:
+                state.task.cancel()
+
+    # ---- streaming --------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.info.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
+
+    def _openai(self) -> openai.AsyncOpenAI:
+        """One client per event loop (its connections belong to the loop that opened them)."""
+        loop = asyncio.get_running_loop()
+        if self._client is None or self._client_loop is not loop:
+            self._client = openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key or "none",
+                                              timeout=self.timeout_s, max_retries=0)
+            self._client_loop = loop
+        return self._client
+
+    async def _pump(self, prompt: str | Sequence[int], prompt_ids: list[int], params: SamplingParams,
+                    owner: str | None, state: _Stream, deltas: asyncio.Queue) -> None:
+        """Read the HTTP stream into `deltas`; ends with a final output (an aborted one when
+        cancelled) or an exception."""
+        try:
+            async for choice in self._choices(prompt, prompt_ids, params, owner):
+                deltas.put_nowait(self._delta(state, prompt_ids, choice))
+                if choice.finish_reason is not None:
+                    return
+            deltas.put_nowait(RemoteEngineError(f"the server at {self.base_url} ended the stream "
+                                                "before the reply finished"))
+        except asyncio.CancelledError:
+            deltas.put_nowait(self._final(state, prompt_ids, "abort"))
+            raise
+        except Exception as error:
+            streaming = bool(state.token_ids or state.text)
+            deltas.put_nowait(_remote_error(error, self.base_url, streaming))
+
+    async def _choices(self, prompt: str | Sequence[int], prompt_ids: list[int],
+                       params: SamplingParams, owner: str | None) -> AsyncIterator[Any]:
+        while True:
+            as_text = isinstance(prompt, str) or not self._token_prompts
+            try:
+                stream = await self._create(self.info.tokenizer.decode(prompt_ids) if as_text
+                                            else prompt_ids, params, owner)
+                break
+            except openai.APIStatusError as error:
+                if error.status_code not in (400, 422) or (as_text and not self._vllm_extras):
+                    raise
+                if as_text:
+                    self._vllm_extras = False   # a strict server: OpenAI's fields only
+                else:
+                    self._token_prompts = False  # this server takes text prompts only
+        async with stream:
+            async for chunk in stream:
+                for choice in chunk.choices:
+                    yield choice
+
+    async def _create(self, prompt: str | list[int], params: SamplingParams, owner: str | None) -> Any:
+        extra = {"top_k": params.top_k, "min_p": params.min_p,
+                 "repetition_penalty": params.repetition_penalty, "ignore_eos": params.ignore_eos,
+                 "stop_token_ids": params.stop_token_ids, "return_token_ids": True
+                 } if self._vllm_extras else {}
+        return await self._openai().completions.create(
+            model=self.model, prompt=prompt, stream=True, max_tokens=params.max_tokens,
+            temperature=params.temperature, top_p=params.top_p, seed=params.seed,
+            frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
+            stop=params.stop or None, user=owner or openai.NOT_GIVEN, extra_body=extra)
+
+    def _delta(self, state: _Stream, prompt_ids: list[int], choice: Any) -> RequestOutput:
+        text = choice.text or ""
+        new_ids = getattr(choice, "token_ids", None)
+        if new_ids is None:  # a server that does not return ids: the local tokenizer's
+            new_ids = self.info.tokenizer.encode(text, add_special_tokens=False) if text else []
+        state.text += text
+        state.token_ids += list(new_ids)
+        reason = choice.finish_reason
+        return RequestOutput(state.request_id, list(new_ids), text, list(state.token_ids),
+                             state.text, reason is not None, _finish_reason(reason),
+                             len(prompt_ids), 0)
+
+    @staticmethod
+    def _final(state: _Stream, prompt_ids: list[int], reason: str) -> RequestOutput:
+        return RequestOutput(state.request_id, [], "", list(state.token_ids), state.text, True,
+                             reason, len(prompt_ids), 0)
+
+    # ---- /metrics ---------------------------------------------------------------------
+
+    def _schedule_scrape(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # called outside an event loop: keep the last scrape
+            return
+        due = not self._scrapes or time.monotonic() - self._scrapes[-1].taken_at >= self.stats_interval_s
+        if due and (self._scraping is None or self._scraping.done()):
+            self._scraping = loop.create_task(self._scrape())
+
+    async def _scrape(self) -> None:
+        url = self.base_url.removesuffix("/v1") + "/metrics"
+        try:
+            async with httpx.AsyncClient(timeout=10.0) as client:
+                response = await client.get(url, headers=self._headers)
+            self.last_error = None
+        except httpx.HTTPError as error:
+            self.last_error = f"cannot reach the server at {self.base_url} ({error})"
+            return
+        self._record_scrape(response.text if response.status_code == 200 else None)
+
+    def _record_scrape(self, text: str | None) -> None:
+        values = _vllm_values(text) if text else {}
+        self.has_metrics = bool(values)
+        if not values:
+            return
+        scrape = _Scrape(values, time.monotonic())
+        self._scrapes = [*self._scrapes[-1:], scrape]
+        self.kv_cache_usage = values.get("kv_cache_usage")
+        previous = self._scrapes[0]
+        elapsed = scrape.taken_at - previous.taken_at
+
+        def rate(name: str) -> float:
+            gained = values.get(name, 0.0) - previous.values.get(name, 0.0)
+            return max(gained, 0.0) / elapsed if elapsed > 0 else 0.0
+
+        counts = {name: int(values.get(name, 0)) for name in
+                  ("num_running", "num_waiting", "num_preemptions",
+                   "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")}
+        self._stats = self._empty_stats(**counts, prompt_tokens_per_s=rate("prompt_tokens"),
+                                        generation_tokens_per_s=rate("generation_tokens"))
+
+    @staticmethod
+    def _empty_stats(**values: Any) -> EngineStats:
+        fields = dict(num_blocks=0, block_size=0, blocks_in_use=0, blocks_cached=0,
+                      blocks_free=0, num_running=0, num_waiting=0, num_preemptions=0,
+                      num_evictions=0, batch_size=0, batch_tokens=0, prompt_tokens_per_s=0.0,
+                      generation_tokens_per_s=0.0, prefix_cache_queried_tokens=0,
+                      prefix_cache_hit_tokens=0, kv_slots_wasted=0, step_time_s=0.0,
+                      forward_time_s=0.0)
+        empty = np.zeros(0, dtype=np.int32)
+        blocks = BlockMap.build(empty, np.zeros(0, dtype=bool), {}, {})
+        return EngineStats(**{**fields, **values}, blocks=blocks)
+
+
+def _vllm_values(text: str) -> dict[str, float]:
+    """The EngineStats fields that /metrics text gives, summed over label sets (one per
+    model, or per engine in a data-parallel vLLM)."""
+    try:
+        families = {family.name: family for family in text_string_to_metric_families(text)}
+    except ValueError:  # not Prometheus text
+        return {}
+    values: dict[str, float] = {}
+    for table in (_GAUGES, _COUNTERS):
+        for field_name, names in table.items():
+            family = next((families[name] for name in names if name in families), None)
+            if family is not None:
+                values[field_name] = sum(sample.value for sample in family.samples
+                                         if sample.name in (family.name, family.name + "_total"))
+    return values
+
+
+def _finish_reason(reason: str | None) -> Any:
+    return None if reason is None else reason if reason in ("stop", "length", "abort", "error") else "stop"
+
+
+def _remote_error(error: Exception, url: str, streaming: bool) -> RemoteEngineError:
+    """One line for what went wrong talking to the server (`streaming`: after a reply began)."""
+    if isinstance(error, RemoteEngineError):
+        return error
+    if streaming and isinstance(error, (httpx.HTTPError, openai.APIError)):
+        return RemoteEngineError(f"the server at {url} dropped the stream mid-reply "
+                                 f"({error.__cause__ or error})")
+    if isinstance(error, openai.AuthenticationError):
+        return RemoteEngineError(f"the server at {url} refused the API key (401): set --api-key "
+                                 "or [server] api_key")
+    if isinstance(error, openai.APIConnectionError):
+        return RemoteEngineError(f"cannot reach the server at {url} ({error.__cause__ or error})")
+    if isinstance(error, openai.APIStatusError):
+        return RemoteEngineError(f"the server at {url} answered {error.status_code}: "
+                                 f"{_error_message(error)}")
+    if isinstance(error, (httpx.HTTPError, openai.APIError)):
+        return RemoteEngineError(f"the server at {url} failed the request ({error})")
+    return RemoteEngineError(f"talking to the server at {url} failed: {type(error).__name__}: {error}")
+
+
+def _error_message(error: openai.APIStatusError) -> str:
+    body = error.body if isinstance(error.body, dict) else {}
+    inner = body.get("error", body) if isinstance(body.get("error", body), dict) else body
+    return str(inner.get("message") or error.message)
+

@@ -1,0 +1,142 @@
+"""The OpenAI API's request and response bodies, as far as paged-chat serves them.
+
+Requests take OpenAI's sampling names plus vLLM's extras (`top_k`, `min_p`,
+`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `return_token_ids`); fields neither knows are ignored,
+as OpenAI-compatible servers do. Type errors are pydantic's; range errors are
+SamplingParams' (a ValueError naming the field); both become a 400.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from paged_chat.engine.request import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """What chat and text completions share: the model, the sampling, streaming."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    return_token_ids: bool = False   # vLLM's: each choice carries its token ids too
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, room: int) -> list[SamplingParams]:
+        """One SamplingParams per choice; `room` is what max_model_len leaves after the
+        prompt, the default for max_tokens (as in vLLM). With a seed, choice i draws from
+        seed + i, so the n choices differ and stay repeatable."""
+        given = {name: getattr(self, name) for name in (
+            "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+            "frequency_penalty", "presence_penalty", "stop", "stop_token_ids")
+            if getattr(self, name) is not None}
+        max_tokens = self.token_limit if self.token_limit is not None else room
+        return [SamplingParams(**given, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                               seed=None if self.seed is None else self.seed + choice)
+                for choice in range(self.n)]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def template_message(self) -> dict[str, str]:
+        """The message as a chat template takes it (a developer message is a system one)."""
+        content = self.content if isinstance(self.content, str) else \
+            "".join(part.text for part in self.content or [])
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(SamplingRequest):
+    """`prompt` is text or token ids (a list of one of either is taken too)."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError("prompt: a batch of prompts is not supported; send one per request")
+            prompt = prompt[0]
+        if not prompt:
+            raise ValueError("prompt: must not be empty")
+        return prompt
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+def completion_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def envelope(object_name: str, request_id: str, model: str, choices: list[dict[str, Any]],
+             usage: Usage | None = None) -> dict[str, Any]:
+    """A completion or chunk body: the fields every OpenAI response object carries."""
+    body = {"id": request_id, "object": object_name, "created": int(time.time()),
+            "model": model, "choices": choices}
+    if usage is not None:
+        body["usage"] = usage.model_dump()
+    return body
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    kind = {400: "invalid_request_error", 401: "authentication_error",
+            404: "not_found_error", 413: "invalid_request_error"}.get(status, "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}

@@ -1,0 +1,73 @@
+"""A `paged-chat serve` in the test process: the tiny chat model on an AsyncEngine, the API
+on a free loopback port, served by uvicorn on a thread of its own (so a test's own event
+loop, a Pilot's included, can be a client)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from paged_chat.engine import AsyncEngine, Engine, EngineConfig
+from paged_chat.server import ApiServer
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 60.0, what: str = "the condition") -> None:
+    """Poll `condition` until it holds; fail after `timeout` seconds (a busy machine is slow)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+@dataclass
+class Served:
+    client: AsyncEngine
+    server: ApiServer
+    thread: threading.Thread
+
+    @property
+    def url(self) -> str:
+        return self.server.url + "/v1"
+
+    @property
+    def model(self) -> str:
+        return self.client.info.name
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.thread.join(30)
+
+
+def start_server(client: AsyncEngine, **options) -> Served:
+    server = ApiServer(client, port=0, **options)
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, what="the server to start")
+    return Served(client, server, thread)
+
+
+def chat_engine_config(model_dir, **overrides) -> EngineConfig:
+    values = dict(model=str(model_dir), device="cpu", dtype="float32", num_blocks=512,
+                  block_size=16, max_num_seqs=64, max_num_batched_tokens=1024)
+    return EngineConfig(**{**values, **overrides})
+
+
+@pytest.fixture(scope="module")
+def served(chat_model_dir) -> Iterator[Served]:
+    """One engine and server for a module's tests; each test must leave no block in use."""
+    client = AsyncEngine(Engine(chat_engine_config(chat_model_dir)))
+    running = start_server(client, model_names=[str(chat_model_dir)])
+    yield running
+    running.stop()
+    client.shutdown()
+
+
+@pytest.fixture
+def api(served) -> Iterator[Served]:
+    yield served
+    wait_for(lambda: served.client.stats().blocks_in_use == 0, what="every block back")

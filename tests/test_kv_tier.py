@@ -1,0 +1,349 @@
+"""The KV tier under the prefix cache: a chat's history survives eviction and a new Engine.
+
+Engines here share one cache dir per test; a new Engine over it is what a new process
+sees. Every reply is compared, token for token (greedy), with an engine without a tier.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from paged_chat.engine import Engine, KVTierWarning, SamplingParams
+from paged_chat.engine.kv_cache_manager import hash_block
+from paged_chat.engine.kv_tier import ENTRY_SUFFIX, TIER_DIR, DiskTier, TierLayout, clear_disk_tier
+from soak import run_soak, soak_config
+from tiny_models import build_tiny_model
+
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+NEW_MESSAGE = [7, 8, 9, 10, 11]
+
+
+@pytest.fixture
+def tier_engine(make_engine, tmp_path):
+    """Engines over one cache dir (tmp_path/cache), closed (their writes finished) at the end."""
+    engines: list[Engine] = []
+
+    def make(**overrides) -> Engine:
+        engine = make_engine(**{"cache_dir": str(tmp_path / "cache"), **overrides})
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def tier_dir(tmp_path: Path) -> Path:
+    return tmp_path / "cache" / TIER_DIR
+
+
+def entries(directory: Path) -> list[Path]:
+    return sorted(directory.glob(f"*{ENTRY_SUFFIX}"))
+
+
+def history(seed: int = 0, length: int = 150) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 512) for _ in range(length)]
+
+
+def first_turn(engine: Engine, prompt: list[int]) -> list[int]:
+    """Run a chat's first turn and wait for its blocks to be on disk; the next turn's prompt."""
+    reply = engine.generate([prompt], GREEDY)[0].token_ids
+    assert engine.kv_cache.tier.flush()
+    return prompt + reply + NEW_MESSAGE
+
+
+def history_blocks(follow_up: list[int]) -> int:
+    """Full blocks the first turn computed (its last sampled token never was)."""
+    return (len(follow_up) - len(NEW_MESSAGE) - 1) // BLOCK
+
+
+def block_hashes(tokens: list[int]) -> list[bytes]:
+    hashes = [b""]
+    for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+        hashes.append(hash_block(hashes[-1], tokens[start:start + BLOCK]))
+    return hashes[1:]
+
+
+def expected_reply(make_engine, prompt: list[int], **overrides) -> list[int]:
+    """The reply of an engine without a KV tier."""
+    return make_engine(**overrides).generate([prompt], GREEDY)[0].token_ids
+
+
+def test_a_new_engine_prefills_only_the_new_tokens(tier_engine, make_engine):
+    first = tier_engine()
+    follow_up = first_turn(first, history())
+    first.close()
+
+    second = tier_engine()  # as a new process would: nothing in its pool
+    out = second.generate([follow_up], GREEDY)[0]
+    stats = second.stats()
+
+    num_blocks = history_blocks(follow_up)
+    assert out.num_tier_cached_tokens == out.num_cached_tokens == num_blocks * BLOCK
+    assert len(follow_up) - out.num_cached_tokens <= BLOCK + len(NEW_MESSAGE)
+    assert stats.tier.disk_hit_blocks == stats.tier.hit_blocks == num_blocks
+    assert stats.tier.bytes_read == num_blocks * stats.tier.disk_bytes // stats.tier.disk_blocks
+    assert stats.blocks.from_tier.sum() == num_blocks
+    assert out.token_ids == expected_reply(make_engine, follow_up)
+
+
+_FIRST_TURN_IN_A_PROCESS = """
+import json, sys
+from paged_chat.engine import Engine, EngineConfig, SamplingParams
+model, cache_dir, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+engine = Engine(EngineConfig(model=model, device="cpu", dtype="float32", num_blocks=256,
+                             cache_dir=cache_dir))
+out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+print(json.dumps(out.token_ids))
+"""
+
+
+def test_a_process_that_exits_leaves_its_blocks_on_disk(tier_engine, make_engine, tiny_model_dir,
+                                                        tmp_path):
+    """The first turn runs in a process that exits without closing its engine (as `ask`
+    does): its queued writes are finished at exit, and the next process reads them."""
+    prompt = history()
+    process = subprocess.run(
+        [sys.executable, "-c", _FIRST_TURN_IN_A_PROCESS, str(tiny_model_dir),
+         str(tmp_path / "cache"), json.dumps(prompt)],
+        capture_output=True, text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    follow_up = prompt + json.loads(process.stdout) + NEW_MESSAGE
+    out = tier_engine().generate([follow_up], GREEDY)[0]
+    assert out.num_tier_cached_tokens == history_blocks(follow_up) * BLOCK
+    assert out.token_ids == expected_reply(make_engine, follow_up)
+
+
+def test_no_disk_tier_without_a_cache_dir_or_bytes(make_engine, tmp_path):
+    assert make_engine().kv_cache.tier is None
+    assert make_engine(cache_dir=str(tmp_path), kv_tier_disk_bytes=0).kv_cache.tier is None
+    assert not tier_dir(tmp_path).exists()
+
+
+def test_the_host_tier_serves_what_eviction_dropped(make_engine):
+    """A pool that holds one prompt at a time: each prompt evicts the other, and the host
+    tier (RAM, no disk) gives it back."""
+    engine = make_engine(num_blocks=12, kv_tier_host_bytes="1MiB", kv_tier_disk_bytes=0)
+    baseline = make_engine(num_blocks=12)
+    prompts = [history(seed, 150) for seed in (1, 2, 1, 2)]
+    outputs = [engine.generate([prompt], GREEDY)[0] for prompt in prompts]
+    tier_tokens = [o.num_tier_cached_tokens for o in outputs]
+    assert [o.num_cached_tokens for o in outputs] == [0, 0, 144, 144]
+    assert tier_tokens[:2] == [0, 0] and min(tier_tokens[2:]) > 0
+    assert engine.stats().tier.host_hit_blocks * BLOCK == sum(tier_tokens)
+    expected = baseline.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+
+
+@pytest.mark.timeout(600)
+def test_constant_eviction_with_the_tier_keeps_replies_and_blocks(tiny_model_dir, tmp_path):
+    """The soak's shape (a pool far too small, preemption and eviction all the time) with
+    the disk tier on and bounded small: greedy replies equal the same requests run alone,
+    no block leaks, the tier serves hits and stays within its bound."""
+    bound = 60 * 8_300  # about 60 blocks of the tiny model
+    config = soak_config(str(tiny_model_dir), cache_dir=str(tmp_path / "cache"),
+                         kv_tier_disk_bytes=bound)
+    report = run_soak(config, duration_s=0, num_chats=8, seed=3, verify_greedy=20)
+    print(report.summary())
+    assert report.ok, report.summary()
+    assert report.leaked_blocks == 0 and report.evictions > 0
+    assert report.greedy_checked > 0 and report.greedy_mismatches == 0
+    assert report.tier_hit_blocks > 0
+    sizes = [path.stat().st_size for path in entries(tier_dir(tmp_path))]
+    assert 0 < sum(sizes) <= bound
+
+
+# ---- faults: each is ignored with at most one warning, and the reply does not change ----
+
+def damage_one_block(directory: Path, name: str, how: str) -> None:
+    path = directory / name
+    data = bytearray(path.read_bytes())
+    if how == "corrupt":
+        data[len(data) // 2] ^= 0xFF
+    else:
+        del data[len(data) - 100:]
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("fault", ["corrupt", "truncate", "other model", "other dtype"])
+def test_a_bad_entry_is_deleted_never_loaded(fault, tier_engine, make_engine, tmp_path,
+                                             smollm2_source):
+    """The history's blocks are on disk under the names the reading engine looks up, but
+    one (or, from another model or dtype, every one) does not match: the run of hits ends
+    there and the rest is prefilled."""
+    writer_settings = {}
+    if fault == "other model":
+        other = tmp_path / "other-model"
+        build_tiny_model("llama", other, seed=1)
+        smollm2_source.tokenizer.save_pretrained(other)
+        writer_settings = {"model": str(other)}
+    elif fault == "other dtype":
+        writer_settings = {"dtype": "bfloat16"}
+    writer = tier_engine(**writer_settings)
+    follow_up = first_turn(writer, history())
+    writer.close()
+    reader_layout = tier_engine().kv_cache.tier.layout
+    hashes = block_hashes(follow_up)[:history_blocks(follow_up)]
+    directory = tier_dir(tmp_path)
+    for block_hash in hashes:  # the writer's entries, under the names the reader looks up
+        (directory / writer.kv_cache.tier.layout.entry_name(block_hash)).rename(
+            directory / reader_layout.entry_name(block_hash))
+    bad = 3 if fault in ("corrupt", "truncate") else 0
+    if bad:
+        damage_one_block(directory, reader_layout.entry_name(hashes[bad]), fault)
+    reader = tier_engine()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = reader.generate([follow_up], GREEDY)[0]
+    assert not [w for w in caught if issubclass(w.category, KVTierWarning)]
+    assert out.num_tier_cached_tokens == bad * BLOCK
+    assert reader.stats().tier.entries_rejected == 1
+    reader.close()  # the block was prefilled and went down again: a sound entry replaced it
+    path = directory / reader_layout.entry_name(hashes[bad])
+    assert reader_layout.decode(hashes[bad], bytearray(path.read_bytes())) is not None
+    assert out.token_ids == expected_reply(make_engine, follow_up)
+
+
+def test_a_tier_dir_removed_mid_run_turns_the_tier_off_once(tier_engine, make_engine, tmp_path):
+    engine = tier_engine()
+    prompts = [history(seed) for seed in range(4)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = [engine.generate([prompts[0]], GREEDY)[0]]
+        assert engine.kv_cache.tier.flush() and entries(tier_dir(tmp_path))
+        shutil.rmtree(tier_dir(tmp_path))
+        outputs += [engine.generate([prompt], GREEDY)[0] for prompt in prompts[1:]]
+        assert engine.kv_cache.tier.flush()
+    assert len([w for w in caught if issubclass(w.category, KVTierWarning)]) == 1
+    assert "is off" in engine.stats().tier.disk_error
+    assert [o.token_ids for o in outputs] == [
+        o.token_ids for o in make_engine().generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_an_unwritable_tier_dir_turns_the_tier_off_once(fault, tier_engine, make_engine, tmp_path,
+                                                         monkeypatch):
+    """A read-only directory (chmod; as root, where chmod binds nobody, the writer's open
+    fails as it would) or a full disk (ENOSPC from the writer's writes): what is there
+    still serves, the first write turns the tier off."""
+    writer = tier_engine()
+    follow_up = first_turn(writer, history())
+    writer.close()
+    if fault == "read-only":
+        tier_dir(tmp_path).chmod(0o555)
+        failing, code = "open", errno.EACCES
+    else:
+        failing, code = "write", errno.ENOSPC
+    if fault == "full" or os.access(tier_dir(tmp_path), os.W_OK):
+        real = getattr(os, failing)
+
+        def fail_in_the_writer(*args, **kwargs):
+            if threading.current_thread().name == "kv-tier-writer":
+                raise OSError(code, os.strerror(code))
+            return real(*args, **kwargs)
+        monkeypatch.setattr(os, failing, fail_in_the_writer)
+
+    engine = tier_engine()
+    prompts = [follow_up, history(seed=1), history(seed=2)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outputs = [engine.generate([prompt], GREEDY)[0] for prompt in prompts]
+        engine.kv_cache.tier.flush()
+    tier_dir(tmp_path).chmod(0o755)
+    assert len([w for w in caught if issubclass(w.category, KVTierWarning)]) == 1
+    assert engine.stats().tier.disk_error
+    assert outputs[0].num_tier_cached_tokens == history_blocks(follow_up) * BLOCK
+    assert len(entries(tier_dir(tmp_path))) == history_blocks(follow_up)  # nothing new
+    assert [o.token_ids for o in outputs] == [
+        o.token_ids for o in make_engine().generate(prompts, GREEDY)]
+
+
+# ---- the disk tier on its own ----
+
+LAYOUT = TierLayout(bytes(16), torch.float32, (2, 2, 2, 4, 8))
+
+
+def block(value: float) -> torch.Tensor:
+    return torch.full(LAYOUT.block_shape, value)
+
+
+def test_a_full_queue_drops_writes_and_never_blocks(tmp_path, monkeypatch):
+    """With the writer stuck, submits beyond the queue's bound return at once, dropped."""
+    release = threading.Event()
+    write = DiskTier._write
+
+    def stuck_write(self, item):
+        release.wait(timeout=60)
+        write(self, item)
+    monkeypatch.setattr(DiskTier, "_write", stuck_write)
+    disk = DiskTier(tmp_path, 2**20, LAYOUT, max_pending_bytes=3 * LAYOUT.block_nbytes)
+    accepted = [disk.submit(bytes([i]) * 16, block(float(i))) for i in range(10)]
+    assert accepted == [True] * 3 + [False] * 7
+    assert disk.writes_dropped == 7 and disk.room() == 0
+    assert bytes([1]) * 16 in disk and bytes([5]) * 16 not in disk  # queued ones are found
+    release.set()
+    assert disk.flush()
+    assert len(entries(tmp_path)) == 3 and disk.room() == 3
+    disk.close()
+
+
+def test_the_disk_tier_is_lru_within_its_bytes(tmp_path):
+    entry_bytes = LAYOUT.entry_nbytes
+    disk = DiskTier(tmp_path, 3 * entry_bytes, LAYOUT)
+    keys = [bytes([i]) * 16 for i in range(5)]
+    for key in keys[:3]:
+        disk.submit(key, block(float(key[0])))
+    assert disk.flush()
+    assert torch.equal(disk.read(keys[0]), block(0.0))  # now the most recently used
+    for key in keys[3:]:
+        disk.submit(key, block(float(key[0])))
+    assert disk.flush()
+    assert [key in disk for key in keys] == [True, False, False, True, True]
+    assert len(entries(tmp_path)) == 3 and disk.nbytes <= 3 * entry_bytes
+    disk.close()
+
+    reopened = DiskTier(tmp_path, 3 * entry_bytes, LAYOUT)  # a new process finds them
+    assert torch.equal(reopened.read(keys[4]), block(4.0))
+    reopened.close()
+
+
+def fill_disk_tier(cache_dir: Path, count: int) -> None:
+    disk = DiskTier(cache_dir / TIER_DIR, 2**20, LAYOUT)
+    for i in range(count):
+        disk.submit(bytes([i]) * 16, block(float(i)))
+    disk.close()
+
+
+def test_clear_disk_tier_deletes_the_entries(tmp_path):
+    fill_disk_tier(tmp_path, 3)
+    size = sum(path.stat().st_size for path in entries(tmp_path / TIER_DIR))
+    assert clear_disk_tier(tmp_path) == (3, size)
+    assert not entries(tmp_path / TIER_DIR)
+    assert clear_disk_tier(tmp_path / "nowhere") == (0, 0)
+
+
+def test_cache_clear_command(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from paged_chat.cli import app
+
+    monkeypatch.setenv("PAGED_CHAT_CACHE_DIR", str(tmp_path))
+    fill_disk_tier(tmp_path, 2)
+    result = CliRunner().invoke(app, ["cache", "clear"])
+    assert result.exit_code == 0, result.output
+    assert "(2 KV blocks)" in result.stdout and str(tmp_path / TIER_DIR) in result.stdout
+    assert not entries(tmp_path / TIER_DIR)

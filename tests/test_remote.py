@@ -1,0 +1,190 @@
+"""The remote engine client against a `paged-chat serve` the test starts: chat sessions,
+`ask --server`, the TUI on a remote engine and under `--serve`, and the one-line errors
+(connection refused, a wrong key, a server that goes away mid-reply)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+from contextlib import aclosing
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from typer.testing import CliRunner
+
+from paged_chat.cli import CliState, app as cli_app
+from paged_chat.engine import AsyncEngine, Engine, SamplingParams
+from paged_chat.remote import RemoteEngine, RemoteEngineError
+from paged_chat.session import ChatSession
+from paged_chat.store import ChatStore
+from paged_chat.tui.app import PagedChatApp
+from paged_chat.tui.engine_panel import EnginePanel
+from server_fixtures import api, chat_engine_config, served, start_server, wait_for  # noqa: F401
+from test_tui import make_settings, replies, text_of, type_prompt, wait_until
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+async def two_turns(client, system: str = "Be brief.") -> ChatSession:
+    session = ChatSession(system_prompt=system)
+    for text in ("Hello there", "And again"):
+        async with aclosing(session.send(client, text, GREEDY)) as stream:
+            async for _ in stream:
+                pass
+    return session
+
+
+async def test_a_remote_chat_is_the_same_chat_as_in_process(api):
+    remote = RemoteEngine(api.url)
+    assert remote.info.num_blocks == 0 and remote.info.name == api.model
+    over_http = await two_turns(remote)
+    in_process = await two_turns(api.client)
+    assert over_http.conversation.token_ids == in_process.conversation.token_ids
+    assert over_http.turn.text == in_process.turn.text and len(over_http.turn.token_ids) == 6
+    assert remote.has_metrics
+    await asyncio.sleep(0)  # stats() schedules a scrape on this loop: let it run
+    await asyncio.wait_for(_scraped(remote), timeout=30)
+
+
+async def _scraped(remote: RemoteEngine) -> None:
+    while remote.stats().prefix_cache_queried_tokens == 0:
+        await asyncio.sleep(0.05)
+
+
+async def test_abort_closes_the_stream_and_frees_the_server_blocks(api):
+    remote = RemoteEngine(api.url)
+    seen = []
+    async for output in remote.stream([1, 520, 9531, 198], SamplingParams(max_tokens=5000, ignore_eos=True),
+                                      request_id="long"):
+        seen.append(output)
+        if len(seen) == 3:
+            remote.abort("long")
+    assert seen[-1].finished and seen[-1].finish_reason == "abort" and len(seen[-1].token_ids) >= 3
+    await asyncio.to_thread(wait_for, lambda: not api.client.engine.requests, 60, "the server to abort")
+
+
+def test_ask_server(api, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGED_CHAT_DATA_DIR", str(tmp_path / "data"))
+    config = tmp_path / "config.toml"
+    config.write_text(f'[chat]\ntemperature = 0.0\nmax_tokens = 5\n\n[server]\nurl = "{api.url}"\n')
+    result = CliRunner().invoke(cli_app, ["--config", str(config), "ask", "--json", "Hi there"],
+                                obj=CliState(engine_factory=lambda config: pytest.fail("no local engine")))
+    assert result.exit_code == 0, result.stderr
+    answer = json.loads(result.stdout)
+    assert answer["completion_tokens"] >= 1 and answer["finish_reason"] in ("stop", "length")
+    assert ChatStore().list_chats()[0].id == answer["chat_id"]
+
+
+def test_ask_server_that_is_not_there(tmp_path):
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    result = CliRunner().invoke(cli_app, ["ask", "--no-save", "--server", f"http://127.0.0.1:{port}/v1", "Hi"])
+    assert result.exit_code == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith(f"Error: cannot reach the server at http://127.0.0.1:{port}/v1")
+
+
+def test_a_wrong_key_is_one_line(served, chat_model_dir):
+    keyed = start_server(served.client, api_key="right")
+    try:
+        with pytest.raises(RemoteEngineError, match=r"refused the API key \(401\)"):
+            RemoteEngine(keyed.url, api_key="wrong")
+        right = RemoteEngine(keyed.url, api_key="right", model=str(chat_model_dir))
+        assert right.info.name == served.model and right.info.tokenizer is not None
+    finally:
+        keyed.stop()
+
+
+async def test_a_server_that_goes_away_mid_reply_keeps_the_partial_reply(chat_model_dir):
+    client = AsyncEngine(Engine(chat_engine_config(chat_model_dir)))
+    going = start_server(client, model_names=[str(chat_model_dir)])
+    remote = RemoteEngine(going.url)
+    session = ChatSession(system_prompt="Be brief.")
+    with pytest.raises(RemoteEngineError, match="dropped the stream|ended the stream"):
+        async with aclosing(session.send(remote, "Talk", SamplingParams(max_tokens=100000, ignore_eos=True))) as stream:
+            async for output in stream:
+                if len(output.token_ids) == 3:
+                    asyncio.get_running_loop().run_in_executor(None, going.stop)
+    client.shutdown()
+    assert session.turn.finish_reason == "error" and len(session.turn.token_ids) >= 3
+    assert session.conversation.token_ids[-len(session.turn.token_ids):] == session.turn.token_ids
+
+
+@pytest.mark.timeout(180)
+async def test_tui_on_a_remote_engine(api, tmp_path):
+    remote = RemoteEngine(api.url)
+    app = PagedChatApp(make_settings(max_tokens=6), engine=remote, store=ChatStore(tmp_path / "chats.db"),
+                       session_path=tmp_path / "session.json", restore=False)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await type_prompt(pilot, "hello remote")
+        tab = app.active_tab
+        await wait_until(pilot, lambda: tab.session.turn is not None and tab.session.turn.finished, timeout=60)
+        [reply] = replies(tab)
+        assert tab.session.turn.finish_reason in ("stop", "length") and tab.session.turn.token_ids
+        panel = app.query_one(EnginePanel)
+        await wait_until(pilot, lambda: "remote engine: no block map" in text_of(panel.query_one("#pool-title")))
+        await wait_until(pilot, lambda: "running" in text_of(panel.query_one("#numbers")))
+
+
+@pytest.mark.timeout(180)
+async def test_tui_serves_its_engine_and_shows_api_owners(chat_model_dir, tmp_path):
+    client = AsyncEngine(Engine(chat_engine_config(chat_model_dir)))
+    app = PagedChatApp(make_settings(max_tokens=6), engine=client, store=ChatStore(tmp_path / "chats.db"),
+                       session_path=tmp_path / "session.json", restore=False, serve_port=0)
+    try:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await wait_until(pilot, lambda: app.api_server is not None and app.api_server.started)
+            api_client = openai.AsyncOpenAI(base_url=app.api_server.url + "/v1", api_key="none", max_retries=0)
+            stream = await api_client.completions.create(
+                model=client.info.name, prompt="an editor asks", max_tokens=5000, stream=True,
+                user="editor", extra_body={"ignore_eos": True})
+            panel = app.query_one(EnginePanel)
+            async with stream:
+                async for _ in stream:
+                    if "editor" in panel.tabs:
+                        break
+            assert panel.tabs["editor"].title == "editor"
+            await api_client.close()
+            await wait_until(pilot, lambda: client.stats().blocks_in_use == 0 and not client.engine.requests)
+    finally:
+        client.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+async def test_a_chat_on_transformers_serve(chat_model_dir, tmp_path):
+    """Another project's OpenAI server, offline on the local model folder: it takes text
+    prompts only and refuses vLLM's sampling fields, and has no /metrics."""
+    executable = Path(sys.executable).with_name("transformers")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    log = (tmp_path / "transformers-serve.log").open("wb")
+    process = subprocess.Popen([str(executable), "serve", str(chat_model_dir), "--port", str(port)],
+                               stdout=log, stderr=subprocess.STDOUT)
+    try:
+        await asyncio.to_thread(wait_for, lambda: _healthy(port) or process.poll() is not None,
+                                240, "transformers serve to start")
+        assert process.poll() is None, (tmp_path / "transformers-serve.log").read_text()[-2000:]
+        remote = RemoteEngine(f"http://127.0.0.1:{port}/v1")
+        assert not remote.has_metrics
+        session = await two_turns(remote)
+        assert session.turn.finish_reason in ("stop", "length") and session.turn.text
+        assert len(session.conversation.messages) == 4
+    finally:
+        process.terminate()
+        process.wait(30)
+        log.close()
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False

@@ -1,0 +1,230 @@
+"""`paged-chat serve` against clients nobody here wrote: the official `openai` client, httpx
+and prometheus-client's own text parser, on the tiny chat model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from typer.testing import CliRunner
+
+from paged_chat.cli import app as cli_app
+from paged_chat.engine import SamplingParams
+from paged_chat.server import UnsafeBindError, check_bind
+from server_fixtures import api, served, start_server, wait_for  # noqa: F401 (fixtures)
+
+SYSTEM = ("You are a careful assistant. You answer in short sentences, you check your facts, "
+          "and you say when you do not know something. Keep every answer brief and friendly.")
+SAMPLING = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+def client_for(api, **options) -> openai.OpenAI:
+    return openai.OpenAI(base_url=api.url, api_key="unused", max_retries=0, **options)
+
+
+def chat(content: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": content}]
+
+
+def engine_reply(api, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """What the engine itself answers (greedy) for these prompt ids, not over HTTP."""
+    async def run() -> list[int]:
+        async for output in api.client.stream(prompt_ids, SamplingParams(
+                temperature=0.0, max_tokens=max_tokens, ignore_eos=True)):
+            pass
+        return output.token_ids
+    return asyncio.run(run())
+
+
+def test_chat_completion_matches_the_engine_and_reports_usage(api):
+    reply = client_for(api).chat.completions.create(
+        model=api.model, messages=chat("Hello"), max_tokens=6, temperature=0.0,
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+    tokenizer = api.client.info.tokenizer
+    prompt = tokenizer.apply_chat_template(chat("Hello"), tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    [choice] = reply.choices
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert choice.model_extra["token_ids"] == engine_reply(api, prompt_ids, 6)
+    assert choice.message.content == tokenizer.decode(choice.model_extra["token_ids"])
+    assert reply.usage.prompt_tokens == len(prompt_ids) and reply.usage.completion_tokens == 6
+    assert reply.usage.total_tokens == len(prompt_ids) + 6
+
+
+def test_streams_chat_and_completions_with_usage(api):
+    client = client_for(api)
+    chunks = list(client.chat.completions.create(
+        model=api.model, messages=chat("Stream please"), max_tokens=5, stream=True,
+        stream_options={"include_usage": True}, **SAMPLING))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks[1:-1]][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    whole = client.chat.completions.create(model=api.model, messages=chat("Stream please"),
+                                           max_tokens=5, **SAMPLING)
+    assert text == whole.choices[0].message.content
+
+    ids_prompt = [1, 520, 9531, 198, 30, 40, 50]
+    streamed = list(client.completions.create(model=api.model, prompt=ids_prompt, max_tokens=4,
+                                              stream=True, **SAMPLING))
+    complete = client.completions.create(model=api.model, prompt=ids_prompt, max_tokens=4, **SAMPLING)
+    assert "".join(c.choices[0].text for c in streamed) == complete.choices[0].text
+    assert complete.usage.prompt_tokens == len(ids_prompt)
+    text_prompt = client.completions.create(model=api.model, prompt="Once upon a time",
+                                            max_tokens=3, **SAMPLING)
+    assert text_prompt.choices[0].finish_reason == "length"
+
+
+def test_n_choices_share_the_prompt_blocks(api):
+    reply = client_for(api).chat.completions.create(
+        model=api.model, messages=chat("Two answers"), max_tokens=4, n=3, temperature=1.0, seed=7,
+        extra_body={"ignore_eos": True})
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert reply.usage.completion_tokens == 12
+    hits_before = api.client.stats().prefix_cache_hit_tokens
+    again = client_for(api).chat.completions.create(
+        model=api.model, messages=chat("Two answers"), max_tokens=4, n=3, temperature=1.0, seed=7,
+        extra_body={"ignore_eos": True})
+    assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
+    assert len({c.message.content for c in reply.choices}) > 1, "seeded choices must differ"
+    wait_for(lambda: api.client.stats().prefix_cache_hit_tokens > hits_before)
+
+
+def test_requests_sharing_a_system_prompt_report_cached_tokens(api):
+    client = client_for(api)
+    first = client.chat.completions.create(model=api.model, messages=chat("First question"),
+                                           max_tokens=2, **SAMPLING)
+    second = client.chat.completions.create(model=api.model, messages=chat("Second question"),
+                                            max_tokens=2, **SAMPLING)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens <= cached
+
+
+def test_errors_are_openai_errors_and_the_engine_lives_on(api):
+    client = client_for(api)
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=api.model, prompt="hi", temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.chat.completions.create(model=api.model, messages=chat("x"), top_p=0)
+    with pytest.raises(openai.BadRequestError, match="max_model_len|at most"):
+        client.completions.create(model=api.model, prompt=[5] * 5000, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="vocabulary"):
+        client.completions.create(model=api.model, prompt=[10**9], max_tokens=2, stream=True)
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=api.model, messages=[])
+    for body, status in ((b"{not json", 400), (b'{"prompt": "x", "n": 0}', 400),
+                         (json.dumps({"prompt": "x" * (5 * 2**20)}).encode(), 413)):
+        response = httpx.post(f"{api.url}/completions", content=body,
+                              headers={"Content-Type": "application/json"}, timeout=60)
+        assert response.status_code == status
+        error = response.json()["error"]
+        assert error["code"] == status and error["message"] and "Traceback" not in response.text
+    missing = httpx.get(f"{api.url}/nowhere")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    after = client.completions.create(model=api.model, prompt="still alive?", max_tokens=2, **SAMPLING)
+    assert after.choices[0].finish_reason == "length"
+
+
+def test_api_key_is_required_when_set(served):
+    keyed = start_server(served.client, api_key="s3cret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            client_for(keyed).models.list()
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=keyed.url, api_key="wrong", max_retries=0).models.list()
+        assert httpx.get(f"{keyed.server.url}/metrics").status_code == 401
+        assert httpx.get(f"{keyed.server.url}/health").status_code == 200
+        good = openai.OpenAI(base_url=keyed.url, api_key="s3cret", max_retries=0)
+        assert [m.id for m in good.models.list()] == [served.model]
+    finally:
+        keyed.stop()
+
+
+def test_binding_beyond_loopback_needs_a_key():
+    check_bind("127.0.0.1", None)
+    check_bind("::1", None)
+    check_bind("0.0.0.0", "key")
+    for host in ("0.0.0.0", "192.168.1.4", "example.org"):
+        with pytest.raises(UnsafeBindError, match="--api-key"):
+            check_bind(host, None)
+    result = CliRunner().invoke(cli_app, ["serve", "--host", "0.0.0.0"])
+    assert result.exit_code == 1
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("Error: refusing to serve on 0.0.0.0 without --api-key")
+
+
+def test_client_disconnect_mid_stream_frees_the_blocks(api):
+    body = {"model": api.model, "prompt": "Go on forever", "max_tokens": 5000, "stream": True,
+            "ignore_eos": True, "temperature": 0.0, "user": "leaver"}
+    with httpx.stream("POST", f"{api.url}/completions", json=body, timeout=60) as response:
+        events = response.iter_lines()
+        received = [line for line, _ in zip(events, range(6)) if line.startswith("data:")]
+        assert len(received) >= 2
+        assert api.client.stats().blocks_in_use > 0 or api.client.engine.requests
+        owners = api.client.stats().blocks.request_owners
+        assert "leaver" in owners or api.client.engine.requests
+    wait_for(lambda: not api.client.engine.requests, timeout=60, what="the request to be aborted")
+    wait_for(lambda: api.client.stats().blocks_in_use == 0, timeout=60, what="its blocks back")
+
+
+def test_metrics_parse_with_vllm_names_and_types(api):
+    client_for(api).completions.create(model=api.model, prompt="count me", max_tokens=3, **SAMPLING)
+    text = httpx.get(f"{api.server.url}/metrics").text
+    families = {family.name: family for family in text_string_to_metric_families(text)}
+    kinds = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
+             "vllm:kv_cache_usage_perc": "gauge", "vllm:prefix_cache_queries": "counter",
+             "vllm:prefix_cache_hits": "counter", "vllm:prompt_tokens": "counter",
+             "vllm:generation_tokens": "counter", "vllm:num_preemptions": "counter"}
+    for name, kind in kinds.items():
+        assert families[name].type == kind, name
+        [sample] = [s for s in families[name].samples if not s.name.endswith("_created")]
+        assert sample.labels == {"model_name": api.model}
+    value = {name: families[name].samples[0].value for name in kinds}
+    assert value["vllm:generation_tokens"] >= 3 and value["vllm:prompt_tokens"] >= 3
+    assert value["vllm:prefix_cache_queries"] >= value["vllm:prefix_cache_hits"] >= 0
+    assert 0.0 <= value["vllm:kv_cache_usage_perc"] <= 1.0
+
+
+def test_models_and_health(api):
+    assert httpx.get(f"{api.server.url}/health").status_code == 200
+    models = client_for(api).models.list()
+    assert models.data[0].id == api.model
+
+
+@pytest.mark.timeout(300)
+async def test_64_concurrent_streaming_clients_are_batched(api):
+    client = openai.AsyncOpenAI(base_url=api.url, api_key="unused", max_retries=0,
+                                http_client=openai.DefaultAsyncHttpxClient(
+                                    limits=httpx.Limits(max_connections=100)))
+    peak = 0
+    done = asyncio.Event()
+
+    async def watch() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, api.client.stats().batch_size)
+            await asyncio.sleep(0.005)
+
+    async def one(index: int) -> int:
+        stream = await client.chat.completions.create(
+            model=api.model, messages=chat(f"client {index}"), max_tokens=24, stream=True,
+            user=f"client-{index}", **SAMPLING)
+        count = 0
+        async for chunk in stream:
+            count += sum(1 for c in chunk.choices if c.delta.content is not None and not c.delta.role)
+        return count
+
+    watcher = asyncio.create_task(watch())
+    counts = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(64))), timeout=240)
+    done.set()
+    await watcher
+    await client.close()
+    assert counts == [24] * 64, "a client was starved or cut short"
+    assert peak > 32, f"the engine never batched more than {peak} of 64 streams"

@@ -1,0 +1,151 @@
+"""ChatSession: the one turn implementation under `ask` and the TUI, against a real engine
+and a real store: rows written as the reply streams, a store that fails mid-reply, a chat
+that another writer moved on, regenerate, fork and stop."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from contextlib import aclosing
+
+import pytest
+
+from paged_chat.engine import AsyncEngine, Engine, SamplingParams
+from paged_chat.session import ChatSession, chat_title
+from paged_chat.store import ChatMovedOn, ChatStore
+from engine_helpers import assert_no_leaks
+from test_tui import engine_config
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture
+def client(chat_model_dir):
+    engine = AsyncEngine(Engine(engine_config(chat_model_dir)))
+    yield engine
+    engine.shutdown()
+    assert_no_leaks(engine.engine)
+
+
+@pytest.fixture
+def store(tmp_path):
+    with ChatStore(tmp_path / "chats.db") as store:
+        yield store
+
+
+def new_session(store: ChatStore, warnings: list[str] | None = None) -> ChatSession:
+    chat = store.create_chat("Chat 1", "tiny", "Be brief.", {})
+    return ChatSession(store, chat, on_warning=(warnings if warnings is not None else []).append)
+
+
+async def run(deltas) -> str:
+    async with aclosing(deltas) as stream:
+        return "".join([output.new_text async for output in stream])
+
+
+async def test_a_turn_writes_its_rows_and_the_next_turn_starts_from_its_ids(client, store):
+    session = new_session(store)
+    first = await asyncio.wait_for(run(session.send(client, "Hello there", GREEDY)), 60)
+    rows = store.get_chat(session.chat_id).messages
+    assert [(m.role, m.finish_reason) for m in rows] == [("user", None), ("assistant", "length")]
+    assert rows[1].content == first == session.turn.text and len(rows[1].token_ids) == 12
+    assert rows[1].timings["prompt_tokens"] == len(session.turn.prompt_ids)
+    history = rows[0].token_ids + rows[1].token_ids
+    await asyncio.wait_for(run(session.send(client, "And again?", GREEDY)), 60)
+    assert session.turn.prompt_ids[:len(history)] == history
+    assert session.turn.num_cached_tokens >= (len(history) - 1) // 16 * 16 > 0
+
+
+async def test_a_store_that_fails_mid_reply_costs_one_warning_not_the_reply(client, store, monkeypatch):
+    """The disk fills up while a reply streams: the reply goes on to the end, the user is
+    told once, and the text is saved as soon as the store takes writes again."""
+    monkeypatch.setattr("paged_chat.session.SAVE_INTERVAL_S", 0.0)
+    warnings: list[str] = []
+    session = new_session(store, warnings)
+    update, failures = store.update_message, []
+
+    def full_disk(message_id, content, token_ids, finish_reason, timings=None):
+        if content and len(failures) < 3:
+            failures.append(content)
+            raise sqlite3.OperationalError("database or disk is full")
+        return update(message_id, content, token_ids, finish_reason, timings)
+
+    monkeypatch.setattr(store, "update_message", full_disk)
+    text = await asyncio.wait_for(run(session.send(client, "Tell me more", GREEDY)), 60)
+    assert len(failures) == 3 and len(session.turn.token_ids) == 12
+    assert len(warnings) == 1 and "database or disk is full" in warnings[0]
+    reply = store.get_chat(session.chat_id).messages[-1]
+    assert reply.content == text and reply.finish_reason == "length"
+
+
+async def test_a_chat_deleted_mid_reply_still_streams_the_reply(client, store, monkeypatch):
+    monkeypatch.setattr("paged_chat.session.SAVE_INTERVAL_S", 0.0)
+    warnings: list[str] = []
+    session = new_session(store, warnings)
+    shown = []
+    async with aclosing(session.send(client, "Hi", GREEDY)) as stream:
+        async for output in stream:
+            shown.append(output.new_text)
+            if len(shown) == 2:
+                store.delete_chat(session.chat_id)
+    assert session.turn.finish_reason == "length" and "".join(shown) == session.turn.text
+    assert len(warnings) == 1 and "no message with id" in warnings[0]
+
+
+async def test_a_chat_that_moved_on_refuses_the_turn(client, store):
+    """Two `ask -c` on one chat: the second to save finds the chat has moved on since it
+    read it, and saves nothing rather than interleave two conversations."""
+    session = new_session(store)
+    await asyncio.wait_for(run(session.send(client, "First", GREEDY)), 60)
+    one = ChatSession(store, store.get_chat(session.chat_id))
+    other = ChatSession(store, store.get_chat(session.chat_id))
+    await asyncio.wait_for(run(one.send(client, "From one", GREEDY)), 60)
+    with pytest.raises(ChatMovedOn, match="run it again"):
+        await asyncio.wait_for(run(other.send(client, "From the other", GREEDY)), 60)
+    contents = [m.content for m in store.get_chat(session.chat_id).messages if m.role == "user"]
+    assert contents == ["First", "From one"]
+
+
+async def test_stop_ends_the_turn_as_stopped_and_keeps_it_in_the_context(client, store):
+    session = new_session(store)
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    stopped = []
+    async with aclosing(session.send(client, "Go on", long)) as stream:
+        async for _ in stream:
+            if len(session.turn.token_ids) >= 3 and not stopped:
+                stopped.append(session.stop())
+    assert stopped == [True] and not session.stop()
+    assert session.turn.finish_reason == "abort" and 3 <= len(session.turn.token_ids) < 400
+    assert session.conversation.token_ids[-len(session.turn.token_ids):] == session.turn.token_ids
+    assert store.get_chat(session.chat_id).messages[-1].finish_reason == "abort"
+
+
+async def test_leaving_the_stream_early_aborts_and_saves_the_turn(client, store):
+    session = new_session(store)
+    long = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    async with aclosing(session.send(client, "Go on", long)) as stream:
+        async for _ in stream:
+            break
+    assert session.turn.finish_reason == "abort"
+    assert store.get_chat(session.chat_id).messages[-1].finish_reason == "abort"
+
+
+async def test_regenerate_replaces_the_last_reply_and_fork_shares_the_history(client, store):
+    session = new_session(store)
+    await asyncio.wait_for(run(session.send(client, "Name a colour", GREEDY)), 60)
+    first_reply = session.turn.token_ids
+    again = SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True)
+    await asyncio.wait_for(run(session.regenerate(client, again)), 60)
+    rows = store.get_chat(session.chat_id).messages
+    assert [m.role for m in rows] == ["user", "assistant"]
+    assert rows[1].token_ids == session.turn.token_ids != first_reply
+    fork = session.fork("Fork")
+    assert fork.conversation.token_ids == session.conversation.token_ids
+    await asyncio.wait_for(run(fork.send(client, "Another", GREEDY)), 60)
+    assert fork.turn.num_cached_tokens >= (len(session.conversation.token_ids) - 1) // 16 * 16
+
+
+def test_chat_titles_are_one_clean_line():
+    assert chat_title("\n  Why is   the sky blue?\nBecause...") == "Why is the sky blue?"
+    assert chat_title("x" * 100) == "x" * 59 + "…"
+    assert chat_title("\x1b]0;evil\x07 hi") == "hi"

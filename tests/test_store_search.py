@@ -1,0 +1,110 @@
+"""Finding old chats: full-text search over titles and messages (SQLite FTS5), kept in
+step with the store by triggers, and built for stores from before it existed."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from paged_chat import store as store_module
+from paged_chat.store import ChatStore
+
+SEARCH_VERSION = 1   # the schema version before the search index
+
+
+@pytest.fixture
+def store(tmp_path):
+    with ChatStore(tmp_path / "chats.db") as store:
+        yield store
+
+
+def found(store: ChatStore, text: str) -> list[str]:
+    return [chat.title for chat in store.search_chats(text)]
+
+
+def test_titles_and_messages_are_found_most_recent_first(store):
+    lighthouse = store.create_chat("A lighthouse story", "m")
+    store.add_message(lighthouse.id, "user", "Tell me about the keeper", [1])
+    caching = store.create_chat("Caching", "m")
+    store.add_message(caching.id, "user", "What is a KV cache?", [1])
+    reply = store.add_message(caching.id, "assistant", "", [])
+    store.update_message(reply.id, "Keys and values kept per token, like a lighthouse log", [2], "stop")
+    assert found(store, "lighthouse") == ["Caching", "A lighthouse story"]
+    assert found(store, "KEEPER") == ["A lighthouse story"]
+    assert found(store, "light") == ["Caching", "A lighthouse story"]   # a prefix of a word
+    assert found(store, "kv values") == ["Caching"]   # every word, anywhere in the chat
+    assert found(store, "kv keeper") == []
+    assert found(store, "submarine") == []
+
+
+def test_the_index_follows_updates_renames_forks_and_deletes(store):
+    chat = store.create_chat("First title", "m")
+    reply = store.add_message(chat.id, "assistant", "draft words", [])
+    store.update_message(reply.id, "final answer", [1], "stop")
+    assert found(store, "draft") == [] and found(store, "final") == ["First title"]
+    store.rename_chat(chat.id, "Renamed")
+    assert found(store, "first") == [] and found(store, "renamed") == ["Renamed"]
+    fork = store.fork_chat(chat.id, "Fork")
+    assert sorted(found(store, "final")) == ["Fork", "Renamed"]
+    store.delete_chat(chat.id)   # its messages go by ON DELETE CASCADE: the triggers still fire
+    assert found(store, "final") == ["Fork"] and found(store, "renamed") == []
+    store.delete_chat(fork.id)
+    assert found(store, "final") == []
+    assert store._conn.execute("INSERT INTO message_search (message_search) VALUES ('integrity-check')")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet=st.sampled_from('ab "*^:()-+.NEAR AND OR NOT {}[]\\\'é_'), max_size=20))
+def test_queries_with_fts_syntax_never_fail(tmp_path_factory, text):
+    with ChatStore(tmp_path_factory.mktemp("s") / "chats.db") as store:
+        store.create_chat('ab "quoted" (x) a*b NEAR/2 é', "m")
+        store.search_chats(text)
+
+
+def test_syntax_characters_are_searched_as_text(store):
+    store.create_chat('C++ and "quotes" (maybe)', "m")
+    store.create_chat("AND OR NOT", "m")
+    for query in ('"quotes"', "(maybe", "C++", 'quotes" OR "', "NOT", "*", '"', "AND OR"):
+        assert isinstance(found(store, query), list)
+    assert found(store, '"quotes"') == ['C++ and "quotes" (maybe)']
+    assert found(store, "NOT") == ["AND OR NOT"]
+    assert found(store, "*") == [] and found(store, "   ") == []
+
+
+def test_a_store_from_before_search_is_indexed_when_opened(tmp_path, monkeypatch):
+    """The migration on a database made at the previous schema version: the index is
+    built from the rows already there, and kept in step from then on."""
+    path = tmp_path / "chats.db"
+    monkeypatch.setattr(store_module, "MIGRATIONS", store_module.MIGRATIONS[:SEARCH_VERSION])
+    with ChatStore(path) as old:
+        chat = old.create_chat("Old chat about tides", "m")
+        old.add_message(chat.id, "user", "How do the moon and tides relate?", [1, 2])
+        assert old._conn.execute("PRAGMA user_version").fetchone()[0] == SEARCH_VERSION
+    monkeypatch.undo()
+    with ChatStore(path) as new:
+        assert new._conn.execute("PRAGMA user_version").fetchone()[0] == len(store_module.MIGRATIONS)
+        assert found(new, "tides") == ["Old chat about tides"]
+        assert found(new, "moon") == ["Old chat about tides"]
+        new.add_message(chat.id, "assistant", "Gravity pulls the oceans", [3])
+        assert found(new, "gravity") == ["Old chat about tides"]
+        assert new.get_chat(chat.id).messages[0].token_ids == [1, 2]
+
+
+def test_chats_list_search_on_the_command_line(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from paged_chat.cli import CliState, app
+
+    monkeypatch.setenv("PAGED_CHAT_DATA_DIR", str(tmp_path))
+    with ChatStore() as store:
+        tides = store.create_chat("Tides", "m")
+        store.add_message(tides.id, "assistant", "The moon's gravity", [1], "stop")
+        store.create_chat("Other", "m")
+    result = CliRunner().invoke(app, ["chats", "list", "--search", "GRAVITY"], obj=CliState())
+    assert result.exit_code == 0, result.stderr
+    assert [line.split()[0] for line in result.stdout.splitlines()] == ["ID", tides.id]
+    result = CliRunner().invoke(app, ["chats", "list", "--search", 'nothing" OR "*'], obj=CliState())
+    assert result.exit_code == 0 and result.stdout == ""
+    assert "no chat holds 'nothing\" OR \"*'" in result.stderr
+    assert len(CliRunner().invoke(app, ["chats", "list"], obj=CliState()).stdout.splitlines()) == 3
