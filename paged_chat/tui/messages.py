@@ -65,7 +65,7 @@ class AssistantMessage(Vertical):
         self._chunks: list[Markdown] = []
         self._chunk_text = ""
         self._stream: MarkdownStream | None = None
-        self._backlog = ""   # written while hidden, not yet rendered
+        self._backlog = ""   # written (while hidden, or within this frame), not yet rendered
         self._stale = False  # finished while hidden: the final render is still to do
         self._rendered_at = 0.0        # when the stream last got an append
         self._frame_timer: Timer | None = None  # renders the frame's backlog when it is due
