@@ -366,6 +366,9 @@ def bench(ctx: typer.Context,
               min=1, help="paged-chat's threads (default: adapt to the machine).")] = None,
           host_overhead: Annotated[bool, typer.Option(
               "--host-overhead", help="Time the engine per step over a stub forward.")] = False,
+          tui: Annotated[int, typer.Option(
+              "--tui", min=0, help="Instead: the app headless with N streaming tabs vs the engine "
+                                   "alone (replies of --max-output tokens), and a UI profile.")] = 0,
           ) -> None:
     """Run one seeded chat workload through paged-chat and the Hugging Face baselines, side
     by side in one process, and print absolute figures and ratios."""
@@ -373,6 +376,15 @@ def bench(ctx: typer.Context,
     from paged_chat.bench.report import format_report, plot, write_json
 
     with _reported(ctx):
+        if tui:
+            from paged_chat.bench.tui import TuiBenchOptions, format_tui_report, run_tui_bench
+            report = run_tui_bench(TuiBenchOptions(model=model, tabs=tui, max_tokens=max_output,
+                                                   dtype=dtype, seed=seed, threads=threads),
+                                   log=lambda line: typer.echo(line, err=True))
+            typer.echo(format_tui_report(report))
+            if json_path is not None:
+                write_json(report, str(json_path))
+            return
         sizes = (dict(num_chats=8, min_output=16, max_output=48) if quick else
                  dict(num_chats=chats, min_output=min_output, max_output=max_output))
         if sizes["min_output"] > sizes["max_output"]:

@@ -34,6 +34,7 @@ from paged_chat.tui.chat_search import ChatSearch
 from paged_chat.tui.chat_tab import ChatTab
 from paged_chat.tui.engine_panel import EnginePanel, TabInfo, with_request_owners
 from paged_chat.tui.open_tabs import OpenTabs
+from paged_chat.tui.threads import leave_the_ui_a_core
 
 if TYPE_CHECKING:
     from paged_chat.engine import EngineClient, EngineConfig, SamplingParams
@@ -167,6 +168,7 @@ class PagedChatApp(ChatActions, App):
         from paged_chat.engine import AsyncEngine
 
         started = time.monotonic()
+        leave_the_ui_a_core()
 
         def progress(stage: str, done: int, total: int) -> None:  # read by the status line's poll
             self._load_progress = f"{stage} {done}/{total}"
@@ -236,7 +238,7 @@ class PagedChatApp(ChatActions, App):
             if self.load_error is None:
                 self._update_status()
             return
-        if not self.screen.is_attached or not self.query(EnginePanel):
+        if not self.screen_stack or not self.screen.is_attached or not self.query(EnginePanel):
             return  # shutting down
         stats = self.engine.stats()
         if self._tab_infos is None:

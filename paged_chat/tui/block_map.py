@@ -166,9 +166,11 @@ class BlockMapView(Widget):
         self._hover: tuple[int, ...] = ()
 
     def show(self, blocks: BlockMap | None, owner_colour: Mapping[str, int]) -> None:
-        """Take a new snapshot's block map; redraws on the next frame."""
-        self.codes = (np.zeros(0, dtype=np.uint8) if blocks is None
-                      else block_codes(blocks, owner_colour))
+        """Take a new snapshot's block map; redraws on the next frame if any cell changed."""
+        codes = np.zeros(0, dtype=np.uint8) if blocks is None else block_codes(blocks, owner_colour)
+        if np.array_equal(codes, self.codes):
+            return  # nothing to redraw
+        self.codes = codes
         self._strips = None
         self.refresh()
 

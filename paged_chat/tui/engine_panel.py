@@ -1,9 +1,10 @@
 """The engine panel: pool occupancy, batch, rates, prefix-cache hits, the block map and the
 details of the block under the pointer. It is fed `EngineStats` snapshots by the app's
-~10 Hz timer (`show_stats`); it never calls the engine."""
+~10 Hz timer (`show_stats`), draws at most every REFRESH_EVERY_S, and never calls the engine."""
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,7 +20,8 @@ from paged_chat.engine.stats import BlockMap, EngineStats
 from paged_chat.tui.block_map import TAB_COLOURS, BlockMapView
 from paged_chat.tui.sparkline import Spark
 
-HISTORY = 60  # sparkline points (6 s at 10 Hz)
+REFRESH_EVERY_S = 0.2   # the panel redraws at most 5 times a second (at least 4 are promised)
+HISTORY = 30            # sparkline points (6 s at 5 Hz)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +159,8 @@ class EnginePanel(Vertical):
         self.decode: Callable[[Sequence[int]], str] | None = None
         self.remote: Any = None   # a remote EngineClient (kv_cache_usage, has_metrics); no pool
         self._pinned: int | None = None
+        self._shown_at = 0.0                    # when show_stats last drew
+        self._shown_text: dict[str, Text] = {}  # what each readout shows
         self._history = {name: deque([0.0] * HISTORY, maxlen=HISTORY)
                          for name in ("batch", "gen", "used")}
 
@@ -172,33 +176,42 @@ class EnginePanel(Vertical):
         yield Static("hover or click a block", id="block-detail")
 
     def show_stats(self, stats: EngineStats, tabs: Mapping[str, TabInfo]) -> None:
-        """Take a snapshot; cheap when nothing changed."""
+        """Take a snapshot. The panel redraws at most every REFRESH_EVERY_S (snapshots in
+        between are skipped: the UI's share of the CPU stays bounded while the engine is
+        busy), and only the parts whose content changed."""
         tabs_changed = tabs != self.tabs
         self.tabs = tabs
         if tabs_changed:
             self.query_one("#legend", Static).update(format_legend(tabs))
-        busy = bool(stats.num_running or stats.num_waiting)
-        if stats is self.stats and not tabs_changed and not busy:
+        now = time.monotonic()
+        if stats is self.stats or (not tabs_changed and now - self._shown_at < REFRESH_EVERY_S):
             return
+        self._shown_at = now
         self.stats = stats
         if self.remote is not None:
-            self.query_one("#pool-title", Static).update(Text("remote engine: no block map", style="bold"))
-            self.query_one("#numbers", Static).update(format_remote_numbers(
+            self._update_static("#pool-title", Text("remote engine: no block map", style="bold"))
+            self._update_static("#numbers", format_remote_numbers(
                 stats, self.remote.kv_cache_usage, self.remote.has_metrics))
             return
+        busy = bool(stats.num_running or stats.num_waiting)
         self._history["batch"].append(stats.batch_size if busy else 0)
         self._history["gen"].append(stats.generation_tokens_per_s if busy else 0.0)
         self._history["used"].append(stats.blocks_in_use)
         for name, values in self._history.items():
-            self.query_one(f"#spark-{name}", Spark).data = tuple(values)
-        # Fixed-size readouts: repaint without a layout pass (10 Hz layouts cost real time).
-        self.query_one("#pool-title", Static).update(Text.assemble(
-            ("KV cache ", "bold"),
-            f"{_n(stats.num_blocks)} blocks × {stats.block_size} tokens"), layout=False)
-        self.query_one("#numbers", Static).update(format_numbers(stats), layout=False)
+            self.query_one(f"#spark-{name}", Spark).data = tuple(values)  # reactive: redraws if changed
+        # Fixed-size readouts: repaint without a layout pass, and only when their text changed.
+        self._update_static("#pool-title", Text.assemble(
+            ("KV cache ", "bold"), f"{_n(stats.num_blocks)} blocks × {stats.block_size} tokens"))
+        self._update_static("#numbers", format_numbers(stats))
         owner_colour = {owner: info.colour for owner, info in tabs.items()}
         self.query_one(BlockMapView).show(stats.blocks, owner_colour)
-        self._describe()
+        if self.focus_block is not None:
+            self._describe()
+
+    def _update_static(self, selector: str, text: Text) -> None:
+        if self._shown_text.get(selector) != text:
+            self._shown_text[selector] = text
+            self.query_one(selector, Static).update(text, layout=False)
 
     def on_block_map_view_hovered(self, message: BlockMapView.Hovered) -> None:
         view = self.query_one(BlockMapView)

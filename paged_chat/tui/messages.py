@@ -3,21 +3,26 @@
 A reply streams through Textual's MarkdownStream. To keep the cost of each append bounded
 (Markdown.append re-joins and re-parses from its last block), a long reply is split into
 several Markdown widgets at paragraph breaks outside code fences: each stays small, so
-streaming a reply costs about linear time in its length, not quadratic.
+streaming a reply costs about linear time in its length, not quadratic. The deltas of a
+frame render as one append, and a hidden tab renders nothing until it is shown.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
 
 from rich.text import Text
 from textual.containers import Vertical
+from textual.timer import Timer
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
 from paged_chat.text import sanitize_for_terminal as clean
 
 CHUNK_CHARS = 2000   # start a new Markdown widget at the next paragraph break past this
+RENDER_EVERY_S = 0.1  # a streaming reply's frame: the deltas within one render together
 _FENCE = re.compile(r"^ {0,3}(```|~~~)", re.MULTILINE)
 _CODE_BLOCK = re.compile(r"^ {0,3}(```|~~~)[^\n]*\n(.*?)^ {0,3}\1", re.MULTILINE | re.DOTALL)
 
@@ -60,8 +65,11 @@ class AssistantMessage(Vertical):
         self._chunks: list[Markdown] = []
         self._chunk_text = ""
         self._stream: MarkdownStream | None = None
-        self._backlog = ""   # written while hidden, not yet rendered
+        self._backlog = ""   # written (while hidden, or within this frame), not yet rendered
         self._stale = False  # finished while hidden: the final render is still to do
+        self._rendered_at = 0.0        # when the stream last got an append
+        self._frame_timer: Timer | None = None  # renders the frame's backlog when it is due
+        self._rendering = asyncio.Lock()  # one render at a time: the turn's and the tab's (shown)
 
     def compose(self):
         shown = clean(self.text)
@@ -79,23 +87,47 @@ class AssistantMessage(Vertical):
         self.border_subtitle = value
 
     async def write(self, fragment: str, render: bool = True) -> None:
-        """Stream a fragment of the reply; with render=False only keep it (the tab is
-        hidden) until a later write or finish_stream renders the backlog at once."""
+        """Stream a fragment of the reply. It renders with the others of its frame (at most
+        one Markdown append per RENDER_EVERY_S, the rest on a timer); with render=False (a
+        hidden tab) it is only kept until a later write, `catch_up` or `finish_stream`."""
         self.text += fragment
-        fragment = clean(fragment)
-        if not render:
-            self._backlog += fragment
+        self._backlog += clean(fragment)
+        if not render or self._frame_timer is not None:
             return
-        fragment, self._backlog = self._backlog + fragment, ""
+        wait = self._rendered_at + RENDER_EVERY_S - time.monotonic()
+        if wait > 0:
+            self._frame_timer = self.set_timer(wait, self._render_frame)
+            return
+        await self._render_frame()
+
+    async def _render_frame(self) -> None:
+        self._frame_timer = None
+        async with self._rendering:
+            await self._render_backlog()
+
+    async def _render_backlog(self) -> None:
+        """Append the backlog to the stream: Markdown.append re-parses from the start of the
+        last block it has, so lines a hidden tab kept back join their paragraph whole."""
+        fragment, self._backlog = self._backlog, ""
         if not fragment:
             return
-        if len(self._chunk_text) >= CHUNK_CHARS and "\n\n" in fragment:
-            cut = fragment.index("\n\n") + 2
-            if not _inside_fence(self._chunk_text + fragment[:cut]):
-                await self._append(fragment[:cut])
-                await self._new_chunk()
-                fragment = fragment[cut:]
+        self._rendered_at = time.monotonic()
+        while (cut := self._chunk_end(fragment)) is not None:
+            await self._append(fragment[:cut])
+            await self._new_chunk()
+            fragment = fragment[cut:]
         await self._append(fragment)
+
+    def _chunk_end(self, fragment: str) -> int | None:
+        """Where `fragment` ends the current chunk: after its first paragraph break outside
+        a code fence that makes the chunk at least CHUNK_CHARS long; None if none does."""
+        search = max(0, CHUNK_CHARS - len(self._chunk_text) - 2)
+        while (found := fragment.find("\n\n", search)) != -1:
+            cut = found + 2
+            if not _inside_fence(self._chunk_text + fragment[:cut]):
+                return cut
+            search = cut
+        return None
 
     async def _append(self, fragment: str) -> None:
         if not fragment:
@@ -106,15 +138,27 @@ class AssistantMessage(Vertical):
         await self._stream.write(fragment)
 
     async def _new_chunk(self) -> None:
-        await self.finish_stream()
+        await self._stop_stream(render=True)
         markdown = Markdown()
         self._chunks.append(markdown)
         self._chunk_text = ""
         await self.mount(markdown)
 
     async def finish_stream(self, render: bool = True) -> None:
-        """Flush the stream, then render the last chunk once more from its whole text.
-        With render=False (a hidden tab) that last render waits for `catch_up`."""
+        """The reply is complete: flush the stream, then render the last chunk once more from
+        its whole text. With render=False (a hidden tab) that waits for `catch_up`."""
+        if self._frame_timer is not None:
+            self._frame_timer.stop()
+            self._frame_timer = None
+        async with self._rendering:
+            if render:
+                await self._render_backlog()
+            await self._stop_stream(render)
+
+    async def _stop_stream(self, render: bool) -> None:
+        """End the chunk's stream and re-render it whole (Markdown.update). Only a chunk that
+        gets no more appends is updated: update leaves Markdown's incremental parser at the
+        document's last line, so a later append would replace the last block's earlier lines."""
         streamed = self._stream is not None
         if streamed:
             await self._stream.stop()
@@ -122,13 +166,17 @@ class AssistantMessage(Vertical):
         if not render:
             self._stale = self._stale or streamed or bool(self._backlog)
             return
-        backlog, self._backlog = self._backlog, ""
-        self._chunk_text += backlog
-        if streamed or backlog or self._stale:
+        self._chunk_text += self._backlog
+        self._backlog = ""
+        if streamed or self._stale:
             self._stale = False
             await self._chunks[-1].update(self._chunk_text)
 
     async def catch_up(self) -> None:
-        """Render what a hidden tab kept back (called when the tab is shown)."""
-        if self._stale or self._backlog:
-            await self.finish_stream()
+        """Render what a hidden tab kept back (called when the tab is shown): a streaming
+        reply's backlog goes through its stream, a finished one's last chunk is re-rendered."""
+        async with self._rendering:
+            if self._stale:
+                await self._stop_stream(render=True)
+            else:
+                await self._render_backlog()

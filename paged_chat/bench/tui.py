@@ -1,0 +1,212 @@
+"""The TUI scenario of `paged-chat bench`: what watching the engine costs it.
+
+The same chats (the demo's tabs: their system prompts and first prompts, greedy, EOS
+ignored so both runs produce the same tokens) run three times on one engine, in one
+process: through the engine alone (`Engine.generate`), through the real app run headless
+(Textual's `run_test`) with one tab streaming each chat while a key is typed into the
+shown tab's prompt every TYPE_EVERY_S (keypress-to-echo times), and through the app again
+under cProfile. cProfile watches only the thread that enables it, here the app's event loop
+(the UI thread), so its figures are where the UI's time goes; they are divided by the
+profiled run's streaming time (seconds of UI work per second of streaming). The prefix
+cache is reset before each run so none of them starts warm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import cProfile
+import pstats
+import re
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from textual import events
+
+from paged_chat.chat import Conversation
+from paged_chat.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
+from paged_chat.settings import ChatSettings, Settings
+from paged_chat.store import ChatStore
+from paged_chat.tui.threads import leave_the_ui_a_core
+
+PROFILE_TOP = 12        # functions listed by own time
+TYPE_EVERY_S = 0.1      # a fast typist's pace, for the keypress-to-echo samples
+ECHO_TIMEOUT_S = 5.0    # an echo slower than this counts as this
+AREAS = {               # where a profiled function's file lies -> what it is part of
+    "markdown": ("textual/widgets/_markdown", "markdown_it", "paged_chat/tui/messages"),
+    "engine panel": ("paged_chat/tui/engine_panel", "paged_chat/tui/block_map",
+                     "paged_chat/tui/sparkline", "paged_chat/engine/stats"),
+    "engine hand-off": ("paged_chat/session", "paged_chat/engine/async_engine", "paged_chat/store",
+                        "sqlite3"),
+    "layout and paint": ("textual/_compositor", "textual/_arrange", "textual/_layout",
+                         "textual/layouts", "textual/strip", "textual/_styles_cache",
+                         "textual/css", "textual/widget", "rich/"),
+    "event loop": ("asyncio/", "textual/message_pump", "textual/_context", "selectors"),
+}
+
+
+@dataclass(slots=True)
+class TuiBenchOptions:
+    model: str = "smollm2-135m"
+    tabs: int = 8
+    max_tokens: int = 96
+    dtype: str = "bfloat16"
+    threads: int = 2                    # torch threads of the engine alone; the app sets its own
+    seed: int = 0
+    size: tuple[int, int] = (160, 50)   # the headless terminal, columns x rows
+
+
+def demo_chats(count: int, seed: int) -> list[tuple[str | None, str]]:
+    """(system prompt, first prompt) of each of `count` demo tabs."""
+    from paged_chat.tui.demo import demo_tabs
+
+    return [(system, autopilot.first_prompt()) for _, system, autopilot in demo_tabs(count, seed)]
+
+
+def run_engine_alone(engine: Engine, chats: list[tuple[str | None, str]],
+                     params: SamplingParams) -> dict:
+    info = engine.info
+    prompts = [Conversation(info.tokenizer, info.chat_template, system).next_prompt_ids(prompt)
+               for system, prompt in chats]
+    engine.reset_prefix_cache()
+    started = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    wall = time.perf_counter() - started
+    tokens = sum(len(output.token_ids) for output in outputs)
+    return {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}
+
+
+def run_app(engine: Engine, chats: list[tuple[str | None, str]], params: SamplingParams,
+            size: tuple[int, int], profile: cProfile.Profile | None = None) -> dict:
+    """One turn per tab in the real app, headless; the tabs send at once and the clock
+    stops when the last reply is complete."""
+    from paged_chat.tui.app import PagedChatApp
+
+    class BenchApp(PagedChatApp):
+        def sampling_params(self, sampling: dict) -> SamplingParams:
+            return params
+
+    engine.reset_prefix_cache()
+    client = AsyncEngine(engine)
+    folder = Path(tempfile.mkdtemp(prefix="paged-chat-bench-tui-"))
+    store = ChatStore(folder / "chats.db")
+    app = BenchApp(Settings(chat=ChatSettings()), engine=client, store=store,
+                   session_path=folder / "tabs.json", restore=False)
+
+    async def drive() -> dict:
+        async with app.run_test(size=size):
+            tabs = []
+            for index, (system, _) in enumerate(chats):
+                chat = store.create_chat(f"Demo {index + 1}", engine.info.name, system, {})
+                tabs.append(await app.open_chat_tab(chat, activate=index == 0, loaded=True))
+            if profile is not None:
+                profile.enable()
+            started = time.perf_counter()
+            for tab, (_, prompt) in zip(tabs, chats):
+                tab.send(prompt)
+            echoes = await type_while_streaming(app, tabs) if profile is None else []
+            while any(tab.streaming for tab in tabs):
+                await asyncio.sleep(0.02)
+            wall = time.perf_counter() - started
+            if profile is not None:
+                profile.disable()
+            tokens = sum(len(tab.session.turn.token_ids) for tab in tabs)
+            result = {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}
+            if echoes:
+                echoes.sort()
+                result |= {"keypress_echo_samples": len(echoes),
+                           "keypress_echo_median_ms": 1e3 * echoes[len(echoes) // 2],
+                           "keypress_echo_p95_ms": 1e3 * echoes[int(0.95 * (len(echoes) - 1))]}
+            return result
+
+    try:
+        return asyncio.run(drive())
+    finally:
+        client.shutdown()
+        store.close()
+
+
+async def type_while_streaming(app, tabs: list) -> list[float]:
+    """Seconds from a key event reaching the app to its character being in the shown tab's
+    prompt, one key every TYPE_EVERY_S while at least half the tabs stream."""
+    prompt = app.active_tab.prompt
+    prompt.focus()
+    echoes = []
+    while sum(tab.streaming for tab in tabs) * 2 >= len(tabs):
+        before, started = prompt.text, time.perf_counter()
+        app.post_message(events.Key("x", "x"))
+        while prompt.text == before and time.perf_counter() - started < ECHO_TIMEOUT_S:
+            await asyncio.sleep(0.001)
+        echoes.append(time.perf_counter() - started)
+        await asyncio.sleep(TYPE_EVERY_S)
+    return echoes
+
+
+def profile_summary(profile: cProfile.Profile, streaming_s: float) -> dict:
+    """The UI thread's time per second of streaming: by area, and the top functions."""
+    stats = pstats.Stats(profile)
+    areas = dict.fromkeys([*AREAS, "other"], 0.0)
+    idle, rows = 0.0, []
+    for (path, line, name), (_, _, own, cumulative, _) in stats.stats.items():
+        if name.endswith("of 'select.epoll' objects>") or name.endswith("of 'select.select' objects>"):
+            idle += own  # the event loop waiting for something to do
+            continue
+        where = path.replace("\\", "/")
+        area = next((area for area, parts in AREAS.items() if any(p in where for p in parts)),
+                    "other")
+        areas[area] += own
+        rows.append((own, cumulative, f"{_short(where)}:{line}({name})"))
+    rows.sort(reverse=True)
+    return {"ui_busy_per_s": sum(areas.values()) / streaming_s, "ui_idle_per_s": idle / streaming_s,
+            "areas_per_s": {area: own / streaming_s for area, own in areas.items()},
+            "top": [{"function": where, "own_per_s": own / streaming_s,
+                     "cumulative_per_s": cumulative / streaming_s}
+                    for own, cumulative, where in rows[:PROFILE_TOP]]}
+
+
+def _short(path: str) -> str:
+    """A profiled file's path from its package on."""
+    return re.sub(r"^.*/(?:site-packages/|python3\.\d+/|(?=paged_chat/))", "", path)
+
+
+def run_tui_bench(options: TuiBenchOptions, log: Callable[[str], None] = print) -> dict:
+    torch.set_num_threads(options.threads)
+    engine = Engine(EngineConfig(model=options.model, device="cpu", dtype=options.dtype,
+                                 max_num_seqs=max(options.tabs, 1)))
+    chats = demo_chats(options.tabs, options.seed)
+    params = SamplingParams(temperature=0, max_tokens=options.max_tokens, ignore_eos=True)
+    engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+    log(f"tui: {options.tabs} tabs x {options.max_tokens} tokens, engine alone ...")
+    alone = run_engine_alone(engine, chats, params)
+    log("tui: the app, headless ...")
+    app_threads = leave_the_ui_a_core()  # as the app does for the engine it loads
+    app = run_app(engine, chats, params, options.size)
+    log("tui: the app under cProfile (its UI thread) ...")
+    profile = cProfile.Profile()
+    profiled = run_app(engine, chats, params, options.size, profile)
+    return {"options": asdict(options), "app_threads": app_threads, "engine_alone": alone, "app": app,
+            "app_vs_engine": app["output_tokens_per_s"] / alone["output_tokens_per_s"],
+            "profiled_app": profiled, "profile": profile_summary(profile, profiled["wall_s"])}
+
+
+def format_tui_report(report: dict) -> str:
+    alone, app, profile = report["engine_alone"], report["app"], report["profile"]
+    lines = [f"tui: engine alone {alone['output_tokens_per_s']:.1f} tok/s, app "
+             f"{app['output_tokens_per_s']:.1f} tok/s ({100 * report['app_vs_engine']:.0f}% of the "
+             f"engine alone; {report['options']['tabs']} tabs, {alone['output_tokens']} tokens each run; "
+             f"torch threads {report['options']['threads']} alone, {report['app_threads']} in the app)",
+             f"tui: UI thread busy {profile['ui_busy_per_s']:.2f} s, idle {profile['ui_idle_per_s']:.2f} s "
+             f"per s of streaming (profiled run "
+             f"{report['profiled_app']['output_tokens_per_s']:.1f} tok/s): " + ", ".join(
+                 f"{area} {share:.2f}" for area, share in profile["areas_per_s"].items())]
+    if "keypress_echo_median_ms" in app:
+        lines.append(f"tui: keypress to echo while the tabs stream: median "
+                     f"{app['keypress_echo_median_ms']:.1f} ms, p95 {app['keypress_echo_p95_ms']:.1f} ms "
+                     f"({app['keypress_echo_samples']} keys)")
+    lines += [f"  {row['own_per_s']:.3f} s/s own, {row['cumulative_per_s']:.3f} cum  {row['function']}"
+              for row in profile["top"]]
+    return "\n".join(lines)

@@ -1,0 +1,24 @@
+"""The TUI scenario of `paged-chat bench` on the tiny chat model: the app and the engine alone
+produce the same tokens, and the profile sees the app's own work."""
+
+from __future__ import annotations
+
+from paged_chat.bench.tui import TuiBenchOptions, format_tui_report, run_tui_bench
+
+
+def test_tui_scenario_measures_the_app_against_the_engine_alone(chat_model_dir):
+    options = TuiBenchOptions(model=str(chat_model_dir), tabs=2, max_tokens=12, dtype="float32")
+    report = run_tui_bench(options, log=lambda line: None)
+    runs = (report["engine_alone"], report["app"], report["profiled_app"])
+    assert [run["output_tokens"] for run in runs] == [2 * 12] * 3
+    assert all(run["output_tokens_per_s"] > 0 for run in runs)
+    assert report["app"]["keypress_echo_samples"] >= 1   # typed into the shown tab while it streamed
+    assert 0 < report["app"]["keypress_echo_median_ms"] <= report["app"]["keypress_echo_p95_ms"]
+    assert report["app_vs_engine"] == (report["app"]["output_tokens_per_s"]
+                                       / report["engine_alone"]["output_tokens_per_s"])
+    profile = report["profile"]
+    assert profile["areas_per_s"]["markdown"] > 0   # the replies rendered on the UI thread
+    assert abs(sum(profile["areas_per_s"].values()) - profile["ui_busy_per_s"]) < 1e-9
+    assert len(profile["top"]) == 12
+    text = format_tui_report(report)
+    assert "% of the engine alone" in text and "markdown" in text and "keypress to echo" in text

@@ -1,0 +1,166 @@
+"""Streaming replies as the user sees them: what the reply's Markdown widgets show, compared
+with the reply the session stores, across tab switches (issue 15 item 1); and the engine
+panel's block map, which redraws only what changed.
+
+A random tiny model writes no poem with line breaks, and the bug needs one (a paragraph of
+several lines streaming while its tab is hidden), so the reply here comes from a client
+whose stream the test feeds line by line; the app, its tabs and the session are the real
+ones, and the model's info and stats are a real (tiny) engine's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import numpy as np
+from textual import events
+from textual.widgets.markdown import MarkdownBlock
+
+from paged_chat.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from paged_chat.engine.stats import BlockMap
+from paged_chat.settings import ChatSettings, Settings
+from paged_chat.store import ChatStore
+from paged_chat.tui.app import PagedChatApp
+from paged_chat.tui.block_map import TAB0, BlockMapView
+from paged_chat.tui.messages import AssistantMessage
+
+
+class FedClient:
+    """An EngineClient whose replies are the pieces of text the test puts in `pieces`
+    (None ends the reply)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.pieces: asyncio.Queue[str | None] = asyncio.Queue()
+        self.last_error: str | None = None
+
+    @property
+    def info(self):
+        return self.engine.info
+
+    def stats(self):
+        return self.engine.stats()
+
+    async def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                     request_id: str | None = None, owner: str | None = None
+                     ) -> AsyncIterator[RequestOutput]:
+        text, ids = "", []
+        while True:
+            piece = await self.pieces.get()
+            if piece is not None:
+                text += piece
+                ids.append(len(ids) + 1)
+            yield RequestOutput(request_id or "fed", [ids[-1]] if piece else [], piece or "",
+                                list(ids), text, piece is None, "stop" if piece is None else None,
+                                len(prompt), 0)
+            if piece is None:
+                return
+
+    def abort(self, request_id: str) -> None:
+        self.pieces.put_nowait(None)
+
+    def reset_prefix_cache(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+async def wait_until(condition, timeout: float = 20.0, why=lambda: "") -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s: {why()}"
+        await asyncio.sleep(0.02)
+
+
+async def press(app: PagedChatApp, *keys: str) -> None:
+    """Keys as the terminal driver sends them (Pilot.press waits for the screen to settle)."""
+    for key in keys:
+        character = {"space": " ", "enter": "\r"}.get(key, key if len(key) == 1 else None)
+        app.post_message(events.Key(key, character))
+    await asyncio.sleep(0.05)
+
+
+def shown_words(reply: AssistantMessage) -> list[str]:
+    """The words the reply's Markdown blocks show, in order."""
+    return " ".join(block._content.plain for block in reply.query(MarkdownBlock)).split()
+
+
+POEM_START = ["In the night, the moon's beauty,\n", "a whispered silver song,\n"]
+WHILE_HIDDEN = ["over fields of quiet grass,\n", "where the rivers run along.\n"]
+AFTER_RETURN = ["A whispered secret, a whispered secret,\n", "the night is never long.\n"]
+
+
+async def test_a_reply_streamed_while_its_tab_was_hidden_shows_all_its_words(chat_model_dir, tmp_path):
+    """Issue 15 item 1: send a prompt, switch away with Alt+Left while the reply streams,
+    switch back with Alt+Right: the paragraph that streamed meanwhile keeps its first lines."""
+    engine = Engine(EngineConfig(model=str(chat_model_dir), device="cpu", dtype="float32",
+                                 num_blocks=64, block_size=16))
+    app = PagedChatApp(Settings(chat=ChatSettings(temperature=0.0)), engine=None,
+                       store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
+    client = app.engine = FedClient(engine)
+    app._owns_engine = False
+    async with app.run_test(size=(120, 40)):
+        await press(app, "ctrl+n")
+        await wait_until(lambda: len(app.chat_tabs) == 2 and app.focused is app.chat_tabs[1].prompt)
+        tab = app.chat_tabs[1]
+        await press(app, *"moon", "enter")
+        await wait_until(lambda: tab.streaming and tab.session.turn is not None)
+        reply = tab.query_one(AssistantMessage)
+
+        async def feed(lines: list[str]) -> None:
+            for line in lines:
+                client.pieces.put_nowait(line)
+                await wait_until(lambda: tab.session.turn.text.endswith(line))
+
+        await feed(POEM_START)
+        await wait_until(lambda: shown_words(reply) == tab.session.turn.text.split())
+        await press(app, "alt+left")
+        await wait_until(lambda: app.active_tab is app.chat_tabs[0])
+        await feed(WHILE_HIDDEN)
+        await press(app, "alt+right")
+        await wait_until(lambda: app.active_tab is tab)
+        await feed(AFTER_RETURN)
+        expected = "".join(POEM_START + WHILE_HIDDEN + AFTER_RETURN).split()
+        await wait_until(lambda: shown_words(reply) == expected,
+                         why=lambda: f"the reply shows {shown_words(reply)}")
+        client.pieces.put_nowait(None)
+        await wait_until(lambda: not tab.streaming)
+        stored = app.store.get_chat(tab.chat_id).messages[-1].content
+        assert stored.split() == expected == shown_words(reply)
+
+
+def _pool(held: list[int]) -> BlockMap:
+    ref = np.zeros(16, dtype=np.int32)
+    ref[held] = 1
+    return BlockMap.build(ref, np.zeros(16, dtype=bool), {"a/1": held}, {"a/1": "tab-a"})
+
+
+async def test_the_block_map_redraws_only_when_a_cell_changed():
+    from textual.app import App
+
+    view = BlockMapView()
+
+    class Host(App):
+        def compose(self):
+            yield view
+
+    async with Host().run_test() as pilot:
+        view.show(_pool([0, 1]), {"tab-a": 0})
+        await pilot.pause()
+        drawn = view._strips
+        assert drawn is not None
+        view.show(_pool([0, 1]), {"tab-a": 0})   # a new snapshot, the same cells
+        await pilot.pause()
+        assert view._strips is drawn
+        view.show(_pool([0, 1, 2]), {"tab-a": 0})
+        await pilot.pause()
+        assert view._strips is not drawn and view.codes[2] == TAB0
+
+
+def test_the_engine_leaves_the_ui_thread_a_core():
+    from paged_chat.tui.threads import engine_threads
+
+    assert [engine_threads(cores) for cores in (1, 2, 4, 16)] == [1, 1, 3, 15]
