@@ -28,7 +28,7 @@ from textual.widget import Widget
 
 from paged_chat.engine.stats import BlockMap
 
-FREE, CACHED, SHARED, OTHER, TAB0 = 0, 1, 2, 3, 4
+FREE, CACHED, SHARED, OTHER, RESTORED, TAB0 = 0, 1, 2, 3, 4, 5
 
 # Distinct on dark and light backgrounds; tab k gets TAB_COLOURS[k % len].
 TAB_COLOURS = ("#e15759", "#4e79a7", "#59a14f", "#f28e2b", "#b07aa1", "#76b7b2",
@@ -37,18 +37,21 @@ NUM_CODES = TAB0 + len(TAB_COLOURS)
 
 # Which code wins when one half cell stands for several blocks.
 _RANK = np.zeros(NUM_CODES, dtype=np.int8)
-_RANK[[FREE, CACHED, OTHER, SHARED]] = [0, 1, 2, 4]
+_RANK[[FREE, CACHED, RESTORED, OTHER, SHARED]] = [0, 1, 1, 2, 4]
 _RANK[TAB0:] = 3
 
-_FULL_GLYPHS = {FREE: " ", CACHED: "░", SHARED: "◆", OTHER: "▒"}
+_FULL_GLYPHS = {FREE: " ", CACHED: "░", RESTORED: "▚", SHARED: "◆", OTHER: "▒"}
 
 
 def block_codes(blocks: BlockMap, owner_colour: Mapping[str, int]) -> np.ndarray:
-    """Per block: FREE, CACHED, SHARED (several holders), OTHER (an owner with no tab)
-    or TAB0 + the colour index of the tab (the request's owner) that holds it."""
+    """Per block: FREE, CACHED, RESTORED (cached, its KV read back from the KV tier), SHARED
+    (several holders), OTHER (an owner with no tab) or TAB0 + the colour index of the tab
+    (the request's owner) that holds it."""
     ref = np.asarray(blocks.ref_counts)
     codes = np.zeros(len(ref), dtype=np.uint8)
-    codes[np.asarray(blocks.cached, dtype=bool) & (ref == 0)] = CACHED
+    cached = np.asarray(blocks.cached, dtype=bool) & (ref == 0)
+    codes[cached] = CACHED
+    codes[cached & np.asarray(blocks.from_tier, dtype=bool)] = RESTORED
     ptr = np.asarray(blocks.holder_ptr)
     count = np.diff(ptr)
     held = count > 0
@@ -135,7 +138,7 @@ def cell_grid(codes: np.ndarray, layout: Layout) -> tuple[np.ndarray, np.ndarray
 class BlockMapView(Widget):
     """Draws the block map of the last snapshot it was given; reports hover and clicks."""
 
-    COMPONENT_CLASSES = {"blockmap--free", "blockmap--cached", "blockmap--shared",
+    COMPONENT_CLASSES = {"blockmap--free", "blockmap--cached", "blockmap--restored", "blockmap--shared",
                          "blockmap--other", "blockmap--selected"}
 
     DEFAULT_CSS = """
@@ -194,6 +197,7 @@ class BlockMapView(Widget):
         background = free.bgcolor
         styles = [Style(bgcolor=background)] * NUM_CODES
         styles[CACHED] = Style(color=self.get_component_rich_style("blockmap--cached").color)
+        styles[RESTORED] = Style(color=self.get_component_rich_style("blockmap--restored").color)
         styles[SHARED] = Style(color=self.get_component_rich_style("blockmap--shared").color)
         styles[OTHER] = Style(color=self.get_component_rich_style("blockmap--other").color)
         for index, colour in enumerate(TAB_COLOURS):

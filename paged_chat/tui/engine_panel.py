@@ -57,6 +57,14 @@ def format_numbers(stats: EngineStats) -> Text:
         ("queue", f"running {stats.num_running} · waiting {stats.num_waiting} · "
                   f"preempted {stats.num_preemptions}"),
     ]
+    tier = stats.tier
+    if tier.disk_error:
+        rows.append(("tier", f"off: {tier.disk_error}"))
+    elif tier.host_capacity_bytes or tier.disk_capacity_bytes:
+        stored = tier.host_bytes + tier.disk_bytes
+        capacity = tier.host_capacity_bytes + tier.disk_capacity_bytes
+        rows.append(("tier", f"hit {tier.hit_rate:.0%} ({_n(tier.hit_tokens)} tok) · "
+                             f"{stored / 2**20:,.0f}/{capacity / 2**20:,.0f} MiB"))
     return _table(rows)
 
 
@@ -103,6 +111,8 @@ def format_legend(tabs: Mapping[str, TabInfo]) -> Text:
     text.append("shared  ")
     text.append(f"░{nbsp}", style="dim")
     text.append("cached  ")
+    text.append(f"▚{nbsp}", style="dim")
+    text.append("restored  ")
     text.append(f"blank{nbsp}={nbsp}free", style="dim")
     return text
 
@@ -117,6 +127,8 @@ def describe_block(block_id: int, blocks: BlockMap, block_size: int,
     text = Text(no_wrap=False)
     text.append(f"block {block_id}", style="bold")
     text.append(f" · ref {ref} · {state}")
+    if blocks.from_tier[block_id]:
+        text.append(" · read back from the KV tier")
     if ref and cached:
         text.append(" · hashed")
     start, end = int(blocks.holder_ptr[block_id]), int(blocks.holder_ptr[block_id + 1])
