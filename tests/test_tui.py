@@ -10,6 +10,7 @@ store.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from textual import events
+from textual._xterm_parser import XTermParser
 
 from paged_chat.engine import AsyncEngine, Engine, EngineConfig
 from paged_chat.engine.stats import BlockMap
@@ -36,6 +38,7 @@ from paged_chat.tui.chat_tab import ChatTab
 from paged_chat.tui.dialogs import ChatSettingsScreen, HelpScreen, TextPromptScreen
 from engine_helpers import assert_no_leaks, blocks_owned
 from paged_chat.tui.engine_panel import TabInfo, describe_block
+from paged_chat.tui.markdown_text import hard_line_breaks
 from paged_chat.tui.messages import AssistantMessage, ErrorMessage, UserMessage, code_blocks
 from paged_chat.tui.prompt_input import PromptInput
 
@@ -269,10 +272,35 @@ async def test_long_reply_streams_into_bounded_markdown_chunks():
         await hidden.catch_up()
         await pilot.pause()
         sources = [chunk.source for chunk in reply._chunks]
-        assert "".join(sources) == reply.text == text
+        assert "".join(sources) == hard_line_breaks(text) and reply.text == text
         assert len(sources) > 3 and all(s.count("```") % 2 == 0 for s in sources)
         assert max(len(s) for s in sources if "```" not in s) < m.CHUNK_CHARS + 600
-        assert hidden._chunks[0].source == text and len(hidden._chunks) == 1
+        assert hidden._chunks[0].source == hard_line_breaks(text) and len(hidden._chunks) == 1
+
+
+@pytest.mark.timeout(60)
+async def test_single_line_breaks_in_a_reply_are_shown_as_line_breaks():
+    """A poem stored as `force,\nA gentle lapping` showed `force, A gentle lapping`."""
+    from textual.app import App
+    from textual.widgets._markdown import MarkdownParagraph
+
+    poem = "The tide's force,\nA gentle lapping\n\n```\nkeep\nthis\n```\n"
+    stored, streamed = AssistantMessage(poem), AssistantMessage()
+
+    class Host(App):
+        def compose(self):
+            yield stored
+            yield streamed
+
+    async with Host().run_test(size=(80, 24)) as pilot:
+        for start in range(0, len(poem), 3):
+            await streamed.write(poem[start:start + 3])
+        await streamed.finish_stream()
+        await pilot.pause()
+        for reply in (stored, streamed):
+            [paragraph] = reply.query(MarkdownParagraph)
+            assert str(paragraph.render()) == "The tide's force,\nA gentle lapping"
+            assert reply.text == poem and code_blocks(reply.text) == ["keep\nthis\n"]
 
 
 # ---- Pilot tests ---------------------------------------------------------------------
@@ -505,18 +533,47 @@ async def test_prompt_input_keys(engine, tmp_path):
     async with app.run_test(size=(120, 40)) as pilot:
         prompt = app.active_tab.prompt
         await press(pilot, "a", "ctrl+j", "b", "shift+enter", "c")
-        assert prompt.text == "a\nb\nc"
+        await wait_until(pilot, lambda: prompt.text == "a\nb\nc")
         await press(pilot, "enter")
-        await wait_until(pilot, lambda: idle(app))
-        assert prompt.text == "" and [m.text for m in app.active_tab.query(UserMessage)] == ["a\nb\nc"]
+        await wait_until(pilot, lambda: prompt.text == "" and idle(app))
+        assert [m.text for m in app.active_tab.query(UserMessage)] == ["a\nb\nc"]
         await type_prompt(pilot, "second")
-        await wait_until(pilot, lambda: idle(app))
+        await wait_until(pilot, lambda: prompt.text == "" and idle(app))
         await press(pilot, "x", "up")
-        assert prompt.text == "second"
+        await wait_until(pilot, lambda: prompt.text == "second")
         await press(pilot, "up")
-        assert prompt.text == "a\nb\nc"
+        await wait_until(pilot, lambda: prompt.text == "a\nb\nc")
         await press(pilot, "down", "down", "down")   # through the last line, back to the draft
-        assert prompt.text == "x"
+        await wait_until(pilot, lambda: prompt.text == "x")
+
+
+def terminal_keys(data: str) -> list[events.Key]:
+    """The key events Textual's terminal parser makes of `data` as a terminal sends it
+    (Alt+C arrives as ESC c: key `alt+c` with the printable character `c`)."""
+    parser = XTermParser()
+    return [*parser.feed(data), *parser.feed("")]
+
+
+@pytest.mark.timeout(180)
+async def test_alt_c_and_alt_x_in_the_focused_prompt_copy_and_type_nothing(engine, tmp_path):
+    store = ChatStore(tmp_path / "chats.db")
+    chat = store.create_chat("Code", "tiny", None, {})
+    store.add_message(chat.id, "user", "show me", [1])
+    store.add_message(chat.id, "assistant", "Here:\n```python\nprint(1)\n```\n", [2], "stop")
+    (tmp_path / "session.json").write_text(json.dumps({"open": [chat.id], "active": chat.id}))
+    app = TuiTestApp(make_settings(), engine=engine, store=store,
+                     session_path=tmp_path / "session.json")
+    async with app.run_test(size=(80, 24)) as pilot:
+        prompt = app.active_tab.prompt
+        await wait_until(pilot, lambda: app.focused is prompt and app.active_tab.last_reply())
+        await press(pilot, *"draft")
+        for key in terminal_keys("\x1bc"):
+            app.post_message(key)
+        await wait_until(pilot, lambda: app.clipboard == "Here:\n```python\nprint(1)\n```\n")
+        for key in terminal_keys("\x1bx"):
+            app.post_message(key)
+        await wait_until(pilot, lambda: app.clipboard == "print(1)\n")
+        assert prompt.text == "draft" and app.focused is prompt
 
 
 @pytest.mark.timeout(120)

@@ -16,6 +16,7 @@ from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
 from paged_chat.text import sanitize_for_terminal as clean
+from paged_chat.tui.markdown_text import hard_line_breaks
 
 CHUNK_CHARS = 2000   # start a new Markdown widget at the next paragraph break past this
 _FENCE = re.compile(r"^ {0,3}(```|~~~)", re.MULTILINE)
@@ -64,7 +65,7 @@ class AssistantMessage(Vertical):
         self._stale = False  # finished while hidden: the final render is still to do
 
     def compose(self):
-        shown = clean(self.text)
+        shown = hard_line_breaks(clean(self.text))
         markdown = Markdown(shown or None)
         self._chunks.append(markdown)
         self._chunk_text = shown
@@ -82,7 +83,7 @@ class AssistantMessage(Vertical):
         """Stream a fragment of the reply; with render=False only keep it (the tab is
         hidden) until a later write or finish_stream renders the backlog at once."""
         self.text += fragment
-        fragment = clean(fragment)
+        fragment = hard_line_breaks(clean(fragment), self._chunk_text + self._backlog)
         if not render:
             self._backlog += fragment
             return
