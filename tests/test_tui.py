@@ -25,9 +25,11 @@ import numpy as np
 import pytest
 from textual import events
 from textual._xterm_parser import XTermParser
+from textual.widgets import Tabs
 
 from paged_chat.engine import AsyncEngine, Engine, EngineConfig
 from paged_chat.engine.stats import BlockMap
+from paged_chat.session import chat_title
 from paged_chat.settings import ChatSettings, Settings, TuiSettings
 from paged_chat.store import ChatStore
 from paged_chat.text import sanitize_for_terminal as clean
@@ -37,7 +39,7 @@ from paged_chat.tui.block_map import CACHED, FREE, SHARED, TAB0, BlockMapView, L
 from paged_chat.tui.chat_tab import ChatTab
 from paged_chat.tui.dialogs import ChatSettingsScreen, HelpScreen, TextPromptScreen
 from engine_helpers import assert_no_leaks, blocks_owned
-from paged_chat.tui.engine_panel import TabInfo, describe_block
+from paged_chat.tui.engine_panel import TabInfo, describe_block, format_legend
 from paged_chat.tui.markdown_text import hard_line_breaks
 from paged_chat.tui.messages import AssistantMessage, ErrorMessage, UserMessage, code_blocks
 from paged_chat.tui.prompt_input import PromptInput
@@ -214,6 +216,14 @@ def test_block_detail_shows_tokens_of_the_block():
     assert "block 0" in plain and "ref 1" in plain and "owners: Alpha" in plain
     # Block 0 is the request's second block (BlockMap.holder_positions): tokens 16..31.
     assert "tokens 16–31" in plain and "116 117" in plain
+
+
+@pytest.mark.timeout(30)
+def test_legend_lists_the_chats_holding_blocks_first():
+    tabs = {f"tab-{n}": TabInfo(f"Tab {n}", n, lambda rid: None) for n in range(8)}
+    plain = format_legend(tabs, holders=["tab-6", "gone", "tab-2"]).plain.replace("\u00a0", " ")
+    assert plain.startswith("█ Tab 6  █ Tab 2  █ Tab 0  █ Tab 1  █ Tab 3")
+    assert plain.count("Tab 6") == 1
 
 
 @pytest.mark.timeout(30)
@@ -576,6 +586,59 @@ async def test_alt_c_and_alt_x_in_the_focused_prompt_copy_and_type_nothing(engin
         assert prompt.text == "draft" and app.focused is prompt
 
 
+@pytest.mark.timeout(180)
+async def test_an_80x24_terminal_gives_the_chat_the_width_until_it_grows(engine, tmp_path):
+    app = make_app(engine, tmp_path, make_settings(max_tokens=2))
+    async with app.run_test(size=(80, 24)) as pilot:
+        tab = app.active_tab
+        prompt = tab.prompt
+        await wait_until(pilot, lambda: prompt.size.width >= 60 and not app.panel.display)
+        await pilot.resize_terminal(140, 44)
+        await wait_until(pilot, lambda: app.panel.display and prompt.size.width >= 60)
+        await pilot.resize_terminal(80, 24)
+        await wait_until(pilot, lambda: not app.panel.display and prompt.size.width >= 60)
+        await press(pilot, "f8")                              # asked for: shown even here
+        await wait_until(pilot, lambda: app.panel.display)
+        await press(pilot, "f8")
+        await wait_until(pilot, lambda: not app.panel.display)
+        # The sampling line wraps rather than stopping after `temperature 0.2,`.
+        tab.apply_settings(tab.session.system_prompt, {"temperature": 0.2, "top_p": 0.9,
+                                                       "repetition_penalty": 1.1, "seed": 7})
+        info = tab.query_one(".chat-info")
+        await wait_until(pilot, lambda: info.size.height >= 2)
+        assert "seed 7" in text_of(info)
+        # Chats are titled as `ask` titles them: the first line, up to TITLE_LENGTH.
+        question = "Explain in detail how a paged KV cache shares the blocks of a prefix"
+        await type_prompt(pilot, question)
+        await wait_until(pilot, lambda: idle(app) and app.store.get_chat(tab.chat_id).title != "Chat 1")
+        assert tab.title == app.store.get_chat(tab.chat_id).title == chat_title(question)
+        assert len(tab.title) > 25
+
+
+@pytest.mark.timeout(180)
+async def test_restored_tabs_show_the_active_label_and_new_chats_count_open_tabs(engine, tmp_path):
+    """With 6 stored chats and 2 tabs open, the next new tab is `Chat 3` (it was `Chat 7`),
+    and the active tab's label is in view after a restart though it is the last one."""
+    store = ChatStore(tmp_path / "chats.db")
+    chats = [store.create_chat(f"A chat with quite a long title, number {n}", "tiny", None, {})
+             for n in range(6)]
+    open_ids = [chats[0].id, chats[5].id]
+    (tmp_path / "session.json").write_text(json.dumps({"open": open_ids, "active": chats[5].id}))
+    app = TuiTestApp(make_settings(), engine=engine, store=store,
+                     session_path=tmp_path / "session.json")
+
+    def active_label_shown() -> bool:
+        bar = app.tabs.query_one(Tabs)
+        header = app.tabs.get_tab(app.active_tab.id)
+        return header.region.width > 0 and bar.region.contains_region(header.region)
+
+    async with app.run_test(size=(80, 24)) as pilot:
+        await wait_until(pilot, lambda: app.active_tab.chat_id == chats[5].id and active_label_shown())
+        tab = await new_tab(pilot)
+        assert tab.title == "Chat 3"
+        await wait_until(pilot, active_label_shown)
+
+
 @pytest.mark.timeout(120)
 async def test_regenerate_copy_and_broadcast(engine, tmp_path):
     app = make_app(engine, tmp_path, make_settings(max_tokens=12))
@@ -657,8 +720,10 @@ async def test_palette_help_keymap_and_theme(engine, tmp_path):
     app = make_app(engine, tmp_path, settings)
     async with app.run_test(size=(120, 40)) as pilot:
         assert app.theme == "gruvbox"
-        titles = {command.title for command in app.get_system_commands(app.screen)}
-        assert {description for _, _, _, description, _ in ACTIONS} <= titles
+        commands = {command.title: command.help for command in app.get_system_commands(app.screen)}
+        assert {description for _, _, _, description, _ in ACTIONS} <= set(commands)
+        assert commands["New chat"] == "key: ^t" and commands["Copy the last reply"] == "key: alt+c"
+        assert not any(help.startswith("action:") for help in commands.values())
         await new_tab(pilot, "ctrl+t")
         await press(pilot, "f10")
         await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen))

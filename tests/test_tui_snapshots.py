@@ -154,3 +154,37 @@ def test_help_screen(snap_compare, tmp_path):
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+NARROW = (80, 24)   # many terminals' default size
+
+
+@pytest.mark.timeout(120)
+def test_main_screen_at_80x24_gives_the_chat_the_width(snap_compare, tmp_path):
+    app, _ = make_app(tmp_path)
+    assert snap_compare(app, terminal_size=NARROW, run_before=settle)
+
+
+@pytest.mark.timeout(120)
+def test_settings_dialog_at_80x24_keeps_its_buttons_on_screen(snap_compare, tmp_path):
+    app, _ = make_app(tmp_path)
+
+    async def run_before(pilot) -> None:
+        await settle(pilot)
+        await pilot.press("f4")
+        await pilot.pause()
+        app.screen.query_one("#system-prompt").cursor_blink = False
+
+    assert snap_compare(app, terminal_size=NARROW, run_before=run_before)
+
+
+@pytest.mark.timeout(120)
+def test_help_screen_at_80x24_scrolls(snap_compare, tmp_path):
+    app, _ = make_app(tmp_path)
+
+    async def run_before(pilot) -> None:
+        await settle(pilot)
+        await pilot.press("f1")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=NARROW, run_before=run_before)

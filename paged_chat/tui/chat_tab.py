@@ -114,7 +114,8 @@ class ChatTab(TabPane):
             self.post_message(self.Focused(self))
 
     def _info_text(self) -> Text:
-        text = Text(no_wrap=True, overflow="ellipsis")
+        """System prompt and sampling overrides; wraps (never cut) on a narrow terminal."""
+        text = Text()
         text.append("█ ", style=TAB_COLOURS[self.colour % len(TAB_COLOURS)])
         system = clean((self.session.system_prompt or "").replace("\n", " "))
         text.append(f"system: {system[:60] + '…' if len(system) > 60 else system or '(none)'}")

@@ -63,10 +63,13 @@ def format_numbers(stats: EngineStats) -> Text:
     return text
 
 
-def format_legend(tabs: Mapping[str, TabInfo]) -> Text:
+def format_legend(tabs: Mapping[str, TabInfo], holders: Sequence[str] = ()) -> Text:
+    """The tabs' colours, those of `holders` (chats holding blocks now) first: a cut
+    legend still names the blocks on the map."""
     text = Text(overflow="fold")
     nbsp = "\u00a0"   # each entry wraps as a whole
-    for info in tabs.values():
+    for chat_id in dict.fromkeys([*(h for h in holders if h in tabs), *tabs]):
+        info = tabs[chat_id]
         text.append(f"█{nbsp}", style=TAB_COLOURS[info.colour % len(TAB_COLOURS)])
         text.append(info.title.replace(" ", nbsp) + "  ")
     text.append(f"◆{nbsp}", style="bold")
@@ -127,6 +130,7 @@ class EnginePanel(Vertical):
         self.stats: EngineStats | None = None
         self.tabs: Mapping[str, TabInfo] = {}
         self.decode: Callable[[Sequence[int]], str] | None = None
+        self._legend_holders: tuple[str, ...] = ()   # chats holding blocks, as the legend lists them
         self._pinned: int | None = None
         self._history = {name: deque([0.0] * HISTORY, maxlen=HISTORY)
                          for name in ("batch", "gen", "used")}
@@ -146,8 +150,10 @@ class EnginePanel(Vertical):
         """Take a snapshot; cheap when nothing changed."""
         tabs_changed = tabs != self.tabs
         self.tabs = tabs
-        if tabs_changed:
-            self.query_one("#legend", Static).update(format_legend(tabs))
+        holders = tuple(dict.fromkeys(owner for owner in stats.blocks.request_owners if owner))
+        if tabs_changed or holders != self._legend_holders:
+            self._legend_holders = holders
+            self.query_one("#legend", Static).update(format_legend(tabs, holders))
         busy = bool(stats.num_running or stats.num_waiting)
         if stats is self.stats and not tabs_changed and not busy:
             return
