@@ -640,6 +640,21 @@ async def test_restored_tabs_show_the_active_label_and_new_chats_count_open_tabs
 
 
 @pytest.mark.timeout(120)
+async def test_keys_typed_right_after_ctrl_n_or_alt_right_land_in_the_new_tab(engine, tmp_path):
+    """Keys already queued behind Ctrl+N (a fast typist, a tmux send-keys) went to the
+    previous tab's prompt: the focus moved only after them."""
+    app = make_app(engine, tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        first = app.active_tab
+        await wait_until(pilot, lambda: app.focused is first.prompt)
+        await press(pilot, "ctrl+n", *"hi")
+        await wait_until(pilot, lambda: len(app.chat_tabs) == 2 and app.chat_tabs[1].prompt.text == "hi")
+        await press(pilot, "alt+left", *"yo")
+        await wait_until(pilot, lambda: first.prompt.text == "yo")
+        assert first.prompt.text == "yo" and app.chat_tabs[1].prompt.text == "hi"
+
+
+@pytest.mark.timeout(120)
 async def test_regenerate_copy_and_broadcast(engine, tmp_path):
     app = make_app(engine, tmp_path, make_settings(max_tokens=12))
     async with app.run_test(size=(120, 40)) as pilot:
@@ -822,7 +837,9 @@ class TmuxApp:
     def keys(self, *keys: str, literal: bool = False) -> None:
         _tmux(*self.socket, "send-keys", "-t", self.session, *(["-l"] if literal else []), *keys)
 
-    def wait_for(self, predicate, timeout: float = 60.0) -> str:
+    def wait_for(self, predicate, timeout: float = 180.0) -> str:
+        """The screen once `predicate` holds for it (a generous bound: the machine may be
+        busy, and nothing here depends on time)."""
         deadline = time.monotonic() + timeout
         while True:
             text = self.screen()
@@ -840,7 +857,7 @@ needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None,
                                 reason="tmux is not installed (apt-get install tmux)")
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 @needs_tmux
 def test_paged_chat_in_tmux(chat_model_dir, tmp_path):
     app = TmuxApp(chat_model_dir, tmp_path, max_tokens=24)
@@ -852,12 +869,13 @@ def test_paged_chat_in_tmux(chat_model_dir, tmp_path):
         app.keys("C-n")
         app.wait_for(lambda s: "Chat 2" in s)
         app.keys("second tab says hi", literal=True)
+        app.wait_for(lambda s: "second tab says hi" in s)   # in the shown (new) tab's prompt
         app.keys("Enter")
         text = app.wait_for(lambda s: "second tab says hi" in s and "24 tok" in s)
         assert "hello from tmux one" in text          # the first tab's title
         assert "assistant" in text and "blocks × 16" in text
         app.keys("C-q")
-        app.wait_for(lambda s: "KV cache" not in s, timeout=20)
+        app.wait_for(lambda s: "KV cache" not in s)
     finally:
         app.kill_server()
     store = ChatStore(app.store_path)
@@ -869,23 +887,22 @@ def test_paged_chat_in_tmux(chat_model_dir, tmp_path):
     store.close()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(600)
 @needs_tmux
 def test_kill_9_while_two_tabs_stream_keeps_every_committed_message(chat_model_dir, tmp_path):
     app = TmuxApp(chat_model_dir, tmp_path, max_tokens=4000)
     try:
         app.wait_for(lambda s: "ready" in s and "KV cache" in s)
         app.keys("first long reply", literal=True)
+        app.wait_for(lambda s: "first long reply" in s)
         app.keys("Enter")
         app.keys("C-n")
         app.wait_for(lambda s: "Chat 2" in s)
         app.keys("second long reply", literal=True)
+        app.wait_for(lambda s: "second long reply" in s)   # in the shown (new) tab's prompt
         app.keys("Enter")
         # Both replies stream; the TUI saves them as they grow. Kill once each has been saved.
-        deadline = time.monotonic() + 60
-        while (saved := _saved_replies(app.store_path)) != {"first long reply", "second long reply"}:
-            assert time.monotonic() < deadline, f"replies saved so far: {saved}"
-            time.sleep(0.2)
+        wait_for_store(app.store_path, lambda saved: saved == {"first long reply", "second long reply"})
         pid = _tmux(*app.socket, "display-message", "-p", "-t", app.session, "#{pane_pid}").strip()
         os.kill(int(pid), signal.SIGKILL)
     finally:
@@ -899,6 +916,14 @@ def test_kill_9_while_two_tabs_stream_keeps_every_committed_message(chat_model_d
         assert reply.role == "assistant" and reply.finish_reason == "interrupted"
         assert reply.content and reply.token_ids, "the partial reply is kept"
     store.close()
+
+
+def wait_for_store(path: Path, predicate, timeout: float = 240.0) -> None:
+    """Wait until `predicate` holds for the titles of the chats with saved reply tokens."""
+    deadline = time.monotonic() + timeout
+    while not predicate(saved := _saved_replies(path)):
+        assert time.monotonic() < deadline, f"replies saved so far: {saved}"
+        time.sleep(0.2)
 
 
 def _saved_replies(path: Path) -> set[str]:

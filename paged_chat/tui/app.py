@@ -279,8 +279,7 @@ class PagedChatApp(ChatActions, App):
         await self.tabs.add_pane(tab)
         self._refresh_tab(tab)
         if activate:
-            self.tabs.active = tab.id
-            tab.prompt.focus()
+            self._activate(tab)
         self._save_open_tabs()
         return tab
 
@@ -338,11 +337,13 @@ class PagedChatApp(ChatActions, App):
     async def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
         tab = event.pane
         # Stale activations (restoring adds tabs one by one) load nothing: tabs load lazily.
-        if isinstance(tab, ChatTab) and tab is self.active_tab and tab.is_attached:
-            try:  # focus first: the hidden tab's prompt must not keep it while this one loads
-                tab.prompt.focus()
-            except NoMatches:  # the tab is being removed
+        try:
+            if not (isinstance(tab, ChatTab) and tab is self.active_tab and tab.is_attached):
                 return
+            # Focus first: the hidden tab's prompt must not keep it while this one loads.
+            tab.prompt.focus()
+        except NoMatches:  # the tab, or the app, is being torn down
+            return
             self._save_open_tabs()
             self.call_after_refresh(self._scroll_to_active_label)
             await tab.ensure_loaded()
@@ -352,8 +353,14 @@ class PagedChatApp(ChatActions, App):
         active = self.active_tab
         if not tabs or active is None:
             return
-        index = (tabs.index(active) + step) % len(tabs)
-        self.tabs.active = tabs[index].id
+        self._activate(tabs[(tabs.index(active) + step) % len(tabs)])
+
+    def _activate(self, tab: ChatTab) -> None:
+        """Show `tab` and give its prompt the focus now: keys already queued behind the
+        one that switched tabs (a fast typist) must land in this tab, and `focus()` would
+        move it only after them."""
+        self.tabs.active = tab.id
+        self.screen.set_focus(tab.prompt)
 
     async def close_tab(self, tab: ChatTab) -> None:
         if len(self.chat_tabs) == 1:  # there is always a tab: open the next one first
