@@ -340,7 +340,7 @@ async def test_tabs_stream_concurrently_and_share_blocks(engine, tmp_path):
             [reply] = replies(tab)
             assert len(tab.session.turn.token_ids) == 300 and reply.text
             # Hidden tabs buffer while streaming; every reply ends fully rendered.
-            assert "".join(chunk.source for chunk in reply._chunks) == clean(reply.text)
+            assert "".join(chunk.source for chunk in reply._chunks) == hard_line_breaks(clean(reply.text))
             assert "ttft" in reply.footer and "t/s" in app.tabs.get_tab(tab.id).label.plain
         assert engine.stats().prefix_cache_hit_tokens > 0
 
@@ -773,7 +773,7 @@ async def test_keypress_echo_latency_while_eight_tabs_stream(engine, tmp_path):
     app = make_app(engine, tmp_path, make_settings(max_tokens=900), demo=9)
     async with app.run_test(size=(140, 44)) as pilot:
         tab = app.active_tab
-        tab.autopilot.paused = True
+        app.pause_demo(tab)
         await wait_until(pilot, lambda: not tab.streaming, timeout=120)
         await wait_until(pilot, lambda: engine.stats().num_running >= 6, timeout=60)
         prompt = tab.prompt
@@ -853,6 +853,12 @@ class TmuxApp:
         subprocess.run(["tmux", *self.socket, "kill-server"], capture_output=True)
 
 
+def new_tab_shown(screen: str) -> bool:
+    """Chat 2's empty tab is on screen: the handler that showed it also asked for its
+    prompt's focus, so keys sent from now on land in it."""
+    return "Chat 2" in screen and "╭─ you" not in screen
+
+
 needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None,
                                 reason="tmux is not installed (apt-get install tmux)")
 
@@ -867,7 +873,7 @@ def test_paged_chat_in_tmux(chat_model_dir, tmp_path):
         app.keys("Enter")
         app.wait_for(lambda s: "24 tok" in s)
         app.keys("C-n")
-        app.wait_for(lambda s: "Chat 2" in s)
+        app.wait_for(new_tab_shown)
         app.keys("second tab says hi", literal=True)
         app.wait_for(lambda s: "second tab says hi" in s)   # in the shown (new) tab's prompt
         app.keys("Enter")
@@ -897,7 +903,7 @@ def test_kill_9_while_two_tabs_stream_keeps_every_committed_message(chat_model_d
         app.wait_for(lambda s: "first long reply" in s)
         app.keys("Enter")
         app.keys("C-n")
-        app.wait_for(lambda s: "Chat 2" in s)
+        app.wait_for(new_tab_shown)
         app.keys("second long reply", literal=True)
         app.wait_for(lambda s: "second long reply" in s)   # in the shown (new) tab's prompt
         app.keys("Enter")

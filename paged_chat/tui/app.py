@@ -344,9 +344,9 @@ class PagedChatApp(ChatActions, App):
             tab.prompt.focus()
         except NoMatches:  # the tab, or the app, is being torn down
             return
-            self._save_open_tabs()
-            self.call_after_refresh(self._scroll_to_active_label)
-            await tab.ensure_loaded()
+        self._save_open_tabs()
+        self.call_after_refresh(self._scroll_to_active_label)
+        await tab.ensure_loaded()
 
     def cycle_tabs(self, step: int) -> None:
         tabs = self.chat_tabs
