@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Annotated
 
 import click
 import typer
+from typer.core import TyperGroup
 
+from paged_chat.finish_labels import finish_label
 from paged_chat.settings import Settings, config_path, load_settings
 from paged_chat.text import sanitize_for_terminal
 
@@ -38,9 +40,30 @@ if TYPE_CHECKING:
     from paged_chat.engine import Engine, EngineConfig
     from paged_chat.store import Chat, ChatStore
 
+def _without_flag_types(params: list[click.Parameter]) -> list[click.Parameter]:
+    for param in params:
+        if getattr(param, "is_flag", False):
+            param.metavar = ""
+    return params
+
+
+class _FlagsShowNoType(TyperGroup):
+    """Typer's help prints a type after every option, `<bool>` after flags too, as if they
+    took a value: flags (--help included) show none, in this group and its commands."""
+
+    def get_params(self, ctx: click.Context) -> list[click.Parameter]:
+        return _without_flag_types(super().get_params(ctx))
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        command = super().get_command(ctx, name)
+        if command is not None:
+            _without_flag_types(command.get_params(ctx))
+        return command
+
+
 app = typer.Typer(name="paged-chat", add_completion=False, pretty_exceptions_enable=False,
-                  context_settings={"help_option_names": ["-h", "--help"]})
-chats_app = typer.Typer()
+                  context_settings={"help_option_names": ["-h", "--help"]}, cls=_FlagsShowNoType)
+chats_app = typer.Typer(cls=_FlagsShowNoType)
 app.add_typer(chats_app, name="chats")
 cache_app = typer.Typer(help="The engine's disk cache (the KV tier: chat histories' KV).")
 app.add_typer(cache_app, name="cache")
@@ -202,7 +225,7 @@ def ask(ctx: typer.Context,
             "--chat", help="Continue this chat (an id or its first characters).")] = None,
         no_save: Annotated[bool, typer.Option("--no-save", help="Do not save this turn.")] = False,
         file: Annotated[typer.FileText | None, typer.Option(
-            "--file", "-f", encoding="utf-8", help="Answer every prompt of this file at once (one per line, or JSONL "
+            "--file", "-f", encoding="utf-8", metavar="<file>", help="Answer every prompt of this file at once (one per line, or JSONL "
                                  'with {"prompt": ...}); "-" reads stdin. Not saved.')] = None,
         server: Annotated[str | None, typer.Option(
             "--server", help="Ask this OpenAI-compatible server (URL) instead of the local engine; "
@@ -519,7 +542,8 @@ def _markdown(chat: Chat) -> str:
     if chat.system_prompt:
         lines += ["## System", "", chat.system_prompt, ""]
     for message in chat.messages:
-        cut = "" if message.finish_reason in (None, "stop") else f" ({message.finish_reason})"
+        label = finish_label(message.finish_reason) if message.finish_reason else ""
+        cut = f" ({label})" if label else ""
         lines += [f"## {message.role.capitalize()}{cut}", "", message.content, ""]
     return "\n".join(lines)
 

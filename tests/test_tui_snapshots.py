@@ -144,8 +144,13 @@ def test_main_screen_with_a_block_pinned(snap_compare, tmp_path):
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
 
 
+NARROW = (80, 24)   # many terminals' default size
+
+
 @pytest.mark.timeout(120)
-def test_help_screen(snap_compare, tmp_path):
+@pytest.mark.parametrize("size", [SIZE, NARROW], ids=["140x44", "80x24"])
+def test_help_screen(snap_compare, tmp_path, size):
+    """At 80x24 the help scrolls."""
     app, _ = make_app(tmp_path)
 
     async def run_before(pilot) -> None:
@@ -153,4 +158,24 @@ def test_help_screen(snap_compare, tmp_path):
         await pilot.press("f1")
         await pilot.pause()
 
-    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+    assert snap_compare(app, terminal_size=size, run_before=run_before)
+
+
+@pytest.mark.timeout(120)
+def test_main_screen_at_80x24_gives_the_chat_the_width(snap_compare, tmp_path):
+    app, _ = make_app(tmp_path)
+    assert snap_compare(app, terminal_size=NARROW, run_before=settle)
+
+
+@pytest.mark.timeout(120)
+def test_settings_dialog_at_80x24_keeps_its_buttons_on_screen(snap_compare, tmp_path):
+    app, _ = make_app(tmp_path)
+
+    async def run_before(pilot) -> None:
+        await settle(pilot)
+        await pilot.press("f4")
+        await pilot.pause()
+        app.screen.query_one("#system-prompt").cursor_blink = False
+
+    assert snap_compare(app, terminal_size=NARROW, run_before=run_before)
+

@@ -41,14 +41,18 @@ ACTIONS: list[tuple[str, str, str, str, bool]] = [
     ("toggle_panel", "f8", "Panel", "Show or hide the engine panel", False),
     ("help", "f1", "Help", "Help and keys", False),
 ]
-SHOWN = {"new_chat", "close_chat", "fork_chat", "chat_settings", "stop", "regenerate",
-         "broadcast", "toggle_panel", "help"}
+# The footer's actions, most needed first: a narrow terminal shows only the first few.
+SHOWN = ("help", "new_chat", "close_chat", "stop", "chat_settings", "toggle_panel", "regenerate",
+         "fork_chat", "broadcast")
 DELETE_CHAT_HELP = "Delete this chat from the store"
 
 
 def make_bindings() -> list[Binding]:
+    footer_rank = {action: rank for rank, action in enumerate(SHOWN)}
+    in_footer_order = sorted(ACTIONS, key=lambda row: footer_rank.get(row[0], len(SHOWN)))
     return [Binding(keys, action, label, show=action in SHOWN, priority=priority, id=action,
-                    tooltip=description) for action, keys, label, description, priority in ACTIONS]
+                    tooltip=description)
+            for action, keys, label, description, priority in in_footer_order]
 
 
 class StoredChats(Provider):
@@ -180,7 +184,10 @@ class ChatActions:
                     markup=False)
 
     def action_toggle_panel(self) -> None:
-        self.panel.toggle_class("collapsed")
+        """Hide the panel if it is shown, else show it (also on a narrow terminal)."""
+        shown = self.panel.display
+        self.panel.set_class(shown, "collapsed")
+        self.panel.set_class(not shown, "expanded")
 
     def action_help(self) -> None:
         if isinstance(self.screen, HelpScreen):
@@ -214,8 +221,8 @@ class ChatActions:
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        for action, _, _, description, _ in ACTIONS:
-            yield SystemCommand(description, f"action: {action}", partial(self.run_action, action))
+        for (keys, description), (action, *_) in zip(self.key_help(), ACTIONS):
+            yield SystemCommand(description, f"key: {keys}", partial(self.run_action, action))
         yield SystemCommand("Delete chat", DELETE_CHAT_HELP, partial(self.run_action, "delete_chat"))
         tab = self.active_tab
         if tab is not None:

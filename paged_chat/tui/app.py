@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 LABEL_TICKS = 10            # polls between refreshes of streaming tabs' headers
 DEMO_NUM_BLOCKS = 1536      # --demo's KV pool unless config.toml sizes it
 DEMO_SAMPLING = {"max_tokens": 256}   # demo replies stay short so the tabs keep cycling
+WIDE_FROM = 112   # columns from which the engine panel (48) leaves the prompt 60 or more
 
 
 class PagedChatApp(ChatActions, App):
@@ -52,6 +53,7 @@ class PagedChatApp(ChatActions, App):
     TITLE = "paged-chat"
     BINDINGS = make_bindings()
     COMMANDS = App.COMMANDS | {StoredChats, ChatSearch}
+    HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (WIDE_FROM, "-wide")]
 
     def __init__(self, settings: Settings | None = None, *, engine: EngineClient | None = None,
                  engine_config: EngineConfig | None = None, store: ChatStore | None = None,
@@ -90,7 +92,6 @@ class PagedChatApp(ChatActions, App):
         self._tab_infos: dict[str, TabInfo] | None = None
         self._autopilots: dict[ChatTab, Autopilot] = {}
         self._last_engine_error: str | None = None
-        self._chat_number = 0
         self._ticks = 0
 
     # ---- layout ---------------------------------------------------------------------
@@ -307,8 +308,7 @@ class PagedChatApp(ChatActions, App):
         await self.tabs.add_pane(tab)
         self._refresh_tab(tab)
         if activate:
-            self.tabs.active = tab.id
-            tab.prompt.focus()
+            self._activate(tab)
         self._save_open_tabs()
         return tab
 
@@ -318,8 +318,12 @@ class PagedChatApp(ChatActions, App):
         return await self.open_session_tab(session, activate=activate)
 
     async def open_new_chat(self) -> ChatTab:
-        self._chat_number += 1
-        chat = self.store.create_chat(f"Chat {self._chat_number}", self.model_name,
+        """A new chat named `Chat N`, N one past the open tabs (the next free such name)."""
+        titles = {tab.title for tab in self.chat_tabs}
+        number = len(titles) + 1
+        while f"Chat {number}" in titles:
+            number += 1
+        chat = self.store.create_chat(f"Chat {number}", self.model_name,
                                       self.settings.chat.system_prompt, {})
         return await self.open_chat_tab(chat, loaded=True)
 
@@ -332,9 +336,21 @@ class PagedChatApp(ChatActions, App):
         if getattr(header, "_paged_chat_label", None) != label:
             header._paged_chat_label = label
             header.label = label
+            if tab is self.active_tab:   # a label growing while it streams stays in view
+                self.call_after_refresh(self._scroll_to_active_label)
         if self._tab_infos is not None and (tab.chat_id not in self._tab_infos
                                             or self._tab_infos[tab.chat_id].title != tab.title):
             self._tab_infos = None
+
+    def _scroll_to_active_label(self) -> None:
+        """Scroll the tab bar so the active tab's whole label shows (after a restore the
+        bar is laid out only after the last tab became active)."""
+        tab = self.active_tab
+        if tab is not None and tab.is_attached:
+            try:
+                self.tabs.get_tab(tab.id).scroll_visible(animate=False, force=True)
+            except (ValueError, NoMatches):   # its header is being removed
+                pass
 
     @on(ChatTab.Changed)
     def _tab_changed(self, event: ChatTab.Changed) -> None:
@@ -350,21 +366,30 @@ class PagedChatApp(ChatActions, App):
     async def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
         tab = event.pane
         # Stale activations (restoring adds tabs one by one) load nothing: tabs load lazily.
-        if isinstance(tab, ChatTab) and tab is self.active_tab and tab.is_attached:
-            try:  # focus first: the hidden tab's prompt must not keep it while this one loads
-                tab.prompt.focus()
-            except NoMatches:  # the tab is being removed
+        try:
+            if not (isinstance(tab, ChatTab) and tab is self.active_tab and tab.is_attached):
                 return
-            self._save_open_tabs()
-            await tab.ensure_loaded()
+            # Focus first: the hidden tab's prompt must not keep it while this one loads.
+            tab.prompt.focus()
+        except NoMatches:  # the tab, or the app, is being torn down
+            return
+        self._save_open_tabs()
+        self.call_after_refresh(self._scroll_to_active_label)
+        await tab.ensure_loaded()
 
     def cycle_tabs(self, step: int) -> None:
         tabs = self.chat_tabs
         active = self.active_tab
         if not tabs or active is None:
             return
-        index = (tabs.index(active) + step) % len(tabs)
-        self.tabs.active = tabs[index].id
+        self._activate(tabs[(tabs.index(active) + step) % len(tabs)])
+
+    def _activate(self, tab: ChatTab) -> None:
+        """Show `tab` and give its prompt the focus now: keys already queued behind the
+        one that switched tabs (a fast typist) must land in this tab, and `focus()` would
+        move it only after them."""
+        self.tabs.active = tab.id
+        self.screen.set_focus(tab.prompt)
 
     async def close_tab(self, tab: ChatTab) -> None:
         if len(self.chat_tabs) == 1:  # there is always a tab: open the next one first
@@ -400,7 +425,6 @@ class PagedChatApp(ChatActions, App):
         for tab in self.chat_tabs:
             if tab.chat_id == active:
                 self.tabs.active = tab.id
-        self._chat_number = len(chats)
 
     def _save_open_tabs(self) -> None:
         active = self.active_tab

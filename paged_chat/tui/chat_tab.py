@@ -26,6 +26,7 @@ from textual.reactive import reactive
 from textual.widgets import Button, Static, TabPane
 
 from paged_chat.engine.errors import describe_error
+from paged_chat.finish_labels import finish_label
 from paged_chat.session import ChatSession, chat_title
 from paged_chat.text import sanitize_for_terminal as clean
 from paged_chat.tui.block_map import TAB_COLOURS
@@ -37,8 +38,6 @@ if TYPE_CHECKING:
 
 LABEL_EVERY_S = 0.5    # how often the reply's footer (TTFT, tokens/s) refreshes
 MOUNT_AT_ONCE = 30     # messages mounted when a chat opens; older ones on demand
-FINISH_LABELS = {None: "interrupted", "stop": "", "length": "max tokens", "abort": "stopped",
-                 "error": "error"}
 
 WaitForEngine = Callable[[], Awaitable["EngineClient"]]
 MakeParams = Callable[[dict], "SamplingParams"]
@@ -114,7 +113,8 @@ class ChatTab(TabPane):
             self.post_message(self.Focused(self))
 
     def _info_text(self) -> Text:
-        text = Text(no_wrap=True, overflow="ellipsis")
+        """System prompt and sampling overrides; wraps (never cut) on a narrow terminal."""
+        text = Text()
         text.append("█ ", style=TAB_COLOURS[self.colour % len(TAB_COLOURS)])
         system = clean((self.session.system_prompt or "").replace("\n", " "))
         text.append(f"system: {system[:60] + '…' if len(system) > 60 else system or '(none)'}")
@@ -292,7 +292,7 @@ class ChatTab(TabPane):
             parts.append(f"{len(turn.token_ids)} tok · {turn.tokens_per_s:.1f} tok/s")
             parts.append(f"prompt {len(turn.prompt_ids)} ({turn.num_cached_tokens} cached)")
         if turn.finished:
-            parts.append(FINISH_LABELS.get(turn.finish_reason, turn.finish_reason) or "done")
+            parts.append(finish_label(turn.finish_reason) or "done")
         return " · ".join(parts)
 
 
@@ -300,7 +300,7 @@ def _view_of(message) -> Static | AssistantMessage:
     if message.role == "user":
         return UserMessage(message.content)
     if message.role == "assistant":
-        footer = FINISH_LABELS.get(message.finish_reason, message.finish_reason)
+        footer = finish_label(message.finish_reason)
         timings = message.timings or {}
         if timings.get("ttft_s") is not None:
             footer = " · ".join(p for p in (f"ttft {timings['ttft_s']:.2f}s",

@@ -10,7 +10,7 @@ from rich.text import Text
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding
-from textual.containers import Grid, Horizontal, Vertical, VerticalScroll
+from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static, TextArea
 
@@ -33,7 +33,7 @@ class ConfirmScreen(ModalScreen[bool]):
         self.yes = yes
 
     def compose(self) -> ComposeResult:
-        with Vertical(classes="dialog"):
+        with VerticalScroll(classes="dialog"):
             yield Label(self.question, classes="dialog-title")
             with Horizontal(classes="dialog-buttons"):
                 yield Button(self.yes, variant="error", id="yes")
@@ -62,7 +62,7 @@ class TextPromptScreen(ModalScreen[str | None]):
         self.placeholder = placeholder
 
     def compose(self) -> ComposeResult:
-        with Vertical(classes="dialog"):
+        with VerticalScroll(classes="dialog"):
             yield Label(self.title_text, classes="dialog-title")
             yield Input(self.value, placeholder=self.placeholder, id="text")
             with Horizontal(classes="dialog-buttons"):
@@ -112,7 +112,7 @@ class ChatSettingsScreen(ModalScreen[tuple[str | None, dict] | None]):
         self.defaults = defaults
 
     def compose(self) -> ComposeResult:
-        with Vertical(classes="dialog wide"):
+        with VerticalScroll(classes="dialog wide"):
             yield Label(f"Chat settings: {self.title_text}", classes="dialog-title")
             yield Label("System prompt")
             yield TextArea(self.system_prompt, id="system-prompt", soft_wrap=True)

@@ -101,10 +101,13 @@ def format_remote_numbers(stats: EngineStats, kv_usage: float | None, has_metric
     return _table(rows)
 
 
-def format_legend(tabs: Mapping[str, TabInfo]) -> Text:
+def format_legend(tabs: Mapping[str, TabInfo], holders: Sequence[str] = ()) -> Text:
+    """The tabs' colours, those of `holders` (chats holding blocks now) first: a cut
+    legend still names the blocks on the map."""
     text = Text(overflow="fold")
     nbsp = "\u00a0"   # each entry wraps as a whole
-    for info in tabs.values():
+    for chat_id in dict.fromkeys([*(h for h in holders if h in tabs), *tabs]):
+        info = tabs[chat_id]
         text.append(f"█{nbsp}", style=TAB_COLOURS[info.colour % len(TAB_COLOURS)])
         text.append(info.title.replace(" ", nbsp) + "  ")
     text.append(f"◆{nbsp}", style="bold")
@@ -170,6 +173,7 @@ class EnginePanel(Vertical):
         self.tabs: Mapping[str, TabInfo] = {}
         self.decode: Callable[[Sequence[int]], str] | None = None
         self.remote: Any = None   # a remote EngineClient (kv_cache_usage, has_metrics); no pool
+        self._legend_holders: tuple[str, ...] = ()   # chats holding blocks, as the legend lists them
         self._pinned: int | None = None
         self._shown_at = 0.0                    # when show_stats last drew
         self._shown_text: dict[str, Text] = {}  # what each readout shows
@@ -193,8 +197,10 @@ class EnginePanel(Vertical):
         busy), and only the parts whose content changed."""
         tabs_changed = tabs != self.tabs
         self.tabs = tabs
-        if tabs_changed:
-            self.query_one("#legend", Static).update(format_legend(tabs))
+        holders = tuple(dict.fromkeys(owner for owner in stats.blocks.request_owners if owner))
+        if tabs_changed or holders != self._legend_holders:
+            self._legend_holders = holders
+            self.query_one("#legend", Static).update(format_legend(tabs, holders))
         now = time.monotonic()
         if stats is self.stats or (not tabs_changed and now - self._shown_at < REFRESH_EVERY_S):
             return

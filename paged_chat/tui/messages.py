@@ -20,6 +20,7 @@ from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
 from paged_chat.text import sanitize_for_terminal as clean
+from paged_chat.tui.markdown_text import hard_line_breaks
 
 CHUNK_CHARS = 2000   # start a new Markdown widget at the next paragraph break past this
 RENDER_EVERY_S = 0.1  # a streaming reply's frame: the deltas within one render together
@@ -72,7 +73,7 @@ class AssistantMessage(Vertical):
         self._rendering = asyncio.Lock()  # one render at a time: the turn's and the tab's (shown)
 
     def compose(self):
-        shown = clean(self.text)
+        shown = hard_line_breaks(clean(self.text))
         markdown = Markdown(shown or None)
         self._chunks.append(markdown)
         self._chunk_text = shown
@@ -91,7 +92,7 @@ class AssistantMessage(Vertical):
         one Markdown append per RENDER_EVERY_S, the rest on a timer); with render=False (a
         hidden tab) it is only kept until a later write, `catch_up` or `finish_stream`."""
         self.text += fragment
-        self._backlog += clean(fragment)
+        self._backlog += hard_line_breaks(clean(fragment), self._chunk_text + self._backlog)
         if not render or self._frame_timer is not None:
             return
         wait = self._rendered_at + RENDER_EVERY_S - time.monotonic()

@@ -1,5 +1,6 @@
 """The multiline prompt: Enter sends, Shift+Enter or Ctrl+J inserts a newline, Up on the
-first line and Down on the last line walk through earlier prompts."""
+first line and Down on the last line walk through earlier prompts; Alt+key never types
+(it is the app's: copy reply, copy code, ...)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,11 @@ class PromptInput(TextArea):
             event.prevent_default()
             start, end = self.selection
             self._replace_via_keyboard("\n", start, end)
+            return
+        if event.key.startswith("alt+"):
+            # A terminal sends Alt+C as ESC c, which Textual reads as a printable `c`:
+            # keep it out of the text so it reaches the app's bindings (copy, ...).
+            event.prevent_default()
             return
         # Anything else: TextArea's own handler runs next (MRO dispatch).
 
