@@ -117,6 +117,7 @@ async def settle(pilot) -> None:
     for index, tab in enumerate(app.chat_tabs):   # each tab's live request, as in snapshot()
         tab.session.turn = Turn("", list(range(1000 * index, 1000 * index + 200)),
                                 f"{tab.chat_id}/1")
+    app.panel.refresh_every_s = 0.0   # every poll draws, whatever the machine's speed
     for _ in range(60):   # the panel's history: 60 deterministic polls
         app._poll()
     await pilot.pause()

@@ -1,6 +1,7 @@
 """The engine panel: pool occupancy, batch, rates, prefix-cache hits, the block map and the
 details of the block under the pointer. It is fed `EngineStats` snapshots by the app's
-~10 Hz timer (`show_stats`), draws at most every REFRESH_EVERY_S, and never calls the engine."""
+~10 Hz timer (`show_stats`), draws at most every `refresh_every_s`, and never calls the
+engine."""
 
 from __future__ import annotations
 
@@ -176,6 +177,7 @@ class EnginePanel(Vertical):
         self._legend_holders: tuple[str, ...] = ()   # chats holding blocks, as the legend lists them
         self._pinned: int | None = None
         self._shown_at = 0.0                    # when show_stats last drew
+        self.refresh_every_s = REFRESH_EVERY_S
         self._shown_text: dict[str, Text] = {}  # what each readout shows
         self._history = {name: deque([0.0] * HISTORY, maxlen=HISTORY)
                          for name in ("batch", "gen", "used")}
@@ -192,7 +194,7 @@ class EnginePanel(Vertical):
         yield Static("hover or click a block", id="block-detail")
 
     def show_stats(self, stats: EngineStats, tabs: Mapping[str, TabInfo]) -> None:
-        """Take a snapshot. The panel redraws at most every REFRESH_EVERY_S (snapshots in
+        """Take a snapshot. The panel redraws at most every `refresh_every_s` (snapshots in
         between are skipped: the UI's share of the CPU stays bounded while the engine is
         busy), and only the parts whose content changed."""
         tabs_changed = tabs != self.tabs
@@ -202,7 +204,7 @@ class EnginePanel(Vertical):
             self._legend_holders = holders
             self.query_one("#legend", Static).update(format_legend(tabs, holders))
         now = time.monotonic()
-        if stats is self.stats or (not tabs_changed and now - self._shown_at < REFRESH_EVERY_S):
+        if stats is self.stats or (not tabs_changed and now - self._shown_at < self.refresh_every_s):
             return
         self._shown_at = now
         self.stats = stats
