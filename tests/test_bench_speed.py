@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from paged_chat.bench import BenchOptions, format_report, run_bench
+from paged_chat.bench import BenchOptions, run_bench
+from paged_chat.bench.report import format_report
 from paged_chat.bench.contention import busy_processes
 
 

@@ -25,7 +25,7 @@ from paged_chat.store import ChatStore
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.engine_panel import EnginePanel
 from server_fixtures import api, chat_engine_config, served, start_server, wait_for  # noqa: F401
-from test_tui import make_settings, replies, text_of, type_prompt, wait_until
+from tui_helpers import make_settings, replies, text_of, type_prompt, wait_until
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

@@ -14,7 +14,7 @@ from paged_chat.engine import AsyncEngine, Engine, SamplingParams
 from paged_chat.session import ChatSession, chat_title
 from paged_chat.store import ChatMovedOn, ChatStore
 from engine_helpers import assert_no_leaks
-from test_tui import engine_config
+from tui_helpers import engine_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

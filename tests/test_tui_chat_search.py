@@ -8,7 +8,7 @@ from textual.command import CommandPalette
 
 from paged_chat.store import ChatStore
 from paged_chat.tui.chat_search import ChatSearch
-from test_tui import engine, make_app, make_async_engine, press, wait_until  # noqa: F401 (fixtures)
+from tui_helpers import make_app, press, wait_until
 
 
 @pytest.mark.timeout(120)

@@ -6,7 +6,7 @@ import pytest
 
 from engine_helpers import assert_no_leaks
 from paged_chat.engine import AsyncEngine, Engine
-from test_tui import engine_config, idle, make_app, make_settings, new_tab, type_prompt, wait_until
+from tui_helpers import engine_config, idle, make_app, make_settings, new_tab, type_prompt, wait_until
 
 LONG_SYSTEM = ("You are a meticulous assistant for a team of engineers. " * 12).strip()
 

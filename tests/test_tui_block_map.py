@@ -1,0 +1,156 @@
+"""The TUI's widgets without an app: the block map (codes, layout, details, legend) and the
+message views (escape sequences, code blocks, bounded Markdown chunks, line breaks)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paged_chat.engine.stats import BlockMap
+from paged_chat.tui.block_map import (CACHED, FREE, SHARED, TAB0, Layout, block_codes, cell_grid,
+                                     downsample)
+from paged_chat.tui.engine_panel import TabInfo, describe_block, format_legend
+from paged_chat.tui.markdown_text import hard_line_breaks
+from paged_chat.tui.messages import AssistantMessage, code_blocks
+
+
+def _block_map(num_blocks: int, tables: dict[str, list[int]], owners: dict[str, str],
+               cached: list[int] = ()) -> BlockMap:
+    ref = np.zeros(num_blocks, dtype=np.int32)
+    for table in tables.values():
+        for block in table:
+            ref[block] += 1
+    hashed = np.zeros(num_blocks, dtype=bool)
+    hashed[list(cached)] = True
+    return BlockMap.build(ref, hashed, tables, owners)
+
+
+@pytest.mark.timeout(30)
+def test_block_codes_colour_shared_cached_free():
+    blocks = _block_map(8, {"a/1": [0, 1, 2], "b/1": [0, 3], "x": [4]},
+                        {"a/1": "tab-a", "b/1": "tab-b", "x": "cli"}, cached=[5])
+    codes = block_codes(blocks, {"tab-a": 0, "tab-b": 1})
+    assert codes.tolist() == [SHARED, TAB0, TAB0, TAB0 + 1, 3, CACHED, FREE, FREE]
+
+
+@pytest.mark.timeout(30)
+def test_layout_fits_any_pool_size():
+    assert Layout.fit(100, 40, 10) == Layout(100, 40, 3, half=False)
+    half = Layout.fit(600, 40, 10)
+    assert half.half and half.per_pixel == 1 and half.rows == 8
+    assert half.blocks_at(0, 0) == (0, 40) and half.cell_of(41) == (1, 0)
+    for num_blocks in (10_000, 65_536, 1_000_003):
+        layout = Layout.fit(num_blocks, 44, 18)
+        assert layout.half and layout.rows <= 18
+        assert layout.rows * layout.width * 2 * layout.per_pixel >= num_blocks
+        top, bottom = cell_grid(np.zeros(num_blocks, dtype=np.uint8), layout)
+        assert top.shape == bottom.shape == (layout.rows, 44)
+    # A scaled cell shows the most telling block it stands for.
+    assert downsample(np.array([FREE, CACHED, TAB0, FREE, SHARED, TAB0 + 1], np.uint8), 3).tolist() \
+        == [TAB0, SHARED]
+
+
+@pytest.mark.timeout(30)
+def test_block_detail_shows_tokens_of_the_block():
+    blocks = _block_map(4, {"a/1": [2, 0]}, {"a/1": "tab-a"})
+    tokens = list(range(100, 132))
+    info = {"tab-a": TabInfo("Alpha", 0, lambda rid: tokens if rid == "a/1" else None)}
+    plain = describe_block(0, blocks, 16, info, lambda ids: " ".join(map(str, ids))).plain
+    assert "block 0" in plain and "ref 1" in plain and "owners: Alpha" in plain
+    # Block 0 is the request's second block (BlockMap.holder_positions): tokens 16..31.
+    assert "tokens 16–31" in plain and "116 117" in plain
+
+
+@pytest.mark.timeout(30)
+def test_legend_lists_the_chats_holding_blocks_first():
+    tabs = {f"tab-{n}": TabInfo(f"Tab {n}", n, lambda rid: None) for n in range(8)}
+    plain = format_legend(tabs, holders=["tab-6", "gone", "tab-2"]).plain.replace("\u00a0", " ")
+    assert plain.startswith("█ Tab 6  █ Tab 2  █ Tab 0  █ Tab 1  █ Tab 3")
+    assert plain.count("Tab 6") == 1
+
+
+@pytest.mark.timeout(30)
+async def test_escape_sequences_in_text_never_reach_the_terminal():
+    from textual.app import App
+    from paged_chat.tui.messages import AssistantMessage, UserMessage
+
+    evil = "ok\x1b[2J\x1b]0;pwned\x07 done\r"
+    reply, user = AssistantMessage(), UserMessage(evil)
+
+    class Host(App):
+        def compose(self):
+            yield user
+            yield reply
+
+    async with Host().run_test() as pilot:
+        await reply.write(evil)
+        await reply.finish_stream()
+        await pilot.pause()
+        assert reply.text == evil                               # exact, for copy
+        assert reply._chunks[0].source == "ok done"             # shown clean
+        assert "\x1b" not in str(user.content) and "ok done" in str(user.content)
+
+
+@pytest.mark.timeout(30)
+def test_code_blocks_are_found():
+    text = "Here:\n```python\nprint(1)\n```\nand\n~~~\nls -l\n~~~\n"
+    assert code_blocks(text) == ["print(1)\n", "ls -l\n"]
+
+
+@pytest.mark.timeout(60)
+async def test_long_reply_streams_into_bounded_markdown_chunks():
+    """A long reply is split at paragraph breaks outside code fences, so each Markdown
+    append stays small (no quadratic re-parse); a hidden tab's reply renders at the end."""
+    from textual.app import App
+    from paged_chat.tui import messages as m
+
+    paragraph = "word " * 100 + "\n\n"
+    fence = "```python\n" + "x = 1\n\n" * 300 + "```\n\n"
+    reply = m.AssistantMessage()
+    hidden = m.AssistantMessage()
+
+    class Host(App):
+        def compose(self):
+            yield reply
+            yield hidden
+
+    async with Host().run_test() as pilot:
+        text = paragraph * 30 + fence + paragraph * 10
+        for start in range(0, len(text), 37):
+            await reply.write(text[start:start + 37])
+            await hidden.write(text[start:start + 37], render=False)
+        await reply.finish_stream()
+        await hidden.finish_stream(render=False)
+        assert hidden._chunks[0].source == ""          # nothing rendered while hidden
+        await hidden.catch_up()
+        await pilot.pause()
+        sources = [chunk.source for chunk in reply._chunks]
+        assert "".join(sources) == hard_line_breaks(text) and reply.text == text
+        assert len(sources) > 3 and all(s.count("```") % 2 == 0 for s in sources)
+        assert max(len(s) for s in sources if "```" not in s) < m.CHUNK_CHARS + 600
+        assert hidden._chunks[0].source == hard_line_breaks(text) and len(hidden._chunks) == 1
+
+
+@pytest.mark.timeout(60)
+async def test_single_line_breaks_in_a_reply_are_shown_as_line_breaks():
+    """A poem stored as `force,\nA gentle lapping` showed `force, A gentle lapping`."""
+    from textual.app import App
+    from textual.widgets._markdown import MarkdownParagraph
+
+    poem = "The tide's force,\nA gentle lapping\n\n```\nkeep\nthis\n```\n"
+    stored, streamed = AssistantMessage(poem), AssistantMessage()
+
+    class Host(App):
+        def compose(self):
+            yield stored
+            yield streamed
+
+    async with Host().run_test(size=(80, 24)) as pilot:
+        for start in range(0, len(poem), 3):
+            await streamed.write(poem[start:start + 3])
+        await streamed.finish_stream()
+        await pilot.pause()
+        for reply in (stored, streamed):
+            [paragraph] = reply.query(MarkdownParagraph)
+            assert str(paragraph.render()) == "The tide's force,\nA gentle lapping"
+            assert reply.text == poem and code_blocks(reply.text) == ["keep\nthis\n"]

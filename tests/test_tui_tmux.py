@@ -1,0 +1,152 @@
+"""The real `paged-chat` in a tmux pane: two tabs streaming, and a kill -9 that keeps every
+committed message."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from paged_chat.store import ChatStore
+
+
+def _tmux(*args: str) -> str:
+    return subprocess.run(["tmux", *args], check=True, capture_output=True, text=True).stdout
+
+
+class TmuxApp:
+    """The real `paged-chat` (python -m paged_chat) in a 120x40 tmux pane, with its own
+    config and chat store under `tmp_path`."""
+
+    def __init__(self, model_dir: Path, tmp_path: Path, max_tokens: int) -> None:
+        config = tmp_path / "config.toml"
+        config.write_text(f'[engine]\nmodel = "{model_dir}"\ndevice = "cpu"\ndtype = "float32"\n'
+                          f'num_blocks = 512\n\n[chat]\ntemperature = 0.0\nmax_tokens = {max_tokens}\n')
+        self.store_path = tmp_path / "data" / "chats.db"
+        # Without COLUMNS/LINES (set by pytest plugins): Textual would take them over the pane's size.
+        env = {key: value for key, value in os.environ.items() if key not in ("COLUMNS", "LINES")}
+        env = {**env, "PAGED_CHAT_CONFIG": str(config), "PAGED_CHAT_DATA_DIR": str(tmp_path / "data"),
+               "PAGED_CHAT_CACHE_DIR": os.environ["PAGED_CHAT_CACHE_DIR"], "TERM": "xterm-256color"}
+        self.session = f"paged-chat-test-{os.getpid()}"
+        self.socket = ["-L", self.session]
+        subprocess.run(["tmux", *self.socket, "new-session", "-d", "-s", self.session, "-x", "120",
+                        "-y", "40",
+                        *[arg for key in ("PAGED_CHAT_CONFIG", "PAGED_CHAT_DATA_DIR",
+                                          "PAGED_CHAT_CACHE_DIR", "HF_HUB_OFFLINE", "TERM")
+                          for arg in ("-e", f"{key}={env[key]}")],
+                        f"{sys.executable} -m paged_chat"], check=True, env=env)
+
+    def screen(self) -> str:
+        return _tmux(*self.socket, "capture-pane", "-p", "-t", self.session)
+
+    def keys(self, *keys: str, literal: bool = False) -> None:
+        _tmux(*self.socket, "send-keys", "-t", self.session, *(["-l"] if literal else []), *keys)
+
+    def wait_for(self, predicate, timeout: float = 180.0) -> str:
+        """The screen once `predicate` holds for it (a generous bound: the machine may be
+        busy, and nothing here depends on time)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.screen()
+            if predicate(text):
+                return text
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out; the screen was:\n{text}")
+            time.sleep(0.1)
+
+    def kill_server(self) -> None:
+        subprocess.run(["tmux", *self.socket, "kill-server"], capture_output=True)
+
+
+def new_tab_shown(screen: str) -> bool:
+    """Chat 2's empty tab is on screen: the handler that showed it also asked for its
+    prompt's focus, so keys sent from now on land in it."""
+    return "Chat 2" in screen and "╭─ you" not in screen
+
+
+needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None,
+                                reason="tmux is not installed (apt-get install tmux)")
+
+
+@pytest.mark.timeout(600)
+@needs_tmux
+def test_paged_chat_in_tmux(chat_model_dir, tmp_path):
+    app = TmuxApp(chat_model_dir, tmp_path, max_tokens=24)
+    try:
+        app.wait_for(lambda s: "ready" in s and "KV cache" in s)
+        app.keys("hello from tmux one", literal=True)
+        app.keys("Enter")
+        app.wait_for(lambda s: "24 tok" in s)
+        app.keys("C-n")
+        app.wait_for(new_tab_shown)
+        app.keys("second tab says hi", literal=True)
+        app.wait_for(lambda s: "second tab says hi" in s)   # in the shown (new) tab's prompt
+        app.keys("Enter")
+        text = app.wait_for(lambda s: "second tab says hi" in s and "24 tok" in s)
+        assert "hello from tmux one" in text          # the first tab's title
+        assert "assistant" in text and "blocks × 16" in text
+        app.keys("C-q")
+        app.wait_for(lambda s: "KV cache" not in s)
+    finally:
+        app.kill_server()
+    store = ChatStore(app.store_path)
+    chats = store.list_chats()
+    assert sorted(c.title for c in chats) == ["hello from tmux one", "second tab says hi"]
+    for chat in chats:
+        roles = [m.role for m in store.get_chat(chat.id).messages]
+        assert roles == ["user", "assistant"]
+    store.close()
+
+
+@pytest.mark.timeout(600)
+@needs_tmux
+def test_kill_9_while_two_tabs_stream_keeps_every_committed_message(chat_model_dir, tmp_path):
+    app = TmuxApp(chat_model_dir, tmp_path, max_tokens=4000)
+    try:
+        app.wait_for(lambda s: "ready" in s and "KV cache" in s)
+        app.keys("first long reply", literal=True)
+        app.wait_for(lambda s: "first long reply" in s)
+        app.keys("Enter")
+        app.keys("C-n")
+        app.wait_for(new_tab_shown)
+        app.keys("second long reply", literal=True)
+        app.wait_for(lambda s: "second long reply" in s)   # in the shown (new) tab's prompt
+        app.keys("Enter")
+        # Both replies stream; the TUI saves them as they grow. Kill once each has been saved.
+        wait_for_store(app.store_path, lambda saved: saved == {"first long reply", "second long reply"})
+        pid = _tmux(*app.socket, "display-message", "-p", "-t", app.session, "#{pane_pid}").strip()
+        os.kill(int(pid), signal.SIGKILL)
+    finally:
+        app.kill_server()
+    store = ChatStore(app.store_path)
+    chats = {c.title: store.get_chat(c.id) for c in store.list_chats()}
+    assert set(chats) == {"first long reply", "second long reply"}
+    for chat in chats.values():
+        user, reply = chat.messages
+        assert user.role == "user" and user.content == chat.title and user.token_ids
+        assert reply.role == "assistant" and reply.finish_reason == "interrupted"
+        assert reply.content and reply.token_ids, "the partial reply is kept"
+    store.close()
+
+
+def wait_for_store(path: Path, predicate, timeout: float = 240.0) -> None:
+    """Wait until `predicate` holds for the titles of the chats with saved reply tokens."""
+    deadline = time.monotonic() + timeout
+    while not predicate(saved := _saved_replies(path)):
+        assert time.monotonic() < deadline, f"replies saved so far: {saved}"
+        time.sleep(0.2)
+
+
+def _saved_replies(path: Path) -> set[str]:
+    """Titles of the chats whose streaming reply already has tokens in the store."""
+    if not path.exists():
+        return set()
+    with ChatStore(path) as store:
+        return {chat.title for chat in store.list_chats()
+                if any(m.role == "assistant" and m.token_ids for m in store.get_chat(chat.id).messages)}

@@ -1,0 +1,146 @@
+"""What the TUI tests share: a tiny engine for the app, the app with a throwaway store,
+keys sent the way a terminal sends them, and waits on conditions. Loaded as a pytest
+plugin (tests/conftest.py), so its fixtures serve every TUI test file."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from textual import events
+
+from paged_chat.engine import AsyncEngine, Engine, EngineConfig
+from paged_chat.settings import ChatSettings, Settings, TuiSettings
+from paged_chat.store import ChatStore
+from paged_chat.tui.app import PagedChatApp
+from paged_chat.tui.block_map import SHARED, TAB0, BlockMapView
+from paged_chat.tui.chat_tab import ChatTab
+from engine_helpers import assert_no_leaks
+from paged_chat.tui.messages import AssistantMessage
+
+
+SYSTEM = ("You are a careful assistant. You answer in short sentences, you check your facts, "
+          "and you say when you do not know something. Keep every answer brief and friendly.")
+
+
+def engine_config(model_dir: Path, **overrides) -> EngineConfig:
+    values = dict(model=str(model_dir), device="cpu", dtype="float32", num_blocks=512,
+                  block_size=16, max_num_seqs=16, max_num_batched_tokens=512)
+    return EngineConfig(**{**values, **overrides})
+
+
+@pytest.fixture
+def make_async_engine(chat_model_dir):
+    engines: list[AsyncEngine] = []
+
+    def make(**overrides) -> AsyncEngine:
+        engine = AsyncEngine(Engine(engine_config(chat_model_dir, **overrides)))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+        assert_no_leaks(engine.engine)
+
+
+@pytest.fixture
+def engine(make_async_engine) -> AsyncEngine:
+    return make_async_engine()
+
+
+class TuiTestApp(PagedChatApp):
+    """The real app; replies ignore EOS so a random model's reply has a known length."""
+
+    def sampling_params(self, sampling: dict):
+        return self.settings.sampling_params(**{"ignore_eos": True, **sampling})
+
+
+def make_settings(max_tokens: int = 24, system_prompt: str | None = SYSTEM, **tui) -> Settings:
+    return Settings(chat=ChatSettings(system_prompt=system_prompt, temperature=0.0,
+                                      max_tokens=max_tokens),
+                    tui=TuiSettings(**tui))
+
+
+def make_app(engine, tmp_path: Path, settings: Settings | None = None, **kwargs) -> TuiTestApp:
+    return TuiTestApp(settings or make_settings(), engine=engine,
+                   store=ChatStore(tmp_path / "chats.db"),
+                   session_path=tmp_path / "session.json", **kwargs)
+
+
+async def wait_until(pilot, condition, timeout: float = 30.0, step: float = 0.02) -> None:
+    """Poll `condition` (plain sleeps: Pilot.pause waits for the screen to settle, which
+    takes seconds while replies stream)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for the condition on "
+                                 f"line {condition.__code__.co_firstlineno}")
+        await asyncio.sleep(step)
+
+
+async def press(pilot, *keys: str) -> None:
+    """Send keys the way the terminal driver does (Pilot.press waits for the screen to
+    settle, which takes seconds while replies stream)."""
+    for key in keys:
+        character = {"space": " ", "enter": "\r"}.get(key, key if len(key) == 1 else None)
+        pilot.app.post_message(events.Key(key, character))
+    await asyncio.sleep(0.05)
+
+
+async def type_prompt(pilot, text: str) -> None:
+    await press(pilot, *[{" ": "space"}.get(c, c) for c in text], "enter")
+    await asyncio.sleep(0.05)
+
+
+async def new_tab(pilot, key: str = "ctrl+n") -> ChatTab:
+    """Open a tab with `key`; return it once its prompt has the focus."""
+    app = pilot.app
+    count = len(app.chat_tabs)
+    await press(pilot, key)
+    await wait_until(pilot, lambda: len(app.chat_tabs) == count + 1
+                     and app.active_tab is app.chat_tabs[-1]
+                     and app.focused is app.chat_tabs[-1].prompt)
+    return app.chat_tabs[-1]
+
+
+def idle(app: PagedChatApp) -> bool:
+    return not any(tab.streaming for tab in app.chat_tabs)
+
+
+class Watcher:
+    """Samples the engine and the block map every 10 ms in the background of a test."""
+
+    def __init__(self, app: PagedChatApp, engine: AsyncEngine) -> None:
+        self.app, self.engine = app, engine
+        self.max_batch = 0
+        self.tab_codes: set[int] = set()
+        self.shared_seen = False
+        self.snapshots = []
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        view = self.app.query_one(BlockMapView)
+        while True:
+            stats = self.engine.stats()
+            if not self.snapshots or stats is not self.snapshots[-1]:
+                self.snapshots.append(stats)
+            self.max_batch = max(self.max_batch, stats.batch_size)
+            self.tab_codes |= {int(c) for c in np.unique(view.codes) if c >= TAB0}
+            self.shared_seen |= bool((view.codes == SHARED).any())
+            await asyncio.sleep(0.01)
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+def text_of(static) -> str:
+    content = static.content
+    return content.plain if hasattr(content, "plain") else str(content)
+
+
+def replies(tab: ChatTab) -> list[AssistantMessage]:
+    return list(tab.query(AssistantMessage))
