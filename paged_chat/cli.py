@@ -65,7 +65,8 @@ app = typer.Typer(name="paged-chat", add_completion=False, pretty_exceptions_ena
                   context_settings={"help_option_names": ["-h", "--help"]}, cls=_FlagsShowNoType)
 chats_app = typer.Typer(cls=_FlagsShowNoType)
 app.add_typer(chats_app, name="chats")
-cache_app = typer.Typer(help="The engine's disk cache (the KV tier: chat histories' KV).")
+cache_app = typer.Typer(help="The engine's disk cache (the KV tier: chat histories' KV).",
+                        cls=_FlagsShowNoType)
 app.add_typer(cache_app, name="cache")
 MODEL_HELP = ("Alias, .gguf file, HF folder, cached hub id, ollama:NAME(:TAG) or "
               "lmstudio:PUBLISHER/REPO(/FILE).")

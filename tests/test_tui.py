@@ -405,7 +405,8 @@ async def test_dialogs_rename_settings_close(engine, tmp_path):
     async with app.run_test(size=(120, 40)) as pilot:
         tab = app.active_tab
         await press(pilot, "f2")
-        await wait_until(pilot, lambda: isinstance(app.screen, TextPromptScreen))
+        await wait_until(pilot, lambda: isinstance(app.screen, TextPromptScreen)
+                         and app.screen.query("#text"))
         app.screen.query_one("#text").value = "Renamed"
         await press(pilot, "enter")
         await wait_until(pilot, lambda: "Renamed" in app.tabs.get_tab(tab.id).label.plain)
