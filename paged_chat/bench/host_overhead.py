@@ -72,7 +72,7 @@ def host_overhead(source: ModelSource, batch_sizes: tuple[int, ...] = (32, 128, 
             model=source.name, device="cpu", dtype="bfloat16", block_size=block_size,
             num_blocks=blocks + batch, max_model_len=context_len, max_num_seqs=batch,
             max_num_batched_tokens=_PREFILL_BUDGET, seed=seed, threads=1), source=one_layer)
-        engine.runner.model = StubForward(batch, vocab, seed)
+        engine.use_forward(StubForward(batch, vocab, seed))
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         for _ in range(batch):
             engine.add_request(shared + [rng.randrange(vocab) for _ in range(prompt_len - shared_len)],

@@ -17,7 +17,7 @@ import operator
 import os
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -172,6 +172,11 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
+
+    def use_forward(self, forward: Callable[..., torch.Tensor]) -> None:
+        """Run `forward` (the model's call signature) instead of the model: `paged-chat bench
+        --host-overhead` times the engine's own work per step over a stub forward."""
+        self.runner.model = forward
 
     def flush(self) -> None:
         """Wait until the KV tier's queued disk writes are done (a process about to end
