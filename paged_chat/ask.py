@@ -189,7 +189,7 @@ class Answer:
     def stats_line(self, load_s: float) -> str:
         turn, timings = self.turn, self.turn.timings()
         first = "no token" if timings["ttft_s"] is None else f"first token after {timings['ttft_s']:.2f} s"
-        tier = (f" ({turn.num_tier_cached_tokens:,} read back from the KV tier)"
+        tier = (f", {turn.num_tier_cached_tokens:,} of them read back from the KV tier"
                 if turn.num_tier_cached_tokens else "")
         return (f"{len(turn.prompt_ids):,} prompt tokens ({turn.num_cached_tokens:,} from the "
                 f"cache{tier}), {len(turn.token_ids)} generated, {first}, "

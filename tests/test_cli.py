@@ -261,7 +261,8 @@ def test_continue_in_a_new_engine_reads_the_history_back_from_the_kv_tier(cli, t
     history = first["prompt_tokens"] + first["completion_tokens"]
     block_size = cli.engines[1].block_size
     assert second["tier_cached_tokens"] == second["cached_tokens"] >= (history - 1) // block_size * block_size > 0
-    assert f"({second['tier_cached_tokens']:,} read back from the KV tier)" in continued.stderr
+    assert (f"({second['cached_tokens']:,} from the cache, {second['tier_cached_tokens']:,} of them "
+            "read back from the KV tier)") in continued.stderr
 
 
 def test_a_parallel_continue_that_lost_the_race_is_refused(cli):
