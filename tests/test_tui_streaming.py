@@ -158,9 +158,3 @@ async def test_the_block_map_redraws_only_when_a_cell_changed():
         view.show(_pool([0, 1, 2]), {"tab-a": 0})
         await pilot.pause()
         assert view._strips is not drawn and view.codes[2] == TAB0
-
-
-def test_the_engine_leaves_the_ui_thread_a_core():
-    from paged_chat.tui.threads import engine_threads
-
-    assert [engine_threads(cores) for cores in (1, 2, 4, 16)] == [1, 1, 3, 15]

@@ -23,15 +23,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from textual import events
 
 from paged_chat.chat import Conversation
 from paged_chat.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
 from paged_chat.settings import ChatSettings, Settings
 from paged_chat.store import ChatStore
-from paged_chat.tui.threads import leave_the_ui_a_core
 
 PROFILE_TOP = 12        # functions listed by own time
 TYPE_EVERY_S = 0.1      # a fast typist's pace, for the keypress-to-echo samples
@@ -55,7 +52,7 @@ class TuiBenchOptions:
     tabs: int = 8
     max_tokens: int = 96
     dtype: str = "bfloat16"
-    threads: int = 2                    # torch threads of the engine alone; the app sets its own
+    threads: int = 2                    # torch threads of the engine, alone and in the app
     seed: int = 0
     size: tuple[int, int] = (160, 50)   # the headless terminal, columns x rows
 
@@ -174,21 +171,21 @@ def _short(path: str) -> str:
 
 
 def run_tui_bench(options: TuiBenchOptions, log: Callable[[str], None] = print) -> dict:
-    torch.set_num_threads(options.threads)
+    # One fixed thread count for both runs (the engine's adaptive policy would otherwise
+    # pick its own for each, and the ratio would measure the policy, not the UI).
     engine = Engine(EngineConfig(model=options.model, device="cpu", dtype=options.dtype,
-                                 max_num_seqs=max(options.tabs, 1)))
+                                 max_num_seqs=max(options.tabs, 1), threads=options.threads))
     chats = demo_chats(options.tabs, options.seed)
     params = SamplingParams(temperature=0, max_tokens=options.max_tokens, ignore_eos=True)
     engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
     log(f"tui: {options.tabs} tabs x {options.max_tokens} tokens, engine alone ...")
     alone = run_engine_alone(engine, chats, params)
     log("tui: the app, headless ...")
-    app_threads = leave_the_ui_a_core()  # as the app does for the engine it loads
     app = run_app(engine, chats, params, options.size)
     log("tui: the app under cProfile (its UI thread) ...")
     profile = cProfile.Profile()
     profiled = run_app(engine, chats, params, options.size, profile)
-    return {"options": asdict(options), "app_threads": app_threads, "engine_alone": alone, "app": app,
+    return {"options": asdict(options), "engine_alone": alone, "app": app,
             "app_vs_engine": app["output_tokens_per_s"] / alone["output_tokens_per_s"],
             "profiled_app": profiled, "profile": profile_summary(profile, profiled["wall_s"])}
 
@@ -198,7 +195,7 @@ def format_tui_report(report: dict) -> str:
     lines = [f"tui: engine alone {alone['output_tokens_per_s']:.1f} tok/s, app "
              f"{app['output_tokens_per_s']:.1f} tok/s ({100 * report['app_vs_engine']:.0f}% of the "
              f"engine alone; {report['options']['tabs']} tabs, {alone['output_tokens']} tokens each run; "
-             f"torch threads {report['options']['threads']} alone, {report['app_threads']} in the app)",
+             f"torch threads {report['options']['threads']})",
              f"tui: UI thread busy {profile['ui_busy_per_s']:.2f} s, idle {profile['ui_idle_per_s']:.2f} s "
              f"per s of streaming (profiled run "
              f"{report['profiled_app']['output_tokens_per_s']:.1f} tok/s): " + ", ".join(

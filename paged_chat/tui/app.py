@@ -35,7 +35,6 @@ from paged_chat.tui.chat_tab import ChatTab
 from paged_chat.tui.engine_panel import EnginePanel, TabInfo, with_request_owners
 from paged_chat.tui.open_tabs import OpenTabs
 from paged_chat.tui.tabs import TabManagement
-from paged_chat.tui.threads import leave_the_ui_a_core
 
 if TYPE_CHECKING:
     from paged_chat.engine import EngineClient, EngineConfig, SamplingParams
@@ -168,7 +167,6 @@ class PagedChatApp(ChatActions, TabManagement, App):
         from paged_chat.engine import AsyncEngine
 
         started = time.monotonic()
-        leave_the_ui_a_core()
 
         def progress(stage: str, done: int, total: int) -> None:  # read by the status line's poll
             self._load_progress = f"{stage} {done}/{total}"
