@@ -125,10 +125,17 @@ async def settle(pilot) -> None:
     await pilot.pause()
 
 
-@pytest.mark.timeout(120)
-def test_main_screen(snap_compare, tmp_path):
-    app, _ = make_app(tmp_path)
-    assert snap_compare(app, terminal_size=SIZE, run_before=settle)
+def settle_then_press(key: str, then=None):
+    """A run_before: settle, press `key`, wait for the screen (then `then(app)`, if given)."""
+    async def run_before(pilot) -> None:
+        await settle(pilot)
+        await pilot.press(key)
+        await pilot.pause()
+        if then is not None:
+            then(pilot.app)
+    return run_before
+
+
 
 
 @pytest.mark.timeout(120)
@@ -153,30 +160,23 @@ NARROW = (80, 24)   # many terminals' default size
 def test_help_screen(snap_compare, tmp_path, size):
     """At 80x24 the help scrolls."""
     app, _ = make_app(tmp_path)
-
-    async def run_before(pilot) -> None:
-        await settle(pilot)
-        await pilot.press("f1")
-        await pilot.pause()
-
-    assert snap_compare(app, terminal_size=size, run_before=run_before)
+    assert snap_compare(app, terminal_size=size, run_before=settle_then_press("f1"))
 
 
 @pytest.mark.timeout(120)
-def test_main_screen_at_80x24_gives_the_chat_the_width(snap_compare, tmp_path):
+@pytest.mark.parametrize("size", [SIZE, NARROW], ids=["140x44", "80x24"])
+def test_main_screen(snap_compare, tmp_path, size):
+    """At 80x24 the engine panel steps aside and the chat gets the width."""
     app, _ = make_app(tmp_path)
-    assert snap_compare(app, terminal_size=NARROW, run_before=settle)
+    assert snap_compare(app, terminal_size=size, run_before=settle)
 
 
 @pytest.mark.timeout(120)
 def test_settings_dialog_at_80x24_keeps_its_buttons_on_screen(snap_compare, tmp_path):
     app, _ = make_app(tmp_path)
 
-    async def run_before(pilot) -> None:
-        await settle(pilot)
-        await pilot.press("f4")
-        await pilot.pause()
+    def stop_blinking(app) -> None:
         app.screen.query_one("#system-prompt").cursor_blink = False
 
-    assert snap_compare(app, terminal_size=NARROW, run_before=run_before)
+    assert snap_compare(app, terminal_size=NARROW, run_before=settle_then_press("f4", stop_blinking))
 

@@ -48,6 +48,18 @@ class TmuxApp:
     def keys(self, *keys: str, literal: bool = False) -> None:
         _tmux(*self.socket, "send-keys", "-t", self.session, *(["-l"] if literal else []), *keys)
 
+    def send(self, text: str) -> None:
+        """Type `text` into the shown tab's prompt and, once it is on screen (in that
+        prompt, not queued behind a tab switch), press Enter."""
+        self.keys(text, literal=True)
+        self.wait_for(lambda screen: text in screen)
+        self.keys("Enter")
+
+    def new_chat(self) -> None:
+        """Ctrl+N, then wait until the new, empty tab is the one shown."""
+        self.keys("C-n")
+        self.wait_for(new_tab_shown)
+
     def wait_for(self, predicate, timeout: float = 180.0) -> str:
         """The screen once `predicate` holds for it (a generous bound: the machine may be
         busy, and nothing here depends on time)."""
@@ -80,14 +92,10 @@ def test_paged_chat_in_tmux(chat_model_dir, tmp_path):
     app = TmuxApp(chat_model_dir, tmp_path, max_tokens=24)
     try:
         app.wait_for(lambda s: "ready" in s and "KV cache" in s)
-        app.keys("hello from tmux one", literal=True)
-        app.keys("Enter")
+        app.send("hello from tmux one")
         app.wait_for(lambda s: "24 tok" in s)
-        app.keys("C-n")
-        app.wait_for(new_tab_shown)
-        app.keys("second tab says hi", literal=True)
-        app.wait_for(lambda s: "second tab says hi" in s)   # in the shown (new) tab's prompt
-        app.keys("Enter")
+        app.new_chat()
+        app.send("second tab says hi")
         text = app.wait_for(lambda s: "second tab says hi" in s and "24 tok" in s)
         assert "hello from tmux one" in text          # the first tab's title
         assert "assistant" in text and "blocks × 16" in text
@@ -110,14 +118,9 @@ def test_kill_9_while_two_tabs_stream_keeps_every_committed_message(chat_model_d
     app = TmuxApp(chat_model_dir, tmp_path, max_tokens=4000)
     try:
         app.wait_for(lambda s: "ready" in s and "KV cache" in s)
-        app.keys("first long reply", literal=True)
-        app.wait_for(lambda s: "first long reply" in s)
-        app.keys("Enter")
-        app.keys("C-n")
-        app.wait_for(new_tab_shown)
-        app.keys("second long reply", literal=True)
-        app.wait_for(lambda s: "second long reply" in s)   # in the shown (new) tab's prompt
-        app.keys("Enter")
+        app.send("first long reply")
+        app.new_chat()
+        app.send("second long reply")
         # Both replies stream; the TUI saves them as they grow. Kill once each has been saved.
         wait_for_store(app.store_path, lambda saved: saved == {"first long reply", "second long reply"})
         pid = _tmux(*app.socket, "display-message", "-p", "-t", app.session, "#{pane_pid}").strip()
