@@ -14,6 +14,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from paged_chat.engine.request import SamplingParams
@@ -197,6 +198,17 @@ def apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
     return logits.masked_fill(dropped & batch.truncated[:, None], float("-inf"))
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax as int64: the first maximum, or the first NaN (torch's rule too).
+
+    On the CPU numpy's argmax does it: it is vectorised, torch's CPU argmax is not (one
+    thread over [256, 49152] float32 logits: ~4 ms against ~20 ms).
+    """
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(np.argmax(logits.detach().numpy(), axis=-1))
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Pick one token per row: `[num_seqs, vocab]` logits of any float dtype -> int64 `[num_seqs]`.
 
@@ -209,11 +221,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """
     logits = apply_penalties(logits.float(), batch)
     if batch.all_greedy:
-        return logits.argmax(dim=-1)
+        return greedy_tokens(logits)
     scaled = apply_min_p(logits / batch.temperature[:, None], batch)
     cdf = apply_top_k_top_p(scaled, batch).softmax(dim=-1).cumsum_(dim=-1)
     targets = (batch.uniforms * cdf[:, -1]).to(cdf.dtype)
     sampled = torch.searchsorted(cdf, targets[:, None]).squeeze(1)
     if batch.greedy is not None:
-        sampled = torch.where(batch.greedy, logits.argmax(dim=-1), sampled)
+        sampled = torch.where(batch.greedy, greedy_tokens(logits), sampled)
     return sampled
