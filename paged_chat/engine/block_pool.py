@@ -26,6 +26,7 @@ it out first (and must clear the list).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -38,6 +39,10 @@ class KVBlock:
     from_tier: bool = False     # its KV was read back from a KV tier, not computed
     prev_free: "KVBlock | None" = None
     next_free: "KVBlock | None" = None
+
+
+# The stats read these of every block: map() with an attrgetter is ~2x a generator's speed.
+_REF_COUNT, _BLOCK_ID = attrgetter("ref_count"), attrgetter("block_id")
 
 
 class FreeBlockQueue:
@@ -152,11 +157,12 @@ class BlockPool:
         self.cached_blocks.clear()
 
     def ref_counts(self) -> np.ndarray:
-        return np.fromiter((b.ref_count for b in self.blocks), dtype=np.int32, count=len(self.blocks))
+        return np.fromiter(map(_REF_COUNT, self.blocks), dtype=np.int32, count=len(self.blocks))
 
     def hashed_mask(self) -> np.ndarray:
         mask = np.zeros(len(self.blocks), dtype=bool)
-        mask[[b.block_id for b in self.cached_blocks.values()]] = True
+        mask[np.fromiter(map(_BLOCK_ID, self.cached_blocks.values()), dtype=np.int64,
+                         count=len(self.cached_blocks))] = True
         return mask
 
     def from_tier_mask(self) -> np.ndarray:

@@ -355,7 +355,8 @@ class Engine:
             kv_slots_wasted=wasted,
             step_time_s=self._last_step_time,
             forward_time_s=self.runner.last_forward_s,
-            blocks=BlockMap.build(ref_counts, hashed, tables, owners, pool.from_tier_mask()),
+            blocks=BlockMap.build(ref_counts, hashed, tables, owners,
+                                  pool.from_tier_mask() if self.kv_cache.tier is not None else None),
             tier=self.kv_cache.tier.stats() if self.kv_cache.tier is not None else KVTierStats(),
         )
 

@@ -9,42 +9,72 @@ sits, so block `b` holds that request's tokens `[p * block_size, (p + 1) * block
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 
 @dataclass(slots=True, frozen=True)
 class BlockMap:
+    """The pool's blocks and who holds them. The holder arrays are built from the tables on
+    their first read: the engine takes a snapshot ~20 times a second (and the benchmark
+    every step), but a panel draws one only ~5 times a second, if it is shown at all."""
+
     ref_counts: np.ndarray          # int32 [num_blocks]: requests holding each block
     cached: np.ndarray              # bool [num_blocks]: has a prefix hash (evictable at ref 0)
-    holder_ptr: np.ndarray          # int32 [num_blocks + 1]
-    holders: np.ndarray             # int32: indices into request_ids
-    holder_positions: np.ndarray    # int32, parallel to holders: index in that request's table
     request_ids: tuple[str, ...]
     request_owners: tuple[str | None, ...]   # the owner tag each request was added with
     from_tier: np.ndarray           # bool [num_blocks]: KV read back from a KV tier (host or disk)
+    tables: tuple[tuple[int, ...], ...]      # block ids of each request's table, in order
+    _holders: list = field(default_factory=list, compare=False, repr=False)
 
     @classmethod
     def build(cls, ref_counts: np.ndarray, cached: np.ndarray,
               tables: dict[str, list[int]], owners: dict[str, str | None],
               from_tier: np.ndarray | None = None) -> "BlockMap":
+        """A snapshot: the tables are copied, so the caller may go on changing them."""
         request_ids = tuple(tables)
-        lengths = [len(tables[rid]) for rid in request_ids]
-        block_ids = np.fromiter((b for rid in request_ids for b in tables[rid]), dtype=np.int64,
-                                count=sum(lengths))
-        request_index = np.repeat(np.arange(len(request_ids), dtype=np.int32), lengths)
-        table_starts = np.repeat(np.cumsum(lengths) - lengths, lengths).astype(np.int64)
-        positions = (np.arange(len(block_ids)) - table_starts).astype(np.int32)
-        order = np.argsort(block_ids, kind="stable")
-        counts = np.bincount(block_ids, minlength=len(ref_counts))
-        holder_ptr = np.zeros(len(ref_counts) + 1, dtype=np.int32)
-        np.cumsum(counts, out=holder_ptr[1:])
-        return cls(ref_counts, cached, holder_ptr, request_index[order], positions[order],
-                   request_ids, tuple(owners.get(rid) for rid in request_ids),
-                   np.zeros(len(ref_counts), dtype=bool) if from_tier is None else from_tier)
+        return cls(ref_counts, cached, request_ids, tuple(owners.get(rid) for rid in request_ids),
+                   np.zeros(len(ref_counts), dtype=bool) if from_tier is None else from_tier,
+                   tuple(tuple(tables[rid]) for rid in request_ids))
+
+    @property
+    def holder_ptr(self) -> np.ndarray:
+        """int32 [num_blocks + 1]"""
+        return self._holder_arrays()[0]
+
+    @property
+    def holders(self) -> np.ndarray:
+        """int32: indices into request_ids"""
+        return self._holder_arrays()[1]
+
+    @property
+    def holder_positions(self) -> np.ndarray:
+        """int32, parallel to holders: index in that request's table"""
+        return self._holder_arrays()[2]
+
+    def _holder_arrays(self) -> list[np.ndarray]:
+        if not self._holders:  # two threads may both build it: the same arrays either way
+            self._holders[:] = _holder_arrays(self.tables, len(self.ref_counts))
+        return self._holders
+
+
+def _holder_arrays(tables: tuple[tuple[int, ...], ...], num_blocks: int) -> list[np.ndarray]:
+    """[holder_ptr, holders, holder_positions] of the module docstring, for `tables`."""
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    block_ids = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64,
+                            count=int(lengths.sum()))
+    request_index = np.repeat(np.arange(len(tables), dtype=np.int32), lengths)
+    table_starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    positions = (np.arange(len(block_ids)) - table_starts).astype(np.int32)
+    order = np.argsort(block_ids, kind="stable")
+    counts = np.bincount(block_ids, minlength=num_blocks)
+    holder_ptr = np.zeros(num_blocks + 1, dtype=np.int32)
+    np.cumsum(counts, out=holder_ptr[1:])
+    return [holder_ptr, request_index[order], positions[order]]
 
 
 @dataclass(slots=True, frozen=True)
