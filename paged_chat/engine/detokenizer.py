@@ -62,7 +62,8 @@ class IncrementalDetokenizer:
         """
         if self._stopped:
             return "", True
-        self._ids.extend(t for t in token_ids if t not in self._skipped_ids)
+        skipped = self._skipped_ids
+        self._ids += [t for t in token_ids if t not in skipped]
         return self._release(self._decode_new(final=False))
 
     def flush(self) -> str:
@@ -101,6 +102,9 @@ class IncrementalDetokenizer:
         there), as if the text arrived one character at a time, so how the ids were split
         into calls does not change the result.
         """
+        if not self._stop:  # nothing to look for, nothing held back: every step at batch size
+            self._text += new
+            return new, False
         pending = self._held + new
         hits = [(i + len(s), i) for s in self._stop if (i := pending.find(s)) >= 0]
         if hits:

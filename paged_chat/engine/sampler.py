@@ -67,13 +67,13 @@ class SamplingBatch:
     """
 
     all_greedy: bool  # lets the caller skip everything but argmax
-    greedy: torch.Tensor | None  # bool [n]; None when no row is greedy
-    temperature: torch.Tensor  # float32 [n], 1.0 on greedy rows
-    uniforms: torch.Tensor  # float64 [n], see counter_uniforms
+    greedy: torch.Tensor | None  # bool [n]; None when no row is greedy, or all are
+    temperature: torch.Tensor | None  # float32 [n], 1.0 on greedy rows; None when all greedy
+    uniforms: torch.Tensor | None  # float64 [n], see counter_uniforms; None when all greedy
     min_p: torch.Tensor | None  # float32 [n], 0 where off
     top_k: torch.Tensor | None  # int64 [n], vocab_size where off
     top_p: torch.Tensor | None  # float32 [n], inf where off (rounding may make mass reach 1)
-    truncated: torch.Tensor  # bool [n]: sampled rows with top-k or top-p on
+    truncated: torch.Tensor | None  # bool [n]: sampled rows with top-k or top-p on; None when all greedy
     repetition_penalty: torch.Tensor | None  # float32 [n]
     frequency_penalty: torch.Tensor | None  # float32 [n]
     presence_penalty: torch.Tensor | None  # float32 [n]
@@ -98,6 +98,12 @@ class SamplingBatch:
             return torch.tensor(values, dtype=dtype, device=device)
 
         greedy = [p.greedy for p in params]
+        penalised = any(p.uses_penalties for p in params)
+        if all(greedy) and not penalised:  # the common case, and all that `sample` reads then
+            return cls(all_greedy=True, greedy=None, temperature=None, uniforms=None, min_p=None,
+                       top_k=None, top_p=None, truncated=None, repetition_penalty=None,
+                       frequency_penalty=None, presence_penalty=None, seen=None,
+                       output_counts=None)
         top_k = [min(p.top_k or vocab_size, vocab_size) for p in params]
         batch = cls(
             all_greedy=all(greedy),
@@ -115,7 +121,7 @@ class SamplingBatch:
             repetition_penalty=None, frequency_penalty=None, presence_penalty=None,
             seen=None, output_counts=None,
         )
-        if any(p.uses_penalties for p in params):
+        if penalised:
             if token_histories is None or prompt_lens is None:
                 raise ValueError("SamplingBatch.build: a request uses penalties, so "
                                  "token_histories and prompt_lens are required")

@@ -19,7 +19,7 @@ no waiting request is admitted in a step that preempted, so nobody starves.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from paged_chat.engine.kv_cache_manager import KVCacheManager
 from paged_chat.engine.request import Request, RequestStatus
@@ -29,12 +29,13 @@ from paged_chat.engine.request import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    # True when this step computes the request's last known token, so it yields logits;
+    # set once at scheduling (the engine, the runner and the stats each read it).
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the request's last known token, so it yields logits."""
+    def __post_init__(self) -> None:
         request = self.request
-        return request.num_computed_tokens + self.num_new_tokens == request.num_tokens
+        self.samples = request.num_computed_tokens + self.num_new_tokens == request.num_tokens
 
 
 @dataclass(slots=True)
