@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,7 +66,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest],
-                block_tables: list[list[int]]) -> list[int | Exception]:
+                block_tables: Sequence[Sequence[int]]) -> list[int | Exception]:
         """Run one step; return the sampled token of each scheduled item that samples, in order,
         or the exception that sampling that item raised.
 
@@ -150,7 +151,7 @@ class ModelRunner:
             return None
         return min(batch for batch in self._graphs if batch >= len(scheduled))
 
-    def _graph_meta(self, batch: int, seq_lens: list[int], block_tables: list[list[int]],
+    def _graph_meta(self, batch: int, seq_lens: list[int], block_tables: Sequence[Sequence[int]],
                     token_ids: list[int]) -> AttentionMetadata:
         """A decode step's inputs in bucket `batch`'s fixed layout of the graph staging buffer."""
         tokens = np.zeros(batch, dtype=np.int64)
@@ -161,7 +162,7 @@ class ModelRunner:
             extra=(tokens, np.arange(batch, dtype=np.int64)), staging=self._graph_staging)
 
     def _replay(self, batch: int, scheduled: list[ScheduledRequest],
-                block_tables: list[list[int]]) -> torch.Tensor:
+                block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """Logits of the sampling rows of a decode step, by replaying its bucket's graph."""
         captured = self._graphs[batch]
         requests = [item.request for item in scheduled]
@@ -208,7 +209,7 @@ class ModelRunner:
         return [SamplingError("the model's logits for this request are not finite (NaN or inf)")
                 if token < 0 else token for token in torch.where(bad, -1, tokens).tolist()]
 
-    def _prepare(self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
+    def _prepare(self, scheduled: list[ScheduledRequest], block_tables: Sequence[Sequence[int]]
                  ) -> AttentionMetadata:
         """The step's metadata, its token ids and logits rows (`meta.extra`) on the device,
         built with numpy on the host and sent in one copy through the runner's staging

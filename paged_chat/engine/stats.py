@@ -9,9 +9,9 @@ sits, so block `b` holds that request's tokens `[p * block_size, (p + 1) * block
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,7 +28,8 @@ class BlockMap:
     request_ids: tuple[str, ...]
     request_owners: tuple[str | None, ...]   # the owner tag each request was added with
     from_tier: np.ndarray           # bool [num_blocks]: KV read back from a KV tier (host or disk)
-    tables: tuple[tuple[int, ...], ...]      # block ids of each request's table, in order
+    table_ids: np.ndarray           # int64: the requests' tables one after another
+    table_lengths: np.ndarray       # int64 [len(request_ids)]: blocks in each table
     _holders: list = field(default_factory=list, compare=False, repr=False)
 
     @classmethod
@@ -39,7 +40,8 @@ class BlockMap:
         request_ids = tuple(tables)
         return cls(ref_counts, cached, request_ids, tuple(owners.get(rid) for rid in request_ids),
                    np.zeros(len(ref_counts), dtype=bool) if from_tier is None else from_tier,
-                   tuple(tuple(tables[rid]) for rid in request_ids))
+                   _concatenate([tables[rid] for rid in request_ids]),
+                   np.fromiter(map(len, tables.values()), dtype=np.int64, count=len(tables)))
 
     @property
     def holder_ptr(self) -> np.ndarray:
@@ -58,16 +60,23 @@ class BlockMap:
 
     def _holder_arrays(self) -> list[np.ndarray]:
         if not self._holders:  # two threads may both build it: the same arrays either way
-            self._holders[:] = _holder_arrays(self.tables, len(self.ref_counts))
+            self._holders[:] = _holder_arrays(self.table_ids, self.table_lengths,
+                                              len(self.ref_counts))
         return self._holders
 
 
-def _holder_arrays(tables: tuple[tuple[int, ...], ...], num_blocks: int) -> list[np.ndarray]:
-    """[holder_ptr, holders, holder_positions] of the module docstring, for `tables`."""
-    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
-    block_ids = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64,
-                            count=int(lengths.sum()))
-    request_index = np.repeat(np.arange(len(tables), dtype=np.int32), lengths)
+def _concatenate(tables: list[Sequence[int]]) -> np.ndarray:
+    """The tables' ids one after another, copied, as int64 (lists or arrays alike)."""
+    if not tables:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate(tables, dtype=np.int64, casting="unsafe")
+
+
+def _holder_arrays(block_ids: np.ndarray, lengths: np.ndarray, num_blocks: int
+                   ) -> list[np.ndarray]:
+    """[holder_ptr, holders, holder_positions] of the module docstring, for the tables
+    `block_ids` holds one after another, `lengths` long."""
+    request_index = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
     table_starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
     positions = (np.arange(len(block_ids)) - table_starts).astype(np.int32)
     order = np.argsort(block_ids, kind="stable")

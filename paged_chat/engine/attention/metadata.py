@@ -4,7 +4,6 @@ the device check and the tests all go through it."""
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -171,9 +170,7 @@ def _table_array(block_tables: Sequence[Sequence[int]] | np.ndarray | torch.Tens
     width = width or max(1, int(lengths.max()))
     assert width >= lengths.max(), "a block table is wider than table_width"
     array = np.zeros((len(block_tables), width), dtype=np.int32)
-    flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32,
-                       count=int(lengths.sum()))
-    rows = np.repeat(np.arange(len(block_tables)), lengths)
-    columns = np.arange(flat.size) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-    array[rows, columns] = flat
+    flat = (np.concatenate(block_tables, dtype=np.int32, casting="unsafe") if len(block_tables)
+            else np.zeros(0, dtype=np.int32))
+    array[np.arange(width) < lengths[:, None]] = flat  # row-major: the tables in order
     return array
