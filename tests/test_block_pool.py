@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_chat.engine.block_pool import BlockPool
-from paged_chat.engine.kv_cache_manager import KVCacheManager
+from paged_chat.engine.kv_cache_manager import BlockIdTables, KVCacheManager
 from paged_chat.engine.request import Request, SamplingParams
 
 BLOCK_SIZE = 4
@@ -122,3 +122,24 @@ def test_allocate_fails_cleanly_when_the_pool_is_short():
     request = make_request("a", list(range(9)))
     assert not manager.allocate(request, 9)
     assert manager.tables == {} and manager.pool.num_free_blocks == 2
+
+
+def test_block_id_tables_follow_growing_tables_and_forgotten_ones():
+    manager = KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE, enable_caching=False)
+    tables = BlockIdTables(manager.tables)
+    request = make_request("a", list(range(4)))
+    early = None
+    for step in range(40):  # past the room of the first array (16 blocks) and of the second
+        assert manager.allocate(request, BLOCK_SIZE)
+        request.num_computed_tokens += BLOCK_SIZE
+        ids = tables.of("a")
+        assert ids.tolist() == manager.block_ids("a")
+        if step == 5:
+            early, early_ids = ids, ids.tolist()
+    assert early.tolist() == early_ids, "a step's view stays as it was when the array grows"
+    manager.free(request)
+    tables.forget([request])
+    request.num_computed_tokens = 0
+    assert manager.allocate(request, BLOCK_SIZE)
+    assert tables.of("a").tolist() == manager.block_ids("a") and len(tables.of("a")) == 1
+    assert tables.of("nobody").tolist() == []

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from paged_chat.engine.request import SamplingParams
 from paged_chat.engine.sampler import (SamplingBatch, apply_penalties, apply_top_k_top_p,
-                                       counter_uniforms, sample)
+                                       counter_uniforms, greedy_tokens, sample)
 
 CPU = torch.device("cpu")
 
@@ -53,6 +53,21 @@ def test_greedy_is_argmax_for_any_dtype() -> None:
         tokens = sample(logits.to(dtype), batch)
         assert tokens.dtype == torch.int64
         assert torch.equal(tokens, logits.to(dtype).float().argmax(-1))
+
+
+def test_greedy_tokens_pick_as_torch_argmax_on_ties_nan_and_inf() -> None:
+    torch.manual_seed(2)
+    logits = torch.randn(6, 300)
+    logits[0, [7, 9]] = 50.0                       # a tie: the first wins
+    logits[1, [3, 200]] = float("nan")             # NaN counts as the maximum, the first one
+    logits[2] = float("-inf")
+    logits[3, [11, 12]] = float("inf")
+    logits[4, 5], logits[4, 6] = float("inf"), float("nan")
+    tokens = greedy_tokens(logits)
+    assert tokens.dtype == torch.int64
+    assert torch.equal(tokens, logits.argmax(-1))
+    assert tokens[:2].tolist() == [7, 3]
+    assert torch.equal(greedy_tokens(logits[:, ::2]), logits[:, ::2].argmax(-1))  # strided
 
 
 def test_greedy_rows_in_a_mixed_batch_stay_argmax() -> None:
