@@ -225,28 +225,31 @@ class BlockIdTables:
 
     def __init__(self, tables: dict[str, list[KVBlock]]) -> None:
         self._tables = tables
-        self._ids: dict[str, np.ndarray] = {}
-        self._lengths: dict[str, int] = {}
+        self._ids: dict[str, np.ndarray] = {}       # the filled part of each buffer
+        self._buffers: dict[str, np.ndarray] = {}
 
     def of(self, request_id: str) -> np.ndarray:
         table = self._tables.get(request_id, ())
-        known = self._lengths.get(request_id, 0)
-        ids = self._ids.get(request_id)
-        if known < len(table):
-            if ids is None or len(ids) < len(table):
-                grown = np.empty(max(2 * len(table), 16), dtype=np.int32)
-                if ids is not None:
-                    grown[:known] = ids[:known]
-                ids = self._ids[request_id] = grown
-            ids[known:len(table)] = [block.block_id for block in table[known:]]
-            self._lengths[request_id] = known = len(table)
-        assert known == len(table), f"{request_id}'s table shrank without forget()"
-        return ids[:known] if ids is not None else _NO_IDS
+        ids = self._ids.get(request_id, _NO_IDS)
+        if len(ids) < len(table):
+            ids = self._ids[request_id] = self._extended(request_id, ids, table)
+        assert len(ids) == len(table), f"{request_id}'s table shrank without forget()"
+        return ids
 
     def forget(self, requests: list[Request]) -> None:
         for request in requests:
             self._ids.pop(request.request_id, None)
-            self._lengths.pop(request.request_id, None)
+            self._buffers.pop(request.request_id, None)
+
+    def _extended(self, request_id: str, ids: np.ndarray, table: list[KVBlock]) -> np.ndarray:
+        """`ids` followed by the ids of the blocks `table` has past them, in the request's
+        buffer (a new one, twice the size, when it is full: views given out stay valid)."""
+        buffer = self._buffers.get(request_id)
+        if buffer is None or len(buffer) < len(table):
+            buffer = self._buffers[request_id] = np.empty(max(2 * len(table), 16), dtype=np.int32)
+            buffer[:len(ids)] = ids
+        buffer[len(ids):len(table)] = [block.block_id for block in table[len(ids):]]
+        return buffer[:len(table)]
 
 
 _NO_IDS = np.zeros(0, dtype=np.int32)
