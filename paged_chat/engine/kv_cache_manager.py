@@ -218,9 +218,9 @@ class BlockIdTables:
     with 2k-token contexts, and turning 30k Python ints into the step's padded array ~1 ms
     more. Tables only grow at their end while a request runs, so each request's ids live
     in an array with room to grow, extended by the new blocks alone; `of` returns a view
-    of its filled part, valid until the next `of` or `forget` of that request. A table that
-    was dropped and rebuilt (preemption, finish) must be `forget`-ten: its new blocks may
-    be as many as the old.
+    of its filled part (an entry is written once, so a view given out keeps its ids). A
+    table that was dropped and rebuilt (preemption, finish) must be `forget`-ten: its new
+    blocks may be as many as the old.
     """
 
     def __init__(self, tables: dict[str, list[KVBlock]]) -> None:
