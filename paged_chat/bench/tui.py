@@ -102,17 +102,18 @@ def run_app(engine: Engine, chats: list[tuple[str | None, str]], params: Samplin
                 tabs.append(await app.open_chat_tab(chat, activate=index == 0, loaded=True))
             if profile is not None:
                 profile.enable()
-            started = time.perf_counter()
+            started, ui_started = time.perf_counter(), time.thread_time()
             for tab, (_, prompt) in zip(tabs, chats):
                 tab.send(prompt)
             echoes = await type_while_streaming(app, tabs) if profile is None else []
             while any(tab.streaming for tab in tabs):
                 await asyncio.sleep(0.02)
-            wall = time.perf_counter() - started
+            wall, ui_cpu = time.perf_counter() - started, time.thread_time() - ui_started
             if profile is not None:
                 profile.disable()
             tokens = sum(len(tab.session.turn.token_ids) for tab in tabs)
-            result = {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}
+            result = {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
+                      "ui_cpu_per_s": ui_cpu / wall}
             if echoes:
                 echoes.sort()
                 result |= {"keypress_echo_samples": len(echoes),
