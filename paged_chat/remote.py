@@ -190,6 +190,11 @@ class RemoteEngine:
         self._schedule_scrape()
         return self._stats
 
+    def describe(self) -> str:
+        """Where the engine is, for a status line: a remote engine has no block map here."""
+        where = f"remote at {httpx.URL(self.base_url).netloc.decode()} · no block map"
+        return where if self.has_metrics else where + " · no vLLM /metrics"
+
     def reset_prefix_cache(self) -> None:
         """A remote server's cache is its own: nothing to do from here."""
 

@@ -127,6 +127,9 @@ async def test_tui_on_a_remote_engine(api, tmp_path):
         await wait_until(pilot, lambda: tab.session.turn is not None and tab.session.turn.finished, timeout=60)
         [reply] = replies(tab)
         assert tab.session.turn.finish_reason in ("stop", "length") and tab.session.turn.token_ids
+        status = text_of(app.query_one("#status"))
+        host = api.server.url.removeprefix("http://")
+        assert f"{api.model} · remote at {host} · no block map · max " in status, status
         panel = app.query_one(EnginePanel)
         await wait_until(pilot, lambda: "remote engine: no block map" in text_of(panel.query_one("#pool-title")))
         await wait_until(pilot, lambda: "running" in text_of(panel.query_one("#numbers")))
