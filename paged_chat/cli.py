@@ -395,7 +395,8 @@ def bench(ctx: typer.Context,
           threads: Annotated[int, typer.Option(min=1, help="torch threads for every system.")] = 2,
           block_size: Annotated[int, typer.Option(help="KV block size, tokens (paged-chat and hf-cb).")] = 16,
           systems: Annotated[str, typer.Option(
-              help="Comma-separated: paged-chat, hf-seq, hf-static, hf-cb.")] = "paged-chat,hf-seq,hf-static,hf-cb",
+              help="Comma-separated: paged-chat, hf-seq, hf-static, hf-cb, openai:URL (any "
+                   "OpenAI-compatible server, e.g. llama-server).")] = "paged-chat,hf-seq,hf-static,hf-cb",
           quick: Annotated[bool, typer.Option(
               "--quick", help="8 chats, replies of 16-48 tokens: under two minutes on 2 cores.")] = False,
           scenarios: Annotated[bool, typer.Option(help="Run the memory scenarios too.")] = True,

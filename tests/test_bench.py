@@ -1,5 +1,6 @@
-"""`paged-chat bench` on a tiny model: every system runs the same workload, the report holds
-the figures the table prints, and the scenarios measure what they claim."""
+"""`paged-chat bench` on a tiny model: every system runs the same workload (an OpenAI-compatible
+server too: a `paged-chat serve` on the same weights), the report holds the figures the table
+prints, and the scenarios measure what they claim."""
 
 from __future__ import annotations
 
@@ -9,24 +10,35 @@ import pytest
 
 from paged_chat.bench import BenchOptions, run_bench
 from paged_chat.bench.report import format_report, write_json
+from paged_chat.bench.systems import SYSTEMS
+from server_fixtures import served  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
-def report(chat_model_dir):
+def server_system(served) -> str:
+    return f"openai:{served.server.url}"
+
+
+@pytest.fixture(scope="module")
+def report(chat_model_dir, server_system):
     options = BenchOptions(model=str(chat_model_dir), num_chats=4, min_output=3, max_output=6,
-                           dtype="float32", threads=1, roofline=True)
+                           dtype="float32", threads=1, roofline=True,
+                           systems=(*SYSTEMS, server_system))
     return run_bench(options, log=lambda line: None)
 
 
-def test_every_system_produces_the_workload(report):
+def test_every_system_produces_the_workload(report, server_system):
     systems = {s["system"]: s for s in report["systems"]}
-    assert set(systems) == {"paged-chat", "hf-seq", "hf-static", "hf-cb"}
+    assert set(systems) == {"paged-chat", "hf-seq", "hf-static", "hf-cb", server_system}
     for summary in systems.values():
         assert summary["output_tokens"] == report["workload"]["output_tokens"]
         assert summary["output_tokens_per_s"] > 0 and summary["mean_ttft_s"] > 0
     assert systems["hf-seq"]["vs_hf_seq"] == 1.0
     # Same fp32 weights, greedy: the engine reproduces transformers token for token.
     assert systems["paged-chat"]["same_tokens_as_hf_seq"] == 1.0
+    assert systems[server_system]["same_tokens_as_hf_seq"] == 1.0
+    assert systems[server_system]["served_by"] == "paged-chat"
+    assert systems[server_system]["replies_cut_short"] == 0
     assert systems["hf-static"]["decode_padding_waste"] > 0
 
 
@@ -54,9 +66,10 @@ def test_scenarios(report):
     assert report["roofline"]["floor_ms"] > 0
 
 
-def test_report_prints_and_saves(report, tmp_path):
+def test_report_prints_and_saves(report, server_system, tmp_path):
     table = format_report(report)
     assert "paged-chat" in table and "hf-cb" in table and "x" in table
+    assert f"{server_system}: paged-chat serving " in table
     assert "KiB on disk per token" in table
     write_json(report, str(tmp_path / "bench.json"))
     assert json.loads((tmp_path / "bench.json").read_text())["workload"]["chats"] == 4
