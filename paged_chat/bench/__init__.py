@@ -84,10 +84,11 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
                        for busy in sorted({0, options.contention})]:
         log(f"running {name}" + (f" beside {busy} busy processes" if busy else "") + " ...")
         with busy_processes(busy, options.contention_bound_s):
-            results.append(run_openai_server(name, workload) if is_openai_system(name) else
-                           run_system(name, engine, source, workload, baseline_dtype,
+            result = (run_openai_server(name, workload, source.tokenizer) if is_openai_system(name)
+                      else run_system(name, engine, source, workload, baseline_dtype,
                                       options.block_size, options.max_num_batched_tokens,
                                       options.threads))
+            results.append(result)
         if busy:
             results[-1].name = f"{name} +{busy} busy"
         gc.collect()

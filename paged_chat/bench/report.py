@@ -27,7 +27,7 @@ def format_report(report: dict) -> str:
                      f"{100 * paged['host_overhead']:.1f}% of step time")
     for server in (s for s in report["systems"] if "server_model" in s):
         lines.append(f"{server['system']}: {server['served_by']} serving {server['server_model']} "
-                     "on its own weights, dtype and threads"
+                     f"on its own weights, dtype and threads (prompts sent as {server['prompts_as']})"
                      + (f"; {server['replies_cut_short']} replies ended early (EOS not ignored?)"
                         if server["replies_cut_short"] else ""))
     static = next((s for s in report["systems"] if s["system"] == "hf-static"), None)
