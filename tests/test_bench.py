@@ -39,6 +39,7 @@ def test_every_system_produces_the_workload(report, server_system):
     assert systems[server_system]["same_tokens_as_hf_seq"] == 1.0
     assert systems[server_system]["served_by"] == "paged-chat"
     assert systems[server_system]["replies_cut_short"] == 0
+    assert systems[server_system]["prompts_as"] == "token ids"
     assert systems["hf-static"]["decode_padding_waste"] > 0
 
 
