@@ -105,6 +105,8 @@ class Engine:
         self._seeds = random.Random(config.seed)
         self._prompt_rate = RateMeter()
         self._generation_rate = RateMeter()
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
         self._last_batch = (0, 0)
         self._last_step_time = 0.0
         self.threads = ThreadPolicy.from_setting(config.threads)
@@ -238,6 +240,7 @@ class Engine:
             except Exception as error:
                 outputs.append(self._finish(item.request, "error", f"{type(error).__name__}: {error}"))
         self._generation_rate.add(len(sampled))
+        self._generation_tokens_total += len(sampled)
         self._last_batch = (len(schedule.scheduled), schedule.num_tokens)
         self._last_step_time = time.perf_counter() - started
         self.threads.record(threads, schedule.num_tokens, self._last_step_time)
@@ -246,6 +249,7 @@ class Engine:
     def _append_token(self, request: Request, token_id: int, now: float) -> RequestOutput:
         if request.first_token_time is None:
             request.first_token_time = now
+            self._prompt_tokens_total += request.num_prompt_tokens
         request.all_token_ids.append(token_id)
         detokenizer = self._detokenizers[request.request_id]
         new_text, hit_stop_string = detokenizer.add_tokens([token_id])
@@ -357,6 +361,8 @@ class Engine:
             forward_time_s=self.runner.last_forward_s,
             blocks=BlockMap.build(ref_counts, hashed, tables, owners, pool.from_tier_mask()),
             tier=self.kv_cache.tier.stats() if self.kv_cache.tier is not None else KVTierStats(),
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
         )
 
     # ---- set-up ---------------------------------------------------------------------

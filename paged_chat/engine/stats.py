@@ -98,6 +98,10 @@ class EngineStats:
     forward_time_s: float    # the model's forward in the last step (the rest is host work)
     blocks: BlockMap
     tier: KVTierStats = KVTierStats()
+    # Totals since the engine started (vLLM's counters): every request's whole prompt,
+    # cached tokens included, counted once at its first token; and every sampled token.
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -272,9 +272,9 @@ class PagedChatApp(ChatActions, TabManagement, App):
             info = self.engine.info
             text.append("● ", style="green")
             text.append(info.name, style="bold")
-            text.append(f" · {info.device} · {info.dtype}"
-                        f" · {info.num_blocks:,} blocks × {info.block_size}"
-                        f" · max {info.max_model_len:,} tokens/seq")
+            text.append(f" · {info.device} · {info.dtype} · {info.num_blocks:,} blocks × {info.block_size}"
+                        if info.num_blocks else f" · {self.engine.describe()}")
+            text.append(f" · max {info.max_model_len:,} tokens/seq")
             if self.load_seconds:
                 text.append(f" · ready (loaded in {self.load_seconds:.1f} s)", style="dim")
         elif self.load_error is not None:
