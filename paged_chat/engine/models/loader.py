@@ -33,6 +33,7 @@ from paged_chat.engine.models.model_config import (
     TEXT_DECODER_DEFAULTS,
     ConfigValueError,
     ModelConfig,
+    merged_token_ids,
     text_decoder_config,
 )
 from paged_chat.engine.models.tensor_names import text_decoder_tensors
@@ -307,10 +308,8 @@ def _read_hf_config(folder: Path) -> dict[str, Any]:
     hf_config = _read_json_object(config_file)
     generation_file = folder / "generation_config.json"
     if generation_file.is_file():
-        eos_ids = [*_as_list(hf_config.get("eos_token_id"))]
-        for token_id in _as_list(_read_json_object(generation_file).get("eos_token_id")):
-            if token_id not in eos_ids:
-                eos_ids.append(token_id)
+        eos_ids = merged_token_ids(hf_config.get("eos_token_id"),
+                                   _read_json_object(generation_file).get("eos_token_id"))
         if eos_ids:
             hf_config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     return hf_config
@@ -322,10 +321,6 @@ def _read_json_object(path: Path) -> dict[str, Any]:
         raise ModelLoadError(f"{path} holds {type(value).__name__}, not a JSON object: it is "
                              f"broken, download it again")
     return value
-
-
-def _as_list(value: int | list[int] | None) -> list[int]:
-    return [] if value is None else value if isinstance(value, list) else [value]
 
 
 def _model_config(hf_config: dict[str, Any], path: Path) -> ModelConfig:

@@ -153,16 +153,19 @@ def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(text, dict):
         raise ConfigValueError("the config lacks text_config, its text decoder's config")
     decoder = defaults | text | {key: hf[key] for key in _WRAPPER_KEYS if hf.get(key) is not None}
-    eos_ids: list[Any] = []
-    for token_id in [*_id_list(decoder["eos_token_id"]), *_id_list(hf.get("eos_token_id"))]:
-        if token_id not in eos_ids:
-            eos_ids.append(token_id)
-    decoder["eos_token_id"] = eos_ids
+    decoder["eos_token_id"] = merged_token_ids(decoder["eos_token_id"], hf.get("eos_token_id"))
     return decoder
 
 
-def _id_list(value: Any) -> list[Any]:
-    return value if isinstance(value, list) else [] if value is None else [value]
+def merged_token_ids(*values: int | list[int] | None) -> list[int]:
+    """The ids of several token-id values (an id, a list of ids, or None), each once, in
+    order."""
+    ids: list[int] = []
+    for value in values:
+        for token_id in value if isinstance(value, list) else [] if value is None else [value]:
+            if token_id not in ids:
+                ids.append(token_id)
+    return ids
 
 
 def _count(hf: dict[str, Any], key: str, default: int | None = None) -> int:
