@@ -1,0 +1,222 @@
+"""Blocks behind a sliding window go back to the pool when every layer is windowed (Mistral):
+the pool then holds a window per request however long its context, greedy tokens still
+equal transformers', and the prefix cache, the KV tier and preemption keep working over
+the released entries. With any global layer nothing is released."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM
+
+from engine_helpers import assert_no_leaks, blocks_owned
+from paged_chat.engine import Engine, EngineConfig, SamplingParams
+from paged_chat.engine.block_pool import NULL_BLOCK
+from paged_chat.engine.kv_cache_manager import KVCacheManager
+from paged_chat.engine.request import Request
+from tiny_models import build_tiny_model
+
+WINDOW = 13       # not a multiple of the block size
+BLOCK_SIZE = 8
+CHUNK = 16        # max_num_batched_tokens: prompts prefill in chunks
+# What one request holds at most: its window and the chunk, plus a block for the boundaries.
+LIVE_BLOCKS = -(-(WINDOW - 1 + CHUNK) // BLOCK_SIZE) + 1
+DECODE_BLOCKS = -(-WINDOW // BLOCK_SIZE) + 2
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory, smollm2_source) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-mistral-window")
+    build_tiny_model("mistral", folder, sliding_window=WINDOW)
+    smollm2_source.tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(mistral_dir):
+    return AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32).eval()
+
+
+def make_engine(folder: Path, **overrides) -> Engine:
+    config = dict(model=str(folder), device="cpu", dtype="float32", num_blocks=64,
+                  block_size=BLOCK_SIZE, max_num_batched_tokens=CHUNK) | overrides
+    return Engine(EngineConfig(**config))
+
+
+def prompt_of(seed: int, length: int = 5 * WINDOW) -> list[int]:
+    return torch.randint(3, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def transformers_greedy(reference, prompt: list[int], output: list[int]) -> list[int]:
+    with torch.inference_mode():
+        logits = reference(torch.tensor([prompt + output])).logits[0]
+    return logits[len(prompt) - 1:-1].argmax(-1).tolist()
+
+
+def run(engine: Engine, prompts: list[list[int]], params: SamplingParams = GREEDY
+        ) -> tuple[list[list[int]], int]:
+    """Greedy replies, and the most blocks in use after any step; checks the invariants
+    (and the block map's accounting of released entries) at every step."""
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    replies: dict[str, list[int]] = {rid: [] for rid in ids}
+    most_in_use = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            replies[out.request_id] += out.new_token_ids
+        engine.kv_cache.check_invariants()
+        stats = engine.stats()
+        most_in_use = max(most_in_use, stats.blocks_in_use)
+        assert len(stats.blocks.holders) == stats.blocks.ref_counts.sum(), (
+            "the block map names a holder of a released entry")
+    assert_no_leaks(engine)
+    return [replies[rid] for rid in ids], most_in_use
+
+
+def test_a_long_context_holds_only_its_window_and_matches_transformers(mistral_dir, reference):
+    engine = make_engine(mistral_dir)
+    prompt = prompt_of(0)
+    (reply,), most_in_use = run(engine, [prompt])
+    assert reply == transformers_greedy(reference, prompt, reply)
+    context_blocks = -(-(len(prompt) + len(reply)) // BLOCK_SIZE)
+    assert most_in_use <= LIVE_BLOCKS < context_blocks
+    # The last step computed position len - 2 (the last token is sampled, never computed):
+    # every block ending at or before (len - 2) - WINDOW was released.
+    last_query = len(prompt) + len(reply) - 2
+    assert engine.stats().blocks_freed_by_window == (last_query - WINDOW + 1) // BLOCK_SIZE
+
+
+def test_decode_holds_at_most_the_window_plus_two_blocks(mistral_dir):
+    engine = make_engine(mistral_dir)
+    engine.add_request(prompt_of(1), GREEDY)
+    decoding = []
+    while engine.has_unfinished():
+        engine.step()
+        request = next(iter(engine.requests.values()), None)
+        if request is not None and request.num_computed_tokens >= request.num_prompt_tokens:
+            decoding.append(engine.stats().blocks_in_use)
+    assert len(decoding) == GREEDY.max_tokens - 1
+    assert max(decoding) <= DECODE_BLOCKS
+
+
+def test_the_block_map_holds_no_released_entry(mistral_dir):
+    engine = make_engine(mistral_dir)
+    engine.add_request(prompt_of(2), GREEDY, owner="tab")
+    for _ in range(8):
+        engine.step()
+    stats = engine.stats()
+    request = next(iter(engine.requests.values()))
+    released = engine.kv_cache.num_released[request.request_id]
+    table = engine.kv_cache.tables[request.request_id]
+    assert released and table[:released] == [NULL_BLOCK] * released
+    held = sorted(block.block_id for block in table[released:])
+    assert blocks_owned(stats, "tab").tolist() == held
+    assert stats.blocks_in_use == len(held)
+    engine.abort(request.request_id)
+    assert_no_leaks(engine)
+
+
+def test_a_second_request_hits_the_prefix_cache_past_released_blocks(mistral_dir, reference):
+    engine = make_engine(mistral_dir)
+    prompt = prompt_of(3)
+    (first,), _ = run(engine, [prompt])
+    freed = engine.stats().blocks_freed_by_window
+    second_id = engine.add_request(prompt, GREEDY)
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [out for out in engine.step() if out.finished]
+        engine.kv_cache.check_invariants()
+    (second,) = outputs
+    assert second.request_id == second_id
+    assert second.num_cached_tokens == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert second.token_ids == first == transformers_greedy(reference, prompt, first)
+    # The hit's blocks behind the window were never taken, so never released again.
+    assert engine.stats().blocks_freed_by_window - freed < len(prompt) // BLOCK_SIZE
+    assert_no_leaks(engine)
+
+
+def test_contexts_longer_than_the_pool_preempt_and_stay_exact(mistral_dir, reference):
+    """A pool of 8 blocks (64 tokens) runs three 89-token sequences: each fits once its
+    window has released what is behind it; they preempt each other and recompute."""
+    engine = make_engine(mistral_dir, num_blocks=8)
+    assert engine.max_model_len > 8 * BLOCK_SIZE
+    prompts = [prompt_of(seed) for seed in (4, 5, 6)]
+    replies, most_in_use = run(engine, prompts)
+    assert engine.stats().num_preemptions > 0
+    assert most_in_use <= 8
+    for prompt, reply in zip(prompts, replies):
+        assert reply == transformers_greedy(reference, prompt, reply)
+
+
+def test_the_host_tier_reads_back_only_the_window(mistral_dir, reference):
+    engine = make_engine(mistral_dir, kv_tier_host_bytes="1MiB", kv_tier_disk_bytes=0)
+    prompt = prompt_of(7)
+    (first,), _ = run(engine, [prompt])
+    engine.reset_prefix_cache()
+    (second,), _ = run(engine, [prompt])
+    assert second == first == transformers_greedy(reference, prompt, first)
+    assert engine.stats().tier.hit_blocks > 0
+
+
+def test_a_model_with_a_global_layer_releases_nothing(tmp_path, smollm2_source):
+    build_tiny_model("qwen2", tmp_path, use_sliding_window=True, sliding_window=WINDOW,
+                     max_window_layers=1)
+    smollm2_source.tokenizer.save_pretrained(tmp_path)
+    engine = make_engine(tmp_path)
+    assert engine.model_config.layer_windows == (None, WINDOW)
+    prompt = prompt_of(8)
+    (reply,), most_in_use = run(engine, [prompt])
+    assert most_in_use == -(-(len(prompt) + len(reply) - 1) // BLOCK_SIZE)
+    assert engine.stats().blocks_freed_by_window == 0
+    assert engine.max_model_len == 64 * BLOCK_SIZE
+
+
+SMALL_BLOCK = 4   # the manager alone takes any block size
+
+
+def make_request(request_id: str, tokens: list[int]) -> Request:
+    return Request(request_id, list(tokens), SamplingParams(), 0, 0.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "grow", "free"]), st.integers(0, 5),
+                          st.integers(1, 9)), max_size=50),
+       st.integers(1, 11), st.booleans())
+def test_random_windowed_operations_keep_the_invariants(ops, window, caching):
+    """Requests share prefixes, grow in chunks and leave in any order; the tables keep a
+    leading run of released entries that ends where the window starts."""
+    manager = KVCacheManager(num_blocks=16, block_size=SMALL_BLOCK, enable_caching=caching,
+                             sliding_window=window)
+    live: dict[str, Request] = {}
+    first_query: dict[str, int] = {}     # of each request's last allocate
+    for count, (op, pick, size) in enumerate(ops):
+        names = sorted(live)
+        if op == "add":
+            request = make_request(f"r{count}", [pick % 2] * (4 * size))
+            prefix = manager.find_cached_prefix(request)
+            cached = len(prefix) * SMALL_BLOCK
+            if manager.allocate(request, request.num_tokens - cached, prefix):
+                request.num_computed_tokens = request.num_tokens
+                live[request.request_id], first_query[request.request_id] = request, cached
+        elif op == "grow" and names:
+            request = live[names[pick % len(names)]]
+            first_query[request.request_id] = request.num_computed_tokens
+            request.all_token_ids += [pick] * size
+            if manager.allocate(request, size):
+                request.num_computed_tokens = request.num_tokens
+            else:
+                request.all_token_ids = request.all_token_ids[:request.num_computed_tokens]
+        elif op == "free" and names:
+            manager.free(live.pop(names[pick % len(names)]))
+        manager.check_invariants()
+        for request_id in live:
+            expected = max(0, first_query[request_id] - window + 1) // SMALL_BLOCK
+            assert manager.num_released.get(request_id, 0) == expected
+    for request in live.values():
+        manager.free(request)
+    manager.check_invariants()
+    assert manager.pool.num_free_blocks == 16
