@@ -162,6 +162,19 @@ def test_the_host_tier_reads_back_only_the_window(mistral_dir, reference):
     assert engine.stats().tier.hit_blocks > 0
 
 
+def test_the_triton_kernels_read_past_released_entries(mistral_dir):
+    """Under the interpreter: decodes and chunked prefills whose tables start with released
+    entries (block 0 stands in for them) give the torch backend's tokens."""
+    pytest.importorskip("triton")
+    prompts = [prompt_of(9, 3 * WINDOW), prompt_of(10, 2 * WINDOW)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected, _ = run(make_engine(mistral_dir), prompts, params)
+    engine = make_engine(mistral_dir, attention_backend="triton")
+    replies, _ = run(engine, prompts, params)
+    assert replies == expected
+    assert engine.stats().blocks_freed_by_window > 0
+
+
 def test_a_model_with_a_global_layer_releases_nothing(tmp_path, smollm2_source):
     build_tiny_model("qwen2", tmp_path, use_sliding_window=True, sliding_window=WINDOW,
                      max_window_layers=1)
