@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from engine_helpers import assert_no_leaks, blocks_owned
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.block_pool import NULL_BLOCK
-from paged_chat.engine.kv_cache_manager import KVCacheManager
+from paged_chat.engine.kv_cache_manager import KVCacheManager, hash_block
 from paged_chat.engine.request import Request
 from tiny_models import build_tiny_model
 
@@ -136,6 +136,21 @@ def test_a_second_request_hits_the_prefix_cache_past_released_blocks(mistral_dir
     assert second.token_ids == first == transformers_greedy(reference, prompt, first)
     # The hit's blocks behind the window were never taken, so never released again.
     assert engine.stats().blocks_freed_by_window - freed < len(prompt) // BLOCK_SIZE
+    assert_no_leaks(engine)
+
+
+def test_a_history_whose_oldest_blocks_were_evicted_still_hits_its_window(mistral_dir,
+                                                                          reference):
+    """Released blocks are the first the pool evicts; the next turn of a chat needs only
+    the blocks within its window."""
+    engine = make_engine(mistral_dir, num_blocks=8)
+    history = prompt_of(11)
+    (reply,), _ = run(engine, [history])
+    prompt = history + reply + prompt_of(12, 5)
+    assert engine.kv_cache.pool.lookup(hash_block(b"", history[:BLOCK_SIZE])) is None
+    (second,) = engine.generate([prompt], GREEDY)
+    assert second.num_cached_tokens == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert second.token_ids == transformers_greedy(reference, prompt, second.token_ids)
     assert_no_leaks(engine)
 
 

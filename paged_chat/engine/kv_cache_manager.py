@@ -96,7 +96,10 @@ class KVCacheManager:
         """The longest run of the request's leading full blocks that is already cached.
 
         Stops short of the last token: it is always recomputed, so that even a fully
-        cached prompt yields logits to sample from.
+        cached prompt yields logits to sample from. With a sliding window only the blocks
+        within the window of the first token after the run need to be cached: those
+        before it come back as NULL_BLOCK (their KV is never read), so a long history
+        whose oldest blocks were evicted still hits.
         """
         if not self.pool.enable_caching:
             return []
@@ -105,10 +108,25 @@ class KVCacheManager:
         hits = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)
-            if block is None:
+            if block is None and self.sliding_window is None:
                 break
             hits.append(block)
-        return hits
+        if self.sliding_window is None:
+            return hits
+        return self._windowed_prefix(hits)
+
+    def _windowed_prefix(self, hits: list[KVBlock | None]) -> list[KVBlock]:
+        """The longest prefix of `hits` whose blocks within the window of the token after
+        it are all hits, with NULL_BLOCK before that window."""
+        run, run_ends = 0, []    # run_ends[i]: how many hits in a row end at block i
+        for block in hits:
+            run = run + 1 if block is not None else 0
+            run_ends.append(run)
+        for length in range(len(hits), 0, -1):
+            num_out = self._num_out_of_window(length * self.block_size)
+            if run_ends[length - 1] >= length - num_out:
+                return [NULL_BLOCK] * num_out + hits[num_out:length]
+        return []
 
     def allocate(self, request: Request, num_new_tokens: int,
                  cached_prefix: list[KVBlock] | None = None,
@@ -132,6 +150,7 @@ class KVCacheManager:
         table = self.tables.setdefault(request.request_id, [])
         num_out = max(0, self._num_out_of_window(first_query) - len(table))
         live_prefix = cached_prefix[num_out:]
+        assert NULL_BLOCK not in live_prefix, "find_cached_prefix left out a block in the window"
         live_tier_kv = tier_kv[max(0, num_out - len(cached_prefix)):]
         if num_out:
             table.extend([NULL_BLOCK] * num_out)
