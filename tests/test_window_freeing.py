@@ -12,8 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
 
 from engine_helpers import assert_no_leaks, blocks_owned
+from paged_chat.cli import CliState, app
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.block_pool import NULL_BLOCK
 from paged_chat.engine.kv_cache_manager import KVCacheManager, hash_block
@@ -204,6 +206,26 @@ def test_a_model_with_a_global_layer_releases_nothing(tmp_path, smollm2_source):
 
 
 SMALL_BLOCK = 4   # the manager alone takes any block size
+
+
+def test_ask_stats_says_how_many_blocks_the_window_freed(tmp_path, monkeypatch, smollm2_source):
+    folder = tmp_path / "model"
+    build_tiny_model("mistral", folder, vocab_size=len(smollm2_source.tokenizer),
+                     tie_word_embeddings=True, sliding_window=WINDOW)
+    smollm2_source.tokenizer.save_pretrained(folder)
+    monkeypatch.setenv("PAGED_CHAT_DATA_DIR", str(tmp_path / "data"))
+    config = tmp_path / "config.toml"
+    config.write_text(f'[engine]\nmodel = "{folder}"\ndevice = "cpu"\ndtype = "float32"\n'
+                      'block_size = 8\nnum_blocks = 64\n')
+    engines: list[Engine] = []
+    result = CliRunner().invoke(
+        app, ["--config", str(config), "ask", "--stats", "--no-save", "--temperature", "0",
+              "--max-tokens", "40", "Hi"],
+        obj=CliState(engine_factory=lambda config: engines.append(Engine(config)) or engines[-1]))
+    assert result.exit_code == 0, result.stderr
+    freed = engines[0].stats().blocks_freed_by_window
+    assert freed > 0
+    assert f"{freed} KV blocks freed behind the sliding window" in result.stderr.splitlines()
 
 
 def make_request(request_id: str, tokens: list[int]) -> Request:
