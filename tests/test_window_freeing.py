@@ -21,6 +21,7 @@ from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.block_pool import NULL_BLOCK
 from paged_chat.engine.kv_cache_manager import KVCacheManager, hash_block
 from paged_chat.engine.request import Request
+from paged_chat.tui.engine_panel import format_numbers
 from tiny_models import build_tiny_model
 
 WINDOW = MISTRAL_WINDOW
@@ -82,7 +83,9 @@ def test_a_long_context_holds_only_its_window_and_matches_transformers(mistral_d
     # The last step computed position len - 2 (the last token is sampled, never computed):
     # every block ending at or before (len - 2) - WINDOW was released.
     last_query = len(prompt) + len(reply) - 2
-    assert engine.stats().blocks_freed_by_window == (last_query - WINDOW + 1) // BLOCK_SIZE
+    freed = engine.stats().blocks_freed_by_window
+    assert freed == (last_query - WINDOW + 1) // BLOCK_SIZE
+    assert f"window freed {freed} blocks behind it" in format_numbers(engine.stats()).plain
 
 
 def test_decode_holds_at_most_the_window_plus_two_blocks(mistral_dir):
@@ -195,6 +198,7 @@ def test_a_model_with_a_global_layer_releases_nothing(tmp_path, smollm2_source):
     (reply,), most_in_use = run(engine, [prompt])
     assert most_in_use == -(-(len(prompt) + len(reply) - 1) // BLOCK_SIZE)
     assert engine.stats().blocks_freed_by_window == 0
+    assert "window" not in format_numbers(engine.stats()).plain
     assert engine.max_model_len == 64 * BLOCK_SIZE
 
 
