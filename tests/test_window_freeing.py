@@ -165,14 +165,23 @@ def test_contexts_longer_than_the_pool_preempt_and_stay_exact(mistral_dir, refer
         assert reply == transformers_greedy(reference, prompt, reply)
 
 
-def test_the_host_tier_reads_back_only_the_window(mistral_dir, reference):
-    engine = make_engine(mistral_dir, kv_tier_host_bytes="1MiB", kv_tier_disk_bytes=0)
-    prompt = prompt_of(7)
-    (first,), _ = run(engine, [prompt])
+def test_the_host_tier_serves_a_history_from_its_window_alone(mistral_dir, reference):
+    """A host tier of 4 blocks keeps the newest blocks of a history; the next turn needs
+    only those the window of its first new token sees, and reads no other."""
+    engine = make_engine(mistral_dir, kv_tier_host_bytes="16KiB", kv_tier_disk_bytes=0)
+    assert engine.kv_cache.tier.host.capacity_blocks == 4
+    history = prompt_of(7)
+    (reply,), _ = run(engine, [history])
     engine.reset_prefix_cache()
+    assert hash_block(b"", history[:BLOCK_SIZE]) not in engine.kv_cache.tier
+    prompt = history + reply + prompt_of(13, 5)
+    misses = engine.stats().tier.miss_blocks
     (second,), _ = run(engine, [prompt])
-    assert second == first == transformers_greedy(reference, prompt, first)
-    assert engine.stats().tier.hit_blocks > 0
+    assert second == transformers_greedy(reference, prompt, second)
+    num_full = (len(prompt) - 1) // BLOCK_SIZE
+    behind_window = (num_full * BLOCK_SIZE - WINDOW + 1) // BLOCK_SIZE
+    assert engine.stats().tier.hit_blocks == num_full - behind_window
+    assert engine.stats().tier.miss_blocks == misses
 
 
 def test_the_triton_kernels_read_past_released_entries(mistral_dir):
@@ -203,6 +212,51 @@ def test_a_model_with_a_global_layer_releases_nothing(tmp_path, smollm2_source):
 
 
 SMALL_BLOCK = 4   # the manager alone takes any block size
+
+
+class StubTier:
+    """Holds every hash; `load` serves the first `serves` blocks asked for."""
+
+    def __init__(self, serves: int) -> None:
+        self.serves, self.asked, self.misses = serves, [], 0
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return True
+
+    def load(self, block_hashes: list[bytes]) -> list[torch.Tensor]:
+        self.asked.append(len(block_hashes))
+        return [torch.zeros(1)] * min(self.serves, len(block_hashes))
+
+    def record_misses(self, num_blocks: int) -> None:
+        self.misses += num_blocks
+
+
+class StubBlockKV:
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        assert len(block_ids) == len(kv)
+
+
+@pytest.mark.parametrize("serves", [2, 1])
+def test_the_tier_reads_only_the_window_and_a_cut_run_reads_nothing(serves):
+    """Window 6, blocks of 4: of a 40-token prompt's 9 full blocks the first new token's
+    window sees blocks 7 and 8 alone. When block 8 fails to load, a run ending at 8 would
+    need block 6, never read: the whole prompt is prefilled."""
+    tier = StubTier(serves)
+    manager = KVCacheManager(num_blocks=16, block_size=SMALL_BLOCK, enable_caching=True,
+                             tier=tier, block_kv=StubBlockKV(), sliding_window=6)
+    request = make_request("r", list(range(40)))
+    cached = manager.find_cached_prefix(request)
+    tier_kv = manager.read_tier_prefix(request, cached, budget=8)
+    assert cached == [] and tier.asked == [2]
+    if serves == 2:
+        assert tier_kv[:7] == [None] * 7 and len(tier_kv) == 9 and tier.misses == 0
+    else:
+        assert tier_kv == [] and tier.misses == 9
+    assert manager.allocate(request, min(40 - len(tier_kv) * SMALL_BLOCK, 8), cached, tier_kv)
+    table = manager.tables["r"]
+    assert table.count(NULL_BLOCK) == manager.num_released.get("r", 0) == (7 if tier_kv else 0)
+    assert len(table) == (10 if tier_kv else 2)
+    manager.check_invariants()
 
 
 def test_ask_stats_says_how_many_blocks_the_window_freed(tmp_path, monkeypatch, smollm2_source):

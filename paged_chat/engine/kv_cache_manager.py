@@ -113,24 +113,27 @@ class KVCacheManager:
             hits.append(block)
         if self.sliding_window is None:
             return hits
-        return self._windowed_prefix(hits)
+        end = self._windowed_run([block is not None for block in hits], 0)
+        num_out = self._num_out_of_window(end * self.block_size)
+        return [NULL_BLOCK] * num_out + hits[num_out:end]
 
-    def _windowed_prefix(self, hits: list[KVBlock | None]) -> list[KVBlock]:
-        """The longest prefix of `hits` whose blocks within the window of the token after
-        it are all hits, with NULL_BLOCK before that window."""
-        run, run_ends = 0, []    # run_ends[i]: how many hits in a row end at block i
-        for block in hits:
-            run = run + 1 if block is not None else 0
+    def _windowed_run(self, available: list[bool], start: int) -> int:
+        """The furthest block `end` (at most `start + len(available)`) such that the blocks
+        from `start` on that the window of position `end * block_size` sees are all
+        available (`available[i - start]` for block i); `start` when there is none."""
+        run, run_ends = 0, []    # run_ends[i]: how many available blocks in a row end at i
+        for ok in available:
+            run = run + 1 if ok else 0
             run_ends.append(run)
-        for length in range(len(hits), 0, -1):
-            num_out = self._num_out_of_window(length * self.block_size)
-            if run_ends[length - 1] >= length - num_out:
-                return [NULL_BLOCK] * num_out + hits[num_out:length]
-        return []
+        for end in range(start + len(available), start, -1):
+            first_seen = max(start, self._num_out_of_window(end * self.block_size))
+            if run_ends[end - 1 - start] >= end - first_seen:
+                return end
+        return start
 
     def allocate(self, request: Request, num_new_tokens: int,
                  cached_prefix: list[KVBlock] | None = None,
-                 tier_kv: list[torch.Tensor] | None = None) -> bool:
+                 tier_kv: list[torch.Tensor | None] | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and after the
         `cached_prefix`, taken over here, and the `tier_kv` blocks, written into fresh
         blocks here). Returns False, changing nothing, when the pool is short.
@@ -238,30 +241,40 @@ class KVCacheManager:
     # ---- the KV tier ------------------------------------------------------------------
 
     def read_tier_prefix(self, request: Request, cached_prefix: list[KVBlock],
-                         budget: int) -> list[torch.Tensor] | None:
+                         budget: int) -> list[torch.Tensor | None] | None:
         """The KV of the request's full blocks right after its `cached_prefix` (the pool's
         hits) that the tier holds, read back now; [] without a tier or a hit.
 
         Reads only when the pool has room for those blocks and a first chunk of up to
         `budget` tokens, so `allocate` cannot then fail; returns None (the request waits,
         as one whose chunk does not fit) when it has not. A block that turns out missing
-        or corrupt ends the run: the rest is prefilled.
+        or corrupt ends the run: the rest is prefilled. With a sliding window, the blocks
+        behind the window of the run's end are neither needed in the tier nor read: None
+        stands for each.
         """
         if self.tier is None:
             return []
         start, max_blocks = len(cached_prefix), (request.num_tokens - 1) // self.block_size
-        run = 0
-        for block_hash in request.block_hashes[start:max_blocks]:
-            if block_hash not in self.tier:
-                break
-            run += 1
-        num_cached = (start + run) * self.block_size
+        hashes = request.block_hashes
+        if self.sliding_window is None:
+            end = start
+            while end < max_blocks and hashes[end] in self.tier:
+                end += 1
+        else:
+            end = self._windowed_run([block_hash in self.tier
+                                      for block_hash in hashes[start:max_blocks]], start)
+        num_cached = end * self.block_size
         num_tokens = num_cached + min(request.num_tokens - num_cached, budget)
         if self._blocks_to_allocate(request, num_tokens, num_cached, cached_prefix) is None:
             return None
-        tier_kv = self.tier.load(request.block_hashes[start:start + run])
-        self.tier.record_misses(max_blocks - start - len(tier_kv))
-        return tier_kv
+        first_read = max(start, self._num_out_of_window(num_cached))
+        tier_kv = self.tier.load(hashes[first_read:end])
+        if len(tier_kv) < end - first_read:
+            if first_read > start:    # the window of any shorter run sees a skipped block
+                tier_kv = []
+            end = start + len(tier_kv)
+        self.tier.record_misses(max_blocks - end)
+        return [None] * (end - start - len(tier_kv)) + tier_kv
 
     def _restore(self, blocks: list[KVBlock], tier_kv: list[torch.Tensor]) -> None:
         if tier_kv:
