@@ -40,6 +40,13 @@ class KVBlock:
     next_free: "KVBlock | None" = None
 
 
+# The stand-in, in a request's block table, for a block its sliding window has left behind
+# and that went back to the pool: no query of that request attends its positions again,
+# so it holds nothing. Attention still indexes the cache with its id and masks those keys;
+# block 0, like the padding of a table, is a valid index. Never in the pool or its queue.
+NULL_BLOCK = KVBlock(0)
+
+
 class FreeBlockQueue:
     """Doubly linked list of blocks with ref_count 0, least recently used at the head."""
 

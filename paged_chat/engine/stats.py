@@ -5,6 +5,7 @@ draw 10k+ blocks at 10 Hz. Holders of a block are stored CSR-style: the requests
 block `b` are `request_ids[i]` for `i in holders[holder_ptr[b]:holder_ptr[b + 1]]`, and
 `holder_positions` (parallel to `holders`) says where in that request's table the block
 sits, so block `b` holds that request's tokens `[p * block_size, (p + 1) * block_size)`.
+A table's leading entries that a sliding window released (`num_released`) hold no block.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ class BlockMap:
     @classmethod
     def build(cls, ref_counts: np.ndarray, cached: np.ndarray,
               tables: dict[str, list[int]], owners: dict[str, str | None],
-              from_tier: np.ndarray | None = None) -> "BlockMap":
+              from_tier: np.ndarray | None = None,
+              num_released: dict[str, int] | None = None) -> "BlockMap":
         request_ids = tuple(tables)
         lengths = [len(tables[rid]) for rid in request_ids]
         block_ids = np.fromiter((b for rid in request_ids for b in tables[rid]), dtype=np.int64,
@@ -38,6 +40,10 @@ class BlockMap:
         request_index = np.repeat(np.arange(len(request_ids), dtype=np.int32), lengths)
         table_starts = np.repeat(np.cumsum(lengths) - lengths, lengths).astype(np.int64)
         positions = (np.arange(len(block_ids)) - table_starts).astype(np.int32)
+        if num_released:
+            released = np.repeat([num_released.get(rid, 0) for rid in request_ids], lengths)
+            held = positions >= released
+            block_ids, request_index, positions = block_ids[held], request_index[held], positions[held]
         order = np.argsort(block_ids, kind="stable")
         counts = np.bincount(block_ids, minlength=len(ref_counts))
         holder_ptr = np.zeros(len(ref_counts) + 1, dtype=np.int32)
@@ -102,6 +108,7 @@ class EngineStats:
     # cached tokens included, counted once at its first token; and every sampled token.
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    blocks_freed_by_window: int = 0   # released behind a sliding window (every layer windowed)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

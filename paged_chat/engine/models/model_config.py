@@ -89,6 +89,14 @@ class ModelConfig:
     attention_scale: float = 0.0  # 1/sqrt(head_dim) unless the family says otherwise
     gemma: bool = False
 
+    @property
+    def window_of_every_layer(self) -> int | None:
+        """The smallest sliding window when every layer has one (no layer sees a key older
+        than that), or None when some layer attends to the whole context."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return min(self.layer_windows)
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
         """Build from a config.json dict (a vision-language one: its text decoder's); raise
