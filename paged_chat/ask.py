@@ -316,11 +316,13 @@ def _answer(client: EngineClient, answers: list[Answer], options: AskOptions, lo
     output = OrderedOutput(len(answers), options.json, sys.stdout)
     try:
         signals = asyncio.run(_stream_all(client, answers, output, load_s))
-        preemptions = client.stats().num_preemptions
+        stats = client.stats()
     finally:
         client.shutdown()
     if options.stats:
-        _print_stats(answers, load_s, preemptions)
+        _print_stats(answers, load_s, stats.num_preemptions)
+        if stats.blocks_freed_by_window:
+            _say(f"{stats.blocks_freed_by_window} KV blocks freed behind the sliding window")
     failed = [answer for answer in answers if answer.turn.finish_reason == "error"]
     for answer in failed:
         _say(f"Error: {f'prompt {answer.index + 1}: ' if len(answers) > 1 else ''}{answer.turn.error}")

@@ -135,11 +135,13 @@ def _model_type(config_file: Path) -> str:
 
 def _status(architecture: str, gguf: bool) -> str:
     from paged_chat.engine.models.gguf_file import GGUF_ARCHITECTURES
-    from paged_chat.engine.models.model_config import SUPPORTED_ARCHITECTURES
+    from paged_chat.engine.models.model_config import SUPPORTED_ARCHITECTURES, TEXT_DECODER_DEFAULTS
 
     supported = GGUF_ARCHITECTURES if gguf else SUPPORTED_ARCHITECTURES
     if architecture in supported:
         return "ready"
+    if not gguf and architecture in TEXT_DECODER_DEFAULTS:
+        return "ready (text only)"
     return f"unsupported: paged-chat runs {', '.join(SUPPORTED_ARCHITECTURES)}"
 
 

@@ -61,8 +61,28 @@ class _FlagsShowNoType(TyperGroup):
         return command
 
 
+SERVE_PORT = 8000
+
+
+class _RootGroup(_FlagsShowNoType):
+    """The bare command: `--serve` takes its port optionally. Typer has no options with an
+    optional value, so a bare `--serve` (last, or before anything that is not a port) gets
+    the default port before parsing. Only the root's own options are looked at: the first
+    command name ends them."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        commands = set(self.list_commands(ctx))
+        given = list(args)
+        for index, arg in enumerate(given):
+            if arg == "--" or arg in commands:
+                break
+            if arg == "--serve" and (index + 1 == len(given) or not given[index + 1].isdigit()):
+                given[index] = f"--serve={SERVE_PORT}"
+        return super().parse_args(ctx, given)
+
+
 app = typer.Typer(name="paged-chat", add_completion=False, pretty_exceptions_enable=False,
-                  context_settings={"help_option_names": ["-h", "--help"]}, cls=_FlagsShowNoType)
+                  context_settings={"help_option_names": ["-h", "--help"]}, cls=_RootGroup)
 chats_app = typer.Typer(cls=_FlagsShowNoType)
 app.add_typer(chats_app, name="chats")
 cache_app = typer.Typer(help="The engine's disk cache (the KV tier: chat histories' KV).",
@@ -155,9 +175,9 @@ def root(ctx: typer.Context,
              help="The config.toml to read (default: $PAGED_CHAT_CONFIG, else the user config dir).")
          ] = None,
          serve: Annotated[int | None, typer.Option(
-             "--serve", min=0, max=65535, metavar="PORT",
-             help="Also serve the OpenAI-compatible API on 127.0.0.1:PORT (e.g. 8000) on the "
-                  "engine the TUI shows.")] = None,
+             "--serve", min=0, max=65535, metavar="[PORT]",
+             help=f"Also serve the OpenAI-compatible API on 127.0.0.1:PORT (default {SERVE_PORT}) "
+                  "on the engine the TUI shows.")] = None,
          server: Annotated[str | None, typer.Option(
              "--server", metavar="URL", help="Chat on this OpenAI-compatible server (vLLM, "
                                              "another paged-chat...) instead of the local engine.")] = None,
@@ -295,7 +315,7 @@ def chat_command(ctx: typer.Context,
 def serve(ctx: typer.Context,
           host: Annotated[str, typer.Option(help="Address to bind; any but loopback needs --api-key.")
                           ] = "127.0.0.1",
-          port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0: any free one).")] = 8000,
+          port: Annotated[int, typer.Option(min=0, max=65535, help="Port (0: any free one).")] = SERVE_PORT,
           model: Annotated[str | None, typer.Option(
               "--model", "-m", help="Alias, .gguf file, HF folder or cached hub id.")] = None,
           api_key: Annotated[str | None, typer.Option(
@@ -375,7 +395,8 @@ def bench(ctx: typer.Context,
           threads: Annotated[int, typer.Option(min=1, help="torch threads for every system.")] = 2,
           block_size: Annotated[int, typer.Option(help="KV block size, tokens (paged-chat and hf-cb).")] = 16,
           systems: Annotated[str, typer.Option(
-              help="Comma-separated: paged-chat, hf-seq, hf-static, hf-cb.")] = "paged-chat,hf-seq,hf-static,hf-cb",
+              help="Comma-separated: paged-chat, hf-seq, hf-static, hf-cb, openai:URL (any "
+                   "OpenAI-compatible server, e.g. llama-server).")] = "paged-chat,hf-seq,hf-static,hf-cb",
           quick: Annotated[bool, typer.Option(
               "--quick", help="8 chats, replies of 16-48 tokens: under two minutes on 2 cores.")] = False,
           scenarios: Annotated[bool, typer.Option(help="Run the memory scenarios too.")] = True,

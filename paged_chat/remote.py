@@ -19,8 +19,8 @@ one: without the tokenizer a chat cannot keep its token ids.
 Stats. `stats()` never waits on the network: it returns the last scrape of the server's
 /metrics and schedules the next one on the running event loop (at most every
 `stats_interval_s`). Where the server speaks vLLM's metric names, running/waiting,
-preemptions, prefix-cache queries/hits and prompt/generation tokens/s (from counter deltas)
-fill the EngineStats, and `kv_cache_usage` holds the KV usage; a remote engine shows no
+preemptions, prefix-cache queries/hits and prompt/generation tokens (totals, and per second
+from counter deltas) fill the EngineStats, and `kv_cache_usage` holds the KV usage; a remote engine shows no
 blocks (num_blocks 0, an empty BlockMap). `has_metrics` says whether it had any.
 
 Errors (connection refused, a 401, a server that drops mid-stream) are RemoteEngineError
@@ -190,6 +190,11 @@ class RemoteEngine:
         self._schedule_scrape()
         return self._stats
 
+    def describe(self) -> str:
+        """Where the engine is, for a status line: a remote engine has no block map here."""
+        where = f"remote at {httpx.URL(self.base_url).netloc.decode()} · no block map"
+        return where if self.has_metrics else where + " · no vLLM /metrics"
+
     def reset_prefix_cache(self) -> None:
         """A remote server's cache is its own: nothing to do from here."""
 
@@ -321,7 +326,9 @@ class RemoteEngine:
                   ("num_running", "num_waiting", "num_preemptions",
                    "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")}
         self._stats = self._empty_stats(**counts, prompt_tokens_per_s=rate("prompt_tokens"),
-                                        generation_tokens_per_s=rate("generation_tokens"))
+                                        generation_tokens_per_s=rate("generation_tokens"),
+                                        prompt_tokens_total=int(values.get("prompt_tokens", 0)),
+                                        generation_tokens_total=int(values.get("generation_tokens", 0)))
 
     @staticmethod
     def _empty_stats(**values: Any) -> EngineStats:

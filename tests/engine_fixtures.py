@@ -46,6 +46,18 @@ def chat_model_dir(tmp_path_factory, smollm2_source) -> Path:
     return folder
 
 
+# A tiny Mistral's sliding window (every layer): not a multiple of any block size.
+MISTRAL_WINDOW = 13
+
+
+@pytest.fixture(scope="session")
+def mistral_dir(tmp_path_factory, smollm2_source) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-mistral")
+    build_tiny_model("mistral", folder, sliding_window=MISTRAL_WINDOW)
+    smollm2_source.tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def tiny_reference(tiny_model_dir) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype="float32").eval()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
 from paged_chat.engine import AsyncEngine, EngineDeadError, SamplingParams
+from paged_chat.engine.async_engine import GIL_SWITCH_INTERVAL_S
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -94,6 +96,23 @@ async def test_shutdown_ends_open_streams(make_engine):
         await asyncio.wait_for(task, 30)
     with pytest.raises(EngineDeadError):
         await collect(engine, [5])
+
+
+def test_the_engine_thread_wins_the_gil_back_quickly(make_engine):
+    """Python's default switch interval (5 ms) would let a busy event loop hold the engine
+    thread off that long after every torch op; the engine lowers it, and never raises it."""
+    default = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        engine = AsyncEngine(make_engine())
+        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S)
+        engine.shutdown()
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S / 2)
+        engine.restart()
+        assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S / 2)
+        engine.shutdown()
+    finally:
+        sys.setswitchinterval(default)
 
 
 async def wait_until(condition, timeout_s: float = 30.0) -> None:

@@ -1,32 +1,52 @@
-"""`paged-chat bench` on a tiny model: every system runs the same workload, the report holds
-the figures the table prints, and the scenarios measure what they claim."""
+"""`paged-chat bench` on a tiny model: every system runs the same workload (an OpenAI-compatible
+server too: a `paged-chat serve` on the same weights), the report holds the figures the table
+prints, and the scenarios measure what they claim."""
 
 from __future__ import annotations
 
 import json
+import socket
+import threading
 
 import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from paged_chat.bench import BenchOptions, run_bench
+from paged_chat.bench.openai_server import run_openai_server
 from paged_chat.bench.report import format_report, write_json
+from paged_chat.bench.systems import SYSTEMS
+from paged_chat.bench.workload import Workload
+from server_fixtures import served, wait_for  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
-def report(chat_model_dir):
+def server_system(served) -> str:
+    return f"openai:{served.server.url}"
+
+
+@pytest.fixture(scope="module")
+def report(chat_model_dir, server_system):
     options = BenchOptions(model=str(chat_model_dir), num_chats=4, min_output=3, max_output=6,
-                           dtype="float32", threads=1, roofline=True)
+                           dtype="float32", threads=1, roofline=True,
+                           systems=(*SYSTEMS, server_system))
     return run_bench(options, log=lambda line: None)
 
 
-def test_every_system_produces_the_workload(report):
+def test_every_system_produces_the_workload(report, server_system):
     systems = {s["system"]: s for s in report["systems"]}
-    assert set(systems) == {"paged-chat", "hf-seq", "hf-static", "hf-cb"}
+    assert set(systems) == {"paged-chat", "hf-seq", "hf-static", "hf-cb", server_system}
     for summary in systems.values():
         assert summary["output_tokens"] == report["workload"]["output_tokens"]
         assert summary["output_tokens_per_s"] > 0 and summary["mean_ttft_s"] > 0
     assert systems["hf-seq"]["vs_hf_seq"] == 1.0
     # Same fp32 weights, greedy: the engine reproduces transformers token for token.
     assert systems["paged-chat"]["same_tokens_as_hf_seq"] == 1.0
+    assert systems[server_system]["same_tokens_as_hf_seq"] == 1.0
+    assert systems[server_system]["served_by"] == "paged-chat"
+    assert systems[server_system]["replies_cut_short"] == 0
+    assert systems[server_system]["prompts_as"] == "token ids"
     assert systems["hf-static"]["decode_padding_waste"] > 0
 
 
@@ -54,9 +74,10 @@ def test_scenarios(report):
     assert report["roofline"]["floor_ms"] > 0
 
 
-def test_report_prints_and_saves(report, tmp_path):
+def test_report_prints_and_saves(report, server_system, tmp_path):
     table = format_report(report)
     assert "paged-chat" in table and "hf-cb" in table and "x" in table
+    assert f"{server_system}: paged-chat serving " in table
     assert "KiB on disk per token" in table
     write_json(report, str(tmp_path / "bench.json"))
     assert json.loads((tmp_path / "bench.json").read_text())["workload"]["chats"] == 4
@@ -81,3 +102,58 @@ def test_bench_command(chat_model_dir, tmp_path):
     assert [s["system"] for s in json.loads(out.read_text())["systems"]] == ["paged-chat", "hf-seq"]
     bad = CliRunner().invoke(app, ["bench", "--model", str(chat_model_dir), "--systems", "vllm"])
     assert bad.exit_code == 1 and "unknown system" in bad.output
+
+
+def text_only_server(received: list[str]) -> FastAPI:
+    """A server the way Ollama's /v1 and llama-server differ from paged-chat's: token-id
+    prompts refused (Ollama), no token ids in the chunks, which may carry several tokens'
+    text (a character split over tokens), the count in the final `usage`."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": "text-only", "object": "model", "created": 0,
+                                            "owned_by": "elsewhere"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = await request.json()
+        if not isinstance(body["prompt"], str):
+            return JSONResponse({"error": {"message": "prompt must be a string"}}, status_code=400)
+        received.append(body["prompt"])
+        head = {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "text-only"}
+        count = body["max_tokens"]
+        pieces = (count + 1) // 2   # two tokens a chunk
+        chunks = [{**head, "choices": [{"index": 0, "text": f" w{i}", "logprobs": None,
+                                        "finish_reason": "length" if i == pieces - 1 else None}]}
+                  for i in range(pieces)]
+        chunks.append({**head, "choices": [], "usage": {
+            "prompt_tokens": 1, "completion_tokens": count, "total_tokens": count + 1}})
+        if not body.get("stream"):
+            return JSONResponse(chunks[0])
+        return StreamingResponse(iter([f"data: {json.dumps(chunk)}\n\n" for chunk in chunks]
+                                      + ["data: [DONE]\n\n"]), media_type="text/event-stream")
+
+    return app
+
+
+def test_a_server_without_token_ids_gets_text_and_is_counted_by_usage(tokenizer):
+    received: list[str] = []
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(text_only_server(received), port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, what="the server to start")
+    prompts = [tokenizer.encode("<|im_start|>user\nHi<|im_end|>"), tokenizer.encode("Hello there")]
+    try:
+        result = run_openai_server(f"openai:http://127.0.0.1:{port}",
+                                   Workload(prompts, [3, 5], 0), tokenizer)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+    assert sorted(received) == sorted(tokenizer.decode(p, skip_special_tokens=False) for p in prompts)
+    assert result.output_tokens == 8 and result.outputs == []
+    assert result.extra["prompts_as"] == "text" and result.extra["replies_cut_short"] == 0
+    assert result.extra["served_by"] == "elsewhere" and len(result.ttft_s) == 2

@@ -126,7 +126,7 @@ def test_allocate_fails_cleanly_when_the_pool_is_short():
 
 def test_block_id_tables_follow_growing_tables_and_forgotten_ones():
     manager = KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE, enable_caching=False)
-    tables = BlockIdTables(manager.tables)
+    tables = BlockIdTables(manager.tables, manager.num_released)
     request = make_request("a", list(range(4)))
     early = None
     for step in range(40):  # past the room of the first array (16 blocks) and of the second

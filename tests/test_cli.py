@@ -118,6 +118,24 @@ def test_tui_gets_the_settings_and_demo(cli, monkeypatch):
     assert cli("--demo", "2", "chats").exit_code == 2 and len(calls) == 3
 
 
+@pytest.mark.parametrize("args, demo, port", [
+    (["--serve"], None, 8000), (["--serve", "--demo", "2"], 2, 8000), (["--demo", "2", "--serve"], 2, 8000),
+    (["--serve", "9000"], None, 9000), (["--serve=9001", "--debug"], None, 9001)])
+def test_serve_takes_its_port_optionally(cli, monkeypatch, args, demo, port):
+    calls = []
+    fake = type(sys)("paged_chat.tui.app")
+    fake.run_app = lambda settings, demo=None, **options: calls.append((demo, options["serve_port"]))
+    monkeypatch.setitem(sys.modules, "paged_chat.tui.app", fake)
+    monkeypatch.setattr("paged_chat.cli._has_terminal", lambda: True)
+    assert cli(*args).exit_code == 0
+    assert calls == [(demo, port)]
+
+
+def test_serve_without_a_port_before_a_command_is_still_refused(cli):
+    result = cli("--serve", "chats")
+    assert result.exit_code == 2 and "--serve: it opens the TUI, so it takes no command" in result.stderr
+
+
 # ---- ask -----------------------------------------------------------------------------
 
 

@@ -315,6 +315,17 @@ def test_gemma3_gguf_runs_like_the_hf_model_it_came_from(tmp_path: Path) -> None
     assert (logits - expected).abs().max() / expected.abs().max() < 1e-4
 
 
+def test_gemma3_gguf_query_scale_follows_the_model_size() -> None:
+    """GGUF stores no query_pre_attn_scalar: the 27B's (hidden/heads = 168) differs from its
+    head_dim (128); 1B, 4B and 12B use head_dim (their HF configs say 256, 256, 256)."""
+    from paged_chat.engine.models.gguf_file import gemma3_query_scalar
+
+    assert gemma3_query_scalar(62, 5376, 32, 128) == 168
+    assert gemma3_query_scalar(48, 3840, 16, 256) == 256
+    assert gemma3_query_scalar(26, 1152, 4, 256) == 256
+    assert gemma3_query_scalar(18, 640, 4, 256) == 256
+
+
 def test_gguf_tokenizer_is_converted_once_then_cached(tmp_path: Path) -> None:
     path, _, _ = tiny_gguf(tmp_path)
     cache_dir = tmp_path / "cache"

@@ -40,19 +40,22 @@ async def two_turns(client, system: str = "Be brief.") -> ChatSession:
 
 
 async def test_a_remote_chat_is_the_same_chat_as_in_process(api):
-    remote = RemoteEngine(api.url)
+    remote = RemoteEngine(api.url, stats_interval_s=0.05)
     assert remote.info.num_blocks == 0 and remote.info.name == api.model
+    generated_before = remote.stats().generation_tokens_total
     over_http = await two_turns(remote)
     in_process = await two_turns(api.client)
     assert over_http.conversation.token_ids == in_process.conversation.token_ids
     assert over_http.turn.text == in_process.turn.text and len(over_http.turn.token_ids) == 6
     assert remote.has_metrics
-    await asyncio.sleep(0)  # stats() schedules a scrape on this loop: let it run
-    await asyncio.wait_for(_scraped(remote), timeout=30)
+    # The server's counters hold all four turns: the two it served and the two run in-process.
+    await asyncio.wait_for(_scraped(remote, generated_before + 4 * 6), timeout=30)
+    assert remote.stats().generation_tokens_total == generated_before + 4 * 6
+    assert remote.stats().prefix_cache_queried_tokens > 0
 
 
-async def _scraped(remote: RemoteEngine) -> None:
-    while remote.stats().prefix_cache_queried_tokens == 0:
+async def _scraped(remote: RemoteEngine, generated: int) -> None:
+    while remote.stats().generation_tokens_total < generated:  # stats() schedules the next scrape
         await asyncio.sleep(0.05)
 
 
@@ -106,11 +109,17 @@ async def test_a_server_that_goes_away_mid_reply_keeps_the_partial_reply(chat_mo
     going = start_server(client, model_names=[str(chat_model_dir)])
     remote = RemoteEngine(going.url)
     session = ChatSession(system_prompt="Be brief.")
+    def go_away() -> None:
+        # No graceful shutdown: uvicorn would otherwise wait up to 5 s for the stream, and a
+        # fast machine finishes the reply (at max_model_len) within that time.
+        going.server.server.force_exit = True
+        going.stop()
+
     with pytest.raises(RemoteEngineError, match="dropped the stream|ended the stream"):
         async with aclosing(session.send(remote, "Talk", SamplingParams(max_tokens=100000, ignore_eos=True))) as stream:
             async for output in stream:
                 if len(output.token_ids) == 3:
-                    asyncio.get_running_loop().run_in_executor(None, going.stop)
+                    asyncio.get_running_loop().run_in_executor(None, go_away)
     client.shutdown()
     assert session.turn.finish_reason == "error" and len(session.turn.token_ids) >= 3
     assert session.conversation.token_ids[-len(session.turn.token_ids):] == session.turn.token_ids
@@ -127,6 +136,9 @@ async def test_tui_on_a_remote_engine(api, tmp_path):
         await wait_until(pilot, lambda: tab.session.turn is not None and tab.session.turn.finished, timeout=60)
         [reply] = replies(tab)
         assert tab.session.turn.finish_reason in ("stop", "length") and tab.session.turn.token_ids
+        status = text_of(app.query_one("#status"))
+        host = api.server.url.removeprefix("http://")
+        assert f"{api.model} · remote at {host} · no block map · max " in status, status
         panel = app.query_one(EnginePanel)
         await wait_until(pilot, lambda: "remote engine: no block map" in text_of(panel.query_one("#pool-title")))
         await wait_until(pilot, lambda: "running" in text_of(panel.query_one("#numbers")))

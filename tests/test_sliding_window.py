@@ -4,24 +4,10 @@ against transformers."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
-from tiny_models import build_tiny_model
-
-WINDOW = 13  # not a multiple of the block size
-
-
-@pytest.fixture(scope="module")
-def mistral_dir(tmp_path_factory, smollm2_source) -> Path:
-    folder = tmp_path_factory.mktemp("tiny-mistral")
-    build_tiny_model("mistral", folder, sliding_window=WINDOW)
-    smollm2_source.tokenizer.save_pretrained(folder)
-    return folder
 
 
 def test_batched_windowed_decode_with_a_shared_prefix_matches_transformers(mistral_dir):

@@ -87,6 +87,8 @@ async def test_fork_shares_every_full_block(engine, tmp_path):
 
         watching = asyncio.get_running_loop().create_task(watch())
         await type_prompt(pilot, "and segmentation?")
+        # The keys are events: switch tabs only once the fork has taken them all.
+        await wait_until(pilot, lambda: fork.streaming)
         app.tabs.active = original.id
         await wait_until(pilot, lambda: app.focused is original.prompt)
         await type_prompt(pilot, "and segmentation?")

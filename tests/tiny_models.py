@@ -29,13 +29,25 @@ _CONFIGS = {
 }
 # Mistral windows every layer by default: off unless a test asks for a window.
 _DEFAULTS = {"mistral": {"sliding_window": None}}
+# Vision-language models: the wrapper around a text config of the family above, with a
+# SigLIP tower as small as transformers allows (one layer, a 2x2 grid of patches).
+VISION_LANGUAGE = {
+    "gemma3": (transformers.Gemma3ForConditionalGeneration, "gemma3_text",
+               lambda text: transformers.Gemma3Config(
+                   text_config=text, mm_tokens_per_image=4,
+                   tie_word_embeddings=text.tie_word_embeddings,
+                   vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, image_size=32, patch_size=16))),
+}
 
 
 def build_tiny_model(architecture: str, folder: Path, *, vocab_size: int = 512,
                      num_heads: int = 6, num_kv_heads: int = 2, head_dim: int = 16,
                      num_layers: int = 2, tie_word_embeddings: bool = False, seed: int = 0,
                      **overrides) -> transformers.PreTrainedModel:
-    """Save a tiny random model of `architecture` to `folder` and return it (fp32, eval)."""
+    """Save a tiny random model of `architecture` (or of VISION_LANGUAGE, with the text
+    decoder these arguments describe) to `folder` and return it (fp32, eval)."""
+    wrapper_cls, architecture, wrap = VISION_LANGUAGE.get(architecture, (None, architecture, None))
     config_cls, model_cls = _CONFIGS[architecture]
     config = config_cls(
         vocab_size=vocab_size, hidden_size=num_heads * head_dim, intermediate_size=96,
@@ -43,6 +55,8 @@ def build_tiny_model(architecture: str, folder: Path, *, vocab_size: int = 512,
         num_key_value_heads=num_kv_heads, head_dim=head_dim, max_position_embeddings=1024,
         initializer_range=0.25, tie_word_embeddings=tie_word_embeddings, bos_token_id=1,
         eos_token_id=2, pad_token_id=0, **(_DEFAULTS.get(architecture, {}) | overrides))
+    if wrapper_cls is not None:
+        config, model_cls = wrap(config), wrapper_cls
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     folder.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,8 @@ Systems:
 - hf-static: transformers `generate` on left-padded static batches.
 - hf-cb: transformers' own continuous batching (`paged|eager` attention), with an explicit
   ContinuousBatchingConfig so it never sizes its cache from system RAM.
+- openai:URL: any OpenAI-compatible server (llama-server, vLLM, Ollama, paged-chat serve)
+  over HTTP, on its own weights (`openai_server`).
 
 All of them run the same weights (the HF models are built from the tensors paged-chat
 loaded), the same dtype and threads, greedy with EOS ignored, so they produce the same
@@ -28,6 +30,7 @@ import torch
 
 from paged_chat.bench.contention import busy_processes, contention_table
 from paged_chat.bench.host_overhead import host_overhead
+from paged_chat.bench.openai_server import is_openai_system, run_openai_server
 from paged_chat.bench.scenarios import decode_step_time, memory_scenarios, roofline
 from paged_chat.bench.systems import SYSTEMS, SystemResult, run_system
 from paged_chat.bench.tier_resume import tier_resume
@@ -59,9 +62,10 @@ class BenchOptions:
 
 
 def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict:
-    unknown = set(options.systems) - set(SYSTEMS)
+    unknown = {name for name in options.systems if name not in SYSTEMS and not is_openai_system(name)}
     if unknown:
-        raise ValueError(f"unknown system(s) {sorted(unknown)}: choose from {', '.join(SYSTEMS)}")
+        raise ValueError(f"unknown system(s) {sorted(unknown)}: choose from {', '.join(SYSTEMS)} "
+                         "or openai:URL")
     torch.set_num_threads(options.threads)
     source = load_model_source(options.model)
     workload = chat_workload(source, options.num_chats, options.min_output, options.max_output,
@@ -80,9 +84,11 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
                        for busy in sorted({0, options.contention})]:
         log(f"running {name}" + (f" beside {busy} busy processes" if busy else "") + " ...")
         with busy_processes(busy, options.contention_bound_s):
-            results.append(run_system(name, engine, source, workload, baseline_dtype,
+            result = (run_openai_server(name, workload, source.tokenizer) if is_openai_system(name)
+                      else run_system(name, engine, source, workload, baseline_dtype,
                                       options.block_size, options.max_num_batched_tokens,
                                       options.threads))
+            results.append(result)
         if busy:
             results[-1].name = f"{name} +{busy} busy"
         gc.collect()
@@ -96,6 +102,7 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
     for result, summary in zip(results, report["systems"]):
         if reference is not None:
             summary["vs_hf_seq"] = summary["output_tokens_per_s"] / reference.summary()["output_tokens_per_s"]
+        if reference is not None and result.outputs:  # a server may not return its token ids
             summary["same_tokens_as_hf_seq"] = sum(
                 a == b for a, b in zip(result.outputs, reference.outputs)) / len(reference.outputs)
     if options.contention:

@@ -15,7 +15,8 @@ def format_report(report: dict) -> str:
                ("peak_rss_mb", "{:.0f}"), ("vs_hf_seq", "{:.2f}x")]
     rows = [[name for name, _ in columns]]
     for summary in report["systems"]:
-        rows.append([fmt.format(summary[name]) if name in summary else "-" for name, fmt in columns])
+        rows.append([fmt.format(summary[name]) if summary.get(name) is not None else "-"
+                     for name, fmt in columns])
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     paged = next((s for s in report["systems"] if s["system"] == "paged-chat"), None)
@@ -24,6 +25,11 @@ def format_report(report: dict) -> str:
                      f"{paged['preemptions']}, prefix-cache hit tokens {paged['prefix_cache_hit_tokens']}, "
                      f"KV waste at peak {100 * paged['kv_waste_at_peak']:.2f}%, host overhead "
                      f"{100 * paged['host_overhead']:.1f}% of step time")
+    for server in (s for s in report["systems"] if "server_model" in s):
+        lines.append(f"{server['system']}: {server['served_by']} serving {server['server_model']} "
+                     f"on its own weights, dtype and threads (prompts sent as {server['prompts_as']})"
+                     + (f"; {server['replies_cut_short']} replies ended early (EOS not ignored?)"
+                        if server["replies_cut_short"] else ""))
     static = next((s for s in report["systems"] if s["system"] == "hf-static"), None)
     if static:
         lines.append(f"hf-static: {100 * static['decode_padding_waste']:.0f}% of decode slots are padding")

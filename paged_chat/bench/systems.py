@@ -74,7 +74,7 @@ class RssMonitor:
         return self.peak / 2**20
 
 
-def _per_request_timing(start: float, token_times: list[list[float]]) -> tuple[list[float], list[float]]:
+def per_request_timing(start: float, token_times: list[list[float]]) -> tuple[list[float], list[float]]:
     ttft = [times[0] - start for times in token_times if times]
     tpot = [(times[-1] - times[0]) / (len(times) - 1) for times in token_times if len(times) > 1]
     return ttft, tpot
@@ -107,7 +107,7 @@ def run_paged_chat(engine: Engine, workload: Workload) -> SystemResult:
                 peak["blocks"], peak["waste"] = stats.blocks_in_use, stats.kv_waste
         wall = time.perf_counter() - start
     stats = engine.stats()
-    ttft, tpot = _per_request_timing(start, [times[rid] for rid in ids])
+    ttft, tpot = per_request_timing(start, [times[rid] for rid in ids])
     return SystemResult("paged-chat", wall, workload.num_prompt_tokens, workload.num_output_tokens,
                         ttft, tpot, rss.peak_mb, [tokens[rid] for rid in ids], {
                             "peak_batch_size": peak["batch"],
@@ -154,7 +154,7 @@ def run_hf_seq(model, workload: Workload) -> SystemResult:
             outputs.append(out[0, len(prompt):].tolist())
             token_times.append(clock.times)
         wall = time.perf_counter() - start
-    ttft, tpot = _per_request_timing(start, token_times)
+    ttft, tpot = per_request_timing(start, token_times)
     return SystemResult("hf-seq", wall, workload.num_prompt_tokens, workload.num_output_tokens,
                         ttft, tpot, rss.peak_mb, outputs, {"attention": model.config._attn_implementation})
 
@@ -177,7 +177,7 @@ def run_hf_static(model, workload: Workload, batch_size: int) -> SystemResult:
                 token_times.append(clock.times[:length])
             slots += len(prompts) * max(lengths)
         wall = time.perf_counter() - start
-    ttft, tpot = _per_request_timing(start, token_times)
+    ttft, tpot = per_request_timing(start, token_times)
     return SystemResult("hf-static", wall, workload.num_prompt_tokens, workload.num_output_tokens,
                         ttft, tpot, rss.peak_mb, outputs, {
                             "decode_padding_waste": 1 - workload.num_output_tokens / slots,
@@ -204,7 +204,7 @@ def run_hf_cb(model, workload: Workload, block_size: int, num_blocks: int, max_b
                 if result is not None and result.is_finished():
                     results[result.request_id] = result
         wall = time.perf_counter() - start
-    ttft, tpot = _per_request_timing(start, [results[rid].timestamps for rid in ids])
+    ttft, tpot = per_request_timing(start, [results[rid].timestamps for rid in ids])
     return SystemResult("hf-cb", wall, workload.num_prompt_tokens, workload.num_output_tokens,
                         ttft, tpot, rss.peak_mb, [results[rid].generated_tokens for rid in ids],
                         {"attention": "paged|eager", "page_size": block_size, "num_blocks": num_blocks})

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import queue
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -33,6 +34,14 @@ from paged_chat.engine.errors import EngineDeadError
 from paged_chat.engine.models.loader import ProgressHook
 from paged_chat.engine.request import RequestOutput, SamplingParams
 from paged_chat.engine.stats import EngineStats
+
+
+# The engine thread lets go of the GIL in every torch op and must win it back after each one.
+# A busy event loop on the other thread (a TUI frame, a burst of HTTP requests) keeps it for
+# up to Python's switch interval each time: at the default 5 ms, a step of a few hundred ops
+# crawls while the loop works. The interval is process-wide; lowering it costs the loop a few
+# more hand-offs per frame.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclass(slots=True)
@@ -169,6 +178,7 @@ class AsyncEngine:
         self._thread = self._start_thread()
 
     def _start_thread(self) -> threading.Thread:
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         thread = threading.Thread(target=self._run, name="paged-chat-engine", daemon=True)
         thread.start()
         return thread

@@ -41,6 +41,12 @@ class KVBlock:
     next_free: "KVBlock | None" = None
 
 
+# The stand-in, in a request's block table, for a block its sliding window has left behind
+# and that went back to the pool: no query of that request attends its positions again,
+# so it holds nothing. Attention still indexes the cache with its id and masks those keys;
+# block 0, like the padding of a table, is a valid index. Never in the pool or its queue.
+NULL_BLOCK = KVBlock(0)
+
 # The stats read these of every block: map() with an attrgetter is ~2x a generator's speed.
 _REF_COUNT, _BLOCK_ID = attrgetter("ref_count"), attrgetter("block_id")
 

@@ -32,7 +32,7 @@ from paged_chat.engine.config import EngineConfig
 from paged_chat.engine.detokenizer import IncrementalDetokenizer
 from paged_chat.engine.dtypes import dtype_name, resolve_dtype
 from paged_chat.engine.errors import PagedChatError
-from paged_chat.engine.kv_cache_manager import BlockIdTables, KVCacheManager
+from paged_chat.engine.kv_cache_manager import BlockIdTables, KVCacheManager, longest_sequence
 from paged_chat.engine.kv_tier import TIER_DIR, KVTier, TierLayout, model_fingerprint
 from paged_chat.engine.models.llama import LlamaForCausalLM
 from paged_chat.engine.models.loader import (
@@ -80,8 +80,12 @@ class Engine:
         with _out_of_memory("profiling a step to size the KV cache",
                             "lower max_num_batched_tokens (the largest step)"):
             self.num_blocks = config.num_blocks or self._size_kv_pool(model, attention, model_len)
-        # A request can never outgrow the pool: it is the one bound nothing can preempt.
-        self.max_model_len = min(model_len, self.num_blocks * self.block_size)
+        # A request can never outgrow the pool: it is the one bound nothing can preempt. With
+        # a sliding window on every layer the pool holds only the window of each request.
+        window = source.config.window_of_every_layer
+        longest = longest_sequence(self.num_blocks, self.block_size, window,
+                                   config.max_num_batched_tokens)
+        self.max_model_len = model_len if longest is None else min(model_len, longest)
         model.build_rope_tables(self.max_model_len)
         kv_cache = self._allocate_kv_cache(attention)
         self.runner = ModelRunner(model, kv_cache, self.block_size, attention)
@@ -92,19 +96,21 @@ class Engine:
                                                   on_progress or _no_progress)
         self.kv_cache = KVCacheManager(self.num_blocks, self.block_size,
                                        config.enable_prefix_caching,
-                                       self._kv_tier(model, kv_cache), self.runner)
+                                       self._kv_tier(model, kv_cache), self.runner, window)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.eos_token_ids = frozenset(source.config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.requests: dict[str, Request] = {}
-        self._block_ids = BlockIdTables(self.kv_cache.tables)
+        self._block_ids = BlockIdTables(self.kv_cache.tables, self.kv_cache.num_released)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)
         self._prompt_rate = RateMeter()
         self._generation_rate = RateMeter()
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
         self._last_batch = (0, 0)
         self._last_step_time = 0.0
         self.threads = ThreadPolicy.from_setting(config.threads)
@@ -238,6 +244,7 @@ class Engine:
             except Exception as error:
                 outputs.append(self._finish(item.request, "error", f"{type(error).__name__}: {error}"))
         self._generation_rate.add(len(sampled))
+        self._generation_tokens_total += len(sampled)
         self._last_batch = (len(schedule.scheduled), schedule.num_tokens)
         self._last_step_time = time.perf_counter() - started
         self.threads.record(threads, schedule.num_tokens, self._last_step_time)
@@ -246,6 +253,7 @@ class Engine:
     def _append_token(self, request: Request, token_id: int, now: float) -> RequestOutput:
         if request.first_token_time is None:
             request.first_token_time = now
+            self._prompt_tokens_total += request.num_prompt_tokens
         request.all_token_ids.append(token_id)
         detokenizer = self._detokenizers[request.request_id]
         new_text, hit_stop_string = detokenizer.add_tokens([token_id])
@@ -356,8 +364,12 @@ class Engine:
             step_time_s=self._last_step_time,
             forward_time_s=self.runner.last_forward_s,
             blocks=BlockMap.build(ref_counts, hashed, tables, owners,
-                                  pool.from_tier_mask() if self.kv_cache.tier is not None else None),
+                                  pool.from_tier_mask() if self.kv_cache.tier is not None else None,
+                                  self.kv_cache.num_released),
             tier=self.kv_cache.tier.stats() if self.kv_cache.tier is not None else KVTierStats(),
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            blocks_freed_by_window=self.kv_cache.num_window_released,
         )
 
     # ---- set-up ---------------------------------------------------------------------

@@ -11,6 +11,18 @@ request's first chunk is scheduled, and count as computed. Blocks go down to the
 when they leave the pool's keeping: a request's hashed blocks when it frees them (finish,
 abort, preemption), and cached blocks when eviction takes them. Their KV is copied out at
 that moment (the next forward may overwrite it); the tier writes it to disk off the step.
+
+When every layer of the model has a sliding window (Mistral), the blocks a request's window
+has left behind go back to the pool as soon as the request's next query is past them, as
+vLLM does: a query at position p attends only the keys p - window < k <= p (`window` the
+smallest over the layers), so a block whose last position is at most
+`first_query - window` is never read again. Its table entry becomes `NULL_BLOCK`, so
+positions keep their place in the table; those entries are always a leading run, and the
+request keeps the hashes of every block (`Request.block_hashes`), so its later full blocks
+chain to the right parents. A released block that was hashed stays in the prefix cache,
+evictable, like any block a finished request frees. Admission counts only the blocks from
+the window on, so such a request can outgrow the pool (`longest_sequence`). While any
+layer attends globally nothing is released.
 """
 
 from __future__ import annotations
@@ -23,7 +35,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from paged_chat.engine.block_pool import BlockPool, KVBlock
+from paged_chat.engine.block_pool import NULL_BLOCK, BlockPool, KVBlock
 from paged_chat.engine.kv_tier import KVTier
 from paged_chat.engine.request import Request
 
@@ -33,6 +45,19 @@ def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
     digest = hashlib.blake2b(parent_hash, digest_size=16)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
+
+
+def longest_sequence(num_blocks: int, block_size: int, sliding_window: int | None,
+                     max_chunk: int) -> int | None:
+    """The most tokens one sequence can hold in a pool of `num_blocks`, or None for no bound:
+    with a sliding window the pool only ever holds its window and a chunk of at most
+    `max_chunk` new tokens (block boundaries may cost one block more), and when that fits,
+    a request running alone can always go on."""
+    if sliding_window is not None:
+        live_blocks = -(-(sliding_window - 1 + max_chunk) // block_size) + 1
+        if live_blocks <= num_blocks:
+            return None
+    return num_blocks * block_size
 
 
 class BlockKV(Protocol):
@@ -45,15 +70,22 @@ class BlockKV(Protocol):
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool,
-                 tier: KVTier | None = None, block_kv: BlockKV | None = None) -> None:
+                 tier: KVTier | None = None, block_kv: BlockKV | None = None,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window`: the window of every layer (the smallest), or None when some
+        layer attends to the whole context; with it, blocks behind the window are released."""
         assert tier is None or (enable_caching and block_kv is not None), (
             "a KV tier needs the prefix cache and a way to copy blocks")
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching, track_evictions=tier is not None)
         self.tier = tier
         self.block_kv = block_kv
+        self.sliding_window = sliding_window
         self.tables: dict[str, list[KVBlock]] = {}
         self._num_hashed: dict[str, int] = {}
+        # Per request, how many leading table entries are NULL_BLOCK (absent: none).
+        self.num_released: dict[str, int] = {}
+        self.num_window_released = 0    # blocks released behind a sliding window, ever
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -65,7 +97,10 @@ class KVCacheManager:
         """The longest run of the request's leading full blocks that is already cached.
 
         Stops short of the last token: it is always recomputed, so that even a fully
-        cached prompt yields logits to sample from.
+        cached prompt yields logits to sample from. With a sliding window only the blocks
+        within the window of the first token after the run need to be cached: those
+        before it come back as NULL_BLOCK (their KV is never read), so a long history
+        whose oldest blocks were evicted still hits.
         """
         if not self.pool.enable_caching:
             return []
@@ -74,31 +109,62 @@ class KVCacheManager:
         hits = []
         for block_hash in request.block_hashes[:max_blocks]:
             block = self.pool.lookup(block_hash)
-            if block is None:
+            if block is None and self.sliding_window is None:
                 break
             hits.append(block)
-        return hits
+        if self.sliding_window is None:
+            return hits
+        end = self._windowed_run([block is not None for block in hits], 0)
+        num_out = self._num_out_of_window(end * self.block_size)
+        return [NULL_BLOCK] * num_out + hits[num_out:end]
+
+    def _windowed_run(self, available: list[bool], start: int) -> int:
+        """The furthest block `end` (at most `start + len(available)`) such that the blocks
+        from `start` on that the window of position `end * block_size` sees are all
+        available (`available[i - start]` for block i); `start` when there is none."""
+        run, run_ends = 0, []    # run_ends[i]: how many available blocks in a row end at i
+        for ok in available:
+            run = run + 1 if ok else 0
+            run_ends.append(run)
+        for end in range(start + len(available), start, -1):
+            first_seen = max(start, self._num_out_of_window(end * self.block_size))
+            if run_ends[end - 1 - start] >= end - first_seen:
+                return end
+        return start
 
     def allocate(self, request: Request, num_new_tokens: int,
                  cached_prefix: list[KVBlock] | None = None,
-                 tier_kv: list[torch.Tensor] | None = None) -> bool:
+                 tier_kv: list[torch.Tensor | None] | None = None) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones (and after the
         `cached_prefix`, taken over here, and the `tier_kv` blocks, written into fresh
-        blocks here). Returns False, changing nothing, when the pool is short."""
+        blocks here). Returns False, changing nothing, when the pool is short.
+        With a sliding window, the blocks behind the window of the first new token are
+        released first (even when False is returned: nothing reads them again), and the
+        prefix and tier blocks behind it are left out (NULL_BLOCK), neither taken nor read.
+        """
         cached_prefix, tier_kv = cached_prefix or [], tier_kv or []
-        num_tokens = (request.num_computed_tokens + num_new_tokens
-                      + (len(cached_prefix) + len(tier_kv)) * self.block_size)
-        num_new_blocks = self._blocks_to_allocate(request, num_tokens, cached_prefix)
+        first_query = (request.num_computed_tokens
+                       + (len(cached_prefix) + len(tier_kv)) * self.block_size)
+        num_tokens = first_query + num_new_tokens
+        self._release_out_of_window(request, first_query)
+        num_new_blocks = self._blocks_to_allocate(request, num_tokens, first_query, cached_prefix)
         if num_new_blocks is None:
             assert not tier_kv, "read_tier_prefix reads only what fits"
             return False
         table = self.tables.setdefault(request.request_id, [])
-        self.pool.touch(cached_prefix)
-        table.extend(cached_prefix)
+        num_out = max(0, self._num_out_of_window(first_query) - len(table))
+        live_prefix = cached_prefix[num_out:]
+        assert NULL_BLOCK not in live_prefix, "find_cached_prefix left out a block in the window"
+        live_tier_kv = tier_kv[max(0, num_out - len(cached_prefix)):]
+        if num_out:
+            table.extend([NULL_BLOCK] * num_out)
+            self.num_released[request.request_id] = len(table)
+        self.pool.touch(live_prefix)
+        table.extend(live_prefix)
         if num_new_blocks > 0:
             fresh = self.pool.allocate(num_new_blocks)
             self._offload_evicted()
-            self._restore(fresh[:len(tier_kv)], tier_kv)
+            self._restore(fresh[:len(live_tier_kv)], live_tier_kv)
             table.extend(fresh)
         self._cache_full_blocks(request, num_tokens)
         return True
@@ -108,10 +174,37 @@ class KVCacheManager:
         goes down to the tier first, when there is one)."""
         table = self.tables.pop(request.request_id, [])
         self._num_hashed.pop(request.request_id, None)
+        self._give_back(table[self.num_released.pop(request.request_id, 0):])
+
+    def _give_back(self, blocks: list[KVBlock]) -> None:
+        """Drop the request's reference to `blocks` (their hashed ones' KV goes down to the
+        tier first, when there is one), last block first."""
         if self.tier is not None:
-            self._offload([(block.block_hash, block.block_id) for block in table
+            self._offload([(block.block_hash, block.block_id) for block in blocks
                            if block.block_hash is not None])
-        self.pool.free(table[::-1])
+        self.pool.free(blocks[::-1])
+
+    def _num_out_of_window(self, first_query: int) -> int:
+        """How many leading blocks no query at `first_query` or later attends to: block i
+        ends at position (i + 1) * block_size - 1, which the window of `first_query` sees
+        while it is above `first_query - window`."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, first_query - self.sliding_window + 1) // self.block_size
+
+    def _release_out_of_window(self, request: Request, first_query: int) -> None:
+        """Give back the blocks of the request's table that its window has now left."""
+        table = self.tables.get(request.request_id)
+        if table is None:
+            return
+        released = self.num_released.get(request.request_id, 0)
+        num_out = min(self._num_out_of_window(first_query), len(table))
+        if num_out <= released:
+            return
+        self._give_back(table[released:num_out])
+        table[released:num_out] = [NULL_BLOCK] * (num_out - released)
+        self.num_released[request.request_id] = num_out
+        self.num_window_released += num_out - released
 
     def check_invariants(self) -> None:
         """Assert the pool's invariants and that the tables account for every reference:
@@ -120,50 +213,69 @@ class KVCacheManager:
         self.pool.check_invariants()
         holders: Counter[int] = Counter()
         for request_id, table in self.tables.items():
-            assert len({block.block_id for block in table}) == len(table), (
+            released = self.num_released.get(request_id, 0)
+            assert all(block is NULL_BLOCK for block in table[:released]), (
+                f"{request_id}: a released entry holds a block")
+            held = table[released:]
+            assert NULL_BLOCK not in held, f"{request_id}: a NULL_BLOCK past the released run"
+            assert len({block.block_id for block in held}) == len(held), (
                 f"{request_id} holds a block twice")
-            holders.update(block.block_id for block in table)
+            holders.update(block.block_id for block in held)
+        assert self.num_released.keys() <= self.tables.keys(), "released count of no table"
         for block in self.pool.blocks:
             assert block.ref_count == holders[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count}, "
                 f"held by {holders[block.block_id]} tables")
 
-    def _blocks_to_allocate(self, request: Request, num_tokens: int,
+    def _blocks_to_allocate(self, request: Request, num_tokens: int, first_query: int,
                             cached_prefix: list[KVBlock]) -> int | None:
         """Fresh blocks the request's table needs to hold `num_tokens` once it has taken over
-        `cached_prefix`, or None when the pool cannot give that many."""
-        count = (self.blocks_needed(num_tokens) - len(self.tables.get(request.request_id, ()))
-                 - len(cached_prefix))
-        revived = sum(1 for block in cached_prefix if block.ref_count == 0)
+        `cached_prefix` (those from the window of `first_query` on), or None when the pool
+        cannot give that many."""
+        num_held = len(self.tables.get(request.request_id, ()))
+        num_out = self._num_out_of_window(first_query)
+        count = self.blocks_needed(num_tokens) - max(num_held + len(cached_prefix), num_out)
+        revived = sum(1 for block in cached_prefix[max(0, num_out - num_held):]
+                      if block.ref_count == 0)
         return count if count <= self.pool.num_free_blocks - revived else None
 
     # ---- the KV tier ------------------------------------------------------------------
 
     def read_tier_prefix(self, request: Request, cached_prefix: list[KVBlock],
-                         budget: int) -> list[torch.Tensor] | None:
+                         budget: int) -> list[torch.Tensor | None] | None:
         """The KV of the request's full blocks right after its `cached_prefix` (the pool's
         hits) that the tier holds, read back now; [] without a tier or a hit.
 
         Reads only when the pool has room for those blocks and a first chunk of up to
         `budget` tokens, so `allocate` cannot then fail; returns None (the request waits,
         as one whose chunk does not fit) when it has not. A block that turns out missing
-        or corrupt ends the run: the rest is prefilled.
+        or corrupt ends the run: the rest is prefilled. With a sliding window, the blocks
+        behind the window of the run's end are neither needed in the tier nor read: None
+        stands for each.
         """
         if self.tier is None:
             return []
         start, max_blocks = len(cached_prefix), (request.num_tokens - 1) // self.block_size
-        run = 0
-        for block_hash in request.block_hashes[start:max_blocks]:
-            if block_hash not in self.tier:
-                break
-            run += 1
-        num_cached = (start + run) * self.block_size
+        hashes = request.block_hashes
+        if self.sliding_window is None:
+            end = start
+            while end < max_blocks and hashes[end] in self.tier:
+                end += 1
+        else:
+            end = self._windowed_run([block_hash in self.tier
+                                      for block_hash in hashes[start:max_blocks]], start)
+        num_cached = end * self.block_size
         num_tokens = num_cached + min(request.num_tokens - num_cached, budget)
-        if self._blocks_to_allocate(request, num_tokens, cached_prefix) is None:
+        if self._blocks_to_allocate(request, num_tokens, num_cached, cached_prefix) is None:
             return None
-        tier_kv = self.tier.load(request.block_hashes[start:start + run])
-        self.tier.record_misses(max_blocks - start - len(tier_kv))
-        return tier_kv
+        first_read = max(start, self._num_out_of_window(num_cached))
+        tier_kv = self.tier.load(hashes[first_read:end])
+        if len(tier_kv) < end - first_read:
+            if first_read > start:    # the window of any shorter run sees a skipped block
+                tier_kv = []
+            end = start + len(tier_kv)
+        self.tier.record_misses(max_blocks - end)
+        return [None] * (end - start - len(tier_kv)) + tier_kv
 
     def _restore(self, blocks: list[KVBlock], tier_kv: list[torch.Tensor]) -> None:
         if tier_kv:
@@ -199,7 +311,7 @@ class KVCacheManager:
             return
         self._extend_hashes(request, num_full)
         table = self.tables[request.request_id]
-        for index in range(first, num_full):
+        for index in range(max(first, self.num_released.get(request.request_id, 0)), num_full):
             self.pool.cache(table[index], request.block_hashes[index])
         self._num_hashed[request.request_id] = num_full
 
@@ -217,16 +329,19 @@ class BlockIdTables:
     walking each table's KVBlocks for them costs ~30k attribute reads per step at batch 256
     with 2k-token contexts, and turning 30k Python ints into the step's padded array ~1 ms
     more. Tables only grow at their end while a request runs, so each request's ids live
-    in an array with room to grow, extended by the new blocks alone; `of` returns a view
-    of its filled part (an entry is written once, so a view given out keeps its ids). A
-    table that was dropped and rebuilt (preemption, finish) must be `forget`-ten: its new
-    blocks may be as many as the old.
+    in an array with room to grow, extended by the new blocks alone, and the entries a
+    sliding window released (the leading `num_released`, KVCacheManager's) are set to
+    NULL_BLOCK's id once; `of` returns a view of the filled part. A table that was dropped
+    and rebuilt (preemption, finish) must be `forget`-ten: its new blocks may be as many as
+    the old.
     """
 
-    def __init__(self, tables: dict[str, list[KVBlock]]) -> None:
+    def __init__(self, tables: dict[str, list[KVBlock]], num_released: dict[str, int]) -> None:
         self._tables = tables
+        self._num_released = num_released
         self._ids: dict[str, np.ndarray] = {}       # the filled part of each buffer
         self._buffers: dict[str, np.ndarray] = {}
+        self._num_nulled: dict[str, int] = {}
 
     def of(self, request_id: str) -> np.ndarray:
         table = self._tables.get(request_id, ())
@@ -234,12 +349,19 @@ class BlockIdTables:
         if len(ids) < len(table):
             ids = self._ids[request_id] = self._extended(request_id, ids, table)
         assert len(ids) == len(table), f"{request_id}'s table shrank without forget()"
+        released = self._num_released.get(request_id)
+        if released is not None:
+            nulled = self._num_nulled.get(request_id, 0)
+            if released > nulled:
+                ids[nulled:released] = [NULL_BLOCK.block_id] * (released - nulled)
+                self._num_nulled[request_id] = released
         return ids
 
     def forget(self, requests: list[Request]) -> None:
         for request in requests:
             self._ids.pop(request.request_id, None)
             self._buffers.pop(request.request_id, None)
+            self._num_nulled.pop(request.request_id, None)
 
     def _extended(self, request_id: str, ids: np.ndarray, table: list[KVBlock]) -> np.ndarray:
         """`ids` followed by the ids of the blocks `table` has past them, in the request's

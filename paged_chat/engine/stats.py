@@ -5,6 +5,7 @@ draw 10k+ blocks at 10 Hz. Holders of a block are stored CSR-style: the requests
 block `b` are `request_ids[i]` for `i in holders[holder_ptr[b]:holder_ptr[b + 1]]`, and
 `holder_positions` (parallel to `holders`) says where in that request's table the block
 sits, so block `b` holds that request's tokens `[p * block_size, (p + 1) * block_size)`.
+A table's leading entries that a sliding window released (`num_released`) hold no block.
 """
 
 from __future__ import annotations
@@ -30,18 +31,23 @@ class BlockMap:
     from_tier: np.ndarray           # bool [num_blocks]: KV read back from a KV tier (host or disk)
     table_ids: np.ndarray           # int64: the requests' tables one after another
     table_lengths: np.ndarray       # int64 [len(request_ids)]: blocks in each table
+    table_released: np.ndarray      # int64 [len(request_ids)]: leading entries released
     _holders: list = field(default_factory=list, compare=False, repr=False)
 
     @classmethod
     def build(cls, ref_counts: np.ndarray, cached: np.ndarray,
               tables: dict[str, list[int]], owners: dict[str, str | None],
-              from_tier: np.ndarray | None = None) -> "BlockMap":
+              from_tier: np.ndarray | None = None,
+              num_released: dict[str, int] | None = None) -> "BlockMap":
         """A snapshot: the tables are copied, so the caller may go on changing them."""
         request_ids = tuple(tables)
+        released = num_released or {}
         return cls(ref_counts, cached, request_ids, tuple(owners.get(rid) for rid in request_ids),
                    np.zeros(len(ref_counts), dtype=bool) if from_tier is None else from_tier,
                    _concatenate([tables[rid] for rid in request_ids]),
-                   np.fromiter(map(len, tables.values()), dtype=np.int64, count=len(tables)))
+                   np.fromiter(map(len, tables.values()), dtype=np.int64, count=len(tables)),
+                   np.fromiter((released.get(rid, 0) for rid in request_ids), dtype=np.int64,
+                               count=len(request_ids)))
 
     @property
     def holder_ptr(self) -> np.ndarray:
@@ -61,7 +67,7 @@ class BlockMap:
     def _holder_arrays(self) -> list[np.ndarray]:
         if not self._holders:  # two threads may both build it: the same arrays either way
             self._holders[:] = _holder_arrays(self.table_ids, self.table_lengths,
-                                              len(self.ref_counts))
+                                              self.table_released, len(self.ref_counts))
         return self._holders
 
 
@@ -72,13 +78,16 @@ def _concatenate(tables: list[Sequence[int]]) -> np.ndarray:
     return np.concatenate(tables, dtype=np.int64, casting="unsafe")
 
 
-def _holder_arrays(block_ids: np.ndarray, lengths: np.ndarray, num_blocks: int
-                   ) -> list[np.ndarray]:
+def _holder_arrays(block_ids: np.ndarray, lengths: np.ndarray, released: np.ndarray,
+                   num_blocks: int) -> list[np.ndarray]:
     """[holder_ptr, holders, holder_positions] of the module docstring, for the tables
-    `block_ids` holds one after another, `lengths` long."""
+    `block_ids` holds one after another, `lengths` long, the first `released` of each
+    holding no block."""
     request_index = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
     table_starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
     positions = (np.arange(len(block_ids)) - table_starts).astype(np.int32)
+    held = positions >= np.repeat(released, lengths)
+    block_ids, request_index, positions = block_ids[held], request_index[held], positions[held]
     order = np.argsort(block_ids, kind="stable")
     counts = np.bincount(block_ids, minlength=num_blocks)
     holder_ptr = np.zeros(num_blocks + 1, dtype=np.int32)
@@ -137,6 +146,11 @@ class EngineStats:
     forward_time_s: float    # the model's forward in the last step (the rest is host work)
     blocks: BlockMap
     tier: KVTierStats = KVTierStats()
+    # Totals since the engine started (vLLM's counters): every request's whole prompt,
+    # cached tokens included, counted once at its first token; and every sampled token.
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    blocks_freed_by_window: int = 0   # released behind a sliding window (every layer windowed)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

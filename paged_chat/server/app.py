@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from paged_chat.engine.client import EngineClient
 from paged_chat.engine.errors import EngineDeadError, describe_error
 from paged_chat.engine.request import RequestOutput
-from paged_chat.server.metrics import TokenCounts, metrics_registry
+from paged_chat.server.metrics import metrics_registry
 from paged_chat.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from paged_chat.server.serving import ApiError, Job, OpenAIServing
 
@@ -44,9 +44,8 @@ def build_app(client: EngineClient, model_names: Sequence[str] = (), api_key: st
     """The API for `client`'s model; requests may name it by its own name or by any of
     `model_names` (e.g. the spec it was loaded from)."""
     names = list(dict.fromkeys([client.info.name, *model_names]))
-    tokens = TokenCounts()
-    serving = OpenAIServing(client, names, tokens)
-    registry = metrics_registry(client, serving.model, tokens)
+    serving = OpenAIServing(client, names)
+    registry = metrics_registry(client, serving.model)
     expected = f"Bearer {api_key}".encode() if api_key else None
 
     def authorize(request: Request) -> None:

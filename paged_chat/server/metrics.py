@@ -1,16 +1,14 @@
 """/metrics: the engine's stats in Prometheus text under vLLM's metric names and types, so
 dashboards built for vLLM read paged-chat as they are.
 
-Gauges and the prefix-cache and preemption counters are read from the engine's latest
-stats snapshot at scrape time. The engine keeps no running totals of tokens, so the
-server counts the prompt and generation tokens of the requests it serves (`TokenCounts`):
-under `paged-chat --serve`, the TUI's own tabs are not in those two counters.
+Every value is read from the engine's latest stats snapshot at scrape time, so the token
+counters cover every request the engine ran: under `paged-chat --serve`, the TUI's own
+tabs as well as the API's requests.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -19,21 +17,12 @@ from prometheus_client.registry import Collector
 from paged_chat.engine.client import EngineClient
 
 
-@dataclass(slots=True)
-class TokenCounts:
-    """Tokens of the requests this server has run (monotonic, as counters must be)."""
-
-    prompt: int = 0
-    generation: int = 0
-
-
 class EngineCollector(Collector):
     """vLLM's engine metrics, labelled with `model_name` as vLLM labels them."""
 
-    def __init__(self, client: EngineClient, model_name: str, tokens: TokenCounts) -> None:
+    def __init__(self, client: EngineClient, model_name: str) -> None:
         self.client = client
         self.model_name = model_name
-        self.tokens = tokens
 
     def collect(self) -> Iterator[Metric]:
         stats = self.client.stats()
@@ -48,9 +37,9 @@ class EngineCollector(Collector):
              stats.prefix_cache_hit_tokens),
             ("vllm:num_preemptions", "Requests preempted (blocks taken back) so far.",
              stats.num_preemptions),
-            ("vllm:prompt_tokens", "Prompt tokens of the served requests.", self.tokens.prompt),
-            ("vllm:generation_tokens", "Generated tokens of the served requests.",
-             self.tokens.generation))
+            ("vllm:prompt_tokens", "Prompt tokens of the requests run, cached ones included.",
+             stats.prompt_tokens_total),
+            ("vllm:generation_tokens", "Tokens generated.", stats.generation_tokens_total))
         for family, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, documentation, value in rows:
                 metric = family(name, documentation, labels=["model_name"])
@@ -58,10 +47,9 @@ class EngineCollector(Collector):
                 yield metric
 
 
-def metrics_registry(client: EngineClient, model_name: str, tokens: TokenCounts
-                     ) -> CollectorRegistry:
+def metrics_registry(client: EngineClient, model_name: str) -> CollectorRegistry:
     """A registry of its own per server (several can run in one process, as in tests)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(client, model_name, tokens))
+    registry.register(EngineCollector(client, model_name))
     return registry
 

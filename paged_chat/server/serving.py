@@ -23,7 +23,6 @@ import jinja2
 
 from paged_chat.engine.client import EngineClient
 from paged_chat.engine.request import RequestOutput, SamplingParams
-from paged_chat.server.metrics import TokenCounts
 from paged_chat.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                         PromptTokensDetails, SamplingRequest, Usage,
                                         completion_id, envelope)
@@ -68,11 +67,10 @@ class Job:
 class OpenAIServing:
     """Turns API requests into engine streams for one served model."""
 
-    def __init__(self, client: EngineClient, model_names: Sequence[str], tokens: TokenCounts) -> None:
+    def __init__(self, client: EngineClient, model_names: Sequence[str]) -> None:
         assert model_names, "a server serves at least its model's own name"
         self.client = client
         self.model_names = tuple(model_names)
-        self.tokens = tokens
 
     @property
     def model(self) -> str:
@@ -139,7 +137,6 @@ class OpenAIServing:
                 index, output = await queue.get()
                 if isinstance(output, Exception):
                     raise output
-                self._count(output)
                 if output.finished:
                     job.finals[index] = output
                 yield index, output
@@ -147,11 +144,6 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-
-    def _count(self, output: RequestOutput) -> None:
-        if output.new_token_ids and len(output.token_ids) == len(output.new_token_ids):
-            self.tokens.prompt += output.num_prompt_tokens
-        self.tokens.generation += len(output.new_token_ids)
 
     async def complete(self, job: Job) -> dict[str, Any]:
         """The whole response of a request that does not stream."""

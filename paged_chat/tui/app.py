@@ -23,7 +23,7 @@ from textual import on, work
 from textual.app import App, ComposeResult
 from textual.containers import Horizontal
 from textual.css.query import NoMatches
-from textual.widgets import Footer, Static, TabbedContent
+from textual.widgets import ContentSwitcher, Footer, Static, TabbedContent
 
 from paged_chat.engine.errors import PagedChatError, describe_error
 from paged_chat.settings import Settings, data_dir
@@ -111,7 +111,10 @@ class PagedChatApp(ChatActions, TabManagement, App):
 
     @property
     def chat_tabs(self) -> list[ChatTab]:
-        return list(self.query(ChatTab))
+        # The panes' container, not a query of the whole DOM: that walks every message
+        # widget of every tab, and the panel's poll asks for the tabs every second.
+        return [pane for pane in self.tabs.query_one(ContentSwitcher).children
+                if isinstance(pane, ChatTab)]
 
     @property
     def active_tab(self) -> ChatTab | None:
@@ -236,7 +239,7 @@ class PagedChatApp(ChatActions, TabManagement, App):
             if self.load_error is None:
                 self._update_status()
             return
-        if not self.screen_stack or not self.screen.is_attached or not self.query(EnginePanel):
+        if not self.screen_stack or not self.screen.is_attached:
             return  # shutting down
         stats = self.engine.stats()
         if self._tab_infos is None:
@@ -269,9 +272,9 @@ class PagedChatApp(ChatActions, TabManagement, App):
             info = self.engine.info
             text.append("● ", style="green")
             text.append(info.name, style="bold")
-            text.append(f" · {info.device} · {info.dtype}"
-                        f" · {info.num_blocks:,} blocks × {info.block_size}"
-                        f" · max {info.max_model_len:,} tokens/seq")
+            text.append(f" · {info.device} · {info.dtype} · {info.num_blocks:,} blocks × {info.block_size}"
+                        if info.num_blocks else f" · {self.engine.describe()}")
+            text.append(f" · max {info.max_model_len:,} tokens/seq")
             if self.load_seconds:
                 text.append(f" · ready (loaded in {self.load_seconds:.1f} s)", style="dim")
         elif self.load_error is not None:

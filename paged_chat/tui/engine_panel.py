@@ -58,6 +58,8 @@ def format_numbers(stats: EngineStats) -> Text:
         ("queue", f"running {stats.num_running} · waiting {stats.num_waiting} · "
                   f"preempted {stats.num_preemptions}"),
     ]
+    if stats.blocks_freed_by_window:
+        rows.append(("window", f"freed {_n(stats.blocks_freed_by_window)} blocks behind it"))
     tier = stats.tier
     if tier.disk_error:
         rows.append(("tier", f"off: {tier.disk_error}"))

@@ -40,6 +40,7 @@ _HF_CLASSES = {
 # What llama.cpp hard-codes for Gemma 3 rather than storing it in the file.
 _GEMMA3_LOCAL_ROPE_THETA = 10000.0
 _GEMMA3_SLIDING_WINDOW_PATTERN = 6
+_GEMMA3_27B_LAYERS = 62  # the one size whose queries are not scaled by head_dim (below)
 # Llama 3 rope scaling: convert_hf_to_gguf writes per-frequency divisors instead of metadata.
 _ROPE_FREQS = "rope_freqs.weight"
 # Large tensors are dequantized this many fp32 bytes at a time.
@@ -202,7 +203,9 @@ def _hf_config(header: GGUFHeader, arch: str, tensors: dict[str, TensorInfo],
     if (window := meta("attention.sliding_window")) is not None:
         config["sliding_window"] = window
     if arch == "gemma3":
-        config |= {"query_pre_attn_scalar": head_dim, "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_THETA}
+        config |= {"query_pre_attn_scalar": gemma3_query_scalar(config["num_hidden_layers"], hidden,
+                                                                num_heads, head_dim),
+                   "rope_local_base_freq": _GEMMA3_LOCAL_ROPE_THETA}
         pattern = meta("attention.sliding_window_pattern")
         if isinstance(pattern, list):  # one bool per layer: True where the layer is windowed
             config["layer_types"] = ["sliding_attention" if windowed else "full_attention"
@@ -210,6 +213,13 @@ def _hf_config(header: GGUFHeader, arch: str, tensors: dict[str, TensorInfo],
         else:
             config["sliding_window_pattern"] = pattern or _GEMMA3_SLIDING_WINDOW_PATTERN
     return config
+
+
+def gemma3_query_scalar(num_layers: int, hidden: int, num_heads: int, head_dim: int) -> int:
+    """Gemma 3's query_pre_attn_scalar, which its GGUF files do not store: hidden/heads for
+    the 27B (62 layers; 5376/32 = 168, not its head_dim of 128), head_dim for every other
+    size, as the HF configs say and llama.cpp decides from the layer count."""
+    return hidden // num_heads if num_layers == _GEMMA3_27B_LAYERS else head_dim
 
 
 def _eos_token_ids(header: GGUFHeader) -> int | list[int] | None:

@@ -29,7 +29,14 @@ from paged_chat.engine.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.checkpoint import Checkpoint, SafetensorsFile
 from paged_chat.engine.models.gguf_file import load_gguf_tokenizer, read_gguf
 from paged_chat.engine.models.llama import LlamaForCausalLM
-from paged_chat.engine.models.model_config import ConfigValueError, ModelConfig
+from paged_chat.engine.models.model_config import (
+    TEXT_DECODER_DEFAULTS,
+    ConfigValueError,
+    ModelConfig,
+    merged_token_ids,
+    text_decoder_config,
+)
+from paged_chat.engine.models.tensor_names import text_decoder_tensors
 from paged_chat.engine.models.weight_cache import EntryWriter, WeightCache, combine_checksums
 
 # on_progress(stage, done, total): called as a slow load advances (one call per tensor).
@@ -87,7 +94,8 @@ _SAFETENSORS_INDEX = "model.safetensors.index.json"
 @dataclass(frozen=True, slots=True)
 class ModelSource:
     """Everything a model spec resolved to, in Hugging Face terms. Holds headers only: the
-    weights stay on disk until `load_model` streams them into a decoder.
+    weights stay on disk until `load_model` streams them into a decoder. Of a vision-language
+    model, `hf_config` and `checkpoint` are its text decoder's, as a text-only model has them.
 
     `header_digest` identifies a GGUF file's contents (its converted tokenizer and weights
     are cached under it); None for HF folders, which are read directly.
@@ -117,10 +125,15 @@ def load_model_source(spec: str, cache_dir: Path | str | None = None,
     cache = Path(cache_dir) if cache_dir is not None else None
     header_digest = None
     if path.is_dir():
-        hf_config = _read_hf_config(path)
-        config = _model_config(hf_config, path / "config.json")
-        checkpoint = _read_safetensors(path)
+        folder_config = _read_hf_config(path)
+        config = _model_config(folder_config, path / "config.json")
+        hf_config = text_decoder_config(folder_config)
+        vision_language = folder_config["model_type"] in TEXT_DECODER_DEFAULTS
+        checkpoint = _read_safetensors(path, vision_language)
         tokenizer = _load_folder_tokenizer(path)
+        if vision_language:
+            warnings.warn(f"{name} is a vision-language model: paged-chat runs its text "
+                          f"decoder only, images are not supported", stacklevel=2)
     else:
         gguf_model = read_gguf(path)
         hf_config, checkpoint = gguf_model.hf_config, gguf_model.checkpoint
@@ -295,10 +308,8 @@ def _read_hf_config(folder: Path) -> dict[str, Any]:
     hf_config = _read_json_object(config_file)
     generation_file = folder / "generation_config.json"
     if generation_file.is_file():
-        eos_ids = [*_as_list(hf_config.get("eos_token_id"))]
-        for token_id in _as_list(_read_json_object(generation_file).get("eos_token_id")):
-            if token_id not in eos_ids:
-                eos_ids.append(token_id)
+        eos_ids = merged_token_ids(hf_config.get("eos_token_id"),
+                                   _read_json_object(generation_file).get("eos_token_id"))
         if eos_ids:
             hf_config["eos_token_id"] = eos_ids[0] if len(eos_ids) == 1 else eos_ids
     return hf_config
@@ -312,10 +323,6 @@ def _read_json_object(path: Path) -> dict[str, Any]:
     return value
 
 
-def _as_list(value: int | list[int] | None) -> list[int]:
-    return [] if value is None else value if isinstance(value, list) else [value]
-
-
 def _model_config(hf_config: dict[str, Any], path: Path) -> ModelConfig:
     try:
         return ModelConfig.from_hf(hf_config)
@@ -325,8 +332,9 @@ def _model_config(hf_config: dict[str, Any], path: Path) -> ModelConfig:
         raise ModelLoadError(f"{path}: {exc}; the file is broken or not a model config") from exc
 
 
-def _read_safetensors(folder: Path) -> Checkpoint:
-    """The tensors of model.safetensors or of the shards its index lists (headers only)."""
+def _read_safetensors(folder: Path, vision_language: bool) -> Checkpoint:
+    """The tensors of model.safetensors or of the shards its index lists (headers only); of a
+    vision-language model, its text decoder's only."""
     index = folder / _SAFETENSORS_INDEX
     if index.is_file():
         weight_map = _read_json_object(index).get("weight_map")
@@ -349,7 +357,9 @@ def _read_safetensors(folder: Path) -> Checkpoint:
             tensors.update(SafetensorsFile(file).tensors)
         except OSError as exc:
             raise ModelLoadError(f"{file} is not readable ({exc})") from exc
-    if not any(key.startswith("model.") for key in tensors):
+    if vision_language:
+        tensors = text_decoder_tensors(tensors)
+    elif not any(key.startswith("model.") for key in tensors):
         # Saved from the bare decoder (LlamaModel), not the ForCausalLM wrapper.
         tensors = {key if key.startswith("lm_head.") else f"model.{key}": tensor
                    for key, tensor in tensors.items()}

@@ -39,6 +39,25 @@ _BOUNDS = {
 }
 _DEFAULT_SLIDING_WINDOW_PATTERN = 6  # Gemma 3: five local layers, then a global one
 
+# Vision-language model types whose text decoder paged-chat runs on its own (text chat; the
+# vision tower is never read). Their config.json nests the decoder's config under
+# `text_config`, which transformers 4.x saves without every value equal to the decoder
+# config class's default: those defaults, here, complete it. RoPE keys are left out: their
+# defaults depend on the config's style and `_rope` supplies them.
+TEXT_DECODER_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma3": {
+        "model_type": "gemma3_text", "vocab_size": 262208, "hidden_size": 2304,
+        "intermediate_size": 9216, "num_hidden_layers": 26, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "head_dim": 256, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-6, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+        "bos_token_id": 2, "eos_token_id": 1, "tie_word_embeddings": True,
+    },
+}
+# Wrapper keys that override the nested decoder's (transformers 5 ties the embeddings by the
+# top-level flag). The wrapper's eos ids are added to the decoder's: Gemma 3 lists its
+# end-of-turn token there.
+_WRAPPER_KEYS = ("bos_token_id", "tie_word_embeddings")
+
 
 class ConfigValueError(ValueError):
     """A config key is missing or out of bounds; the message names the key."""
@@ -70,12 +89,22 @@ class ModelConfig:
     attention_scale: float = 0.0  # 1/sqrt(head_dim) unless the family says otherwise
     gemma: bool = False
 
+    @property
+    def window_of_every_layer(self) -> int | None:
+        """The smallest sliding window when every layer has one (no layer sees a key older
+        than that), or None when some layer attends to the whole context."""
+        if not self.layer_windows or None in self.layer_windows:
+            return None
+        return min(self.layer_windows)
+
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
-        """Build from a config.json dict; raise UnsupportedModelError for other families and
-        ConfigValueError, naming the key, for a missing or out-of-bounds number."""
+        """Build from a config.json dict (a vision-language one: its text decoder's); raise
+        UnsupportedModelError for other families and ConfigValueError, naming the key, for a
+        missing or out-of-bounds number."""
         if not isinstance(hf, dict):
             raise ConfigValueError(f"the config is {type(hf).__name__}, not a JSON object")
+        hf = text_decoder_config(hf)
         model_type = hf.get("model_type", "")
         if model_type not in SUPPORTED_ARCHITECTURES:
             supported = ", ".join(SUPPORTED_ARCHITECTURES)
@@ -118,6 +147,33 @@ class ModelConfig:
             attention_scale=(scalar if scalar is not None else head_dim) ** -0.5,
             gemma=family.gemma,
         )
+
+
+def text_decoder_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """The config of the decoder paged-chat runs: for a vision-language model (a model type
+    of TEXT_DECODER_DEFAULTS), its `text_config` completed with the class defaults and the
+    wrapper's token ids and tying; any other config as it is."""
+    model_type = hf.get("model_type")
+    defaults = TEXT_DECODER_DEFAULTS.get(model_type) if isinstance(model_type, str) else None
+    if defaults is None:
+        return hf
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigValueError("the config lacks text_config, its text decoder's config")
+    decoder = defaults | text | {key: hf[key] for key in _WRAPPER_KEYS if hf.get(key) is not None}
+    decoder["eos_token_id"] = merged_token_ids(decoder["eos_token_id"], hf.get("eos_token_id"))
+    return decoder
+
+
+def merged_token_ids(*values: int | list[int] | None) -> list[int]:
+    """The ids of several token-id values (an id, a list of ids, or None), each once, in
+    order."""
+    ids: list[int] = []
+    for value in values:
+        for token_id in value if isinstance(value, list) else [] if value is None else [value]:
+            if token_id not in ids:
+                ids.append(token_id)
+    return ids
 
 
 def _count(hf: dict[str, Any], key: str, default: int | None = None) -> int:

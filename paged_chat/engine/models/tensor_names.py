@@ -8,6 +8,9 @@ checkpoint's HF names against it, and the decoder finds where each HF tensor goe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +57,27 @@ _GGUF_OVERRIDES: dict[str, dict[str, str]] = {
                "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"},
 }
+
+
+# Where a vision-language checkpoint (Gemma 3 4B and up) keeps its text decoder, and the
+# decoder's own prefix for it. transformers saves `language_model.model.*` (and
+# `language_model.lm_head.*`); `model.language_model.*` and `lm_head.*` are the model's
+# module names, which files written without transformers' renaming carry.
+_TEXT_DECODER_PREFIXES = (("language_model.model.", "model."),
+                          ("language_model.lm_head.", "lm_head."),
+                          ("model.language_model.", "model."), ("lm_head.", "lm_head."))
+
+
+def text_decoder_tensors(tensors: dict[str, T]) -> dict[str, T]:
+    """A vision-language checkpoint's text-decoder tensors under the decoder's HF names;
+    the vision tower's and the projector's are left out, so nothing ever reads them."""
+    decoder = {}
+    for name, tensor in tensors.items():
+        for prefix, ours in _TEXT_DECODER_PREFIXES:
+            if name.startswith(prefix):
+                decoder[ours + name.removeprefix(prefix)] = tensor
+                break
+    return decoder
 
 
 def gguf_to_hf_name(arch: str, name: str) -> str | None:
