@@ -25,6 +25,9 @@ SAMPLING_FIELDS: dict[str, type] = {
 
 
 class ConfirmScreen(ModalScreen[bool]):
+    # Focus by selector when the screen is shown, not in on_mount: a key that answers the
+    # question at once dismisses the screen before it mounts, and its buttons are gone then.
+    AUTO_FOCUS = "#no"
     BINDINGS = [Binding("y", "answer(True)", "Yes"), Binding("n,escape", "answer(False)", "No")]
 
     def __init__(self, question: str, yes: str = "Yes") -> None:
@@ -39,9 +42,6 @@ class ConfirmScreen(ModalScreen[bool]):
                 yield Button(self.yes, variant="error", id="yes")
                 yield Button("Cancel", id="no")
 
-    def on_mount(self) -> None:
-        self.query_one("#no", Button).focus()
-
     def action_answer(self, answer: bool) -> None:
         self.dismiss(answer)
 
@@ -53,6 +53,7 @@ class ConfirmScreen(ModalScreen[bool]):
 class TextPromptScreen(ModalScreen[str | None]):
     """Ask for one line of text; None when cancelled."""
 
+    AUTO_FOCUS = "#text"
     BINDINGS = [Binding("escape", "cancel", "Cancel")]
 
     def __init__(self, title: str, value: str = "", placeholder: str = "") -> None:
@@ -68,9 +69,6 @@ class TextPromptScreen(ModalScreen[str | None]):
             with Horizontal(classes="dialog-buttons"):
                 yield Button("OK", variant="primary", id="ok")
                 yield Button("Cancel", id="cancel")
-
-    def on_mount(self) -> None:
-        self.query_one(Input).focus()
 
     @on(Input.Submitted)
     @on(Button.Pressed, "#ok")
