@@ -70,6 +70,45 @@ def test_rechecks_after_the_interval_and_climbs_back_when_the_load_goes():
     assert after == [1, 2] * 4 and policy.count == 2
 
 
+def test_more_threads_must_win_by_the_wider_margin():
+    busy = {2: 0.0011, 1: 0.001}   # 1 thread 10% faster: enough to drop to it
+    policy, clock = make_policy(margin=0.05, margin_more=0.15, recheck_s=5.0, recheck_steps=10_000)
+    run_steps(policy, clock, busy, steps=8)
+    assert policy.count == 1
+    clock.now += 5.0
+    run_steps(policy, clock, {2: 0.001, 1: 0.0011}, steps=8)   # 2 threads 10% faster: not enough
+    assert policy.count == 1
+    clock.now += 10.0
+    run_steps(policy, clock, {2: 0.001, 1: 0.0013}, steps=8)   # 30% faster: climbs
+    assert policy.count == 2
+
+
+def test_each_losing_trial_of_more_threads_doubles_the_wait_for_the_next():
+    contended = {2: 0.02, 1: 0.002}
+    policy, clock = make_policy(recheck_s=5.0, recheck_steps=10_000, max_backoff=4)
+    run_steps(policy, clock, contended, steps=8)
+    assert policy.count == 1
+    waits = []
+    for _ in range(4):   # each trial of 2 threads loses; time until the next one starts
+        started = clock.now
+        while not policy.in_trial:
+            clock.now += 0.5
+            policy.next_count()
+        waits.append(round(clock.now - started))
+        run_steps(policy, clock, contended, steps=8)
+    assert waits == [5, 10, 20, 20] and policy.count == 1
+
+
+def test_a_trial_of_more_threads_ends_at_its_first_hopeless_step():
+    contended = {2: 0.02, 1: 0.002}
+    policy, clock = make_policy(recheck_s=5.0, recheck_steps=10_000)
+    run_steps(policy, clock, contended, steps=8)
+    assert policy.count == 1
+    clock.now += 5.0
+    assert run_steps(policy, clock, contended, steps=4) == [1, 2, 1, 1]
+    assert policy.count == 1 and not policy.in_trial
+
+
 def test_rechecks_after_recheck_steps_without_time_passing():
     policy, clock = make_policy(recheck_s=1e9, recheck_steps=20)
     run_steps(policy, clock, {2: 0.0, 1: 0.0}, steps=8)

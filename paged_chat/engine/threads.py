@@ -11,7 +11,14 @@ fewer. No fixed count is right on every machine at every moment, so the policy m
   (whichever comes first: the load on a machine changes while the engine runs), it runs a
   trial: `trial_steps` steps alternating between the current count and a neighbouring one (half as many, or back up towards the maximum), so
   both arms see the same mix of prefill and decode work, and keeps whichever produced
-  tokens faster by more than `margin`.
+  tokens faster by more than `margin` (`margin_more` for more threads).
+- The two mistakes do not cost the same. Too few threads on a quiet machine costs at most
+  the ratio of the counts; too many on a busy one makes steps many times slower, and so does
+  every trial of more threads there. So more threads must win by a wider margin, and each
+  trial of more threads that loses doubles the wait before the next one (up to
+  `max_backoff` times the recheck interval); a change of count starts over. A trial of
+  more threads also ends at its first step that ran at under `give_up` of the rate the
+  current count has shown in the trial: one such step says enough, and each costs a lot.
 - A fixed `threads` (EngineConfig.threads) turns the trials off.
 
 `torch.set_num_threads` reaches OpenMP per calling thread, so `apply()` sets the count at
@@ -48,6 +55,9 @@ class ThreadPolicy:
     recheck_steps: int = 512
     recheck_s: float = 5.0
     margin: float = 0.05
+    margin_more: float = 0.15
+    max_backoff: int = 16
+    give_up: float = 0.5
     clock: Callable[[], float] = time.monotonic
     count: int = 0
     _steps_to_trial: int = 0
@@ -56,6 +66,7 @@ class ThreadPolicy:
     _trial_index: int = 0
     _arms: dict[int, list[float]] = field(default_factory=dict)  # count -> [tokens, seconds]
     _tried_lower_last: bool = False
+    _backoff: int = 1   # how many recheck intervals before the next trial of more threads
 
     def __post_init__(self) -> None:
         assert self.max_threads >= 1 and self.trial_steps >= 2 and self.recheck_steps >= 0
@@ -102,28 +113,39 @@ class ThreadPolicy:
         arm[0] += num_tokens
         arm[1] += seconds
         self._trial_index += 1
-        if self._trial_index >= self.trial_steps:
+        hopeless = (threads == self._candidate > self.count and seconds > 0
+                    and num_tokens / seconds < self.give_up * _rate(self._arms.get(self.count)))
+        if hopeless or self._trial_index >= self.trial_steps:
             self._finish_trial()
 
-    def _start_trial(self) -> None:
+    def _next_candidate(self) -> int:
+        """The neighbour the next trial tries against `count`."""
         lower = self.count // 2 if self.count > 1 else None
         upper = min(self.max_threads, self.count * 2) if self.count < self.max_threads else None
         if lower is not None and upper is not None:  # both exist: take turns
-            candidate = upper if self._tried_lower_last else lower
-        else:
-            candidate = lower if lower is not None else upper
+            return upper if self._tried_lower_last else lower
+        candidate = lower if lower is not None else upper
         assert candidate is not None and candidate != self.count
+        return candidate
+
+    def _start_trial(self) -> None:
+        candidate = self._next_candidate()
         self._tried_lower_last = candidate < self.count
         self._candidate, self._trial_index, self._arms = candidate, 0, {}
 
     def _finish_trial(self) -> None:
+        assert self._candidate is not None
+        more = self._candidate > self.count
         current = _rate(self._arms.get(self.count))
         candidate = _rate(self._arms.get(self._candidate))
-        if candidate > current * (1 + self.margin):
-            self.count = self._candidate
+        if candidate > current * (1 + (self.margin_more if more else self.margin)):
+            self.count, self._backoff = self._candidate, 1
+        elif more:
+            self._backoff = min(2 * self._backoff, self.max_backoff)
         self._candidate = None
-        self._steps_to_trial = self.recheck_steps
-        self._trial_due = self.clock() + self.recheck_s
+        wait = self._backoff if self._next_candidate() > self.count else 1
+        self._steps_to_trial = self.recheck_steps * wait
+        self._trial_due = self.clock() + self.recheck_s * wait
 
 
 def _rate(arm: list[float] | None) -> float:
