@@ -28,8 +28,10 @@ layer attends globally nothing is released.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import Counter
+from collections.abc import Iterable
 from typing import Protocol
 
 import numpy as np
@@ -106,27 +108,23 @@ class KVCacheManager:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         self._extend_hashes(request, max_blocks)
-        hits = []
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = self.pool.lookup(block_hash)
-            if block is None and self.sliding_window is None:
-                break
-            hits.append(block)
-        if self.sliding_window is None:
-            return hits
-        end = self._windowed_run([block is not None for block in hits], 0)
+        hits = [self.pool.lookup(block_hash) for block_hash in request.block_hashes[:max_blocks]]
+        end = self._usable_run((block is not None for block in hits), 0)
         num_out = self._num_out_of_window(end * self.block_size)
         return [NULL_BLOCK] * num_out + hits[num_out:end]
 
-    def _windowed_run(self, available: list[bool], start: int) -> int:
-        """The furthest block `end` (at most `start + len(available)`) such that the blocks
-        from `start` on that the window of position `end * block_size` sees are all
-        available (`available[i - start]` for block i); `start` when there is none."""
+    def _usable_run(self, available: Iterable[bool], start: int) -> int:
+        """The furthest block `end` such that the blocks from `start` on that the window of
+        position `end * block_size` sees are all available (`available` says so of block
+        `start`, then `start + 1`, ...); `start` when there is none. Without a window that is
+        the leading run of available blocks, and `available` is read up to its first miss."""
+        if self.sliding_window is None:
+            return start + sum(1 for _ in itertools.takewhile(bool, available))
         run, run_ends = 0, []    # run_ends[i]: how many available blocks in a row end at i
         for ok in available:
             run = run + 1 if ok else 0
             run_ends.append(run)
-        for end in range(start + len(available), start, -1):
+        for end in range(start + len(run_ends), start, -1):
             first_seen = max(start, self._num_out_of_window(end * self.block_size))
             if run_ends[end - 1 - start] >= end - first_seen:
                 return end
@@ -257,13 +255,8 @@ class KVCacheManager:
             return []
         start, max_blocks = len(cached_prefix), (request.num_tokens - 1) // self.block_size
         hashes = request.block_hashes
-        if self.sliding_window is None:
-            end = start
-            while end < max_blocks and hashes[end] in self.tier:
-                end += 1
-        else:
-            end = self._windowed_run([block_hash in self.tier
-                                      for block_hash in hashes[start:max_blocks]], start)
+        end = self._usable_run((block_hash in self.tier for block_hash in hashes[start:max_blocks]),
+                               start)
         num_cached = end * self.block_size
         num_tokens = num_cached + min(request.num_tokens - num_cached, budget)
         if self._blocks_to_allocate(request, num_tokens, num_cached, cached_prefix) is None:
