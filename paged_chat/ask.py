@@ -455,7 +455,7 @@ def _load(make_engine: EngineFactory, config: EngineConfig, options: AskOptions
     if options.server:
         client = RemoteEngine(options.server, options.api_key, model=options.engine.get("model"))
     else:
-        client = AsyncEngine(make_engine(config))
+        client = AsyncEngine(lambda: make_engine(config))
     return client, time.perf_counter() - started
 
 

@@ -340,7 +340,7 @@ def serve(ctx: typer.Context,
 
         check_bind(host, api_key)
         config = state.settings().engine_config(model=model)
-        client = AsyncEngine(state.make_engine(config))
+        client = AsyncEngine(lambda: state.make_engine(config))
         try:
             server = ApiServer(client, host, port, api_key, model_names=[config.model])
             typer.echo(f"serving {client.info.name} on {server.url}/v1 (Ctrl+C stops)", err=True)

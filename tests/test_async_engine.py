@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import threading
 
 import pytest
 
@@ -113,6 +114,31 @@ def test_the_engine_thread_wins_the_gil_back_quickly(make_engine):
         engine.shutdown()
     finally:
         sys.setswitchinterval(default)
+
+
+async def test_a_builder_builds_the_engine_on_the_engine_thread(make_engine):
+    """The engine's torch work all runs on the thread that steps it: a load on the caller's
+    thread would leave an OpenMP pool there that slows every step (the module's docstring)."""
+    built_on = []
+
+    def build():
+        built_on.append(threading.current_thread())
+        return make_engine()
+
+    engine = AsyncEngine(build)
+    try:
+        assert built_on[0].name == "paged-chat-engine" and built_on[0] is not threading.current_thread()
+        assert (await asyncio.wait_for(collect(engine, [5, 6, 7]), 30))[-1].finished
+    finally:
+        engine.shutdown()
+
+
+def test_a_builders_error_is_raised_to_the_caller():
+    def build():
+        raise FileNotFoundError("no model at /nowhere")
+
+    with pytest.raises(FileNotFoundError, match="no model at /nowhere"):
+        AsyncEngine(build)
 
 
 async def wait_until(condition, timeout_s: float = 30.0) -> None:

@@ -9,7 +9,10 @@ runs twice more: while a key is typed into the shown tab's prompt every TYPE_EVE
 (keypress-to-echo times), and under cProfile. cProfile watches only the thread that enables it, here the app's event loop
 (the UI thread), so its figures are where the UI's time goes; they are divided by the
 profiled run's streaming time (seconds of UI work per second of streaming). The prefix
-cache is reset before each run so none of them starts warm.
+cache is reset before each run so none of them starts warm. The engine is built, and runs
+alone, on threads that end afterwards, as the app builds it on a worker thread: a main
+thread that had run torch ops would keep an OpenMP pool that slows the app's engine thread
+(AsyncEngine's docstring says why), and the comparison would measure that instead.
 """
 
 from __future__ import annotations
@@ -21,8 +24,10 @@ import re
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from textual import events
 
@@ -31,6 +36,7 @@ from paged_chat.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
 from paged_chat.settings import ChatSettings, Settings
 from paged_chat.store import ChatStore
 
+T = TypeVar("T")
 PROFILE_TOP = 12        # functions listed by own time
 ROUNDS = 2              # runs of the engine alone and of the app each, alternating
 TYPE_EVERY_S = 0.1      # a fast typist's pace, for the keypress-to-echo samples
@@ -64,6 +70,13 @@ def demo_chats(count: int, seed: int) -> list[tuple[str | None, str]]:
     from paged_chat.tui.demo import demo_tabs
 
     return [(system, autopilot.first_prompt()) for _, system, autopilot in demo_tabs(count, seed)]
+
+
+def on_own_thread(work: Callable[[], T]) -> T:
+    """`work()` on a thread that ends when it returns, and with it the OpenMP pool of its
+    torch ops."""
+    with ThreadPoolExecutor(max_workers=1) as executor:
+        return executor.submit(work).result()
 
 
 def run_engine_alone(engine: Engine, chats: list[tuple[str | None, str]],
@@ -175,18 +188,23 @@ def _short(path: str) -> str:
     return re.sub(r"^.*/(?:site-packages/|python3\.\d+/|(?=paged_chat/))", "", path)
 
 
+def warmed_up(engine: Engine) -> Engine:
+    engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))
+    return engine
+
+
 def run_tui_bench(options: TuiBenchOptions, log: Callable[[str], None] = print) -> dict:
     # One fixed thread count for both runs (the engine's adaptive policy would otherwise
     # pick its own for each, and the ratio would measure the policy, not the UI).
-    engine = Engine(EngineConfig(model=options.model, device="cpu", dtype=options.dtype,
-                                 max_num_seqs=max(options.tabs, 1), threads=options.threads))
+    config = EngineConfig(model=options.model, device="cpu", dtype=options.dtype,
+                          max_num_seqs=max(options.tabs, 1), threads=options.threads)
+    engine = on_own_thread(lambda: warmed_up(Engine(config)))
     chats = demo_chats(options.tabs, options.seed)
     params = SamplingParams(temperature=0, max_tokens=options.max_tokens, ignore_eos=True)
-    engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
     alone_runs, app_runs = [], []
     for round_ in range(1, ROUNDS + 1):
         log(f"tui: {options.tabs} tabs x {options.max_tokens} tokens, engine alone ({round_}/{ROUNDS}) ...")
-        alone_runs.append(run_engine_alone(engine, chats, params))
+        alone_runs.append(on_own_thread(lambda: run_engine_alone(engine, chats, params)))
         log(f"tui: the app, headless ({round_}/{ROUNDS}) ...")
         app_runs.append(run_app(engine, chats, params, options.size))
     alone, app = (max(runs, key=lambda run: run["output_tokens_per_s"]) for runs in (alone_runs, app_runs))
