@@ -140,6 +140,12 @@ class KVCacheManager:
         released first (even when False is returned: nothing reads them again), and the
         prefix and tier blocks behind it are left out (NULL_BLOCK), neither taken nor read.
         """
+        table = self.tables.get(request.request_id)
+        if (table is not None and not cached_prefix and not tier_kv and self.sliding_window is None
+                and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size):
+            # A running request whose last block has room (most decode steps): nothing to take.
+            self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+            return True
         cached_prefix, tier_kv = cached_prefix or [], tier_kv or []
         first_query = (request.num_computed_tokens
                        + (len(cached_prefix) + len(tier_kv)) * self.block_size)

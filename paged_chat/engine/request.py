@@ -142,9 +142,11 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class RequestOutput:
     """What one request produced in one step (a delta), or in total from `Engine.generate`.
+    Read-only by convention: a step builds one per running request, and a frozen
+    dataclass's __init__ costs five times as much (0.5 ms per step at batch 256).
 
     For a delta, `new_token_ids` and `new_text` are this step's; `token_ids` and `text` are
     everything so far. `num_cached_tokens` prompt tokens were not prefilled (prefix cache
