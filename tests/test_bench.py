@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from paged_chat.bench import BenchOptions, run_bench
 from paged_chat.bench.openai_server import run_openai_server
+from paged_chat.bench.own_thread import on_own_thread
 from paged_chat.bench.report import format_report, write_json
 from paged_chat.bench.systems import SYSTEMS
 from paged_chat.bench.workload import Workload
@@ -157,3 +158,18 @@ def test_a_server_without_token_ids_gets_text_and_is_counted_by_usage(tokenizer)
     assert result.output_tokens == 8 and result.outputs == []
     assert result.extra["prompts_as"] == "text" and result.extra["replies_cut_short"] == 0
     assert result.extra["served_by"] == "elsewhere" and len(result.ttft_s) == 2
+
+
+def test_each_system_runs_on_a_thread_that_ends_with_it():
+    """A thread that ran torch ops keeps an OpenMP pool while it lives, which slows a system
+    stepping on another thread (own_thread.py): the bench's work must not outlive its run."""
+    ran_on = []
+
+    def work():
+        ran_on.append(threading.current_thread())
+        return 7
+
+    assert on_own_thread(work) == 7
+    assert ran_on[0] is not threading.current_thread() and not ran_on[0].is_alive()
+    with pytest.raises(ValueError, match="bad"):
+        on_own_thread(lambda: int("bad"))

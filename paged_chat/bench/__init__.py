@@ -31,6 +31,7 @@ import torch
 from paged_chat.bench.contention import busy_processes, contention_table
 from paged_chat.bench.host_overhead import host_overhead
 from paged_chat.bench.openai_server import is_openai_system, run_openai_server
+from paged_chat.bench.own_thread import on_own_thread
 from paged_chat.bench.scenarios import decode_step_time, memory_scenarios, roofline
 from paged_chat.bench.systems import SYSTEMS, SystemResult, run_system
 from paged_chat.bench.tier_resume import tier_resume
@@ -72,12 +73,17 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
                              options.seed)
     log(f"workload: {len(workload.prompts)} chats, {workload.num_prompt_tokens} prompt tokens "
         f"({workload.system_prompt_tokens} shared), {workload.num_output_tokens} output tokens")
-    engine = Engine(EngineConfig(model=options.model, device="cpu", dtype=options.dtype,
-                                 block_size=options.block_size, max_num_seqs=options.num_chats,
-                                 max_num_batched_tokens=options.max_num_batched_tokens,
-                                 threads=options.engine_threads),
-                    source=source)
-    engine.generate([workload.prompts[0]], SamplingParams(temperature=0, max_tokens=2))  # warm-up
+    config = EngineConfig(model=options.model, device="cpu", dtype=options.dtype,
+                          block_size=options.block_size, max_num_seqs=options.num_chats,
+                          max_num_batched_tokens=options.max_num_batched_tokens,
+                          threads=options.engine_threads)
+
+    def warmed_up_engine() -> Engine:
+        engine = Engine(config, source=source)
+        engine.generate([workload.prompts[0]], SamplingParams(temperature=0, max_tokens=2))
+        return engine
+
+    engine = on_own_thread(warmed_up_engine)  # each system's torch work on its own thread
     baseline_dtype = TORCH_DTYPES[options.baseline_dtype or options.dtype]
     results: list[SystemResult] = []
     for name, busy in [(name, busy) for name in options.systems
@@ -85,9 +91,9 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
         log(f"running {name}" + (f" beside {busy} busy processes" if busy else "") + " ...")
         with busy_processes(busy, options.contention_bound_s):
             result = (run_openai_server(name, workload, source.tokenizer) if is_openai_system(name)
-                      else run_system(name, engine, source, workload, baseline_dtype,
-                                      options.block_size, options.max_num_batched_tokens,
-                                      options.threads))
+                      else on_own_thread(lambda: run_system(
+                          name, engine, source, workload, baseline_dtype, options.block_size,
+                          options.max_num_batched_tokens, options.threads)))
             results.append(result)
         if busy:
             results[-1].name = f"{name} +{busy} busy"

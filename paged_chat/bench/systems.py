@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from paged_chat.bench.own_thread import on_own_thread
 from paged_chat.bench.workload import Workload
 from paged_chat.engine import Engine, SamplingParams
 from paged_chat.engine.models.loader import ModelSource
@@ -218,7 +219,9 @@ def run_system(name: str, engine: Engine, source: ModelSource, workload: Workloa
         return run_paged_chat(engine, workload)
     torch.set_num_threads(baseline_threads)  # the engine's thread policy may have changed it
     if name == "hf-cb":
-        model = build_hf_model(source, baseline_dtype, "paged|eager")
+        # Its steps run on transformers' own thread: built on this one, the model would leave
+        # an OpenMP pool here for as long as the run (see own_thread.py).
+        model = on_own_thread(lambda: build_hf_model(source, baseline_dtype, "paged|eager"))
         # Room for the whole workload twice over: it never preempts, and its own memory
         # check (which assumes a GPU-sized budget) stays satisfied.
         workload_blocks = (workload.num_prompt_tokens + workload.num_output_tokens) // block_size

@@ -10,9 +10,9 @@ runs twice more: while a key is typed into the shown tab's prompt every TYPE_EVE
 (the UI thread), so its figures are where the UI's time goes; they are divided by the
 profiled run's streaming time (seconds of UI work per second of streaming). The prefix
 cache is reset before each run so none of them starts warm. The engine is built, and runs
-alone, on threads that end afterwards, as the app builds it on a worker thread: a main
-thread that had run torch ops would keep an OpenMP pool that slows the app's engine thread
-(AsyncEngine's docstring says why), and the comparison would measure that instead.
+alone, on threads that end afterwards (`on_own_thread`), as the app builds it on its engine
+thread: a main thread that had run torch ops would keep an OpenMP pool that slows the app's
+engine thread, and the comparison would measure that instead.
 """
 
 from __future__ import annotations
@@ -24,19 +24,17 @@ import re
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TypeVar
 
 from textual import events
 
+from paged_chat.bench.own_thread import on_own_thread
 from paged_chat.chat import Conversation
 from paged_chat.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
 from paged_chat.settings import ChatSettings, Settings
 from paged_chat.store import ChatStore
 
-T = TypeVar("T")
 PROFILE_TOP = 12        # functions listed by own time
 ROUNDS = 2              # runs of the engine alone and of the app each, alternating
 TYPE_EVERY_S = 0.1      # a fast typist's pace, for the keypress-to-echo samples
@@ -70,13 +68,6 @@ def demo_chats(count: int, seed: int) -> list[tuple[str | None, str]]:
     from paged_chat.tui.demo import demo_tabs
 
     return [(system, autopilot.first_prompt()) for _, system, autopilot in demo_tabs(count, seed)]
-
-
-def on_own_thread(work: Callable[[], T]) -> T:
-    """`work()` on a thread that ends when it returns, and with it the OpenMP pool of its
-    torch ops."""
-    with ThreadPoolExecutor(max_workers=1) as executor:
-        return executor.submit(work).result()
 
 
 def run_engine_alone(engine: Engine, chats: list[tuple[str | None, str]],
