@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from paged_chat.engine import EngineConfig
-from paged_chat.engine.threads import ThreadPolicy, available_cores
+from paged_chat.engine.threads import StepThreads, ThreadPolicy, available_cores
 
 
 class FakeClock:
@@ -99,13 +99,21 @@ def test_each_losing_trial_of_more_threads_doubles_the_wait_for_the_next():
     assert waits == [5, 10, 20, 20] and policy.count == 1
 
 
-def test_a_trial_of_more_threads_ends_at_its_first_hopeless_step():
+def test_a_trial_of_more_threads_ends_once_it_is_hopeless():
     contended = {2: 0.02, 1: 0.002}
     policy, clock = make_policy(recheck_s=5.0, recheck_steps=10_000)
     run_steps(policy, clock, contended, steps=8)
     assert policy.count == 1
     clock.now += 5.0
-    assert run_steps(policy, clock, contended, steps=4) == [1, 2, 1, 1]
+    assert run_steps(policy, clock, contended, steps=6) == [1, 2, 1, 2, 1, 1]
+    assert policy.count == 1 and not policy.in_trial
+
+
+def test_a_trial_down_from_every_core_ends_once_the_fewer_threads_run_far_faster():
+    """Beside busy processes the first trial, from every core down, would otherwise run
+    half its steps on the slow arm."""
+    policy, clock = make_policy()
+    assert run_steps(policy, clock, {2: 0.02, 1: 0.002}, steps=6) == [2, 1, 2, 1, 1, 1]
     assert policy.count == 1 and not policy.in_trial
 
 
@@ -128,6 +136,18 @@ def test_many_cores_try_both_neighbours_in_turn():
     clock.now += 10
     run_steps(policy, clock, timing, steps=8)  # then 2 (the lower): takes it
     assert policy.count == 2
+
+
+def test_decode_steps_and_prefill_steps_keep_counts_of_their_own():
+    """Beside busy processes a prefill chunk still runs faster on both cores while decode
+    steps run faster on one: a trial in the prefill must not decide for the decodes."""
+    clock = FakeClock()
+    steps = StepThreads(*(ThreadPolicy(max_threads=2, adaptive=True, clock=clock) for _ in range(2)))
+    prefill_rate = {2: 0.001, 1: 0.0018}    # seconds per token
+    decode_rate = {2: 0.02, 1: 0.004}
+    for decode_only, rate, count in [(False, prefill_rate, 8), (True, decode_rate, 8)]:
+        run_steps(steps.for_step(decode_only), clock, rate, steps=count)
+    assert steps.prefill.count == 2 and steps.decode.count == 1
 
 
 def test_a_fixed_count_never_trials():

@@ -47,7 +47,7 @@ from paged_chat.engine.runner import ModelRunner
 from paged_chat.engine.sampler import SamplingBatch, sample
 from paged_chat.engine.scheduler import Scheduler, SchedulerOutput
 from paged_chat.engine.stats import BlockMap, EngineStats, KVTierStats, RateMeter
-from paged_chat.engine.threads import ThreadPolicy
+from paged_chat.engine.threads import StepThreads
 
 _DEFAULT_CPU_KV_FRACTION = 0.2
 _DEFAULT_CPU_KV_CAP = 2 * 2**30
@@ -113,7 +113,7 @@ class Engine:
         self._generation_tokens_total = 0
         self._last_batch = (0, 0)
         self._last_step_time = 0.0
-        self.threads = ThreadPolicy.from_setting(config.threads)
+        self.threads = StepThreads.from_setting(config.threads)
         self.info = ModelInfo(
             name=self.model_name, tokenizer=self.tokenizer, chat_template=self.chat_template,
             device=self.device.type, dtype=dtype_name(self.dtype), num_blocks=self.num_blocks,
@@ -218,9 +218,10 @@ class Engine:
             self._last_batch = (0, 0)
             self._last_step_time = self.runner.last_forward_s = 0.0
             return outputs
-        threads = self.threads.apply()
         started = time.perf_counter()
         schedule = self.scheduler.schedule()
+        policy = self.threads.for_step(decode_only=schedule.num_tokens == len(schedule.scheduled))
+        threads = policy.apply()
         samplers = [item for item in schedule.scheduled if item.samples]
         self._block_ids.forget([*schedule.preempted])
         tables = [self._block_ids.of(item.request.request_id) for item in schedule.scheduled]
@@ -247,7 +248,7 @@ class Engine:
         self._generation_tokens_total += len(sampled)
         self._last_batch = (len(schedule.scheduled), schedule.num_tokens)
         self._last_step_time = time.perf_counter() - started
-        self.threads.record(threads, schedule.num_tokens, self._last_step_time)
+        policy.record(threads, schedule.num_tokens, self._last_step_time)
         return outputs
 
     def _append_token(self, request: Request, token_id: int, now: float) -> RequestOutput:
