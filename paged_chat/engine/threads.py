@@ -23,8 +23,8 @@ fewer. No fixed count is right on every machine at every moment, so the policy m
   every core down, would otherwise run half its steps many times slower).
 - A fixed `threads` (EngineConfig.threads) turns the trials off.
 
-Decode-only steps and steps with prompt work each have a policy of their own
-(`StepThreads`): on a busy machine they want different counts (its docstring says why).
+Only decode-only steps adapt; steps with prompt work run on every core the policy may use
+(`StepThreads` says why).
 
 `torch.set_num_threads` reaches OpenMP per calling thread, so `apply()` sets the count at
 the start of every step on the thread that steps (AsyncEngine's thread included), not once
@@ -163,14 +163,16 @@ def _rate(arm: list[float] | None) -> float:
 
 @dataclass(slots=True)
 class StepThreads:
-    """A ThreadPolicy for decode-only steps and one for steps with prompt work.
+    """The thread policy of decode-only steps, and the fixed count of steps with prompt work.
 
-    On a busy machine the two want different counts. A prefill chunk is a few large
-    matmuls that split well and wait at few barriers; a decode step is hundreds of small
-    ops, each ending at a barrier that one descheduled thread stalls. With one policy, a
-    trial that fell in the prefill at the start kept every core for the decode steps after
-    it until the next recheck (measured beside two busy processes on 2 cores: 17-21 tok/s,
-    against 32 pinned to one thread).
+    On a busy machine the two want different counts. A decode step is hundreds of small
+    ops, each ending at a barrier that one descheduled thread stalls, so it adapts. A prefill
+    chunk is a few large matmuls that split well and wait at few barriers: it runs on every
+    core the policy may use (beside two busy processes on 2 cores, a trial of it kept both).
+    Trials on prefill steps would cost more than they find: they are few and large, and one
+    on the slow arm costs a whole chunk's time. With one policy for both, a trial that fell
+    in the prefill at the start kept every core for the decode steps after it until the next
+    recheck (measured beside two busy processes: 17-21 tok/s against 32 pinned to one thread).
     """
 
     decode: ThreadPolicy
@@ -178,7 +180,8 @@ class StepThreads:
 
     @classmethod
     def from_setting(cls, threads: int | str | None) -> "StepThreads":
-        return cls(ThreadPolicy.from_setting(threads), ThreadPolicy.from_setting(threads))
+        decode = ThreadPolicy.from_setting(threads)
+        return cls(decode, ThreadPolicy(max_threads=decode.max_threads, adaptive=False))
 
     def for_step(self, decode_only: bool) -> ThreadPolicy:
         return self.decode if decode_only else self.prefill
