@@ -151,47 +151,6 @@ def test_decode_steps_adapt_while_prefill_steps_keep_every_core(monkeypatch):
     assert prefill == [2] * 8 and steps.decode.count == 1
 
 
-def test_a_trial_down_from_every_core_ends_once_the_fewer_threads_run_far_faster():
-    """Beside busy processes the first trial, from every core down, would otherwise run
-    half its steps on the slow arm."""
-    policy, clock = make_policy()
-    assert run_steps(policy, clock, {2: 0.02, 1: 0.002}, steps=6) == [2, 1, 2, 1, 1, 1]
-    assert policy.count == 1 and not policy.in_trial
-
-
-def test_rechecks_after_recheck_steps_without_time_passing():
-    policy, clock = make_policy(recheck_s=1e9, recheck_steps=20)
-    run_steps(policy, clock, {2: 0.0, 1: 0.0}, steps=8)
-    assert not policy.in_trial
-    run_steps(policy, clock, {2: 0.0, 1: 0.0}, steps=20)
-    assert policy.next_count() in (1, 2) and policy.in_trial
-
-
-def test_many_cores_try_both_neighbours_in_turn():
-    policy, clock = make_policy(max_threads=8)
-    timing = {8: 0.01, 4: 0.004, 2: 0.003, 1: 0.01}
-    run_steps(policy, clock, timing, steps=8)
-    assert policy.count == 4
-    clock.now += 10
-    run_steps(policy, clock, timing, steps=8)  # tries 8 again (the upper neighbour): keeps 4
-    assert policy.count == 4
-    clock.now += 10
-    run_steps(policy, clock, timing, steps=8)  # then 2 (the lower): takes it
-    assert policy.count == 2
-
-
-def test_decode_steps_and_prefill_steps_keep_counts_of_their_own():
-    """Beside busy processes a prefill chunk still runs faster on both cores while decode
-    steps run faster on one: a trial in the prefill must not decide for the decodes."""
-    clock = FakeClock()
-    steps = StepThreads(*(ThreadPolicy(max_threads=2, adaptive=True, clock=clock) for _ in range(2)))
-    prefill_rate = {2: 0.001, 1: 0.0018}    # seconds per token
-    decode_rate = {2: 0.02, 1: 0.004}
-    for decode_only, rate, count in [(False, prefill_rate, 8), (True, decode_rate, 8)]:
-        run_steps(steps.for_step(decode_only), clock, rate, steps=count)
-    assert steps.prefill.count == 2 and steps.decode.count == 1
-
-
 def test_a_fixed_count_never_trials():
     policy = ThreadPolicy.from_setting(3)
     assert not policy.adaptive
