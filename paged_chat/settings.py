@@ -161,10 +161,14 @@ def chat_sampling(params: SamplingParams) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class TuiSettings:
-    """`[tui]`: the Textual theme name and `[tui.keys]` (action name -> key, e.g.
-    `new_chat = "ctrl+n"`); the TUI validates action names against its own bindings."""
+    """`[tui]`: the Textual theme name, where the engine runs (`engine_process`: in a
+    process of its own, the default, or on a thread of the app, which shares the app's GIL
+    and loses a fifth or more of its speed while tabs stream), and `[tui.keys]` (action
+    name -> key, e.g. `new_chat = "ctrl+n"`); the TUI validates action names against its
+    own bindings."""
 
     theme: str = "textual-dark"
+    engine_process: bool = True
     keys: dict[str, str] = field(default_factory=dict)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import statistics
 import threading
 import time
@@ -22,6 +23,7 @@ from textual._xterm_parser import XTermParser
 from textual.widgets import Tabs
 
 from paged_chat.engine import AsyncEngine, EngineConfig
+from paged_chat.engine.engine_process import EngineProcess
 from paged_chat.session import chat_title
 from paged_chat.store import ChatStore
 from paged_chat.text import sanitize_for_terminal as clean
@@ -187,7 +189,7 @@ async def test_model_loads_in_a_worker_while_the_ui_is_open(chat_model_dir, tmp_
         return from_config(cls, config)
 
     monkeypatch.setattr(AsyncEngine, "from_config", classmethod(slow_load))
-    settings = make_settings(max_tokens=8)
+    settings = make_settings(max_tokens=8, engine_process=False)
     app = TuiTestApp(settings, engine_config=engine_config(chat_model_dir),
                   store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
     async with app.run_test(size=(120, 40)) as pilot:
@@ -203,6 +205,26 @@ async def test_model_loads_in_a_worker_while_the_ui_is_open(chat_model_dir, tmp_
         assert replies(app.active_tab)[0].text
         engine = app.engine
     assert engine._thread.is_alive() is False   # the app shut down the engine it loaded
+
+
+@pytest.mark.timeout(180)
+async def test_the_app_runs_its_engine_in_a_process_of_its_own(chat_model_dir, tmp_path):
+    """Issue 18: on a thread of the app the engine shares the UI's GIL and loses a fifth or
+    more of its speed while tabs stream; by default it runs in a child process, whose
+    block map the panel shows as before, and which ends with the app."""
+    app = TuiTestApp(make_settings(max_tokens=300), engine_config=engine_config(chat_model_dir),
+                     store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(pilot, lambda: app.engine is not None, timeout=120)
+        engine = app.engine
+        assert isinstance(engine, EngineProcess) and engine.pid != os.getpid()
+        await type_prompt(pilot, "hello from the app")
+        await wait_until(pilot, lambda: engine.stats().blocks_in_use > 0, timeout=60)
+        assert app.active_tab.chat_id in engine.stats().blocks.request_owners
+        await wait_until(pilot, lambda: idle(app), timeout=60)
+        assert len(app.active_tab.session.turn.token_ids) == 300
+        assert replies(app.active_tab)[0].text
+    assert engine._process.exitcode == 0 and not engine.running
 
 
 @pytest.mark.timeout(60)

@@ -1,11 +1,13 @@
 """The TUI scenario of `paged-chat bench`: what watching the engine costs it.
 
 The same chats (the demo's tabs: their system prompts and first prompts, greedy, EOS
-ignored so every run produces the same tokens) run on one engine, in one process: through
-the engine alone (`Engine.generate`) and through the real app run headless (Textual's
-`run_test`) with one tab streaming each chat, ROUNDS times each, alternating, so a change in
-the machine's load between runs hits both; the best run of each is compared. Then the app
-runs twice more: while a key is typed into the shown tab's prompt every TYPE_EVERY_S
+ignored so every run produces the same tokens) run through the engine alone
+(`Engine.generate`) and through the real app run headless (Textual's `run_test`) with one tab
+streaming each chat: the app as it ships, its engine in a process of its own
+(EngineProcess), and the app with its engine on a thread of its own process (AsyncEngine over
+the same engine the alone runs use, `[tui] engine_process = false`). Each runs ROUNDS times,
+alternating, so a change in the machine's load between runs hits all three; the best run of
+each is compared. Then the app as it ships runs twice more: while a key is typed into the shown tab's prompt every TYPE_EVERY_S
 (keypress-to-echo times), and under cProfile. cProfile watches only the thread that enables it, here the app's event loop
 (the UI thread), so its figures are where the UI's time goes; they are divided by the
 profiled run's streaming time (seconds of UI work per second of streaming). The prefix
@@ -18,6 +20,7 @@ engine thread, and the comparison would measure that instead.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import cProfile
 import pstats
 import re
@@ -31,7 +34,8 @@ from textual import events
 
 from paged_chat.bench.own_thread import on_own_thread
 from paged_chat.chat import Conversation
-from paged_chat.engine import AsyncEngine, Engine, EngineConfig, SamplingParams
+from paged_chat.engine import AsyncEngine, Engine, EngineClient, EngineConfig, SamplingParams
+from paged_chat.engine.engine_process import EngineProcess
 from paged_chat.settings import ChatSettings, Settings
 from paged_chat.store import ChatStore
 
@@ -43,8 +47,9 @@ AREAS = {               # where a profiled function's file lies -> what it is pa
     "markdown": ("textual/widgets/_markdown", "markdown_it", "paged_chat/tui/messages"),
     "engine panel": ("paged_chat/tui/engine_panel", "paged_chat/tui/block_map",
                      "paged_chat/tui/sparkline", "paged_chat/engine/stats"),
-    "engine hand-off": ("paged_chat/session", "paged_chat/engine/async_engine", "paged_chat/store",
-                        "sqlite3"),
+    "engine hand-off": ("paged_chat/session", "paged_chat/engine/async_engine",
+                        "paged_chat/engine/streams", "paged_chat/engine/engine_process",
+                        "paged_chat/store", "sqlite3"),
     "layout and paint": ("textual/_compositor", "textual/_arrange", "textual/_layout",
                          "textual/layouts", "textual/strip", "textual/_styles_cache",
                          "textual/css", "textual/widget", "rich/"),
@@ -83,7 +88,7 @@ def run_engine_alone(engine: Engine, chats: list[tuple[str | None, str]],
     return {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}
 
 
-def run_app(engine: Engine, chats: list[tuple[str | None, str]], params: SamplingParams,
+def run_app(client: EngineClient, chats: list[tuple[str | None, str]], params: SamplingParams,
             size: tuple[int, int], profile: cProfile.Profile | None = None,
             typing: bool = False) -> dict:
     """One turn per tab in the real app, headless; the tabs send at once and the clock
@@ -95,8 +100,7 @@ def run_app(engine: Engine, chats: list[tuple[str | None, str]], params: Samplin
         def sampling_params(self, sampling: dict) -> SamplingParams:
             return params
 
-    engine.reset_prefix_cache()
-    client = AsyncEngine(engine)
+    client.reset_prefix_cache()
     folder = Path(tempfile.mkdtemp(prefix="paged-chat-bench-tui-"))
     store = ChatStore(folder / "chats.db")
     app = BenchApp(Settings(chat=ChatSettings()), engine=client, store=store,
@@ -106,7 +110,7 @@ def run_app(engine: Engine, chats: list[tuple[str | None, str]], params: Samplin
         async with app.run_test(size=size):
             tabs = []
             for index, (system, _) in enumerate(chats):
-                chat = store.create_chat(f"Demo {index + 1}", engine.info.name, system, {})
+                chat = store.create_chat(f"Demo {index + 1}", client.info.name, system, {})
                 tabs.append(await app.open_chat_tab(chat, activate=index == 0, loaded=True))
             if profile is not None:
                 profile.enable()
@@ -120,8 +124,8 @@ def run_app(engine: Engine, chats: list[tuple[str | None, str]], params: Samplin
             if profile is not None:
                 profile.disable()
             tokens = sum(len(tab.session.turn.token_ids) for tab in tabs)
-            result = {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall,
-                      "ui_cpu_per_s": ui_cpu / wall}
+            result = {"client": type(client).__name__, "output_tokens": tokens, "wall_s": wall,
+                      "output_tokens_per_s": tokens / wall, "ui_cpu_per_s": ui_cpu / wall}
             if echoes:
                 echoes.sort()
                 result |= {"keypress_echo_samples": len(echoes),
@@ -132,7 +136,6 @@ def run_app(engine: Engine, chats: list[tuple[str | None, str]], params: Samplin
     try:
         return asyncio.run(drive())
     finally:
-        client.shutdown()
         store.close()
 
 
@@ -192,22 +195,42 @@ def run_tui_bench(options: TuiBenchOptions, log: Callable[[str], None] = print) 
     engine = on_own_thread(lambda: warmed_up(Engine(config)))
     chats = demo_chats(options.tabs, options.seed)
     params = SamplingParams(temperature=0, max_tokens=options.max_tokens, ignore_eos=True)
-    alone_runs, app_runs = [], []
-    for round_ in range(1, ROUNDS + 1):
-        log(f"tui: {options.tabs} tabs x {options.max_tokens} tokens, engine alone ({round_}/{ROUNDS}) ...")
-        alone_runs.append(on_own_thread(lambda: run_engine_alone(engine, chats, params)))
-        log(f"tui: the app, headless ({round_}/{ROUNDS}) ...")
-        app_runs.append(run_app(engine, chats, params, options.size))
-    alone, app = (max(runs, key=lambda run: run["output_tokens_per_s"]) for runs in (alone_runs, app_runs))
-    log("tui: the app while a key is typed every 0.1 s ...")
-    typed = run_app(engine, chats, params, options.size, typing=True)
-    log("tui: the app under cProfile (its UI thread) ...")
-    profile = cProfile.Profile()
-    profiled = run_app(engine, chats, params, options.size, profile)
-    return {"options": asdict(options), "engine_alone": alone, "app": app,
-            "app_vs_engine": app["output_tokens_per_s"] / alone["output_tokens_per_s"],
-            "rounds": {"engine_alone": alone_runs, "app": app_runs}, "typing_app": typed,
+    log("tui: starting the engine process ...")
+    with contextlib.ExitStack() as clients:
+        process = EngineProcess(config)
+        clients.callback(process.shutdown)
+        asyncio.run(_warm_up(process))
+        on_thread = AsyncEngine(engine)
+        clients.callback(on_thread.shutdown)
+        rounds: dict[str, list[dict]] = {"engine_alone": [], "app": [], "app_engine_on_a_thread": []}
+        for round_ in range(1, ROUNDS + 1):
+            log(f"tui: {options.tabs} tabs x {options.max_tokens} tokens, engine alone ({round_}/{ROUNDS}) ...")
+            rounds["engine_alone"].append(on_own_thread(lambda: run_engine_alone(engine, chats, params)))
+            log(f"tui: the app, headless ({round_}/{ROUNDS}) ...")
+            rounds["app"].append(run_app(process, chats, params, options.size))
+            log(f"tui: the app with its engine on a thread ({round_}/{ROUNDS}) ...")
+            rounds["app_engine_on_a_thread"].append(run_app(on_thread, chats, params, options.size))
+        best = {name: max(runs, key=lambda run: run["output_tokens_per_s"])
+                for name, runs in rounds.items()}
+        log("tui: the app while a key is typed every 0.1 s ...")
+        typed = run_app(process, chats, params, options.size, typing=True)
+        log("tui: the app under cProfile (its UI thread) ...")
+        profile = cProfile.Profile()
+        profiled = run_app(process, chats, params, options.size, profile)
+    alone = best["engine_alone"]["output_tokens_per_s"]
+    return {"options": asdict(options), "engine_alone": best["engine_alone"], "app": best["app"],
+            "app_engine_on_a_thread": best["app_engine_on_a_thread"],
+            "app_vs_engine": best["app"]["output_tokens_per_s"] / alone,
+            "thread_app_vs_engine": best["app_engine_on_a_thread"]["output_tokens_per_s"] / alone,
+            "rounds": rounds, "typing_app": typed,
             "profiled_app": profiled, "profile": profile_summary(profile, profiled["wall_s"])}
+
+
+async def _warm_up(client: EngineClient) -> None:
+    """One short request, as `warmed_up` does for the engine alone: the first step's one-off
+    costs stay out of the timed runs."""
+    async for _ in client.stream([1, 2, 3], SamplingParams(temperature=0, max_tokens=2)):
+        pass
 
 
 def format_tui_report(report: dict) -> str:
@@ -221,6 +244,9 @@ def format_tui_report(report: dict) -> str:
              f"{report['options']['tabs']} tabs, {alone['output_tokens']} tokens each run; "
              f"torch threads {report['options']['threads']}); UI thread CPU "
              f"{app['ui_cpu_per_s']:.2f} s per s",
+             f"tui: the app with its engine on a thread instead of in its own process: "
+             f"{report['app_engine_on_a_thread']['output_tokens_per_s']:.1f} tok/s "
+             f"({100 * report['thread_app_vs_engine']:.0f}% of the engine alone)",
              f"tui: UI thread busy {profile['ui_busy_per_s']:.2f} s, idle {profile['ui_idle_per_s']:.2f} s "
              f"per s of streaming (profiled run "
              f"{report['profiled_app']['output_tokens_per_s']:.1f} tok/s): " + ", ".join(

@@ -1,10 +1,10 @@
 """AsyncEngine: one background thread owns the Engine; asyncio code streams from it.
 
-The engine thread steps while there is work and sleeps on its command queue when there
-is none. Callers never touch the Engine: `stream()` sends an "add" command and reads
-deltas from an asyncio queue that the thread fills, once per step per event loop (not
-once per token). Cancelling or abandoning a stream aborts its request, which frees its
-blocks. `stats()` returns the last snapshot the thread published (at most every
+The engine thread runs the engine loop (engine_loop.py): it steps while there is work and
+sleeps on its command queue when there is none. Callers never touch the Engine: `stream()`
+sends an "add" command and reads deltas from an asyncio queue that the thread fills, once
+per step per event loop (streams.py). Cancelling or abandoning a stream aborts its request,
+which frees its blocks. `stats()` returns the last snapshot the thread published (at most every
 `stats_interval_s`, and once more when it goes idle): it never waits for the engine.
 
 If a step raises, every open stream gets an EngineDeadError, all requests are aborted
@@ -25,25 +25,24 @@ of regions waits for a wake-up (measured on 2 cores: 60-70% of the speed).
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import itertools
 import queue
 import sys
 import threading
-import time
-from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 from paged_chat.engine.client import ModelInfo
 from paged_chat.engine.config import EngineConfig
 from paged_chat.engine.engine import Engine
+from paged_chat.engine.engine_loop import (Abort, Add, Command, ResetPrefixCache, Shutdown,
+                                           serve_engine)
 from paged_chat.engine.errors import EngineDeadError
 from paged_chat.engine.models.loader import ProgressHook
 from paged_chat.engine.request import RequestOutput, SamplingParams
 from paged_chat.engine.stats import EngineStats
+from paged_chat.engine.streams import Streams
 
 
 # The engine thread lets go of the GIL in every torch op and must win it back after each one.
@@ -52,35 +51,6 @@ from paged_chat.engine.stats import EngineStats
 # crawls while the loop works. The interval is process-wide; lowering it costs the loop a few
 # more hand-offs per frame.
 GIL_SWITCH_INTERVAL_S = 0.0005
-
-
-@dataclass(slots=True)
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-
-@dataclass(slots=True)
-class _Add:
-    request_id: str
-    prompt: str | Sequence[int]
-    params: SamplingParams | None
-    owner: str | None
-
-
-@dataclass(slots=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(slots=True)
-class _ResetPrefixCache:
-    pass
-
-
-@dataclass(slots=True)
-class _Shutdown:
-    reason: str  # what the open streams are told
 
 
 class AsyncEngine:
@@ -93,9 +63,7 @@ class AsyncEngine:
         self.stats_interval_s = stats_interval_s
         self.last_error: str | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
-        self._streams_lock = threading.Lock()
-        self._stopped: str | None = None  # why the thread stopped; None while it serves
+        self._streams = Streams()
         self._ids = itertools.count()
         self._thread = self._start_thread(engine)
 
@@ -112,48 +80,28 @@ class AsyncEngine:
     @property
     def running(self) -> bool:
         """Whether the engine thread serves requests (False after shutdown or a crash)."""
-        return self._stopped is None
+        return self._streams.stopped is None
 
     def stats(self) -> EngineStats:
         return self._stats
 
-    async def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                     request_id: str | None = None, owner: str | None = None
-                     ) -> AsyncIterator[RequestOutput]:
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               request_id: str | None = None, owner: str | None = None
+               ) -> AsyncIterator[RequestOutput]:
         """Yield the request's deltas until it finishes; stop early to abort it.
 
         Raises EngineDeadError when a step fails or the engine stops; the request is then
         gone from the engine too.
         """
         request_id = request_id or f"stream-{next(self._ids)}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._streams_lock:  # the thread marks itself stopped under this lock: no race
-            if self._stopped is not None:
-                raise EngineDeadError(self._stopped)
-            if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already streaming")
-            self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, prompt, params, owner))
-        finished = False
-        try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            with self._streams_lock:
-                self._streams.pop(request_id, None)
-            if not finished:  # also after an error: its add may still be queued behind it
-                self._commands.put(_Abort(request_id))
+        return self._streams.stream(Add(request_id, prompt, params, owner), self._send)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+        self._send(Abort(request_id))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, on the engine thread, before its next step."""
-        self._commands.put(_ResetPrefixCache())
+        self._send(ResetPrefixCache())
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Abort everything, stop the thread and wait for it and for the KV tier's writes."""
@@ -183,10 +131,12 @@ class AsyncEngine:
         except Exception:  # an inconsistent engine: rebuild it rather than trust it
             engine = functools.partial(Engine, self.engine.config)
         self.last_error = None
-        with self._streams_lock:  # no stream opened since the stop: the old queue is all stale
-            self._commands = queue.SimpleQueue()
-            self._stopped = None
+        self._commands = queue.SimpleQueue()  # no stream opened since the stop: all stale
+        self._streams.reopen()
         self._thread = self._start_thread(engine)
+
+    def _send(self, command: Command) -> None:
+        self._commands.put(command)
 
     def _start_thread(self, engine: Engine | Callable[[], Engine]) -> threading.Thread:
         """Start the engine thread, building the engine on it first when given a builder."""
@@ -200,7 +150,7 @@ class AsyncEngine:
 
     def _stop(self, reason: str, timeout_s: float) -> None:
         if self._thread.is_alive():
-            self._commands.put(_Shutdown(reason))
+            self._send(Shutdown(reason))
             self._thread.join(timeout_s)
 
     # ---- the engine thread ----------------------------------------------------------
@@ -210,47 +160,19 @@ class AsyncEngine:
             engine = engine if isinstance(engine, Engine) else engine()
             self._stats = engine.stats()
         except BaseException as error:  # a bad model path, a failed load: raised to the caller
-            self._stopped = f"the engine could not be built ({type(error).__name__}: {error})"
+            self._streams.end(f"the engine could not be built ({type(error).__name__}: {error})")
             built.set_exception(error)
             return
         self.engine = engine
         built.set_result(None)
         try:
-            self._serve()
+            reason = serve_engine(engine, self._receive, self, self.stats_interval_s)
         except Exception as error:  # an engine bug outside a step: say so, never die silently
             self.last_error = f"{type(error).__name__}: {error}"
-            self._end_streams(f"the engine stopped after an internal error ({self.last_error});"
-                              " restart it")
+            reason = f"the engine stopped after an internal error ({self.last_error}); restart it"
+        self._streams.end(reason)
 
-    def _serve(self) -> None:
-        last_publish = 0.0
-        while True:
-            idle = not self.engine.has_unfinished()
-            if idle:
-                self._publish()
-            for command in self._drain(block=idle):
-                if isinstance(command, _Shutdown):  # the cached prefixes stay valid
-                    self.engine.abort_all()
-                    self._publish()
-                    self._end_streams(command.reason)
-                    return
-                self._apply(command)
-            if not self.engine.has_unfinished():
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as error:  # surfaced to every stream, never swallowed
-                self.last_error = f"{type(error).__name__}: {error}"
-                self._fail_all(EngineDeadError(f"the engine step failed: {self.last_error}"))
-                self._publish()
-                continue
-            self._deliver(outputs)
-            now = time.monotonic()
-            if now - last_publish >= self.stats_interval_s:
-                self._publish()
-                last_publish = now
-
-    def _drain(self, block: bool) -> list:
+    def _receive(self, block: bool) -> list[Command]:
         commands = [self._commands.get()] if block else []
         while True:
             try:
@@ -258,72 +180,18 @@ class AsyncEngine:
             except queue.Empty:
                 return commands
 
-    def _apply(self, command: _Add | _Abort | _ResetPrefixCache) -> None:
-        if isinstance(command, _Abort):
-            self.engine.abort(command.request_id)
-            return
-        if isinstance(command, _ResetPrefixCache):
-            self.engine.reset_prefix_cache()
-            return
-        with self._streams_lock:
-            stream = self._streams.get(command.request_id)
-        if stream is None:  # the consumer left before its request was added
-            return
-        try:
-            self.engine.add_request(command.prompt, command.params, command.request_id,
-                                    command.owner)
-        except Exception as error:  # a bad prompt: that stream raises it
-            _send([stream], error)
+    # LoopEvents, called on the engine thread
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-        with self._streams_lock:
-            for output in outputs:
-                stream = self._streams.get(output.request_id)
-                if stream is not None:
-                    by_loop[stream.loop].append((stream.queue, output))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # that event loop has closed: nobody reads these streams again
-                self._drop_loop(loop)
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for request_id in self._streams.deliver(outputs):
+            self._send(Abort(request_id))
 
-    def _drop_loop(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Abort the requests of a closed event loop's streams: their consumers can no longer
-        run the `finally` that would have aborted them (an app that exited mid-stream)."""
-        with self._streams_lock:
-            orphans = [rid for rid, stream in self._streams.items() if stream.loop is loop]
-            for request_id in orphans:
-                del self._streams[request_id]
-        for request_id in orphans:
-            self.engine.abort(request_id)
+    def on_stats(self, stats: EngineStats) -> None:
+        self._stats = stats
 
-    def _fail_all(self, error: EngineDeadError) -> None:
-        """After a failed step: abort everything and tell every open stream; keep serving."""
-        self.engine.reset()
-        with self._streams_lock:
-            streams = list(self._streams.values())
-        _send(streams, error)
+    def on_request_failed(self, request_id: str, error: Exception) -> None:
+        self._streams.fail([request_id], error)
 
-    def _end_streams(self, reason: str) -> None:
-        """Mark the thread stopped (no new stream can open) and end every open stream."""
-        with self._streams_lock:
-            self._stopped = reason
-            streams = list(self._streams.values())
-        _send(streams, EngineDeadError(reason))
-
-    def _publish(self) -> None:
-        self._stats = self.engine.stats()
-
-
-def _send(streams: list[_Stream], error: Exception) -> None:
-    for stream in streams:
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, error)
-        except RuntimeError:  # that event loop has closed
-            pass
-
-
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for target, output in items:
-        target.put_nowait(output)
+    def on_step_failed(self, message: str) -> None:
+        self.last_error = message
+        self._streams.fail(None, EngineDeadError(f"the engine step failed: {message}"))

@@ -26,7 +26,7 @@ from textual.css.query import NoMatches
 from textual.widgets import ContentSwitcher, Footer, Static, TabbedContent
 
 from paged_chat.engine.errors import PagedChatError, describe_error
-from paged_chat.settings import Settings, data_dir
+from paged_chat.settings import Settings, cache_dir, data_dir
 from paged_chat.store import ChatStore
 from paged_chat.text import sanitize_for_terminal as clean
 from paged_chat.tui.actions import ACTIONS, ChatActions, StoredChats, make_bindings
@@ -38,6 +38,7 @@ from paged_chat.tui.tabs import TabManagement
 
 if TYPE_CHECKING:
     from paged_chat.engine import EngineClient, EngineConfig, SamplingParams
+    from paged_chat.engine.models.loader import ProgressHook
     from paged_chat.server import ApiServer
     from paged_chat.tui.demo import Autopilot
 
@@ -167,15 +168,13 @@ class PagedChatApp(ChatActions, TabManagement, App):
 
     @work(thread=True, exclusive=True, group="engine", exit_on_error=False)
     def _load_engine(self) -> None:
-        from paged_chat.engine import AsyncEngine
-
         started = time.monotonic()
 
         def progress(stage: str, done: int, total: int) -> None:  # read by the status line's poll
             self._load_progress = f"{stage} {done}/{total}"
 
         try:
-            engine = AsyncEngine.from_config(self.engine_config, on_progress=progress)
+            engine = self._start_engine(progress)
         except BaseException as error:  # shown in the status line and in any waiting tab
             try:
                 self.call_from_thread(self._engine_failed, describe_error(error))
@@ -186,6 +185,18 @@ class PagedChatApp(ChatActions, TabManagement, App):
             self.call_from_thread(self._engine_loaded, engine, time.monotonic() - started)
         except RuntimeError:  # the app closed while the model loaded
             engine.shutdown()
+
+    def _start_engine(self, progress: ProgressHook) -> EngineClient:
+        """The engine in a process of its own ([tui] engine_process), its output to a log
+        file since the app owns the terminal; or on a thread of the app."""
+        if self.settings.tui.engine_process:
+            from paged_chat.engine.engine_process import EngineProcess
+
+            return EngineProcess(self.engine_config, on_progress=progress,
+                                 log_path=cache_dir() / "engine.log")
+        from paged_chat.engine import AsyncEngine
+
+        return AsyncEngine.from_config(self.engine_config, on_progress=progress)
 
     def _engine_loaded(self, engine: EngineClient, seconds: float) -> None:
         self.engine = engine

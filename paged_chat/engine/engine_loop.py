@@ -1,0 +1,107 @@
+"""The loop that serves an Engine: apply the commands that came in, step while there is work,
+sleep on the commands when there is none, and report what happened.
+
+It runs wherever the engine lives: on AsyncEngine's thread, or as the main loop of
+EngineProcess's child process. Only the transport differs, behind two small surfaces: where
+the commands come from (`receive`) and who hears of outputs, stats and failures
+(`LoopEvents`). The commands are plain picklable dataclasses, so they cross a pipe as they
+are.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from paged_chat.engine.engine import Engine
+from paged_chat.engine.request import RequestOutput, SamplingParams
+from paged_chat.engine.stats import EngineStats
+
+
+@dataclass(slots=True)
+class Add:
+    request_id: str
+    prompt: str | Sequence[int]
+    params: SamplingParams | None
+    owner: str | None
+
+
+@dataclass(slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(slots=True)
+class ResetPrefixCache:
+    pass
+
+
+@dataclass(slots=True)
+class Shutdown:
+    reason: str  # what the open streams are told
+
+
+Command = Add | Abort | ResetPrefixCache | Shutdown
+
+
+class LoopEvents(Protocol):
+    """What the loop reports, from the thread that runs it."""
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        """One step's deltas."""
+
+    def on_stats(self, stats: EngineStats) -> None:
+        """A new snapshot: at most every `stats_interval_s` while stepping, and when idle."""
+
+    def on_request_failed(self, request_id: str, error: Exception) -> None:
+        """The engine refused to add a request (a bad prompt); nothing else is affected."""
+
+    def on_step_failed(self, message: str) -> None:
+        """A step raised: every request has been aborted and the prefix cache dropped (a
+        failed forward may have left indexed blocks unwritten); the loop goes on serving."""
+
+
+def serve_engine(engine: Engine, receive: Callable[[bool], list[Command]], events: LoopEvents,
+                 stats_interval_s: float) -> str:
+    """Serve until a Shutdown command and return its reason. `receive(block)` returns the
+    commands that came in, waiting for one when `block` (the engine is idle). Any error
+    outside a step (an engine bug) propagates: the caller ends the streams with it."""
+    last_publish = 0.0
+    while True:
+        idle = not engine.has_unfinished()
+        if idle:
+            events.on_stats(engine.stats())
+        for command in receive(idle):
+            if isinstance(command, Shutdown):  # the cached prefixes stay valid
+                engine.abort_all()
+                events.on_stats(engine.stats())
+                return command.reason
+            _apply(engine, command, events)
+        if not engine.has_unfinished():
+            continue
+        try:
+            outputs = engine.step()
+        except Exception as error:  # surfaced to every stream, never swallowed
+            engine.reset()
+            events.on_step_failed(f"{type(error).__name__}: {error}")
+            events.on_stats(engine.stats())
+            continue
+        events.on_outputs(outputs)
+        now = time.monotonic()
+        if now - last_publish >= stats_interval_s:
+            events.on_stats(engine.stats())
+            last_publish = now
+
+
+def _apply(engine: Engine, command: Add | Abort | ResetPrefixCache, events: LoopEvents) -> None:
+    if isinstance(command, Abort):
+        engine.abort(command.request_id)
+    elif isinstance(command, ResetPrefixCache):
+        engine.reset_prefix_cache()
+    else:
+        try:
+            engine.add_request(command.prompt, command.params, command.request_id, command.owner)
+        except Exception as error:  # a bad prompt: that stream raises it
+            events.on_request_failed(command.request_id, error)

@@ -1,0 +1,329 @@
+"""EngineProcess: the EngineClient whose Engine runs in a child process of its own.
+
+Why a process. In one process the UI's event loop and the engine thread share one GIL: the
+engine thread gives it up in every torch op and must win it back after each one, while the
+loop holds it for a frame's layout and paint. On 2 cores the app kept 68-83% of the
+engine's speed with the engine on a thread, whatever the frame rate or switch interval; the
+same app with the same engine in another process kept 87-104%. vLLM v1 splits its
+EngineCore off the same way.
+
+How. The child (spawned, not forked: the parent has threads, and a forked torch would
+inherit their locks) builds the Engine on its main thread, so its OpenMP pool is the only
+one, and runs the same loop as AsyncEngine's thread (engine_loop.py) over one duplex pipe:
+
+    parent -> child   Add, Abort, ResetPrefixCache, Shutdown       (engine_loop's commands)
+    child -> parent   _Progress while loading, then _Ready (ModelInfo, first stats) or
+                      _LoadFailed; then per step _Outputs, every stats_interval_s _Stats,
+                      _RequestFailed, _StepFailed, and last _Stopped
+
+In the parent a sender thread writes the commands (a long prompt never blocks the event
+loop on a full pipe while the child is in a step) and a reader thread hands each step's
+deltas to the streams' event loops (streams.py), as AsyncEngine's thread does. `stats()`
+returns the last snapshot the child sent, block map included; it never waits.
+
+Failures. A failed step ends the open streams and the child keeps serving, as on a thread.
+A child that dies (killed, out of memory, a crash in native code) ends every stream with
+EngineDeadError naming its exit code, and `last_error` says so. A child whose parent dies
+sees its pipe close and exits; it ignores SIGINT, so Ctrl+C in a terminal reaches only the
+app, which shuts the child down. Its stdout and stderr go to `log_path` when given (a TUI
+owns the terminal), with Python's fault handler on, so a native crash leaves a trace there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import itertools
+import multiprocessing
+import os
+import pickle
+import queue
+import signal
+import sys
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from paged_chat.engine.client import ModelInfo
+from paged_chat.engine.config import EngineConfig
+from paged_chat.engine.engine_loop import Abort, Add, Command, ResetPrefixCache, Shutdown
+from paged_chat.engine.errors import EngineDeadError, PagedChatError, describe_error
+from paged_chat.engine.models.loader import ProgressHook
+from paged_chat.engine.request import RequestOutput, SamplingParams
+from paged_chat.engine.stats import EngineStats
+from paged_chat.engine.streams import Streams
+
+
+@dataclass(slots=True)
+class _Progress:
+    stage: str
+    done: int
+    total: int
+
+
+@dataclass(slots=True)
+class _Ready:
+    info: ModelInfo
+    stats: EngineStats
+
+
+@dataclass(slots=True)
+class _LoadFailed:
+    error: BaseException
+
+
+@dataclass(slots=True)
+class _Outputs:
+    outputs: list[RequestOutput]
+
+
+@dataclass(slots=True)
+class _Stats:
+    stats: EngineStats
+
+
+@dataclass(slots=True)
+class _RequestFailed:
+    request_id: str
+    error: Exception
+
+
+@dataclass(slots=True)
+class _StepFailed:
+    message: str
+
+
+@dataclass(slots=True)
+class _Stopped:
+    reason: str
+    error: str | None  # the internal error that stopped the loop, if one did
+
+
+class EngineProcess:
+    """An EngineClient (paged_chat.engine.client) over an Engine in a child process."""
+
+    def __init__(self, config: EngineConfig, on_progress: ProgressHook | None = None,
+                 log_path: Path | None = None, stats_interval_s: float = 0.05) -> None:
+        """Start the child and wait until it has loaded the model (`on_progress(stage, done,
+        total)` hears a slow load advance). The load's error is raised here; a child that
+        dies while loading is an EngineDeadError."""
+        self.last_error: str | None = None
+        self._streams = Streams()
+        self._ids = itertools.count()
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_conn = context.Pipe()
+        self._process = context.Process(
+            target=_child_main, args=(child_conn, config, stats_interval_s, log_path),
+            name="paged-chat-engine", daemon=True)
+        with _stderr_with_a_descriptor():
+            self._process.start()
+        child_conn.close()  # the child's end lives in the child: EOF here once it exits
+        try:
+            self.info, self._stats = self._wait_until_ready(on_progress)
+        except BaseException:
+            self._conn.close()
+            self._process.join(10.0)
+            raise
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._write, name="paged-chat-engine-sender",
+                                        daemon=True)
+        self._reader = threading.Thread(target=self._read, name="paged-chat-engine-reader",
+                                        daemon=True)
+        self._sender.start()
+        self._reader.start()
+
+    @property
+    def running(self) -> bool:
+        """Whether the child serves requests (False after shutdown or once it died)."""
+        return self._streams.stopped is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               request_id: str | None = None, owner: str | None = None
+               ) -> AsyncIterator[RequestOutput]:
+        """Yield the request's deltas until it finishes; stop early to abort it. Raises
+        EngineDeadError when a step fails or the child stops."""
+        request_id = request_id or f"stream-{next(self._ids)}"
+        return self._streams.stream(Add(request_id, prompt, params, owner), self._commands.put)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(Abort(request_id))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix, in the child, before its next step."""
+        self._commands.put(ResetPrefixCache())
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Abort everything, let the child finish the KV tier's writes and exit, and wait for
+        it (killed after `timeout_s`)."""
+        self._commands.put(Shutdown("the engine has shut down"))
+        self._reader.join(timeout_s)
+        self._process.join(timeout_s)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._commands.put(None)  # ends the sender
+        self._sender.join(timeout_s)
+        self._conn.close()
+
+    # ---- the parent's threads ---------------------------------------------------------
+
+    def _wait_until_ready(self, on_progress: ProgressHook | None) -> tuple[ModelInfo, EngineStats]:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                self._process.join(10.0)
+                raise EngineDeadError(f"the engine process exited while loading the model "
+                                      f"(exit code {self._process.exitcode})") from None
+            if isinstance(message, _Progress):
+                if on_progress is not None:
+                    on_progress(message.stage, message.done, message.total)
+            elif isinstance(message, _LoadFailed):
+                raise message.error
+            else:
+                return message.info, message.stats
+
+    def _write(self) -> None:
+        while (command := self._commands.get()) is not None:
+            try:
+                self._conn.send(command)
+            except OSError:  # the child has gone: the reader says why
+                return
+
+    def _read(self) -> None:
+        try:
+            while not isinstance(message := self._conn.recv(), _Stopped):
+                self._handle(message)
+            if message.error is not None:
+                self.last_error = message.error
+            reason = message.reason
+        except (EOFError, OSError):
+            self._process.join(10.0)
+            reason = self.last_error = (f"the engine process exited unexpectedly (exit code "
+                                        f"{self._process.exitcode}); restart the app")
+        self._streams.end(reason)
+
+    def _handle(self, message: _Outputs | _Stats | _RequestFailed | _StepFailed) -> None:
+        if isinstance(message, _Outputs):
+            for request_id in self._streams.deliver(message.outputs):
+                self._commands.put(Abort(request_id))
+        elif isinstance(message, _Stats):
+            self._stats = message.stats
+        elif isinstance(message, _RequestFailed):
+            self._streams.fail([message.request_id], message.error)
+        else:
+            self.last_error = message.message
+            self._streams.fail(None, EngineDeadError(f"the engine step failed: {message.message}"))
+
+
+# ---- the child ------------------------------------------------------------------------
+
+class _PipeEvents:
+    """LoopEvents that go to the parent over the pipe."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        if outputs:
+            self.conn.send(_Outputs(outputs))
+
+    def on_stats(self, stats: EngineStats) -> None:
+        self.conn.send(_Stats(stats))
+
+    def on_request_failed(self, request_id: str, error: Exception) -> None:
+        self.conn.send(_RequestFailed(request_id, _portable(error)))
+
+    def on_step_failed(self, message: str) -> None:
+        self.conn.send(_StepFailed(message))
+
+
+def _child_main(conn: Connection, config: EngineConfig, stats_interval_s: float,
+                log_path: Path | None) -> None:
+    from paged_chat.engine.engine import Engine
+    from paged_chat.engine.engine_loop import serve_engine
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if log_path is not None:
+        _log_to(log_path)
+    faulthandler.enable()
+
+    def progress(stage: str, done: int, total: int) -> None:
+        conn.send(_Progress(stage, done, total))
+
+    try:
+        engine = Engine(config, on_progress=progress)
+    except BaseException as error:
+        conn.send(_LoadFailed(_portable(error)))
+        return
+    conn.send(_Ready(engine.info, engine.stats()))
+
+    def receive(block: bool) -> list[Command]:
+        try:
+            commands = [conn.recv()] if block else []
+            while conn.poll():
+                commands.append(conn.recv())
+        except (EOFError, OSError):  # the parent has gone
+            return [Shutdown("the app has gone")]
+        return commands
+
+    error = None
+    try:
+        reason = serve_engine(engine, receive, _PipeEvents(conn), stats_interval_s)
+    except Exception as exc:  # an engine bug outside a step, or the parent gone mid-send
+        error = f"{type(exc).__name__}: {exc}"
+        reason = f"the engine stopped after an internal error ({error}); restart the app"
+    engine.flush()
+    try:
+        conn.send(_Stopped(reason, error))
+    except OSError:
+        pass
+
+
+def _log_to(path: Path) -> None:
+    """Send this process's stdout and stderr, native writes included, to `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    os.dup2(descriptor, 1)
+    os.dup2(descriptor, 2)
+    os.close(descriptor)
+
+
+@contextlib.contextmanager
+def _stderr_with_a_descriptor() -> Iterator[None]:
+    """multiprocessing hands `sys.stderr.fileno()` to the resource tracker it starts with the
+    first child; a TUI's print capture (Textual's) answers -1 there, and the start fails with
+    "bad value(s) in fds_to_keep". So the process's own stderr stands in while it starts."""
+    try:
+        usable = sys.stderr is not None and sys.stderr.fileno() >= 0
+    except (AttributeError, OSError, ValueError):
+        usable = False
+    if usable or sys.__stderr__ is None:
+        yield
+        return
+    captured, sys.stderr = sys.stderr, sys.__stderr__
+    try:
+        yield
+    finally:
+        sys.stderr = captured
+
+
+def _portable(error: BaseException) -> BaseException:
+    """`error` if it crosses the pipe intact, else a PagedChatError with its one line."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return PagedChatError(describe_error(error))

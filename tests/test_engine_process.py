@@ -1,0 +1,160 @@
+"""EngineProcess: the engine in a child process streams what the engine in this process
+generates, aborts what is left, sends its block map over, and every way the child can end
+(shutdown, a load error, a kill, its parent gone) ends the streams with one clear line."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from paged_chat.engine import Engine, EngineDeadError, ModelLoadError, SamplingParams
+from paged_chat.engine.engine_process import EngineProcess
+from tui_helpers import engine_config
+
+LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+SHORT = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def process_engine(chat_model_dir):
+    engine = EngineProcess(engine_config(chat_model_dir), stats_interval_s=0.01)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def own_process_engine(chat_model_dir):
+    engine = EngineProcess(engine_config(chat_model_dir))
+    yield engine
+    engine.shutdown()
+
+
+async def collect(engine, prompt, params=SHORT, owner=None) -> list:
+    return [out async for out in engine.stream(prompt, params, owner=owner)]
+
+
+async def wait_until(condition, timeout_s: float = 60.0) -> None:
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.02)
+    await asyncio.wait_for(poll(), timeout_s)
+
+
+def idle(engine: EngineProcess) -> bool:
+    stats = engine.stats()
+    return stats.blocks_in_use == 0 and stats.num_running == 0 and stats.num_waiting == 0
+
+
+async def test_streams_match_the_engine_in_this_process(process_engine, chat_model_dir):
+    assert process_engine.pid != os.getpid()
+    prompts = [[5, 6, 7], "a plain prompt"]
+    expected = Engine(engine_config(chat_model_dir)).generate(prompts, SHORT)
+    streams = await asyncio.wait_for(asyncio.gather(*(collect(process_engine, p) for p in prompts)), 60)
+    for deltas, final in zip(streams, expected):
+        assert [t for d in deltas for t in d.new_token_ids] == final.token_ids
+        assert "".join(d.new_text for d in deltas) == final.text
+        assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+    assert process_engine.info.tokenizer.decode(expected[0].token_ids) == expected[0].text
+
+
+async def test_leaving_a_stream_aborts_its_request_in_the_child(process_engine):
+    count = 0
+    async for _ in process_engine.stream(list(range(3, 50)), LONG):
+        count += 1
+        if count == 3:
+            break
+    await wait_until(lambda: idle(process_engine))
+
+
+async def test_the_block_map_comes_over_with_its_owners(process_engine):
+    task = asyncio.create_task(collect(process_engine, list(range(3, 60)), LONG, owner="tab-a"))
+    await wait_until(lambda: "tab-a" in process_engine.stats().blocks.request_owners)
+    stats = process_engine.stats()
+    assert stats.blocks_in_use >= 4 and stats.num_blocks == 512
+    index = stats.blocks.request_owners.index("tab-a")
+    assert stats.blocks.table_lengths[index] >= 4
+    task.cancel()
+    await wait_until(lambda: idle(process_engine))
+
+
+async def test_a_bad_prompt_raises_in_its_stream_only(process_engine):
+    with pytest.raises(ValueError, match="empty"):
+        await asyncio.wait_for(collect(process_engine, []), 30)
+    assert len(await asyncio.wait_for(collect(process_engine, [5, 6]), 30)) == 12
+
+
+async def test_shutdown_ends_open_streams_and_the_child_exits(own_process_engine):
+    stream = own_process_engine.stream([5, 6, 7], LONG)
+    await asyncio.wait_for(anext(stream), 60)
+    await asyncio.get_running_loop().run_in_executor(None, own_process_engine.shutdown)
+    with pytest.raises(EngineDeadError, match="shut down"):
+        async for _ in stream:   # the deltas that came before the shutdown, then the error
+            pass
+    assert own_process_engine._process.exitcode == 0 and not own_process_engine.running
+    with pytest.raises(EngineDeadError):
+        await collect(own_process_engine, [5, 6])
+
+
+async def test_a_killed_child_ends_every_stream_with_its_exit_code(own_process_engine):
+    stream = own_process_engine.stream([5, 6, 7], LONG)
+    await asyncio.wait_for(anext(stream), 60)
+    os.kill(own_process_engine.pid, signal.SIGKILL)
+    with pytest.raises(EngineDeadError, match=r"exited unexpectedly \(exit code -9\)"):
+        async for _ in stream:
+            pass
+    assert not own_process_engine.running
+    assert "exit code -9" in own_process_engine.last_error
+    with pytest.raises(EngineDeadError, match="exit code -9"):
+        await collect(own_process_engine, [5, 6])
+
+
+def test_the_child_exits_when_its_parent_is_killed(chat_model_dir):
+    """A parent killed outright runs no clean-up; its end of the pipe closes with it, and the
+    child must not linger holding the model and the KV pool."""
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT_SCRIPT, str(chat_model_dir)], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        child_pid = int(parent.stdout.readline())
+        assert child_alive(child_pid)
+    finally:
+        parent.kill()
+        parent.wait(30)
+    deadline = time.monotonic() + 60
+    while child_alive(child_pid):
+        assert time.monotonic() < deadline, "the engine process outlived its parent"
+        time.sleep(0.05)
+
+
+PARENT_SCRIPT = """
+import sys
+import time
+from paged_chat.engine.engine_process import EngineProcess
+from tui_helpers import engine_config
+if __name__ == "__main__":
+    engine = EngineProcess(engine_config(sys.argv[1]))
+    print(engine.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def child_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie nobody reaped yet has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_load_error_is_raised_from_the_constructor(tmp_path):
+    with pytest.raises(ModelLoadError, match="missing"):
+        EngineProcess(engine_config(tmp_path / "missing"))
