@@ -424,7 +424,7 @@ def bench(ctx: typer.Context,
         if tui:
             from paged_chat.bench.tui import TuiBenchOptions, format_tui_report, run_tui_bench
             report = run_tui_bench(TuiBenchOptions(model=model, tabs=tui, max_tokens=max_output,
-                                                   dtype=dtype, seed=seed, threads=threads),
+                                                   dtype=dtype, seed=seed, threads=engine_threads),
                                    log=lambda line: typer.echo(line, err=True))
             typer.echo(format_tui_report(report))
             if json_path is not None:

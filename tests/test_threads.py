@@ -151,6 +151,27 @@ def test_decode_steps_adapt_while_prefill_steps_keep_every_core(monkeypatch):
     assert prefill == [2] * 8 and steps.decode.count == 1
 
 
+def test_leaving_a_core_to_a_ui_starts_decode_steps_lower_and_trials_still_climb(monkeypatch):
+    """The app's engine leaves a core to the UI thread; where more threads still run much
+    faster (a quiet machine, a UI at rest), the first trial takes them back."""
+    monkeypatch.setattr("paged_chat.engine.threads.available_cores", lambda: 2)
+    steps = StepThreads.from_setting(None)
+    clock = FakeClock()
+    steps.decode.clock = clock
+    steps.leave_cores(1)
+    assert steps.decode.count == 1 and steps.prefill.next_count() == 2
+    assert run_steps(steps.decode, clock, {2: 0.001, 1: 0.002}, steps=8)[0] == 1
+    assert steps.decode.count == 2
+    beside_a_busy_ui = StepThreads.from_setting(None)
+    beside_a_busy_ui.decode.clock = clock
+    beside_a_busy_ui.leave_cores(1)
+    run_steps(beside_a_busy_ui.decode, clock, {2: 0.0011, 1: 0.001}, steps=8)
+    assert beside_a_busy_ui.decode.count == 1
+    pinned = StepThreads.from_setting(2)
+    pinned.leave_cores(1)
+    assert pinned.decode.next_count() == 2
+
+
 def test_a_fixed_count_never_trials():
     policy = ThreadPolicy.from_setting(3)
     assert not policy.adaptive

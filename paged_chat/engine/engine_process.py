@@ -105,17 +105,19 @@ class EngineProcess:
     """An EngineClient (paged_chat.engine.client) over an Engine in a child process."""
 
     def __init__(self, config: EngineConfig, on_progress: ProgressHook | None = None,
-                 log_path: Path | None = None, stats_interval_s: float = 0.05) -> None:
+                 log_path: Path | None = None, leave_cores: int = 0,
+                 stats_interval_s: float = 0.05) -> None:
         """Start the child and wait until it has loaded the model (`on_progress(stage, done,
         total)` hears a slow load advance). The load's error is raised here; a child that
-        dies while loading is an EngineDeadError."""
+        dies while loading is an EngineDeadError. `leave_cores`: how many cores the parent
+        needs while the engine steps (StepThreads.leave_cores)."""
         self.last_error: str | None = None
         self._streams = Streams()
         self._ids = itertools.count()
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
-            target=_child_main, args=(child_conn, config, stats_interval_s, log_path),
+            target=_child_main, args=(child_conn, config, stats_interval_s, log_path, leave_cores),
             name="paged-chat-engine", daemon=True)
         with _stderr_with_a_descriptor():
             self._process.start()
@@ -248,7 +250,7 @@ class _PipeEvents:
 
 
 def _child_main(conn: Connection, config: EngineConfig, stats_interval_s: float,
-                log_path: Path | None) -> None:
+                log_path: Path | None, leave_cores: int) -> None:
     from paged_chat.engine.engine import Engine
     from paged_chat.engine.engine_loop import serve_engine
 
@@ -265,6 +267,7 @@ def _child_main(conn: Connection, config: EngineConfig, stats_interval_s: float,
     except BaseException as error:
         conn.send(_LoadFailed(_portable(error)))
         return
+    engine.threads.leave_cores(leave_cores)
     conn.send(_Ready(engine.info, engine.stats()))
 
     def receive(block: bool) -> list[Command]:

@@ -183,5 +183,12 @@ class StepThreads:
         decode = ThreadPolicy.from_setting(threads)
         return cls(decode, ThreadPolicy(max_threads=decode.max_threads, adaptive=False))
 
+    def leave_cores(self, cores: int) -> None:
+        """Start decode steps on `cores` fewer threads than every core (something else on
+        this machine needs them: an app's UI thread); trials still move up to more threads
+        where those run faster. A fixed count is left as it is."""
+        if self.decode.adaptive:
+            self.decode.count = max(1, self.decode.max_threads - cores)
+
     def for_step(self, decode_only: bool) -> ThreadPolicy:
         return self.decode if decode_only else self.prefill
