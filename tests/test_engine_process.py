@@ -62,6 +62,10 @@ async def test_streams_match_the_engine_in_this_process(process_engine, chat_mod
         assert [t for d in deltas for t in d.new_token_ids] == final.token_ids
         assert "".join(d.new_text for d in deltas) == final.text
         assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+        # The child sends deltas only; the parent fills the reply so far back in.
+        assert deltas[-1].token_ids == final.token_ids and deltas[-1].text == final.text
+        assert deltas[3].token_ids[:4] == final.token_ids[:4]
+    assert not process_engine._replies   # nothing kept of a finished request
     assert process_engine.info.tokenizer.decode(expected[0].token_ids) == expected[0].text
 
 

@@ -17,6 +17,7 @@ _EXPORTS = {
     "EngineClient": "paged_chat.engine.client",
     "EngineConfig": "paged_chat.engine.config",
     "EngineDeadError": "paged_chat.engine.errors",
+    "EngineProcess": "paged_chat.engine.engine_process",
     "EngineStats": "paged_chat.engine.stats",
     "KVTierStats": "paged_chat.engine.stats",
     "KVTierWarning": "paged_chat.engine.errors",
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from paged_chat.engine.client import EngineClient, ModelInfo
     from paged_chat.engine.config import EngineConfig
     from paged_chat.engine.engine import Engine
+    from paged_chat.engine.engine_process import EngineProcess
     from paged_chat.engine.errors import (EngineDeadError, KVTierWarning, ModelLoadError,
                                           PagedChatError)
     from paged_chat.engine.request import RequestOutput, SamplingParams
