@@ -120,6 +120,19 @@ async def test_a_killed_child_ends_every_stream_with_its_exit_code(own_process_e
         await collect(own_process_engine, [5, 6])
 
 
+async def test_a_message_the_parent_cannot_take_ends_the_streams_instead_of_hanging(
+        own_process_engine, monkeypatch):
+    def unreadable(message):
+        raise TypeError("a message from another version")
+
+    monkeypatch.setattr(own_process_engine, "_handle", unreadable)
+    with pytest.raises(EngineDeadError, match="could not be read .*another version"):
+        await asyncio.wait_for(collect(own_process_engine, [5, 6, 7]), 60)
+    assert not own_process_engine.running
+    own_process_engine._process.join(30)
+    assert own_process_engine._process.exitcode == -signal.SIGKILL
+
+
 def test_the_child_exits_when_its_parent_is_killed(chat_model_dir):
     """A parent killed outright runs no clean-up; its end of the pipe closes with it, and the
     child must not linger holding the model and the KV pool."""

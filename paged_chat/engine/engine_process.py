@@ -225,6 +225,10 @@ class EngineProcess:
             self._process.join(10.0)
             reason = self.last_error = (f"the engine process exited unexpectedly (exit code "
                                         f"{self._process.exitcode}); restart the app")
+        except Exception as error:  # a message this side cannot take: a bug; never hang on it
+            self._process.kill()
+            reason = self.last_error = (f"the engine process sent what could not be read "
+                                        f"({describe_error(error)}); restart the app")
         self._replies.clear()
         self._streams.end(reason)
 

@@ -1,7 +1,8 @@
 """The paged-chat Textual app: chat tabs on one engine client, and the engine panel.
 
-The UI opens at once; the model loads in a thread worker and the status line says when it
-is ready (a prompt sent before then waits for it). Each tab is a view of one ChatSession
+The UI opens at once; a thread worker starts the engine, by default in a process of its own
+(`[tui] engine_process`: no GIL shared with the UI), and the status line says when the
+model is ready (a prompt sent before then waits for it). Each tab is a view of one ChatSession
 and streams its replies in its own worker on the app's event loop; the engine panel polls
 `stats()` (which never blocks) on a ~10 Hz timer. The app talks to the engine only through
 the EngineClient surface, and takes an injected engine, store and settings, so tests can
