@@ -4,12 +4,13 @@ picks holds on the thread that steps."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 
 from paged_chat.engine import EngineConfig
-from paged_chat.engine.threads import StepThreads, ThreadPolicy, available_cores
+from paged_chat.engine.threads import MachineLoad, StepThreads, ThreadPolicy, available_cores
 
 
 class FakeClock:
@@ -170,6 +171,55 @@ def test_leaving_a_core_to_a_ui_starts_decode_steps_lower_and_trials_still_climb
     pinned = StepThreads.from_setting(2)
     pinned.leave_cores(1)
     assert pinned.decode.next_count() == 2
+
+
+class FakeMachine:
+    """/proc/stat's busy seconds on our cores and our own CPU seconds, advanced by hand."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock, self.busy, self.own = clock, 0.0, 0.0
+
+    def run(self, seconds: float, ours: float, others: float) -> None:
+        """`seconds` pass with `ours` and `others` cores' worth of work on the machine."""
+        self.clock.now += seconds
+        self.own += ours * seconds
+        self.busy += (ours + others) * seconds
+
+    def load(self) -> MachineLoad:
+        return MachineLoad(read_busy=lambda: self.busy, read_own=lambda: self.own, clock=self.clock)
+
+
+def test_prefill_steps_run_on_the_cores_other_processes_leave_free(monkeypatch):
+    monkeypatch.setattr("paged_chat.engine.threads.available_cores", lambda: 2)
+    machine = FakeMachine(FakeClock())
+    steps = StepThreads.from_setting(None)
+    steps.load = machine.load()
+    machine.run(5.0, ours=1.0, others=0.1)         # loading the model on a quiet machine
+    assert steps.for_step(decode_only=False).next_count() == 2
+    machine.run(2.0, ours=1.0, others=1.3)         # two busy processes start
+    assert steps.for_step(decode_only=False).next_count() == 1
+    assert steps.load.others == pytest.approx(1.3)
+    machine.run(0.1, ours=1.0, others=0.0)         # too short a window to say: keep the estimate
+    assert steps.for_step(decode_only=False).next_count() == 1
+    machine.run(1.0, ours=2.0, others=0.0)         # they stopped
+    assert steps.for_step(decode_only=False).next_count() == 2
+    assert steps.decode.next_count() == 2          # decode steps keep their own policy
+
+
+def test_no_proc_stat_means_no_load_and_a_fixed_count_means_no_measuring():
+    assert MachineLoad(read_busy=lambda: None).update() == 0.0
+    assert StepThreads.from_setting(3).load is None
+
+
+def test_busy_processes_show_up_as_load_on_this_machine():
+    """The real /proc/stat: two spinning processes on our cores while this one sleeps."""
+    from paged_chat.bench.contention import busy_processes
+
+    load = MachineLoad()
+    with busy_processes(2, bound_s=30):
+        time.sleep(1.5)   # the measured window itself, not a wait for a condition
+        others = load.update()
+    assert others >= min(1.2, 0.6 * available_cores())
 
 
 def test_a_fixed_count_never_trials():

@@ -162,26 +162,80 @@ def _rate(arm: list[float] | None) -> float:
 
 
 @dataclass(slots=True)
+class MachineLoad:
+    """How many cores' worth of CPU other processes used lately, on the cores this process
+    may run on: those cores' busy time (/proc/stat) less this process's own CPU time, over
+    windows of at least `min_window_s`. 0 where /proc/stat cannot be read.
+
+    The first window starts when this is made (the engine's start-up), so the first prompt
+    already knows the load it starts under.
+    """
+
+    read_busy: Callable[[], float | None] = field(
+        default=lambda: _busy_seconds(os.sched_getaffinity(0)))
+    read_own: Callable[[], float] = time.process_time
+    clock: Callable[[], float] = time.monotonic
+    min_window_s: float = 0.5
+    others: float = 0.0
+    _last: tuple[float, float, float] | None = None   # (busy, own, when) at the window's start
+
+    def __post_init__(self) -> None:
+        self._mark()
+
+    def update(self) -> float:
+        """`others` after the window that ended now, if it is long enough."""
+        if self._last is None or self.clock() - self._last[2] >= self.min_window_s:
+            last = self._last
+            self._mark()
+            if last is not None and self._last is not None:
+                busy, own, when = (now - then for now, then in zip(self._last, last))
+                self.others = max(0.0, busy - own) / when
+        return self.others
+
+    def _mark(self) -> None:
+        busy = self.read_busy()
+        self._last = None if busy is None else (busy, self.read_own(), self.clock())
+
+
+def _busy_seconds(cores: set[int]) -> float | None:
+    """Seconds `cores` have spent on anything but idling, from /proc/stat; None without it."""
+    try:
+        with open("/proc/stat") as stat:
+            lines = [line.split() for line in stat if line.startswith("cpu") and line[3] != " "]
+    except OSError:
+        return None
+    ticks = 0
+    for name, *fields in lines:
+        if int(name[3:]) in cores:  # user nice system idle iowait irq softirq steal ...
+            ticks += sum(map(int, fields[:8])) - int(fields[3]) - int(fields[4])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(slots=True)
 class StepThreads:
-    """The thread policy of decode-only steps, and the fixed count of steps with prompt work.
+    """The thread policy of decode-only steps, and the count of steps with prompt work.
 
     On a busy machine the two want different counts. A decode step is hundreds of small
-    ops, each ending at a barrier that one descheduled thread stalls, so it adapts. A prefill
-    chunk is a few large matmuls that split well and wait at few barriers: it runs on every
-    core the policy may use (beside two busy processes on 2 cores, a trial of it kept both).
-    Trials on prefill steps would cost more than they find: they are few and large, and one
-    on the slow arm costs a whole chunk's time. With one policy for both, a trial that fell
-    in the prefill at the start kept every core for the decode steps after it until the next
-    recheck (measured beside two busy processes: 17-21 tok/s against 32 pinned to one thread).
+    ops, each ending at a barrier that one descheduled thread stalls, so it adapts by
+    trials. A prefill chunk is a few large matmuls that split well and wait at few barriers,
+    and trials on prefill steps would cost more than they find: they are few and large, and
+    one on the slow arm costs a whole chunk's time (with one policy for both, a trial that
+    fell in the prefill at the start kept every core for the decode steps after it until the
+    next recheck: 17-21 tok/s beside two busy processes against 32 pinned to one thread). So a
+    prefill step runs on the cores other processes leave free (`MachineLoad`), measured,
+    not tried: every core on a quiet machine, fewer beside busy processes, where a prompt on
+    every core waited at each barrier for a thread the busy processes had descheduled.
     """
 
     decode: ThreadPolicy
     prefill: ThreadPolicy
+    load: MachineLoad | None = None   # None: a fixed count, prefill steps keep it
 
     @classmethod
     def from_setting(cls, threads: int | str | None) -> "StepThreads":
         decode = ThreadPolicy.from_setting(threads)
-        return cls(decode, ThreadPolicy(max_threads=decode.max_threads, adaptive=False))
+        return cls(decode, ThreadPolicy(max_threads=decode.max_threads, adaptive=False),
+                   MachineLoad() if decode.adaptive else None)
 
     def leave_cores(self, cores: int) -> None:
         """Start decode steps on `cores` fewer threads than every core (something else on
@@ -191,4 +245,9 @@ class StepThreads:
             self.decode.count = max(1, self.decode.max_threads - cores)
 
     def for_step(self, decode_only: bool) -> ThreadPolicy:
-        return self.decode if decode_only else self.prefill
+        if decode_only:
+            return self.decode
+        if self.load is not None:
+            free = self.prefill.max_threads - self.load.update()
+            self.prefill.count = max(1, min(self.prefill.max_threads, round(free)))
+        return self.prefill
