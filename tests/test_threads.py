@@ -189,21 +189,30 @@ class FakeMachine:
         return MachineLoad(read_busy=lambda: self.busy, read_own=lambda: self.own, clock=self.clock)
 
 
-def test_prefill_steps_run_on_the_cores_other_processes_leave_free(monkeypatch):
+def test_steps_run_on_no_more_cores_than_other_processes_leave_free(monkeypatch):
+    """Prefill steps take the free cores as they are; decode steps drop to them at once and
+    try no more while the load lasts (each trial step on more would cost many times over),
+    then climb back by trials once it is gone."""
     monkeypatch.setattr("paged_chat.engine.threads.available_cores", lambda: 2)
-    machine = FakeMachine(FakeClock())
+    clock = FakeClock()
+    machine = FakeMachine(clock)
     steps = StepThreads.from_setting(None)
     steps.load = machine.load()
+    steps.decode.clock = clock
     machine.run(5.0, ours=1.0, others=0.1)         # loading the model on a quiet machine
     assert steps.for_step(decode_only=False).next_count() == 2
     machine.run(2.0, ours=1.0, others=1.3)         # two busy processes start
     assert steps.for_step(decode_only=False).next_count() == 1
     assert steps.load.others == pytest.approx(1.3)
+    decode = steps.for_step(decode_only=True)
+    assert decode.count == 1 and {decode.next_count() for _ in range(20)} == {1}
     machine.run(0.1, ours=1.0, others=0.0)         # too short a window to say: keep the estimate
     assert steps.for_step(decode_only=False).next_count() == 1
     machine.run(1.0, ours=2.0, others=0.0)         # they stopped
     assert steps.for_step(decode_only=False).next_count() == 2
-    assert steps.decode.next_count() == 2          # decode steps keep their own policy
+    clock.now += steps.decode.recheck_s
+    run_steps(steps.for_step(decode_only=True), clock, {2: 0.001, 1: 0.002}, steps=8)
+    assert steps.decode.count == 2
 
 
 def test_no_proc_stat_means_no_load_and_a_fixed_count_means_no_measuring():

@@ -66,6 +66,7 @@ class ThreadPolicy:
     decide_after: int = 4
     clock: Callable[[], float] = time.monotonic
     count: int = 0
+    ceiling: int = 0    # the most threads trials may try now (0: max_threads); see set_ceiling
     _steps_to_trial: int = 0
     _trial_due: float = 0.0
     _candidate: int | None = None
@@ -77,6 +78,7 @@ class ThreadPolicy:
     def __post_init__(self) -> None:
         assert self.max_threads >= 1 and self.trial_steps >= 2 and self.recheck_steps >= 0
         self.count = self.count or self.max_threads
+        self.ceiling = self.ceiling or self.max_threads
 
     @classmethod
     def from_setting(cls, threads: int | str | None) -> "ThreadPolicy":
@@ -89,6 +91,17 @@ class ThreadPolicy:
     @property
     def in_trial(self) -> bool:
         return self._candidate is not None
+
+    def set_ceiling(self, ceiling: int) -> None:
+        """Run on at most `ceiling` threads, and try no more, until it changes (the cores
+        other processes leave free): beside busy processes each trial step on more threads
+        than that costs many times over, and says only what the load already says."""
+        if not self.adaptive:
+            return
+        self.ceiling = max(1, min(self.max_threads, ceiling))
+        self.count = min(self.count, self.ceiling)
+        if self._candidate is not None and self._candidate > self.ceiling:
+            self._candidate = None   # a trial it may no longer run: the next one comes as due
 
     def next_count(self) -> int:
         """The thread count the next step should run on."""
@@ -125,18 +138,20 @@ class ThreadPolicy:
         if decided or self._trial_index >= self.trial_steps:
             self._finish_trial()
 
-    def _next_candidate(self) -> int:
-        """The neighbour the next trial tries against `count`."""
+    def _next_candidate(self) -> int | None:
+        """The neighbour the next trial tries against `count` (None: one thread, no more
+        allowed)."""
         lower = self.count // 2 if self.count > 1 else None
-        upper = min(self.max_threads, self.count * 2) if self.count < self.max_threads else None
+        upper = min(self.ceiling, self.count * 2) if self.count < self.ceiling else None
         if lower is not None and upper is not None:  # both exist: take turns
             return upper if self._tried_lower_last else lower
-        candidate = lower if lower is not None else upper
-        assert candidate is not None and candidate != self.count
-        return candidate
+        return lower if lower is not None else upper
 
     def _start_trial(self) -> None:
         candidate = self._next_candidate()
+        if candidate is None:
+            self._schedule_next_trial(1)
+            return
         self._tried_lower_last = candidate < self.count
         self._candidate, self._trial_index, self._arms = candidate, 0, {}
 
@@ -150,7 +165,10 @@ class ThreadPolicy:
         elif more:
             self._backoff = min(2 * self._backoff, self.max_backoff)
         self._candidate = None
-        wait = self._backoff if self._next_candidate() > self.count else 1
+        following = self._next_candidate()
+        self._schedule_next_trial(self._backoff if following and following > self.count else 1)
+
+    def _schedule_next_trial(self, wait: int) -> None:
         self._steps_to_trial = self.recheck_steps * wait
         self._trial_due = self.clock() + self.recheck_s * wait
 
@@ -245,9 +263,9 @@ class StepThreads:
             self.decode.count = max(1, self.decode.max_threads - cores)
 
     def for_step(self, decode_only: bool) -> ThreadPolicy:
-        if decode_only:
-            return self.decode
         if self.load is not None:
-            free = self.prefill.max_threads - self.load.update()
-            self.prefill.count = max(1, min(self.prefill.max_threads, round(free)))
-        return self.prefill
+            free = max(1, min(self.prefill.max_threads,
+                              round(self.prefill.max_threads - self.load.update())))
+            self.prefill.count = free
+            self.decode.set_ceiling(free)
+        return self.decode if decode_only else self.prefill
