@@ -62,6 +62,8 @@ class Engine:
         GGUF's first conversion; on CUDA, compiling the kernels and capturing CUDA graphs).
         Nothing of `source` but its tokenizer and config is kept."""
         self.config = config
+        # First, so its first look at the machine's load spans the model's loading.
+        self.threads = StepThreads.from_setting(config.threads)
         self.device = _resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         source = source or load_model_source(config.model, config.cache_dir, on_progress)
@@ -113,7 +115,6 @@ class Engine:
         self._generation_tokens_total = 0
         self._last_batch = (0, 0)
         self._last_step_time = 0.0
-        self.threads = StepThreads.from_setting(config.threads)
         self.info = ModelInfo(
             name=self.model_name, tokenizer=self.tokenizer, chat_template=self.chat_template,
             device=self.device.type, dtype=dtype_name(self.dtype), num_blocks=self.num_blocks,
