@@ -147,6 +147,7 @@ def test_decode_steps_adapt_while_prefill_steps_keep_every_core(monkeypatch):
     steps = StepThreads.from_setting(None)
     clock = FakeClock()
     steps.decode.clock = clock
+    steps.load = FakeMachine(clock).load()   # nothing else runs: the trials alone decide
     prefill = run_steps(steps.for_step(decode_only=False), clock, {2: 0.001, 1: 0.0018}, steps=8)
     run_steps(steps.for_step(decode_only=True), clock, {2: 0.02, 1: 0.004}, steps=8)
     assert prefill == [2] * 8 and steps.decode.count == 1

@@ -7,10 +7,11 @@ streaming each chat: the app as it ships, its engine in a process of its own
 (EngineProcess), and the app with its engine on a thread of its own process (AsyncEngine over
 the same engine the alone runs use, `[tui] engine_process = false`). Each runs ROUNDS times,
 alternating, so a change in the machine's load between runs hits all three; the best run of
-each is compared. Then the app as it ships runs twice more: while a key is typed into the shown tab's prompt every TYPE_EVERY_S
-(keypress-to-echo times), and under cProfile. cProfile watches only the thread that enables it, here the app's event loop
-(the UI thread), so its figures are where the UI's time goes; they are divided by the
-profiled run's streaming time (seconds of UI work per second of streaming). The prefix
+each is compared. Then the app as it ships runs twice more: while a key is typed into the
+shown tab's prompt every TYPE_EVERY_S (keypress-to-echo times), and under cProfile.
+cProfile watches only the thread that enables it, here the app's event loop (the UI
+thread), so its figures are where the UI's time goes; they are divided by the profiled
+run's streaming time (seconds of UI work per second of streaming). The prefix
 cache is reset before each run so none of them starts warm. The engine is built, and runs
 alone, on threads that end afterwards (`on_own_thread`), as the app builds it on its engine
 thread: a main thread that had run torch ops would keep an OpenMP pool that slows the app's
@@ -39,7 +40,7 @@ from paged_chat.settings import ChatSettings, Settings
 from paged_chat.store import ChatStore
 
 PROFILE_TOP = 12        # functions listed by own time
-ROUNDS = 2              # runs of the engine alone and of the app each, alternating
+ROUNDS = 2              # runs of the engine alone and of each app variant, alternating
 TYPE_EVERY_S = 0.1      # a fast typist's pace, for the keypress-to-echo samples
 ECHO_TIMEOUT_S = 5.0    # an echo slower than this counts as this
 AREAS = {               # where a profiled function's file lies -> what it is part of

@@ -23,7 +23,8 @@ fewer. No fixed count is right on every machine at every moment, so the policy m
   every core down, would otherwise run half its steps many times slower).
 - A fixed `threads` (EngineConfig.threads) turns the trials off.
 
-Only decode-only steps adapt; steps with prompt work run on every core the policy may use
+Only decode-only steps run trials; steps with prompt work run on the cores other processes
+leave free, measured (`MachineLoad`), and decode steps run on no more than those either
 (`StepThreads` says why).
 
 `torch.set_num_threads` reaches OpenMP per calling thread, so `apply()` sets the count at
@@ -166,7 +167,8 @@ class ThreadPolicy:
             self._backoff = min(2 * self._backoff, self.max_backoff)
         self._candidate = None
         following = self._next_candidate()
-        self._schedule_next_trial(self._backoff if following and following > self.count else 1)
+        more_next = following is not None and following > self.count
+        self._schedule_next_trial(self._backoff if more_next else 1)
 
     def _schedule_next_trial(self, wait: int) -> None:
         self._steps_to_trial = self.recheck_steps * wait
