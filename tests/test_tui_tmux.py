@@ -3,6 +3,7 @@ committed message."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -14,6 +15,9 @@ from pathlib import Path
 import pytest
 
 from paged_chat.store import ChatStore
+
+
+_SERVERS = itertools.count()
 
 
 def _tmux(*args: str) -> str:
@@ -33,14 +37,16 @@ class TmuxApp:
         env = {key: value for key, value in os.environ.items() if key not in ("COLUMNS", "LINES")}
         env = {**env, "PAGED_CHAT_CONFIG": str(config), "PAGED_CHAT_DATA_DIR": str(tmp_path / "data"),
                "PAGED_CHAT_CACHE_DIR": os.environ["PAGED_CHAT_CACHE_DIR"], "TERM": "xterm-256color"}
-        self.session = f"paged-chat-test-{os.getpid()}"
+        # A server of its own per app: the last test's server may still be exiting.
+        self.session = f"paged-chat-test-{os.getpid()}-{next(_SERVERS)}"
         self.socket = ["-L", self.session]
-        subprocess.run(["tmux", *self.socket, "new-session", "-d", "-s", self.session, "-x", "120",
-                        "-y", "40",
-                        *[arg for key in ("PAGED_CHAT_CONFIG", "PAGED_CHAT_DATA_DIR",
-                                          "PAGED_CHAT_CACHE_DIR", "HF_HUB_OFFLINE", "TERM")
-                          for arg in ("-e", f"{key}={env[key]}")],
-                        f"{sys.executable} -m paged_chat"], check=True, env=env)
+        started = subprocess.run(
+            ["tmux", *self.socket, "new-session", "-d", "-s", self.session, "-x", "120", "-y", "40",
+             *[arg for key in ("PAGED_CHAT_CONFIG", "PAGED_CHAT_DATA_DIR",
+                               "PAGED_CHAT_CACHE_DIR", "HF_HUB_OFFLINE", "TERM")
+               for arg in ("-e", f"{key}={env[key]}")],
+             f"{sys.executable} -m paged_chat"], env=env, capture_output=True, text=True)
+        assert started.returncode == 0, f"tmux could not start the app: {started.stderr.strip()}"
 
     def screen(self) -> str:
         return _tmux(*self.socket, "capture-pane", "-p", "-t", self.session)
