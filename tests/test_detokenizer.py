@@ -6,8 +6,10 @@ import random
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
 
-from paged_chat.engine.detokenizer import IncrementalDetokenizer
+from paged_chat.engine.detokenizer import IncrementalDetokenizer, TokenTexts
 
 TEXTS = [
     "Hello wörld! Ça va? Привет, мир. naïve café résumé",
@@ -86,6 +88,44 @@ def test_each_step_decodes_a_bounded_window(tokenizer) -> None:
     assert len(ids) > 1000
     assert "".join(pieces) + detok.flush() == tokenizer.decode(ids, skip_special_tokens=True)
     assert Spy.window <= 8
+
+
+def test_byte_level_ids_of_whole_characters_are_looked_up_not_decoded(tokenizer, monkeypatch
+                                                                      ) -> None:
+    """After text that ends on a character, an id of whole characters adds its own text: the
+    byte-level tokenizer's ids are looked up, and only fragments of a character decode a
+    window (before, every id decoded two windows)."""
+    texts = TokenTexts.of(tokenizer, skip_special_tokens=True)
+    windows = []
+
+    def counting_decode(ids: list[int]) -> str:
+        windows.append(len(ids))
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    monkeypatch.setattr(texts, "decode", counting_decode)
+    text = "A block table lists the blocks of one request, in order. " * 20 + TEXTS[1]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer, stop=[])
+    pieces, _ = feed(detok, ids)
+    assert "".join(pieces) + detok.flush() == tokenizer.decode(ids, skip_special_tokens=True)
+    fragments = sum(texts.text_of(i) is None for i in ids)
+    assert 0 < fragments < len(ids) // 4  # the emoji and CJK split into byte fragments
+    assert sum(1 for size in windows if size > 1) <= 2 * fragments + 2
+    assert len(windows) <= len(set(ids)) + 2 * fragments + 2
+
+
+def test_a_decoder_that_needs_context_gets_no_looked_up_texts() -> None:
+    """A sentencepiece-style decoder strips the space that starts the first token, so an id's
+    text on its own ("a") is not what it adds after other text (" a")."""
+    backend = Tokenizer(models.WordLevel({"\u2581a": 0, "\u2581b": 1, "<unk>": 2}, unk_token="<unk>"))
+    backend.decoder = decoders.Metaspace()
+    metaspace = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
+    ids = [0, 1, 0]
+    assert metaspace.decode(ids) == "a b a" and metaspace.decode([1]) == "b"
+    assert TokenTexts.of(metaspace, skip_special_tokens=True).text_of(1) is None
+    detok = IncrementalDetokenizer(metaspace, stop=[])
+    pieces, _ = feed(detok, ids)
+    assert "".join(pieces) + detok.flush() == "a b a"
 
 
 def check_stop(tokenizer, text: str, stop: list[str], chunks: list[int] | None = None) -> None:

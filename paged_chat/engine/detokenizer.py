@@ -5,10 +5,17 @@ already turned into text, then the new ones. The new text is the window's text m
 text of its already-read part, so a decoder that treats the first token of a decode
 specially (sentencepiece strips its leading space) does so in both and the difference is
 what a full decode would add. The cost per token stays flat however long the output grows.
+
+With a byte-level decoder (GPT-2's BPE: SmolLM2, Llama 3, Qwen) there is a faster way for
+most tokens: such a decoder turns each id into bytes on its own and decodes their
+concatenation, so after text that ends on a whole character, an id whose bytes are whole
+characters adds exactly its own text. `TokenTexts` keeps that text per id, so a step looks
+up most of its tokens instead of decoding two windows each (~1 us against ~5 us a token).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING
@@ -31,11 +38,10 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: list[str],
                  skip_special_tokens: bool = True) -> None:
-        self._decode_ids = _fast_decoder(tokenizer, skip_special_tokens)
-        # decode() drops these anyway; dropping them up front keeps them out of the window,
-        # where they could hide the first token from a decoder that strips a leading space
-        self._skipped_ids = ({i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
-                             if skip_special_tokens else set())
+        texts = TokenTexts.of(tokenizer, skip_special_tokens)
+        self._decode_ids = texts.decode
+        self._skipped_ids = texts.skipped_ids
+        self._text_of = texts.text_of
         self._stop = list(stop)
         self._held_chars = max(map(len, self._stop), default=1) - 1
         self._ids: list[int] = []
@@ -63,7 +69,14 @@ class IncrementalDetokenizer:
         if self._stopped:
             return "", True
         skipped = self._skipped_ids
-        self._ids += [t for t in token_ids if t not in skipped]
+        new_ids = [t for t in token_ids if t not in skipped]
+        caught_up = self._read_offset == len(self._ids)  # the text so far ends on a character
+        self._ids += new_ids
+        if caught_up and new_ids:
+            texts = [self._text_of(t) for t in new_ids]
+            if None not in texts:
+                self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+                return self._release("".join(texts))
         return self._release(self._decode_new(final=False))
 
     def flush(self) -> str:
@@ -114,6 +127,63 @@ class IncrementalDetokenizer:
             out, self._held = pending[:cut], pending[cut:]
         self._text += out
         return out, self._stopped
+
+
+class TokenTexts:
+    """What one tokenizer's decode needs, worked out once instead of per request: the
+    decode function, the ids it skips, and (for a byte-level decoder) each id's own text.
+
+    `text_of(id)` is the text the id adds after any text that ends on a whole character, or
+    None when that depends on its neighbours: a decoder that is not byte-level, or an id
+    whose bytes are not whole characters (a fragment of an emoji), or that decodes to
+    nothing. The texts are filled in as ids first occur, so a 150k vocabulary costs nothing
+    at start-up.
+    """
+
+    _cache: weakref.WeakKeyDictionary[object, dict[bool, TokenTexts]] = weakref.WeakKeyDictionary()
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> None:
+        self.decode = _fast_decoder(tokenizer, skip_special_tokens)
+        # decode() drops these anyway; dropping them up front keeps them out of the window,
+        # where they could hide the first token from a decoder that strips a leading space
+        self.skipped_ids = ({i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+                            if skip_special_tokens else set())
+        self._texts: dict[int, str | None] = {}
+        if not _byte_level(tokenizer):
+            self.text_of = _no_text
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> TokenTexts:
+        try:
+            by_skip = cls._cache.setdefault(tokenizer, {})
+        except TypeError:  # neither hashable nor weakly referable: no sharing
+            return cls(tokenizer, skip_special_tokens)
+        if skip_special_tokens not in by_skip:
+            by_skip[skip_special_tokens] = cls(tokenizer, skip_special_tokens)
+        return by_skip[skip_special_tokens]
+
+    def text_of(self, token_id: int) -> str | None:
+        try:
+            return self._texts[token_id]
+        except KeyError:
+            text = self.decode([token_id])
+            self._texts[token_id] = text if text and _REPLACEMENT not in text else None
+            return self._texts[token_id]
+
+
+def _no_text(token_id: int) -> None:
+    return None
+
+
+def _byte_level(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether decoding is byte-level through and through: the Rust tokenizer's decoder is
+    ByteLevel alone (it maps each token to bytes and decodes their concatenation) and
+    `_fast_decoder` calls it directly (transformers would clean up spaces afterwards)."""
+    from tokenizers import decoders
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return (backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
+            and not getattr(tokenizer, "clean_up_tokenization_spaces", True))
 
 
 def _fast_decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool

