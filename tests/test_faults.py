@@ -268,16 +268,16 @@ def test_detokenizer_fault_fails_only_that_request(make_engine):
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     bad = engine.add_request([5, 6, 7], GREEDY)
     detokenizer = engine._detokenizers[bad]
-    add_tokens = detokenizer.add_tokens
+    add_token = detokenizer.add_token
     calls = []
 
-    def faulty(token_ids):
-        calls.append(token_ids)
+    def faulty(token_id):
+        calls.append(token_id)
         if len(calls) == 3:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected detokenizer fault")
-        return add_tokens(token_ids)
+        return add_token(token_id)
 
-    detokenizer.add_tokens = faulty
+    detokenizer.add_token = faulty
     final = run_to_end(engine)
     assert final[bad].finish_reason == "error" and "injected detokenizer fault" in final[bad].error
     assert len(final[bad].token_ids) == 3

@@ -29,7 +29,7 @@ _REPLACEMENT = "\ufffd"  # what a byte-level decoder shows for an incomplete UTF
 class IncrementalDetokenizer:
     """Turns one request's generated ids into text deltas and spots stop strings.
 
-    The pieces returned by `add_tokens` plus `flush()` concatenate to exactly
+    The pieces returned by `add_token(s)` plus `flush()` concatenate to exactly
     `tokenizer.decode(output_ids, skip_special_tokens=...)` when no stop string is hit.
     The prompt is deliberately not used as decoding context: a sentencepiece decoder would
     then keep the leading space it strips from the first output token, and the text would
@@ -58,26 +58,34 @@ class IncrementalDetokenizer:
 
     @property
     def stopped(self) -> bool:
-        """Whether a stop string was hit: by `add_tokens`, or by `flush` in the text it held."""
+        """Whether a stop string was hit: by `add_token(s)`, or by `flush` in the text it held."""
         return self._stopped
 
-    def add_tokens(self, token_ids: list[int]) -> tuple[str, bool]:
-        """Feed the newly generated ids; return (new_text, hit_stop_string).
+    def add_token(self, token_id: int) -> tuple[str, bool]:
+        """Feed one newly generated id; return (new_text, hit_stop_string).
 
         After a stop string was hit, further ids are ignored and ("", True) comes back.
         """
         if self._stopped:
             return "", True
-        skipped = self._skipped_ids
-        new_ids = [t for t in token_ids if t not in skipped]
+        if token_id in self._skipped_ids:
+            return "", False
         caught_up = self._read_offset == len(self._ids)  # the text so far ends on a character
-        self._ids += new_ids
-        if caught_up and new_ids:
-            texts = [self._text_of(t) for t in new_ids]
-            if None not in texts:
-                self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-                return self._release("".join(texts))
+        self._ids.append(token_id)
+        if caught_up and (text := self._text_of(token_id)) is not None:
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+            return self._release(text)
         return self._release(self._decode_new(final=False))
+
+    def add_tokens(self, token_ids: list[int]) -> tuple[str, bool]:
+        """Feed several ids: the same as feeding them one at a time, the texts joined."""
+        pieces = []
+        for token_id in token_ids:
+            text, stopped = self.add_token(token_id)
+            pieces.append(text)
+            if stopped:
+                break
+        return "".join(pieces), self._stopped
 
     def flush(self) -> str:
         """At finish, return the text still held back (nothing if a stop string was hit)."""

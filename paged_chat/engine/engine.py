@@ -45,7 +45,7 @@ from paged_chat.engine.models.model_config import ModelConfig
 from paged_chat.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from paged_chat.engine.runner import ModelRunner
 from paged_chat.engine.sampler import SamplingBatch, sample
-from paged_chat.engine.scheduler import Scheduler, SchedulerOutput
+from paged_chat.engine.scheduler import Scheduler
 from paged_chat.engine.stats import BlockMap, EngineStats, KVTierStats, RateMeter
 from paged_chat.engine.threads import StepThreads
 
@@ -235,8 +235,7 @@ class Engine:
             self.kv_cache.pool.reset_prefix_cache()
             self._pending = outputs + self._pending  # deltas collected before the step stay due
             raise
-        self._record_prompt_work(schedule)
-        self.scheduler.update(schedule)
+        self._prompt_rate.add(self.scheduler.update(schedule))
         now = time.monotonic()
         for item, token in zip(samplers, sampled):
             try:  # one request's fault (its sampling, its detokenizer) must not take the batch down
@@ -258,7 +257,7 @@ class Engine:
             self._prompt_tokens_total += request.num_prompt_tokens
         request.all_token_ids.append(token_id)
         detokenizer = self._detokenizers[request.request_id]
-        new_text, hit_stop_string = detokenizer.add_tokens([token_id])
+        new_text, hit_stop_string = detokenizer.add_token(token_id)
         params = request.params
         reason: FinishReason | None = None
         if hit_stop_string or token_id in params.stop_token_ids or (
@@ -293,14 +292,6 @@ class Engine:
             request.request_id, new_token_ids, new_text, request.output_token_ids, text,
             request.is_finished, request.finish_reason, request.num_prompt_tokens,
             request.num_cached_prompt_tokens, request.error, request.num_tier_cached_tokens)
-
-    def _record_prompt_work(self, schedule: SchedulerOutput) -> None:
-        prompt_tokens = 0
-        for item in schedule.scheduled:
-            start = item.request.num_computed_tokens
-            end = min(start + item.num_new_tokens, item.request.num_prompt_tokens)
-            prompt_tokens += max(0, end - start)
-        self._prompt_rate.add(prompt_tokens)
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt, validated: the model would index its embedding with them.

@@ -42,10 +42,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted: list[Request]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.scheduled)
+    num_tokens: int  # of all the scheduled items together
 
 
 class Scheduler:
@@ -112,12 +109,18 @@ class Scheduler:
 
         # Decodes first: attention backends batch the single-token queries together.
         scheduled.sort(key=lambda item: item.num_new_tokens != 1)
-        return SchedulerOutput(scheduled, preempted)
+        return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
 
-    def update(self, output: SchedulerOutput) -> None:
-        """Advance each scheduled request past the tokens this step computed."""
+    def update(self, output: SchedulerOutput) -> int:
+        """Advance each scheduled request past the tokens this step computed; return how
+        many of those were prompt tokens (the rest are its output, fed back)."""
+        prompt_tokens = 0
         for item in output.scheduled:
-            item.request.num_computed_tokens += item.num_new_tokens
+            request, start = item.request, item.request.num_computed_tokens
+            request.num_computed_tokens = end = start + item.num_new_tokens
+            if start < (num_prompt := len(request.prompt_token_ids)):
+                prompt_tokens += min(end, num_prompt) - start
+        return prompt_tokens
 
     def finish(self, request: Request) -> None:
         """Take a request out of the queues and give its blocks back (any finish reason)."""
