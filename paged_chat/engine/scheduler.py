@@ -19,7 +19,7 @@ no waiting request is admitted in a step that preempted, so nobody starves.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from paged_chat.engine.kv_cache_manager import KVCacheManager
 from paged_chat.engine.request import Request, RequestStatus
@@ -31,11 +31,7 @@ class ScheduledRequest:
     num_new_tokens: int
     # True when this step computes the request's last known token, so it yields logits;
     # set once at scheduling (the engine, the runner and the stats each read it).
-    samples: bool = field(init=False)
-
-    def __post_init__(self) -> None:
-        request = self.request
-        self.samples = request.num_computed_tokens + self.num_new_tokens == request.num_tokens
+    samples: bool
 
 
 @dataclass(slots=True)
@@ -71,7 +67,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_left = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_left, budget)
             while not self.kv_cache.allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -79,7 +76,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                scheduled.append(ScheduledRequest(request, num_new))
+                scheduled.append(ScheduledRequest(request, num_new, num_new == num_left))
                 budget -= num_new
                 index += 1
 
@@ -92,7 +89,8 @@ class Scheduler:
                 break
             num_tier_cached = len(tier_kv) * self.kv_cache.block_size
             num_cached = len(cached_prefix) * self.kv_cache.block_size + num_tier_cached
-            num_new = min(request.num_tokens - num_cached, budget)
+            num_left = request.num_tokens - num_cached
+            num_new = min(num_left, budget)
             if not self.kv_cache.allocate(request, num_new, cached_prefix, tier_kv):
                 break
             self.waiting.popleft()
@@ -104,7 +102,7 @@ class Scheduler:
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(ScheduledRequest(request, num_new))
+            scheduled.append(ScheduledRequest(request, num_new, num_new == num_left))
             budget -= num_new
 
         # Decodes first: attention backends batch the single-token queries together.
