@@ -229,9 +229,12 @@ class ModelRunner:
 
     def _sampling_batch(self, samplers: list[ScheduledRequest], vocab_size: int) -> SamplingBatch:
         requests = [item.request for item in samplers]
-        penalised = any(request.params.uses_penalties for request in requests)
+        params = [request.params for request in requests]
+        if (greedy_only := SamplingBatch.greedy_only(params)) is not None:
+            return greedy_only  # the other columns are not read: do not gather them
+        penalised = any(p.uses_penalties for p in params)
         return SamplingBatch.build(
-            params=[request.params for request in requests],
+            params=params,
             seeds=[request.sampling_seed for request in requests],
             output_indices=[request.num_output_tokens for request in requests],
             token_histories=[request.all_token_ids for request in requests] if penalised else None,

@@ -81,6 +81,16 @@ class SamplingBatch:
     output_counts: torch.Tensor | None  # float32 [n, vocab]: occurrences in the output
 
     @classmethod
+    def greedy_only(cls, params: list[SamplingParams]) -> SamplingBatch | None:
+        """The batch of rows that are all greedy without penalties (the common case: `sample`
+        then reads nothing but `all_greedy`), or None when some row needs more."""
+        if not all(p.greedy and not p.uses_penalties for p in params):
+            return None
+        return cls(all_greedy=True, greedy=None, temperature=None, uniforms=None, min_p=None,
+                   top_k=None, top_p=None, truncated=None, repetition_penalty=None,
+                   frequency_penalty=None, presence_penalty=None, seen=None, output_counts=None)
+
+    @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], output_indices: list[int],
               token_histories: list[list[int]] | None, prompt_lens: list[int] | None,
               vocab_size: int, device: torch.device) -> SamplingBatch:
@@ -97,13 +107,10 @@ class SamplingBatch:
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
+        if (greedy_only := cls.greedy_only(params)) is not None:
+            return greedy_only
         greedy = [p.greedy for p in params]
         penalised = any(p.uses_penalties for p in params)
-        if all(greedy) and not penalised:  # the common case, and all that `sample` reads then
-            return cls(all_greedy=True, greedy=None, temperature=None, uniforms=None, min_p=None,
-                       top_k=None, top_p=None, truncated=None, repetition_penalty=None,
-                       frequency_penalty=None, presence_penalty=None, seen=None,
-                       output_counts=None)
         top_k = [min(p.top_k or vocab_size, vocab_size) for p in params]
         batch = cls(
             all_greedy=all(greedy),
