@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import openai
@@ -158,6 +163,45 @@ def test_binding_beyond_loopback_needs_a_key():
     assert result.exit_code == 1
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("Error: refusing to serve on 0.0.0.0 without --api-key")
+
+
+def child_pids(pid: int) -> list[int]:
+    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
+            for child in (task / "children").read_text().split()]
+
+
+def answers_health(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def test_the_serve_command_steps_its_engine_in_a_process_of_its_own(tiny_model_dir):
+    """`paged-chat serve` as deployed: the engine runs in a child process, so the HTTP event
+    loop and the engine share no GIL; it answers, and Ctrl+C leaves no process behind."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [sys.executable, "-m", "paged_chat", "serve", "--model", str(tiny_model_dir),
+         "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: server.poll() is not None or answers_health(port), timeout=180,
+                 what="the server to answer /health")
+        assert server.poll() is None, server.communicate()[1].decode()
+        [engine] = [pid for pid in child_pids(server.pid)
+                    if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+            "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}).json()
+        assert reply.get("usage", {}).get("completion_tokens") == 4, reply
+        server.send_signal(signal.SIGINT)
+        _, errors = server.communicate(timeout=60)
+        assert server.returncode == 130 and b"Traceback" not in errors, errors.decode()
+        assert not Path(f"/proc/{engine}").exists()
+    finally:
+        server.kill()
+        server.wait()
 
 
 def test_client_disconnect_mid_stream_frees_the_blocks(api):
