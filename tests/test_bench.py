@@ -5,6 +5,7 @@ prints, and the scenarios measure what they claim."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import threading
 
@@ -30,7 +31,7 @@ def server_system(served) -> str:
 @pytest.fixture(scope="module")
 def report(chat_model_dir, server_system):
     options = BenchOptions(model=str(chat_model_dir), num_chats=4, min_output=3, max_output=6,
-                           dtype="float32", threads=1, roofline=True,
+                           dtype="float32", threads=1, engine_threads=1, roofline=True,
                            systems=(*SYSTEMS, server_system))
     return run_bench(options, log=lambda line: None)
 
@@ -72,7 +73,11 @@ def test_scenarios(report):
     assert resumed["prefilled_with_tier"] <= 16 + 20
     assert resumed["tier_cached_tokens"] == resumed["history_tokens"] - resumed["prefilled_with_tier"]
     assert resumed["disk_bytes_per_token"] > 0
-    assert report["roofline"]["floor_ms"] > 0
+    roof = report["roofline"]
+    assert roof["floor_ms"] > 0
+    # the machine's limit is every core's; the steps ran on the one thread the bench pinned
+    assert roof["machine_threads"] == len(os.sched_getaffinity(0))
+    assert roof["decode_step_threads"] == 1
 
 
 def test_report_prints_and_saves(report, server_system, tmp_path):

@@ -122,8 +122,8 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
             options.max_num_batched_tokens, SYSTEM_PROMPT)
     if options.roofline:
         log("measuring the machine ...")
-        step = decode_step_time(engine, options.num_chats)
-        report["roofline"] = roofline(engine, step, options.num_chats)
+        step, step_threads = decode_step_time(engine, options.num_chats)
+        report["roofline"] = roofline(engine, step, options.num_chats, step_threads)
     if options.host_overhead:
         log("measuring the engine's host time over a stub forward ...")
         report["host_overhead"] = host_overhead(source)

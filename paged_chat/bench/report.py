@@ -51,8 +51,9 @@ def format_report(report: dict) -> str:
         lines.append(format_tier_resume(report["scenarios"]["tier_resume"]))
     if "roofline" in report:
         roof = report["roofline"]
-        lines.append(f"machine: {roof['bandwidth_gb_s']:.0f} GB/s, {roof['matmul_gflop_s']:.0f} "
-                     f"GFLOP/s; decode step at batch {roof['decode_batch']}: "
+        lines.append(f"machine ({roof['machine_threads']} threads): {roof['bandwidth_gb_s']:.0f} "
+                     f"GB/s, {roof['matmul_gflop_s']:.0f} GFLOP/s; decode step at batch "
+                     f"{roof['decode_batch']} (threads: {roof['decode_step_threads']}): "
                      f"{roof['decode_step_ms']:.1f} ms vs floor {roof['floor_ms']:.1f} ms "
                      f"({100 * roof['of_floor']:.0f}% of the machine's limit)")
     return "\n".join(lines)

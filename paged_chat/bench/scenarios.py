@@ -3,6 +3,7 @@ cached vs cold system prompt, prefill per turn) and the machine's roofline."""
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -70,22 +71,31 @@ def memory_scenarios(engine: Engine, source: ModelSource, workload: Workload) ->
             "five_turn_chat": turns}
 
 
-def roofline(engine: Engine, decode_step_s: float, batch_size: int) -> dict:
-    """How far a decode step is from max(weight bytes / bandwidth, FLOPs / peak)."""
-    big = torch.empty(64 * 2**20, dtype=torch.uint8)
-    target = torch.empty_like(big)
-    copy_s = min(_timed(lambda: target.copy_(big)) for _ in range(5))
+def roofline(engine: Engine, decode_step_s: float, batch_size: int, step_threads: int) -> dict:
+    """How far a decode step is from max(weight bytes / bandwidth, FLOPs / peak), the
+    machine measured on every core this process may use (its limit), whatever count of
+    threads the step ran on (`step_threads`, reported beside it)."""
+    cores = len(os.sched_getaffinity(0))
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    try:
+        big = torch.empty(64 * 2**20, dtype=torch.uint8)
+        target = torch.empty_like(big)
+        copy_s = min(_timed(lambda: target.copy_(big)) for _ in range(5))
+        size = 2048
+        a = torch.randn(size, size, dtype=TORCH_DTYPES[engine.info.dtype])
+        matmul_s = min(_timed(lambda: a @ a) for _ in range(5))
+    finally:
+        torch.set_num_threads(threads_before)
     bandwidth = 2 * big.numel() / copy_s
-    size = 2048
-    a = torch.randn(size, size, dtype=TORCH_DTYPES[engine.info.dtype])
-    matmul_s = min(_timed(lambda: a @ a) for _ in range(5))
     peak_flops = 2 * size ** 3 / matmul_s
     params = engine.info.num_parameters
     weight_bytes = params * a.element_size()
     flops = 2 * params * batch_size
     floor = max(weight_bytes / bandwidth, flops / peak_flops)
     return {"bandwidth_gb_s": bandwidth / 1e9, "matmul_gflop_s": peak_flops / 1e9,
-            "decode_batch": batch_size, "decode_step_ms": 1e3 * decode_step_s,
+            "machine_threads": cores, "decode_batch": batch_size,
+            "decode_step_ms": 1e3 * decode_step_s, "decode_step_threads": step_threads,
             "floor_ms": 1e3 * floor, "of_floor": floor / decode_step_s if decode_step_s else 0.0}
 
 
@@ -95,14 +105,17 @@ def _timed(action: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def decode_step_time(engine: Engine, batch_size: int) -> float:
+def decode_step_time(engine: Engine, batch_size: int) -> tuple[float, int]:
+    """The median time of a decode step at `batch_size` (200-token contexts) and the number
+    of threads most of those steps ran on (the engine's thread policy picks it)."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     for index in range(batch_size):
         engine.add_request([1 + index] * 200, params)
-    times = []
+    times, threads = [], []
     while engine.has_unfinished():
         engine.step()
         stats = engine.stats()
         if stats.batch_size == batch_size and stats.batch_tokens == batch_size:
             times.append(stats.step_time_s)
-    return statistics.median(times)
+            threads.append(torch.get_num_threads())
+    return statistics.median(times), statistics.mode(threads)
