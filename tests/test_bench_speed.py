@@ -51,6 +51,17 @@ def test_busy_processes_are_killed_when_interrupted():
     assert all(gone(pid) for pid in pids)
 
 
+def test_busy_processes_are_busy_before_the_caller_goes_on():
+    """The load is there before the system runs, as a user's other programs are: each
+    process has already spent CPU time (started together with the run, the engine chose its
+    first step's threads for a quiet machine)."""
+    with busy_processes(2, bound_s=600, settle_s=0.5) as processes:
+        for process in processes:
+            with open(f"/proc/{process.pid}/stat") as stat:
+                utime, stime = stat.read().split(") ")[1].split()[11:13]
+            assert int(utime) + int(stime) > 0
+
+
 def test_busy_processes_stop_by_themselves_at_their_bound():
     with busy_processes(1, bound_s=0.5) as processes:
         deadline = time.monotonic() + 60

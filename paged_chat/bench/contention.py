@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -26,14 +27,23 @@ while time.monotonic() < deadline and os.getppid() == parent:
 
 
 @contextmanager
-def busy_processes(count: int, bound_s: float) -> Iterator[list[subprocess.Popen]]:
-    """Run `count` CPU-bound processes for at most `bound_s` seconds; kill them on exit."""
+def busy_processes(count: int, bound_s: float, settle_s: float = 1.0
+                   ) -> Iterator[list[subprocess.Popen]]:
+    """Run `count` CPU-bound processes for at most `bound_s` seconds; kill them on exit.
+
+    They run `settle_s` before the caller goes on: a user's build or browser is busy before
+    the chat starts, not from the same instant. (Started together with a run, the load came
+    after an engine that had just measured a quiet machine chose its first step's threads:
+    the quick workload's whole prefill then ran on both cores beside them, 3.5 s against
+    1.2 s quiet.)"""
     processes: list[subprocess.Popen] = []
     try:
         for _ in range(count):
             processes.append(subprocess.Popen(
                 [sys.executable, "-c", _BUSY_LOOP, str(os.getpid()), str(bound_s)],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        if processes:
+            time.sleep(settle_s)
         yield processes
     finally:
         for process in processes:
