@@ -99,6 +99,7 @@ class RemoteEngine:
         self._vllm_extras = True      # False once it refused vLLM's sampling fields
         self._scrapes: list[_Scrape] = []
         self._scraping: asyncio.Task | None = None
+        self.running = True  # until shutdown: the server's own health is its business
         served = self._served_models()
         self.model = model if model in served else served[0]
         self.info = self._model_info(served, model)
@@ -199,6 +200,7 @@ class RemoteEngine:
         """A remote server's cache is its own: nothing to do from here."""
 
     def shutdown(self) -> None:
+        self.running = False
         for state in list(self._streams.values()):
             if state.task is not None:
                 state.task.cancel()

@@ -45,6 +45,10 @@ class EngineClient(Protocol):
     def last_error(self) -> str | None:
         """Why the last step failed, if one did; None otherwise."""
 
+    @property
+    def running(self) -> bool:
+        """Whether it serves requests: False after shutdown, or once its engine died."""
+
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                request_id: str | None = None, owner: str | None = None
                ) -> AsyncIterator[RequestOutput]:

@@ -6,8 +6,9 @@
 Every refusal is an OpenAI error object with its status: 400 (malformed JSON, bad
 sampling values, a prompt past max_model_len), 401 (a missing or wrong API key), 404
 (an unknown model or path), 413 (a body over `max_body_bytes`). A surprise is a 500 with
-one line, never a traceback; no request can stop the engine. With an API key, every path
-but /health needs `Authorization: Bearer KEY`, compared in constant time.
+one line, never a traceback; no request can stop the engine. /health is 200 while the
+engine serves and 503, saying why, once it stopped (an engine process that died). With an
+API key, every path but /health needs `Authorization: Bearer KEY`, compared in constant time.
 """
 
 from __future__ import annotations
@@ -58,7 +59,11 @@ def build_app(client: EngineClient, model_names: Sequence[str] = (), api_key: st
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        if client.running:
+            return Response(status_code=200)
+        reason = client.last_error or "it was shut down"
+        return JSONResponse(error_body(f"the engine is not running: {reason}", 503),
+                            status_code=503)
 
     @app.get("/metrics", dependencies=guarded)
     async def metrics() -> Response:
