@@ -123,6 +123,9 @@ async def test_a_server_that_goes_away_mid_reply_keeps_the_partial_reply(chat_mo
     client.shutdown()
     assert session.turn.finish_reason == "error" and len(session.turn.token_ids) >= 3
     assert session.conversation.token_ids[-len(session.turn.token_ids):] == session.turn.token_ids
+    assert remote.running  # a dropped stream is the server's business, not a stopped client
+    remote.shutdown()
+    assert not remote.running
 
 
 @pytest.mark.timeout(180)
