@@ -6,15 +6,18 @@ text of its already-read part, so a decoder that treats the first token of a dec
 specially (sentencepiece strips its leading space) does so in both and the difference is
 what a full decode would add. The cost per token stays flat however long the output grows.
 
-With a byte-level decoder (GPT-2's BPE: SmolLM2, Llama 3, Qwen) there is a faster way for
-most tokens: such a decoder turns each id into bytes on its own and decodes their
-concatenation, so after text that ends on a whole character, an id whose bytes are whole
-characters adds exactly its own text. `TokenTexts` keeps that text per id, so a step looks
-up most of its tokens instead of decoding two windows each (~1 us against ~5 us a token).
+Most decoders allow a faster way for most tokens. A byte-level one (GPT-2's BPE: SmolLM2,
+Llama 3, Qwen) turns each id into bytes on its own and decodes their concatenation; a
+sentencepiece one (Llama 2, Mistral, Gemma) turns each into text on its own ("▁" to a
+space, byte tokens to bytes) and strips the space that starts the whole text. So after
+some text that ends on a whole character, an id whose bytes are whole characters adds
+exactly what it adds after any other such text. `TokenTexts` keeps that per id, so a step
+looks up most of its tokens instead of decoding two windows each (~1 us against ~5 us).
 """
 
 from __future__ import annotations
 
+import json
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -70,9 +73,11 @@ class IncrementalDetokenizer:
             return "", True
         if token_id in self._skipped_ids:
             return "", False
-        caught_up = self._read_offset == len(self._ids)  # the text so far ends on a character
+        # the text so far is not empty (a leading space is stripped only from the start of
+        # the whole text) and ends on a whole character
+        after_text = (self._text or self._held) and self._read_offset == len(self._ids)
         self._ids.append(token_id)
-        if caught_up and (text := self._text_of(token_id)) is not None:
+        if after_text and (text := self._text_of(token_id)) is not None:
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
             return self._release(text)
         return self._release(self._decode_new(final=False))
@@ -139,13 +144,15 @@ class IncrementalDetokenizer:
 
 class TokenTexts:
     """What one tokenizer's decode needs, worked out once instead of per request: the
-    decode function, the ids it skips, and (for a byte-level decoder) each id's own text.
+    decode function, the ids it skips, and (for a decoder that treats each token on its
+    own) what each id adds to text.
 
-    `text_of(id)` is the text the id adds after any text that ends on a whole character, or
-    None when that depends on its neighbours: a decoder that is not byte-level, or an id
-    whose bytes are not whole characters (a fragment of an emoji), or that decodes to
-    nothing. The texts are filled in as ids first occur, so a 150k vocabulary costs nothing
-    at start-up.
+    `text_of(id)` is the text the id adds after any non-empty text that ends on a whole
+    character: what decoding it after an anchor id adds to the anchor's text. It is None
+    when that depends on its neighbours: a decoder that joins or cleans up across tokens,
+    an id whose bytes are not whole characters (a fragment of an emoji), or one that adds
+    nothing. The texts are filled in as ids first occur, so a 150k vocabulary costs
+    nothing at start-up.
     """
 
     _cache: weakref.WeakKeyDictionary[object, dict[bool, TokenTexts]] = weakref.WeakKeyDictionary()
@@ -157,8 +164,11 @@ class TokenTexts:
         self.skipped_ids = ({i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
                             if skip_special_tokens else set())
         self._texts: dict[int, str | None] = {}
-        if not _byte_level(tokenizer):
+        self._anchor = _anchor(tokenizer, self.decode) if _token_by_token(tokenizer) else None
+        if self._anchor is None:
             self.text_of = _no_text
+        else:
+            self._anchor_text = self.decode([self._anchor])
 
     @classmethod
     def of(cls, tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool) -> TokenTexts:
@@ -174,7 +184,8 @@ class TokenTexts:
         try:
             return self._texts[token_id]
         except KeyError:
-            text = self.decode([token_id])
+            both = self.decode([self._anchor, token_id])
+            text = both[len(self._anchor_text):] if both.startswith(self._anchor_text) else ""
             self._texts[token_id] = text if text and _REPLACEMENT not in text else None
             return self._texts[token_id]
 
@@ -183,15 +194,36 @@ def _no_text(token_id: int) -> None:
     return None
 
 
-def _byte_level(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """Whether decoding is byte-level through and through: the Rust tokenizer's decoder is
-    ByteLevel alone (it maps each token to bytes and decodes their concatenation) and
-    `_fast_decoder` calls it directly (transformers would clean up spaces afterwards)."""
-    from tokenizers import decoders
+# Decoders that turn each token into text on its own (Strip only at the start of the text,
+# which the detokenizer's lookups never reach), as tokenizer.json names them.
+_TOKEN_BY_TOKEN = {"ByteLevel", "Metaspace", "Replace", "ByteFallback", "Fuse"}
 
+
+def _token_by_token(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether `_fast_decoder` is the Rust decoder alone (transformers would clean up
+    spaces afterwards) and that decoder treats each token on its own."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    return (backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
-            and not getattr(tokenizer, "clean_up_tokenization_spaces", True))
+    if backend is None or backend.decoder is None or getattr(
+            tokenizer, "clean_up_tokenization_spaces", True):
+        return False
+
+    def on_its_own(spec: dict) -> bool:
+        if spec.get("type") == "Sequence":
+            return all(map(on_its_own, spec.get("decoders", ())))
+        if spec.get("type") == "Strip":
+            return spec.get("stop") == 0
+        return spec.get("type") in _TOKEN_BY_TOKEN
+
+    return on_its_own(json.loads(backend.decoder.__getstate__()))
+
+
+def _anchor(tokenizer: PreTrainedTokenizerBase, decode: Callable[[list[int]], str]) -> int | None:
+    """An id whose own text is a whole, non-empty one ("a"), to decode other ids after."""
+    ids = tokenizer.encode("a", add_special_tokens=False)
+    if len(ids) != 1:
+        return None
+    text = decode(ids)
+    return ids[0] if text and _REPLACEMENT not in text else None
 
 
 def _fast_decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool
