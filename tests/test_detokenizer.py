@@ -1,4 +1,5 @@
-"""Incremental detokenizer on the default model's real tokenizer (byte-level BPE)."""
+"""Incremental detokenizer on the default model's real tokenizer (byte-level BPE), and on
+tiny sentencepiece-style and WordPiece ones."""
 
 from __future__ import annotations
 
@@ -116,7 +117,8 @@ def test_byte_level_ids_of_whole_characters_are_looked_up_not_decoded(tokenizer,
 
 def sentencepiece_style(decoder: decoders.Decoder) -> PreTrainedTokenizerFast:
     """A tiny Llama-2-style vocabulary: "▁" words, plain pieces, and a token per byte."""
-    pieces = ["<unk>", "\u2581a", "\u2581b", "\u2581the", "a", "b", "\u2581", "\u00e9", "\u2581\u00e9t\u00e9"]
+    pieces = ["<unk>", "\u2581a", "\u2581b", "\u2581the", "a", "b", "\u2581", "\u00e9",
+              "\u2581\u00e9t\u00e9"]
     vocab = {piece: index for index, piece in enumerate(
         pieces + [f"<0x{byte:02X}>" for byte in range(256)])}
     backend = Tokenizer(models.BPE(vocab, merges=[], unk_token="<unk>", byte_fallback=True))
