@@ -171,7 +171,8 @@ def test_a_decoder_that_works_across_tokens_gets_no_looked_up_texts() -> None:
     window."""
     backend = Tokenizer(models.WordLevel({"a": 0, "##b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     backend.decoder = decoders.WordPiece()
-    wordpiece = PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False)
+    wordpiece = PreTrainedTokenizerFast(tokenizer_object=backend,
+                                        clean_up_tokenization_spaces=False)
     assert wordpiece.decode([0, 1, 0]) == "ab a"
     assert TokenTexts.of(wordpiece, skip_special_tokens=True).text_of(1) is None
     detok = IncrementalDetokenizer(wordpiece, stop=[])
