@@ -37,7 +37,7 @@ from paged_chat.settings import Settings, config_path, load_settings
 from paged_chat.text import sanitize_for_terminal
 
 if TYPE_CHECKING:
-    from paged_chat.engine import Engine, EngineConfig, EngineProcess
+    from paged_chat.engine import Engine, EngineClient, EngineConfig
     from paged_chat.store import Chat, ChatStore
 
 def _without_flag_types(params: list[click.Parameter]) -> list[click.Parameter]:
@@ -108,26 +108,32 @@ class CliState:
             self._settings = load_settings(self.config)
         return self._settings
 
-    def engine_process(self, config: EngineConfig) -> EngineProcess:
-        """The engine in a process of its own, for a server: the HTTP event loop and the
-        engine share no GIL, and the engine's decode steps start a core short of every core,
-        which the loop needs while it streams (measured with `python -m
-        paged_chat.bench.serve`, 32 chats over HTTP on 2 cores, float32: 148-164 tok/s with
-        the engine on a thread of the server, 164-183 like this, 144-148 in a process on
-        every core)."""
-        from paged_chat.ask import load_progress
-        from paged_chat.engine import EngineProcess
-
-        return EngineProcess(config, leave_cores=1,
-                             on_progress=load_progress() if sys.stderr.isatty() else None)
-
     def make_engine(self, config: EngineConfig) -> Engine:
         if self.engine_factory is not None:
             return self.engine_factory(config)
-        from paged_chat.ask import load_progress
         from paged_chat.engine import Engine
 
-        return Engine(config, on_progress=load_progress() if sys.stderr.isatty() else None)
+        return Engine(config, on_progress=_load_progress())
+
+    def server_engine(self, config: EngineConfig) -> EngineClient:
+        """The engine a server streams from: in a process of its own, so the HTTP event loop
+        and the engine share no GIL, its decode steps a core short of every core, which the
+        loop needs while it streams (measured with `python -m paged_chat.bench.serve`, 32
+        chats over HTTP on 2 cores, float32: 148-164 tok/s with the engine on a thread of
+        the server, 164-183 like this, 144-148 in a process on every core). An injected
+        factory's engine (tests) runs on a thread: it cannot cross to a spawned process."""
+        from paged_chat.engine import AsyncEngine, EngineProcess
+
+        if self.engine_factory is not None:
+            return AsyncEngine(lambda: self.make_engine(config))
+        return EngineProcess(config, leave_cores=1, on_progress=_load_progress())
+
+
+def _load_progress() -> Callable[[str, int, int], None] | None:
+    """A progress bar for a slow model load, where stderr is a terminal to draw it on."""
+    from paged_chat.ask import load_progress
+
+    return load_progress() if sys.stderr.isatty() else None
 
 
 def _state(ctx: typer.Context) -> CliState:
@@ -348,13 +354,11 @@ def serve(ctx: typer.Context,
     with _reported(ctx):
         import asyncio
 
-        from paged_chat.engine import AsyncEngine
         from paged_chat.server import ApiServer, check_bind
 
         check_bind(host, api_key)
         config = state.settings().engine_config(model=model)
-        client = (AsyncEngine(lambda: state.make_engine(config)) if state.engine_factory
-                  else state.engine_process(config))
+        client = state.server_engine(config)
         try:
             server = ApiServer(client, host, port, api_key, model_names=[config.model])
             typer.echo(f"serving {client.info.name} on {server.url}/v1 (Ctrl+C stops)", err=True)

@@ -3,7 +3,6 @@ cached vs cold system prompt, prefill per turn) and the machine's roofline."""
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -15,6 +14,7 @@ from paged_chat.chat import Conversation
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.dtypes import TORCH_DTYPES
 from paged_chat.engine.models.loader import ModelSource
+from paged_chat.engine.threads import available_cores
 
 
 def memory_scenarios(engine: Engine, source: ModelSource, workload: Workload) -> dict:
@@ -75,7 +75,7 @@ def roofline(engine: Engine, decode_step_s: float, batch_size: int, step_threads
     """How far a decode step is from max(weight bytes / bandwidth, FLOPs / peak), the
     machine measured on every core this process may use (its limit), whatever count of
     threads the step ran on (`step_threads`, reported beside it)."""
-    cores = len(os.sched_getaffinity(0))
+    cores = available_cores()
     threads_before = torch.get_num_threads()
     torch.set_num_threads(cores)
     try:
