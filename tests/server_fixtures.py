@@ -5,15 +5,32 @@ loop, a Pilot's included, can be a client)."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import httpx
 import pytest
 
 from paged_chat.engine import AsyncEngine, Engine, EngineConfig
 from paged_chat.server import ApiServer
+
+
+def free_port() -> int:
+    """A local TCP port nothing listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def answers_health(port: int) -> bool:
+    """Whether a server on this machine's `port` answers /health with 200."""
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 60.0, what: str = "the condition") -> None:

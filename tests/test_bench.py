@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 
 import pytest
@@ -20,7 +19,7 @@ from paged_chat.bench.own_thread import on_own_thread
 from paged_chat.bench.report import format_report, write_json
 from paged_chat.bench.systems import SYSTEMS
 from paged_chat.bench.workload import Workload
-from server_fixtures import served, wait_for  # noqa: F401 (a fixture)
+from server_fixtures import free_port, served, wait_for  # noqa: F401 (a fixture)
 
 
 @pytest.fixture(scope="module")
@@ -145,9 +144,7 @@ def text_only_server(received: list[str]) -> FastAPI:
 
 def test_a_server_without_token_ids_gets_text_and_is_counted_by_usage(tokenizer):
     received: list[str] = []
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     server = uvicorn.Server(uvicorn.Config(text_only_server(received), port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 from contextlib import aclosing
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from typer.testing import CliRunner
@@ -24,7 +22,8 @@ from paged_chat.session import ChatSession
 from paged_chat.store import ChatStore
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.engine_panel import EnginePanel
-from server_fixtures import api, chat_engine_config, served, start_server, wait_for  # noqa: F401
+from server_fixtures import (answers_health, api, chat_engine_config, free_port,  # noqa: F401
+                             served, start_server, wait_for)
 from tui_helpers import make_settings, replies, text_of, type_prompt, wait_until
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -84,9 +83,7 @@ def test_ask_server(api, tmp_path, monkeypatch):
 
 
 def test_ask_server_that_is_not_there(tmp_path):
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = free_port()
     result = CliRunner().invoke(cli_app, ["ask", "--no-save", "--server", f"http://127.0.0.1:{port}/v1", "Hi"])
     assert result.exit_code == 1
     [line] = result.stderr.strip().splitlines()
@@ -177,14 +174,12 @@ async def test_a_chat_on_transformers_serve(chat_model_dir, tmp_path):
     """Another project's OpenAI server, offline on the local model folder: it takes text
     prompts only and refuses vLLM's sampling fields, and has no /metrics."""
     executable = Path(sys.executable).with_name("transformers")
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = free_port()
     log = (tmp_path / "transformers-serve.log").open("wb")
     process = subprocess.Popen([str(executable), "serve", str(chat_model_dir), "--port", str(port)],
                                stdout=log, stderr=subprocess.STDOUT)
     try:
-        await asyncio.to_thread(wait_for, lambda: _healthy(port) or process.poll() is not None,
+        await asyncio.to_thread(wait_for, lambda: answers_health(port) or process.poll() is not None,
                                 240, "transformers serve to start")
         assert process.poll() is None, (tmp_path / "transformers-serve.log").read_text()[-2000:]
         remote = RemoteEngine(f"http://127.0.0.1:{port}/v1")
@@ -196,10 +191,3 @@ async def test_a_chat_on_transformers_serve(chat_model_dir, tmp_path):
         process.terminate()
         process.wait(30)
         log.close()
-
-
-def _healthy(port: int) -> bool:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,8 @@ from typer.testing import CliRunner
 from paged_chat.cli import app as cli_app
 from paged_chat.engine import SamplingParams
 from paged_chat.server import UnsafeBindError, check_bind
-from server_fixtures import api, served, start_server, wait_for  # noqa: F401 (fixtures)
+from server_fixtures import (answers_health, api, free_port, served,  # noqa: F401 (fixtures)
+                             start_server, wait_for)
 
 SYSTEM = ("You are a careful assistant. You answer in short sentences, you check your facts, "
           "and you say when you do not know something. Keep every answer brief and friendly.")
@@ -171,20 +171,11 @@ def child_pids(pid: int) -> list[int]:
             for child in (task / "children").read_text().split()]
 
 
-def answers_health(port: int) -> bool:
-    try:
-        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 def test_the_serve_command_steps_its_engine_in_a_process_of_its_own(tiny_model_dir):
     """`paged-chat serve` as deployed: the engine runs in a child process, so the HTTP event
     loop and the engine share no GIL; it answers; /health turns 503 once that child died;
     and Ctrl+C leaves no process behind."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "paged_chat", "serve", "--model", str(tiny_model_dir),
          "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
