@@ -37,7 +37,7 @@ def main() -> None:
     engine = Engine(EngineConfig(model=model, device="cpu", dtype=dtype, num_blocks=16,
                                  cache_dir=cache_dir), on_progress=on_progress)
     seconds = time.perf_counter() - started
-    params = sum(p.numel() for p in engine.runner.model.parameters())
+    params = engine.info.num_parameters
     print(json.dumps({"seconds": seconds, "baseline_rss": baseline * 1024,
                       "peak_rss": _status_kib("VmHWM") * 1024, "stages": stages,
                       "bf16_bytes": 2 * params}))

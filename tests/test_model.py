@@ -61,9 +61,13 @@ def run_paged(model: LlamaForCausalLM, expected: torch.Tensor,
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 @pytest.mark.parametrize("tied", [False, True])
-def test_logits_and_greedy_tokens_match_transformers(architecture, tied, tmp_path):
+@pytest.mark.parametrize("packed", [False, True], ids=["aten", "packed"])
+def test_logits_and_greedy_tokens_match_transformers(architecture, tied, packed, tmp_path):
+    """`packed`: the linear layers on oneDNN's packed weights, as the engine runs fp32 on the CPU."""
     reference = build_tiny_model(architecture, tmp_path, tie_word_embeddings=tied)
     model = load_decoder(tmp_path)
+    if packed:
+        model.pack_for_cpu()
     prompt = torch.randint(3, model.config.vocab_size, (37,),
                            generator=torch.Generator().manual_seed(2))
     expected, reference_logits = greedy_reference(reference, prompt, steps=32)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from paged_chat.engine.attention.metadata import AttentionMetadata
-from paged_chat.engine.attention.torch_backend import TorchAttention
+from paged_chat.engine.attention.torch_backend import TorchAttention, block_rows
 
 BLOCK = 4
 HEADS, KV_HEADS, DIM = 6, 2, 8
@@ -66,4 +66,5 @@ def test_paged_attention_matches_dense(shared_blocks, num_prefill):
                                    range(length - count, length))
         torch.testing.assert_close(out[rows], expected, rtol=1e-4, atol=1e-5)
     if shared_blocks:
-        assert meta.per_step["torch_decode"].shared_ids.tolist() == shared
+        shared_rows = block_rows(torch.tensor(shared), key_cache.shape)
+        assert torch.equal(meta.per_step["torch_decode"].shared_rows, shared_rows)

@@ -77,6 +77,11 @@ class Engine:
                             "use a smaller model or dtype, or device='cpu'"):
             model = load_model(source, self.dtype, self.device, config.cache_dir,
                                 config.weight_cache_size, on_progress)
+        # Packing makes the weights opaque, and a tied output projection a second tensor.
+        num_parameters = sum(p.numel() for p in model.parameters())
+        fingerprint = model_fingerprint(dict(model.named_parameters()))
+        if self.device.type == "cpu":
+            model.pack_for_cpu()
         self.block_size = config.block_size
         attention = self._attention(source.config)
         with _out_of_memory("profiling a step to size the KV cache",
@@ -98,7 +103,7 @@ class Engine:
                                                   on_progress or _no_progress)
         self.kv_cache = KVCacheManager(self.num_blocks, self.block_size,
                                        config.enable_prefix_caching,
-                                       self._kv_tier(model, kv_cache), self.runner, window)
+                                       self._kv_tier(fingerprint, kv_cache), self.runner, window)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.eos_token_ids = frozenset(source.config.eos_token_ids) | (
@@ -119,7 +124,7 @@ class Engine:
             name=self.model_name, tokenizer=self.tokenizer, chat_template=self.chat_template,
             device=self.device.type, dtype=dtype_name(self.dtype), num_blocks=self.num_blocks,
             block_size=self.block_size, max_model_len=self.max_model_len,
-            num_parameters=sum(p.numel() for p in model.parameters()))
+            num_parameters=num_parameters)
 
     # ---- requests -------------------------------------------------------------------
 
@@ -406,7 +411,7 @@ class Engine:
                                  "attention_backend='torch'")
         return TritonAttention(*args, scale=scale)
 
-    def _kv_tier(self, model: LlamaForCausalLM, kv_cache: torch.Tensor) -> KVTier | None:
+    def _kv_tier(self, fingerprint: bytes, kv_cache: torch.Tensor) -> KVTier | None:
         """The host and disk KV tiers the config asks for, or None (they need the prefix cache)."""
         config = self.config
         host_bytes = config.kv_tier_host_bytes
@@ -417,7 +422,7 @@ class Engine:
         if not config.enable_prefix_caching or not wanted:
             return None
         num_layers, _, kv_heads, _, block_size, head_dim = kv_cache.shape
-        layout = TierLayout(model_fingerprint(dict(model.named_parameters())), self.dtype,
+        layout = TierLayout(fingerprint, self.dtype,
                             (num_layers, 2, kv_heads, block_size, head_dim))
         return KVTier(layout, host_bytes, disk_dir, config.kv_tier_disk_bytes,
                       pin_memory=self.device.type == "cuda")

@@ -48,26 +48,27 @@ class TorchAttention(AttentionBackend):
     def _store(self, new: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
         cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, slots, new.transpose(0, 1))
 
-    def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor, num_seqs: int) -> torch.Tensor:
-        """[kv_heads, num_seqs, blocks * block_size, head_dim] for a flat [num_seqs * blocks] index."""
+    def _gather(self, cache: torch.Tensor, rows: torch.Tensor, num_seqs: int) -> torch.Tensor:
+        """[kv_heads, num_seqs, blocks * block_size, head_dim] for the `block_rows` of a flat
+        [num_seqs * blocks] index."""
         kv_heads, _, block_size, head_dim = cache.shape
-        flat = cache.view(kv_heads, -1, block_size * head_dim).index_select(1, block_ids)
+        flat = cache.view(-1, block_size * head_dim).index_select(0, rows)
         return flat.view(kv_heads, num_seqs, -1, head_dim)
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:
         num_seqs, kv_heads, group, dim = query.shape[0], self.num_kv_heads, self.group_size, self.head_dim
-        layout = _DecodeLayout.of(meta, num_seqs)
+        layout = _DecodeLayout.of(meta, num_seqs, key_cache.shape[:2])
         grouped = query.view(num_seqs, kv_heads, group, dim).transpose(0, 1).contiguous()
         batch = kv_heads * num_seqs
-        keys = self._gather(key_cache, layout.unique_ids, num_seqs).view(batch, -1, dim)
-        values = self._gather(value_cache, layout.unique_ids, num_seqs).view(batch, -1, dim)
+        keys = self._gather(key_cache, layout.unique_rows, num_seqs).view(batch, -1, dim)
+        values = self._gather(value_cache, layout.unique_rows, num_seqs).view(batch, -1, dim)
         scores = torch.bmm(grouped.view(batch, group, dim), keys.transpose(1, 2))
         scores = scores.view(kv_heads, num_seqs, group, -1)
-        if layout.shared_ids is not None:
+        if layout.shared_rows is not None:
             # Cascade: the prefix every sequence shares is read once, for all their queries.
-            shared_keys = self._gather(key_cache, layout.shared_ids, 1).view(kv_heads, -1, dim)
-            shared_values = self._gather(value_cache, layout.shared_ids, 1).view(kv_heads, -1, dim)
+            shared_keys = self._gather(key_cache, layout.shared_rows, 1).view(kv_heads, -1, dim)
+            shared_values = self._gather(value_cache, layout.shared_rows, 1).view(kv_heads, -1, dim)
             shared_scores = torch.bmm(grouped.view(kv_heads, num_seqs * group, dim),
                                       shared_keys.transpose(1, 2))
             scores = torch.cat((shared_scores.view(kv_heads, num_seqs, group, -1), scores), dim=-1)
@@ -75,7 +76,7 @@ class TorchAttention(AttentionBackend):
         probs = torch.softmax(scores * self.scale, dim=-1).to(values.dtype)
         shared_len = scores.shape[-1] - keys.shape[1]
         out = torch.bmm(probs[..., shared_len:].reshape(batch, group, -1), values)
-        if layout.shared_ids is not None:
+        if layout.shared_rows is not None:
             out += torch.bmm(probs[..., :shared_len].reshape(kv_heads, num_seqs * group, -1),
                              shared_values).view(batch, group, dim)
         return out.view(kv_heads, num_seqs, group, dim).transpose(0, 1).reshape(
@@ -85,9 +86,10 @@ class TorchAttention(AttentionBackend):
                  meta: AttentionMetadata, seq: int, sliding_window: int | None) -> torch.Tensor:
         num_new = query.shape[0]
         seq_len = meta.seq_lens_list[seq]
-        block_ids = meta.block_tables[seq, :-(-seq_len // meta.block_size)].long()
-        keys = self._gather(key_cache, block_ids, 1)[:, 0, :seq_len]        # [kvh, L, d]
-        values = self._gather(value_cache, block_ids, 1)[:, 0, :seq_len]
+        rows = block_rows(meta.block_tables[seq, :-(-seq_len // meta.block_size)],
+                          key_cache.shape)
+        keys = self._gather(key_cache, rows, 1)[:, 0, :seq_len]        # [kvh, L, d]
+        values = self._gather(value_cache, rows, 1)[:, 0, :seq_len]
         # Query j sits at position seq_len - num_new + j and sees keys up to it.
         query_pos = torch.arange(seq_len - num_new, seq_len, device=query.device)
         key_pos = torch.arange(seq_len, device=query.device)
@@ -102,20 +104,30 @@ class TorchAttention(AttentionBackend):
 _MIN_SHARED_BLOCKS = 2
 
 
+def block_rows(block_ids: torch.Tensor, cache_shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """The rows of `cache.view(-1, block_size * head_dim)` that hold `block_ids` (flat), every
+    KV head's in turn: gathering whole blocks along dimension 0 copies each as one
+    contiguous run, twice as fast as `index_select` along the block axis of the 4-D cache."""
+    kv_heads, num_blocks = cache_shape[:2]
+    heads = torch.arange(0, kv_heads * num_blocks, num_blocks, device=block_ids.device)
+    return (heads[:, None] + block_ids[None, :].long()).view(-1)
+
+
 @dataclass(slots=True)
 class _DecodeLayout:
     """Where a step's decode sequences read their context: the same for every layer, so
     built once per step (kept in `meta.per_step`).
 
-    `shared_ids` are the leading blocks every decode sequence has in its table (a shared
-    system prompt, a forked chat), or None; `unique_ids` the rest of each table up to the
-    longest context, flat; `padding` marks positions past each sequence's end, over the
-    shared and unique keys in that order (which are positions 0, 1, ... of each sequence).
+    `shared_rows` are the cache rows (`block_rows`) of the leading blocks every decode
+    sequence has in its table (a shared system prompt, a forked chat), or None;
+    `unique_rows` those of the rest of each table up to the longest context; `padding`
+    marks positions past each sequence's end, over the shared and unique keys in that
+    order (which are positions 0, 1, ... of each sequence).
     `windowed` caches, per sliding window, the padding plus the keys outside the window.
     """
 
-    shared_ids: torch.Tensor | None
-    unique_ids: torch.Tensor
+    shared_rows: torch.Tensor | None
+    unique_rows: torch.Tensor
     padding: torch.Tensor
     key_positions: torch.Tensor
     last_positions: torch.Tensor
@@ -132,14 +144,16 @@ class _DecodeLayout:
         return mask
 
     @classmethod
-    def of(cls, meta: AttentionMetadata, num_seqs: int) -> "_DecodeLayout":
+    def of(cls, meta: AttentionMetadata, num_seqs: int,
+           cache_shape: torch.Size) -> "_DecodeLayout":
         layout = meta.per_step.get("torch_decode")
         if layout is None:
-            layout = meta.per_step["torch_decode"] = cls._build(meta, num_seqs)
+            layout = meta.per_step["torch_decode"] = cls._build(meta, num_seqs, cache_shape)
         return layout
 
     @classmethod
-    def _build(cls, meta: AttentionMetadata, num_seqs: int) -> "_DecodeLayout":
+    def _build(cls, meta: AttentionMetadata, num_seqs: int,
+               cache_shape: torch.Size) -> "_DecodeLayout":
         seq_lens = meta.seq_lens_list[:num_seqs]
         num_blocks = -(-max(seq_lens) // meta.block_size)
         tables = meta.block_tables[:num_seqs, :num_blocks].long()
@@ -152,7 +166,7 @@ class _DecodeLayout:
             shared = 0
         positions = torch.arange(num_blocks * meta.block_size, device=tables.device)
         padding = positions[None, :] >= meta.seq_lens[:num_seqs, None]
-        return cls(shared_ids=tables[0, :shared] if shared else None,
-                   unique_ids=tables[:, shared:].reshape(-1),
+        return cls(shared_rows=block_rows(tables[0, :shared], cache_shape) if shared else None,
+                   unique_rows=block_rows(tables[:, shared:].reshape(-1), cache_shape),
                    padding=padding[None, :, None, :], key_positions=positions,
                    last_positions=meta.seq_lens[:num_seqs] - 1)

@@ -27,6 +27,7 @@ from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.errors import UnsupportedModelError
 from paged_chat.engine.models.model_config import ModelConfig
+from paged_chat.engine.models.packed_linear import PackedLinear, pack_linears, packs
 from paged_chat.engine.models.tensor_names import LAYER_TENSORS, TOP_TENSORS, split_hf_name
 
 
@@ -254,8 +255,14 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer(f"{name}_cos", angles.cos().to(dtype), persistent=False)
         self.register_buffer(f"{name}_sin", angles.sin().to(dtype), persistent=False)
 
-    def output_weight(self) -> torch.Tensor:
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+    def pack_for_cpu(self) -> None:
+        """Pack the float32 linear layers for oneDNN (packed_linear.py), the output
+        projection too. A tied one is packed as a copy, since the embedding lookup still
+        reads the plain rows: that costs vocab x hidden more memory (113 MB for
+        SmolLM2-135M) and makes the logits, a fifth of its decode FLOPs, ~1.5x faster."""
+        if self.lm_head is None and packs(self.embed_tokens.weight):
+            self.lm_head = PackedLinear(self.embed_tokens.weight)
+        pack_linears(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, attention: AttentionBackend,
@@ -273,12 +280,15 @@ class LlamaForCausalLM(nn.Module):
         for layer, layer_cache in zip(self.layers, kv_cache):
             cos, sin = local if layer.local_rope else rope
             x = layer(x, cos, sin, layer_cache[0], layer_cache[1], meta, attention)
-        x = self.norm(x[logits_indices])
-        weight = self.output_weight()
+        return self._logits(self.norm(x[logits_indices])).float()
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.lm_head, PackedLinear):
+            return self.lm_head(x)  # oneDNN does best with the whole vocabulary in one call
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if x.device.type == "cpu":
-            # A few rows against the whole vocabulary at once is a poor shape for the CPU's
-            # GEMM (~30% slower than in slices, whose outputs stay in cache); each logit is
-            # the same dot product either way, so the logits are bit-identical.
-            return torch.cat([F.linear(x, rows) for rows in weight.split(_LOGITS_SLICE)],
-                             dim=1).float()
-        return F.linear(x, weight).float()
+            # A few rows against the whole vocabulary at once is a poor shape for MKL's GEMM
+            # (~30% slower than in slices, whose outputs stay in cache); each logit is the
+            # same dot product either way, so the logits are bit-identical.
+            return torch.cat([F.linear(x, rows) for rows in weight.split(_LOGITS_SLICE)], dim=1)
+        return F.linear(x, weight)
