@@ -167,7 +167,8 @@ class GemmaDecoderLayer(DecoderLayer):
 
 class LlamaForCausalLM(nn.Module):
     """The decoder. Make it with `empty`, fill it through `destination`, then
-    `build_rope_tables`; call it with a flat batch."""
+    `build_rope_tables`; on the CPU, `pack_for_cpu` last (nothing reads a packed weight);
+    call it with a flat batch."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
