@@ -63,6 +63,29 @@ def test_greedy_output_does_not_depend_on_the_batch(make_engine):
     assert variants["chunked prefill"].stats().batch_tokens <= 40
 
 
+def test_one_long_chat_among_short_ones_decodes_as_it_would_alone(make_engine, monkeypatch):
+    """The torch backend attends the long chat's decodes apart from the short ones' (which
+    are not padded to its length), with the same greedy tokens as each chat alone."""
+    from paged_chat.engine.attention import torch_backend
+
+    group_counts = []
+
+    def recorded(unique_blocks):
+        groups = length_groups(unique_blocks)
+        group_counts.append(len(groups))
+        return groups
+
+    length_groups = torch_backend._length_groups
+    monkeypatch.setattr(torch_backend, "_length_groups", recorded)
+    prompts = random_prompts(1, seed=5, low=900, high=901) + random_prompts(7, seed=6, high=30)
+    alone = make_engine(max_num_seqs=1)
+    expected = [alone.generate([p], GREEDY)[0].token_ids for p in prompts]
+    group_counts.clear()
+    outputs = make_engine().generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == expected
+    assert max(group_counts) == 2
+
+
 def test_shared_system_prompt_is_computed_once(make_engine):
     engine = make_engine(num_blocks=256, block_size=16)
     system = random_prompts(1, seed=3, low=300, high=301)[0]
