@@ -14,8 +14,8 @@ this CPU that is about 2x faster than SDPA for single-token queries in bf16, and
 `matmul` over the same data hits a path ~20x slower (measured by timing each path on
 the default model's decode shapes). The products pad every context to the longest, so
 decodes of very different lengths run in groups of similar ones (`_DecodeLayout`).
-Prefill chunks go through SDPA, one chunk at a time, over their cached prefix plus the new
-tokens, with a causal mask offset by the prefix length.
+Prefill chunks go through SDPA (its flash kernel on the CPU), one chunk at a time, over
+their cached prefix plus the new tokens, with a causal mask offset by the prefix length.
 """
 
 from __future__ import annotations
@@ -114,9 +114,12 @@ class TorchAttention(AttentionBackend):
         mask = key_pos[None, :] <= query_pos[:, None]
         if sliding_window is not None:
             mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
-        out = F.scaled_dot_product_attention(query.transpose(0, 1), keys, values, attn_mask=mask,
-                                             scale=self.scale, enable_gqa=self.group_size > 1)
-        return out.transpose(0, 1)
+        # With a batch dimension: 3-D inputs take torch's math path on the CPU, 3x slower
+        # than its flash kernel (a 512-token chunk over 2,000 tokens: 56 against 19 ms).
+        out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], keys[None],
+                                             values[None], attn_mask=mask, scale=self.scale,
+                                             enable_gqa=self.group_size > 1)
+        return out[0].transpose(0, 1)
 
 
 _MIN_SHARED_BLOCKS = 2
