@@ -199,8 +199,8 @@ class _DecodeLayout:
     def _build(cls, meta: AttentionMetadata, num_seqs: int,
                cache_shape: torch.Size) -> "_DecodeLayout":
         seq_lens = meta.seq_lens_list[:num_seqs]
-        num_blocks = -(-max(seq_lens) // meta.block_size)
-        tables = meta.block_tables[:num_seqs, :num_blocks].long()
+        blocks = -(-np.asarray(seq_lens) // meta.block_size)
+        tables = meta.block_tables[:num_seqs, :int(blocks.max())].long()
         full_in_all = min(seq_lens) // meta.block_size
         shared = 0
         if num_seqs > 1 and full_in_all >= _MIN_SHARED_BLOCKS:
@@ -208,7 +208,6 @@ class _DecodeLayout:
             shared = int(same.int().cumprod(0).sum())
         if shared < _MIN_SHARED_BLOCKS:
             shared = 0
-        blocks = -(-np.asarray(seq_lens) // meta.block_size)
         groups = [cls._group(meta, tables, shared, seqs, blocks, cache_shape)
                   for seqs in _length_groups(blocks - shared)]
         return cls(shared_rows=block_rows(tables[0, :shared], cache_shape) if shared else None,
