@@ -76,9 +76,12 @@ class Turn:
         # An engine knows these from the prefill on; a remote server may tell them at the end.
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
         self.num_tier_cached_tokens = max(self.num_tier_cached_tokens, output.num_tier_cached_tokens)
-        self.text, self.token_ids = output.text, list(output.token_ids)
+        self.text = output.text
         if output.finished:
+            self.token_ids = list(output.token_ids)
             self.finish(output.finish_reason, output.error, now)
+        else:  # an engine's list grows on after this delta: keep only what goes with its text
+            self.token_ids += output.new_token_ids
 
     def finish(self, reason: str | None, error: str | None, now: float) -> None:
         self.finished_at = now

@@ -267,7 +267,7 @@ def test_detokenizer_fault_fails_only_that_request(make_engine):
     prompts = random_prompts(4, seed=16)
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     bad = engine.add_request([5, 6, 7], GREEDY)
-    detokenizer = engine._detokenizers[bad]
+    detokenizer = engine._decodings[bad].detokenizer
     add_token = detokenizer.add_token
     calls = []
 

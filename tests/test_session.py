@@ -11,7 +11,7 @@ from contextlib import aclosing
 import pytest
 
 from paged_chat.engine import AsyncEngine, Engine, SamplingParams
-from paged_chat.session import ChatSession, chat_title
+from paged_chat.session import ChatSession, Turn, chat_title
 from paged_chat.store import ChatMovedOn, ChatStore
 from engine_helpers import assert_no_leaks
 from tui_helpers import engine_config
@@ -149,3 +149,24 @@ def test_chat_titles_are_one_clean_line():
     assert chat_title("\n  Why is   the sky blue?\nBecause...") == "Why is the sky blue?"
     assert chat_title("x" * 100) == "x" * 59 + "…"
     assert chat_title("\x1b]0;evil\x07 hi") == "hi"
+
+
+def test_a_turn_fed_deltas_late_keeps_the_ids_that_go_with_each_text(chat_model_dir):
+    """A delta's `token_ids` is the request's own list, which the engine extends after
+    handing it out: a consumer that lags behind the engine (its queue holds several steps)
+    must not take ids from later steps with an earlier step's text."""
+    engine = Engine(engine_config(chat_model_dir))
+    prompt = engine.tokenizer.encode("Hello there")
+    engine.add_request(prompt, GREEDY)
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    turn, seen = Turn("Hello there", prompt), []
+    for output in deltas:
+        turn.add(output, 0.0)
+        seen.append((list(turn.token_ids), turn.text))
+    generated = deltas[-1].token_ids
+    assert len(generated) == GREEDY.max_tokens
+    assert [ids for ids, _ in seen] == [generated[:count] for count in range(1, len(generated) + 1)]
+    assert seen[-1][1] == engine.tokenizer.decode(generated, skip_special_tokens=True)
+    assert_no_leaks(engine)

@@ -94,7 +94,8 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence's life in the engine.
 
-    `all_token_ids` is prompt + generated so far. `num_computed_tokens` counts the leading
+    `all_token_ids` is prompt + generated so far; `output_token_ids` the generated ones
+    alone (the list every delta hands out, extended in place). `num_computed_tokens` counts the leading
     tokens whose K/V are in the cache (prefix hits included); the scheduler advances it.
     `block_hashes[i]` is the prefix hash of full block `i` of `all_token_ids`, filled in
     as blocks fill up (the tokens never change, so it survives preemption).
@@ -106,6 +107,7 @@ class Request:
     sampling_seed: int
     arrival_time: float
     all_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_hashes: list[bytes] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -130,12 +132,8 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.all_token_ids[self.num_prompt_tokens:]
-
-    @property
     def num_output_tokens(self) -> int:
-        return len(self.all_token_ids) - len(self.prompt_token_ids)
+        return len(self.output_token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -149,7 +147,9 @@ class RequestOutput:
     dataclass's __init__ costs five times as much (0.5 ms per step at batch 256).
 
     For a delta, `new_token_ids` and `new_text` are this step's; `token_ids` and `text` are
-    everything so far. `num_cached_tokens` prompt tokens were not prefilled (prefix cache
+    everything so far. `token_ids` is the request's own list, which later steps extend in
+    place (copying it per delta would cost O(output) per request per step): copy it to keep
+    a snapshot. `num_cached_tokens` prompt tokens were not prefilled (prefix cache
     hits); `num_tier_cached_tokens` of them were read back from a KV tier (host RAM or disk).
     """
 

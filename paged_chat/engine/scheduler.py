@@ -64,12 +64,13 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
 
+        allocate = self.kv_cache.allocate
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_left = request.num_tokens - request.num_computed_tokens
-            num_new = min(num_left, budget)
-            while not self.kv_cache.allocate(request, num_new):
+            num_left = len(request.all_token_ids) - request.num_computed_tokens
+            num_new = num_left if num_left < budget else budget
+            while not allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -106,7 +107,7 @@ class Scheduler:
             budget -= num_new
 
         # Decodes first: attention backends batch the single-token queries together.
-        scheduled.sort(key=lambda item: item.num_new_tokens != 1)
+        scheduled.sort(key=_not_a_decode)
         return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
 
     def update(self, output: SchedulerOutput) -> int:
@@ -136,3 +137,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+
+
+def _not_a_decode(item: ScheduledRequest) -> bool:
+    return item.num_new_tokens != 1
