@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_chat.engine.block_pool import BlockPool
-from paged_chat.engine.kv_cache_manager import BlockIdTables, KVCacheManager
+from paged_chat.engine.kv_cache_manager import KVCacheManager
 from paged_chat.engine.request import Request, SamplingParams
 
 BLOCK_SIZE = 4
@@ -124,22 +124,29 @@ def test_allocate_fails_cleanly_when_the_pool_is_short():
     assert manager.tables == {} and manager.pool.num_free_blocks == 2
 
 
-def test_block_id_tables_follow_growing_tables_and_forgotten_ones():
-    manager = KVCacheManager(num_blocks=64, block_size=BLOCK_SIZE, enable_caching=False)
-    tables = BlockIdTables(manager.tables, manager.num_released)
-    request = make_request("a", list(range(4)))
+def test_block_id_rows_follow_the_tables_as_they_grow_and_go():
+    """More requests than the first array has rows, tables longer than its width: each
+    row holds its table's ids, zero past them, and a freed row comes back cleared."""
+    manager = KVCacheManager(num_blocks=1024, block_size=BLOCK_SIZE, enable_caching=False)
+    rows = manager.block_id_rows
+    requests = [make_request(f"r{i}", list(range(4))) for i in range(20)]
     early = None
-    for step in range(40):  # past the room of the first array (16 blocks) and of the second
-        assert manager.allocate(request, BLOCK_SIZE)
-        request.num_computed_tokens += BLOCK_SIZE
-        ids = tables.of("a")
-        assert ids.tolist() == manager.block_ids("a")
+    for step in range(40):  # past the first width (16 blocks) and the second
+        for request in requests:
+            assert manager.allocate(request, BLOCK_SIZE)
+            request.num_computed_tokens += BLOCK_SIZE
         if step == 5:
-            early, early_ids = ids, ids.tolist()
-    assert early.tolist() == early_ids, "a step's view stays as it was when the array grows"
-    manager.free(request)
-    tables.forget([request])
-    request.num_computed_tokens = 0
-    assert manager.allocate(request, BLOCK_SIZE)
-    assert tables.of("a").tolist() == manager.block_ids("a") and len(tables.of("a")) == 1
-    assert tables.of("nobody").tolist() == []
+            early, early_ids = rows.of("r3"), manager.block_ids("r3")
+    assert early.tolist() == early_ids, "a view keeps its ids when the array grows"
+    for request in requests:
+        assert rows.of(request.request_id).tolist() == manager.block_ids(request.request_id)
+    manager.check_invariants()
+    short = make_request("short", list(range(4)))
+    manager.free(requests[0])
+    assert manager.allocate(short, 2 * BLOCK_SIZE)
+    array = rows.array(["short", "r1"])
+    assert array.shape == (2, len(manager.block_ids("r1")))
+    assert array[0].tolist() == manager.block_ids("short") + [0] * (array.shape[1] - 2)
+    assert array[1].tolist() == manager.block_ids("r1")
+    assert rows.of("r0").tolist() == [] and rows.of("nobody").tolist() == []
+    manager.check_invariants()

@@ -33,7 +33,7 @@ from paged_chat.engine.config import EngineConfig
 from paged_chat.engine.detokenizer import IncrementalDetokenizer
 from paged_chat.engine.dtypes import dtype_name, resolve_dtype
 from paged_chat.engine.errors import PagedChatError
-from paged_chat.engine.kv_cache_manager import BlockIdTables, KVCacheManager, longest_sequence
+from paged_chat.engine.kv_cache_manager import KVCacheManager, longest_sequence
 from paged_chat.engine.kv_tier import TIER_DIR, KVTier, TierLayout, model_fingerprint
 from paged_chat.engine.models.llama import LlamaForCausalLM
 from paged_chat.engine.models.loader import (
@@ -110,7 +110,6 @@ class Engine:
         self.eos_token_ids = frozenset(source.config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.requests: dict[str, Request] = {}
-        self._block_ids = BlockIdTables(self.kv_cache.tables, self.kv_cache.num_released)
         self._decodings: dict[str, _Decoding] = {}
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
@@ -233,8 +232,8 @@ class Engine:
         policy = self.threads.for_step(decode_only=schedule.num_tokens == len(schedule.scheduled))
         threads = policy.apply()
         samplers = [item for item in schedule.scheduled if item.samples]
-        self._block_ids.forget([*schedule.preempted])
-        tables = [self._block_ids.of(item.request.request_id) for item in schedule.scheduled]
+        tables = self.kv_cache.block_id_rows.array(
+            [item.request.request_id for item in schedule.scheduled])
         try:
             sampled = self.runner.execute(schedule.scheduled, tables)
         except Exception:
@@ -289,7 +288,6 @@ class Engine:
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None,
                 new_token_ids: list[int] | None = None, new_text: str = "") -> RequestOutput:
         self.scheduler.finish(request)
-        self._block_ids.forget([request])
         request.finish_reason = reason
         request.error = error
         del self.requests[request.request_id]
@@ -332,7 +330,7 @@ class Engine:
         hashed = pool.hashed_mask()
         in_use = int(np.count_nonzero(ref_counts))
         cached = int(np.count_nonzero(hashed & (ref_counts == 0)))
-        tables = {rid: self._block_ids.of(rid) for rid in self.kv_cache.tables}
+        tables = {rid: self.kv_cache.block_id_rows.of(rid) for rid in self.kv_cache.tables}
         wasted = sum(len(table) * self.block_size - self.requests[rid].num_computed_tokens
                      for rid, table in tables.items() if rid in self.requests)
         owners = {rid: self.requests[rid].owner for rid in tables if rid in self.requests}

@@ -206,6 +206,8 @@ class ModelRunner:
         tokens = sample(logits, self._sampling_batch(samplers, vocab_size))
         chosen = logits.gather(1, tokens.clamp(max=vocab_size - 1)[:, None]).squeeze(1)
         bad = (tokens >= vocab_size) | ~torch.isfinite(chosen)
+        if not bad.any():
+            return tokens.tolist()
         return [SamplingError("the model's logits for this request are not finite (NaN or inf)")
                 if token < 0 else token for token in torch.where(bad, -1, tokens).tolist()]
 
