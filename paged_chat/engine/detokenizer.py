@@ -44,6 +44,7 @@ class IncrementalDetokenizer:
         texts = TokenTexts.of(tokenizer, skip_special_tokens)
         self._decode_ids = texts.decode
         self._skipped_ids = texts.skipped_ids
+        self._texts = texts.known  # read first: most ids are known after a few requests
         self._text_of = texts.text_of
         self._stop = list(stop)
         self._held_chars = max(map(len, self._stop), default=1) - 1
@@ -77,7 +78,7 @@ class IncrementalDetokenizer:
         # the whole text) and ends on a whole character
         after_text = (self._text or self._held) and self._read_offset == len(self._ids)
         self._ids.append(token_id)
-        if after_text and (text := self._text_of(token_id)) is not None:
+        if after_text and (text := self._texts.get(token_id) or self._text_of(token_id)) is not None:
             self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
             return self._release(text)
         return self._release(self._decode_new(final=False))
@@ -163,7 +164,7 @@ class TokenTexts:
         # where they could hide the first token from a decoder that strips a leading space
         self.skipped_ids = ({i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
                             if skip_special_tokens else set())
-        self._texts: dict[int, str | None] = {}
+        self.known: dict[int, str | None] = {}
         self._anchor = _anchor(tokenizer, self.decode) if _token_by_token(tokenizer) else None
         if self._anchor is None:
             self.text_of = _no_text
@@ -182,12 +183,12 @@ class TokenTexts:
 
     def text_of(self, token_id: int) -> str | None:
         try:
-            return self._texts[token_id]
+            return self.known[token_id]
         except KeyError:
             both = self.decode([self._anchor, token_id])
             text = both[len(self._anchor_text):] if both.startswith(self._anchor_text) else ""
-            self._texts[token_id] = text if text and _REPLACEMENT not in text else None
-            return self._texts[token_id]
+            self.known[token_id] = text if text and _REPLACEMENT not in text else None
+            return self.known[token_id]
 
 
 def _no_text(token_id: int) -> None:
