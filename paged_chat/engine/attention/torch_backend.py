@@ -91,7 +91,7 @@ class TorchAttention(AttentionBackend):
                                       shared[0].transpose(1, 2))
             scores = torch.cat((shared_scores.view(kv_heads, num_seqs, group, -1), scores), dim=-1)
         scores = scores.float().masked_fill_(decodes.mask(sliding_window), float("-inf"))
-        probs = torch.softmax(scores * self.scale, dim=-1).to(values.dtype)
+        probs = torch.softmax(scores.mul_(self.scale), dim=-1).to(values.dtype)
         shared_len = scores.shape[-1] - keys.shape[1]
         out = torch.bmm(probs[..., shared_len:].reshape(batch, group, -1), values)
         if shared is not None:
