@@ -59,6 +59,9 @@ class ModelRunner:
         self.attention = attention
         self.device = kv_cache.device
         self.last_forward_s = 0.0
+        # The stepping thread's CPU time in the sampler's math last step (on a GPU, its
+        # launches): what `bench --host-overhead` takes away to leave the host's own work.
+        self.last_sample_cpu_s = 0.0
         self._staging = StagingBuffer(self.device)
         self._graphs: dict[int, _DecodeGraph] = {}
         self._graph_width = 0
@@ -74,6 +77,7 @@ class ModelRunner:
         exception from the forward propagates: it concerns the whole batch.
         """
         samplers = [item for item in scheduled if item.samples]
+        self.last_sample_cpu_s = 0.0
         started = time.perf_counter()
         graph_batch = self._graph_batch(scheduled)
         if graph_batch is None:
@@ -203,7 +207,10 @@ class ModelRunner:
         argmax picks a NaN or +inf when there is one, and a draw over NaN leaves the vocabulary.
         """
         vocab_size = logits.shape[-1]
-        tokens = sample(logits, self._sampling_batch(samplers, vocab_size))
+        batch = self._sampling_batch(samplers, vocab_size)
+        started = time.thread_time()
+        tokens = sample(logits, batch)
+        self.last_sample_cpu_s = time.thread_time() - started
         chosen = logits.gather(1, tokens.clamp(max=vocab_size - 1)[:, None]).squeeze(1)
         bad = (tokens >= vocab_size) | ~torch.isfinite(chosen)
         if not bad.any():
