@@ -326,7 +326,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """A snapshot of the pool, the queues and the rates after the last step."""
         pool = self.kv_cache.pool
-        ref_counts = self.kv_cache.block_id_rows.held_counts(self.num_blocks)
+        ref_counts = pool.ref_counts()
         hashed = pool.hashed_mask()
         in_use = int(np.count_nonzero(ref_counts))
         cached = int(np.count_nonzero(hashed & (ref_counts == 0)))

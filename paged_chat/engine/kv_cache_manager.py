@@ -176,9 +176,6 @@ class KVCacheManager:
             self._restore(fresh[:len(live_tier_kv)], live_tier_kv)
             table.extend(fresh)
         self.block_id_rows.extend(request.request_id, [block.block_id for block in table[num_held:]])
-        if num_out:
-            self.block_id_rows.release_leading(request.request_id,
-                                               self.num_released[request.request_id])
         self._cache_full_blocks(request, num_tokens)
         return True
 
@@ -217,7 +214,7 @@ class KVCacheManager:
             return
         self._give_back(table[released:num_out])
         table[released:num_out] = [NULL_BLOCK] * (num_out - released)
-        self.block_id_rows.release_leading(request.request_id, num_out)
+        self.block_id_rows.clear(request.request_id, released, num_out)
         self.num_released[request.request_id] = num_out
         self.num_window_released += num_out - released
 
@@ -238,8 +235,6 @@ class KVCacheManager:
             holders.update(block.block_id for block in held)
             assert self.block_id_rows.of(request_id).tolist() == [b.block_id for b in table], (
                 f"{request_id}: its row of block ids is not its table")
-        assert (self.block_id_rows.held_counts(self.pool.num_blocks) == self.pool.ref_counts()).all(), (
-            "the rows' counts of holders are not the blocks' ref counts")
         assert self.num_released.keys() <= self.tables.keys(), "released count of no table"
         for block in self.pool.blocks:
             assert block.ref_count == holders[block.block_id], (
@@ -346,8 +341,7 @@ class BlockIdRows:
     tokens of a decode; blocks released behind a window), so a step only copies rows.
 
     Invariants: a row holds its table's ids (NULL_BLOCK's is 0) and 0 past its length, so
-    rows pad with block 0 as `AttentionMetadata` expects; its first `_num_released` entries
-    are a window's released ones; a freed row goes back cleared.
+    rows pad with block 0 as `AttentionMetadata` expects; a freed row goes back cleared.
     Views that `of` gave out keep their ids while the request runs: a table only grows at
     its end, and a wider or longer array is a new one.
     """
@@ -355,7 +349,6 @@ class BlockIdRows:
     def __init__(self) -> None:
         self._ids = np.zeros((16, 16), dtype=np.int32)
         self._lengths = np.zeros(16, dtype=np.int64)
-        self._num_released = np.zeros(16, dtype=np.int64)
         self._row_of: dict[str, int] = {}
         self._free_rows = list(range(15, -1, -1))
 
@@ -371,28 +364,16 @@ class BlockIdRows:
         self._ids[row, start:end] = block_ids
         self._lengths[row] = end
 
-    def release_leading(self, request_id: str, count: int) -> None:
-        """The request's first `count` entries are released (NULL_BLOCK, id 0)."""
-        row = self._row_of[request_id]
-        self._ids[row, :count] = NULL_BLOCK.block_id
-        self._num_released[row] = count
+    def clear(self, request_id: str, start: int, end: int) -> None:
+        """Set entries [start, end) of the request's row to NULL_BLOCK's id (0)."""
+        self._ids[self._row_of[request_id], start:end] = NULL_BLOCK.block_id
 
     def release(self, request_id: str) -> None:
         row = self._row_of.pop(request_id, None)
         if row is not None:
             self._ids[row, :self._lengths[row]] = 0
-            self._lengths[row] = self._num_released[row] = 0
+            self._lengths[row] = 0
             self._free_rows.append(row)
-
-    def held_counts(self, num_blocks: int) -> np.ndarray:
-        """How many tables hold each of the pool's blocks: its ref count (check_invariants
-        asserts they agree), read off the rows at once instead of from every KVBlock."""
-        rows = np.fromiter(self._row_of.values(), dtype=np.int64, count=len(self._row_of))
-        lengths = self._lengths[rows]
-        columns = np.arange(int(lengths.max()) if len(rows) else 0)
-        held = (columns >= self._num_released[rows, None]) & (columns < lengths[:, None])
-        ids = self._ids[rows, :len(columns)][held]
-        return np.bincount(ids, minlength=num_blocks).astype(np.int32)
 
     def of(self, request_id: str) -> np.ndarray:
         """The request's ids (a view; empty when it holds no table)."""
@@ -416,10 +397,9 @@ class BlockIdRows:
     def _resize(self, rows: int, width: int) -> None:
         ids = np.zeros((rows, width), dtype=np.int32)
         ids[:self._ids.shape[0], :self._ids.shape[1]] = self._ids
-        self._ids = ids
-        self._lengths, self._num_released = (
-            np.concatenate((counts, np.zeros(rows - len(counts), dtype=np.int64)))
-            for counts in (self._lengths, self._num_released))
+        lengths = np.zeros(rows, dtype=np.int64)
+        lengths[:len(self._lengths)] = self._lengths
+        self._ids, self._lengths = ids, lengths
 
 
 _NO_IDS = np.zeros(0, dtype=np.int32)
