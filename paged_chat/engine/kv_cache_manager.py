@@ -145,10 +145,8 @@ class KVCacheManager:
         num_tokens = request.num_computed_tokens + num_new_tokens
         if (table is not None and not cached_prefix and not tier_kv and self.sliding_window is None
                 and num_tokens <= len(table) * self.block_size):
-            # A running request whose last block has room (most decode steps): nothing to take,
-            # and a block to index only when this step fills one.
-            if num_tokens // self.block_size > self._num_hashed.get(request.request_id, 0):
-                self._cache_full_blocks(request, num_tokens)
+            # A running request whose last block has room (most decode steps): nothing to take.
+            self._cache_full_blocks(request, num_tokens)
             return True
         cached_prefix, tier_kv = cached_prefix or [], tier_kv or []
         first_query = (request.num_computed_tokens
