@@ -95,8 +95,9 @@ class Request:
     """One sequence's life in the engine.
 
     `all_token_ids` is prompt + generated so far; `output_token_ids` the generated ones
-    alone (the list every delta hands out, extended in place). `num_computed_tokens` counts the leading
-    tokens whose K/V are in the cache (prefix hits included); the scheduler advances it.
+    alone (the list every delta hands out, extended in place). `num_computed_tokens`
+    counts the leading tokens whose K/V are in the cache (prefix hits included); the
+    scheduler advances it.
     `block_hashes[i]` is the prefix hash of full block `i` of `all_token_ids`, filled in
     as blocks fill up (the tokens never change, so it survives preemption).
     """
