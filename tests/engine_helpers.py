@@ -35,14 +35,14 @@ def owners_of(blocks: BlockMap, block_id: int) -> list[str | None]:
 
 
 def blocks_owned(stats: EngineStats, owner: str) -> np.ndarray:
-    """Ids of the blocks held by a request of `owner`."""
+    """Ids of the blocks held by a request of `owner` (the map's cell i is block i + 1)."""
     blocks = stats.blocks
     request_of = np.asarray([o == owner for o in blocks.request_owners], dtype=bool)
     if not request_of.any():
         return np.zeros(0, dtype=np.int64)
     ptr = np.asarray(blocks.holder_ptr)
     block_of_entry = np.repeat(np.arange(len(ptr) - 1), np.diff(ptr))
-    return np.unique(block_of_entry[request_of[np.asarray(blocks.holders)]])
+    return np.unique(block_of_entry[request_of[np.asarray(blocks.holders)]]) + 1
 
 
 async def generate(client: EngineClient, prompt: str | Sequence[int],

@@ -7,7 +7,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_chat.engine.block_pool import BlockPool
+from paged_chat.engine.block_pool import NULL_BLOCK, BlockPool
 from paged_chat.engine.kv_cache_manager import KVCacheManager
 from paged_chat.engine.request import Request, SamplingParams
 
@@ -95,6 +95,18 @@ def test_prefix_hit_reuses_blocks_and_always_leaves_the_last_token():
     assert manager.find_cached_prefix(other) == [], "hashes cover the whole prefix"
 
 
+def test_the_null_block_is_reserved():
+    """Block 0 is never handed out nor counted: a pool of 4 gives blocks 1..4."""
+    pool = BlockPool(num_blocks=4, enable_caching=True)
+    assert pool.num_free_blocks == 4
+    blocks = pool.allocate(4)
+    assert sorted(block.block_id for block in blocks) == [1, 2, 3, 4]
+    assert NULL_BLOCK not in blocks and pool.num_free_blocks == 0
+    pool.free(blocks)
+    assert pool.ref_counts().tolist() == [0] * 4 and not pool.hashed_mask().any()
+    pool.check_invariants()
+
+
 def test_eviction_is_lru_and_lazy():
     pool = BlockPool(num_blocks=4, enable_caching=True)
     blocks = pool.allocate(4)
@@ -102,8 +114,8 @@ def test_eviction_is_lru_and_lazy():
         pool.cache(block, bytes([index]) * 16)
     pool.free([blocks[2], blocks[0], blocks[3], blocks[1]])
     assert pool.num_free_blocks == 4 and len(pool.cached_blocks) == 4, "freeing keeps content"
-    pool.touch([blocks[0]])                          # a hit revives block 0 from the middle
-    assert [b.block_id for b in pool.allocate(2)] == [2, 3], "least recently freed first"
+    pool.touch([blocks[0]])                          # a hit revives blocks[0] from the middle
+    assert pool.allocate(2) == [blocks[2], blocks[3]], "least recently freed first"
     assert pool.num_evictions == 2 and pool.lookup(bytes([1]) * 16) is blocks[1]
     pool.check_invariants()
 

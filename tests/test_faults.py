@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from paged_chat.engine import AsyncEngine, Engine, EngineDeadError, PagedChatError, SamplingParams
+from paged_chat.engine.kv_pool_sizing import KVCacheSpec
 from paged_chat.engine.runner import ModelRunner
 from engine_helpers import engine_thread_idle, generate, phase_of
 from test_engine import GREEDY, random_prompts
@@ -409,10 +410,11 @@ async def test_restart_after_shutdown(make_engine):
 def test_the_kv_cache_stays_within_its_budget(make_engine, budget):
     engine = make_engine(num_blocks=None, kv_cache_memory=budget)
     limit = engine.config.kv_cache_memory
-    per_block = engine._bytes_per_block(engine.runner.attention)
+    per_block = KVCacheSpec(engine.model_config.num_layers, engine.block_size,
+                            engine.runner.attention, engine.dtype, engine.device).bytes_per_block
     kv_cache = engine.runner.kv_cache
     assert limit - per_block < kv_cache.nbytes <= limit
-    assert kv_cache.nbytes == engine.num_blocks * per_block
+    assert kv_cache.nbytes == (engine.num_blocks + 1) * per_block  # and the null block
     engine.generate(random_prompts(8, seed=20), GREEDY)
     assert engine.runner.kv_cache is kv_cache  # allocated once, never grown
 
@@ -426,7 +428,7 @@ def test_out_of_memory_at_start_up_names_the_setting_to_lower(make_engine, monke
         with pytest.raises(PagedChatError, match="loading the weights.*smaller model or dtype"):
             make_engine()
     with monkeypatch.context() as patch:
-        patch.setattr(Engine, "_size_kv_pool", out_of_memory)
+        patch.setattr("paged_chat.engine.runner.size_kv_pool", out_of_memory)
         with pytest.raises(PagedChatError, match="lower max_num_batched_tokens"):
             make_engine(num_blocks=None)
     zeros = torch.zeros

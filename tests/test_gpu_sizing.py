@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from paged_chat.engine import EngineConfig
-from paged_chat.engine.engine import _worst_case_sampling, kv_budget
+from paged_chat.engine.kv_pool_sizing import kv_budget, worst_case_sampling
 from paged_chat.engine.sampler import sample
 
 GiB = 2**30
@@ -32,7 +32,7 @@ def test_kv_budget_counts_what_the_whole_card_already_uses():
 
 def test_worst_case_sampling_turns_every_buffer_on():
     """The profile's sampler batch uses penalties and every filter, and runs."""
-    batch = _worst_case_sampling(4, 100, torch.device("cpu"))
+    batch = worst_case_sampling(4, 100, torch.device("cpu"))
     assert batch.seen is not None and batch.output_counts is not None
     assert batch.top_k is not None and batch.top_p is not None and batch.min_p is not None
     assert sample(torch.zeros(4, 100), batch).shape == (4,)

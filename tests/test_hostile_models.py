@@ -174,7 +174,7 @@ def test_cpu_allocation_failure_is_one_line_naming_the_setting(make_engine, monk
 
 
 def test_the_cpu_kv_cache_is_checked_against_available_ram(make_engine, monkeypatch):
-    monkeypatch.setattr("paged_chat.engine.engine._available_ram", lambda: 1 << 16)
+    monkeypatch.setattr("paged_chat.engine.kv_pool_sizing.available_ram", lambda: 1 << 16)
     with pytest.raises(PagedChatError, match="larger than this machine's 0.0 GiB of available "
                                              "RAM: lower num_blocks"):
         make_engine(num_blocks=64)

@@ -405,7 +405,7 @@ def test_sliding_window_never_reads_tiles_before_the_window():
 
 
 def test_warm_up_leaves_no_kernel_variant_to_compile(make_engine, monkeypatch):
-    """After `Engine.warm_up` (which a CUDA engine runs before it serves), a generation that
+    """After `ModelRunner.warm_up` (which a CUDA engine runs before it serves), a generation that
     grows contexts past the split threshold, mixes decodes with chunked prefills and ends
     chunks mid-block launches no kernel variant the warm-up did not: nothing compiles mid-chat.
     Splits are planned as for a 132-SM GPU (the interpreter would never split), from 32
@@ -419,7 +419,7 @@ def test_warm_up_leaves_no_kernel_variant_to_compile(make_engine, monkeypatch):
     reports: list[tuple[str, int, int]] = []
     device_check = _device_check()
     with device_check.captured_launches(forward=True) as launches:
-        engine.warm_up(lambda *report: reports.append(report))
+        engine.runner.warm_up(lambda *report: reports.append(report))
         warmed = {device_check.variant_key(*launch) for launch in launches}
         launches.clear()
         prompts = [list(range(3, 90)), list(range(40, 61)), list(range(7, 44))]

@@ -1,6 +1,9 @@
 """The pool of KV blocks: ref counts, an O(1) LRU free queue, and the prefix-cache index.
 
-Every physical block is in exactly one of three states:
+The pool's `num_blocks` blocks have ids 1..num_blocks; block 0 of the KV cache is the null
+block (`NULL_BLOCK`), reserved as vLLM reserves it: never allocated, never in the free
+queue, counted neither free, cached nor in use. Padding and released entries of block
+tables point at it. Every block of the pool is in exactly one of three states:
 
 - in use: `ref_count > 0`; not in the free queue. It may have a hash (then other requests
   with the same prefix can share it).
@@ -41,10 +44,10 @@ class KVBlock:
     next_free: "KVBlock | None" = None
 
 
-# The stand-in, in a request's block table, for a block its sliding window has left behind
-# and that went back to the pool: no query of that request attends its positions again,
-# so it holds nothing. Attention still indexes the cache with its id and masks those keys;
-# block 0, like the padding of a table, is a valid index. Never in the pool or its queue.
+# Block 0, reserved: the stand-in, in a request's block table, for a block its sliding
+# window has left behind and that went back to the pool (no query of that request attends
+# its positions again), and what the padding of a table points at. Attention still indexes
+# the cache with its id and masks those keys. Never in the pool or its queue.
 NULL_BLOCK = KVBlock(0)
 
 # The stats read these of every block: map() with an attrgetter is ~2x a generator's speed.
@@ -88,11 +91,12 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """All `num_blocks` KV blocks of the cache and the prefix-cache index over them."""
+    """The cache's `num_blocks` allocatable KV blocks (ids 1..num_blocks: 0 is NULL_BLOCK)
+    and the prefix-cache index over them. `blocks[i]` is block `i + 1`."""
 
     def __init__(self, num_blocks: int, enable_caching: bool,
                  track_evictions: bool = False) -> None:
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.blocks = [KVBlock(i) for i in range(NULL_BLOCK.block_id + 1, num_blocks + 1)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.enable_caching = enable_caching
         self.cached_blocks: dict[bytes, KVBlock] = {}
@@ -162,13 +166,15 @@ class BlockPool:
             block.block_hash = None
         self.cached_blocks.clear()
 
+    # The arrays below are per block of the pool, in id order: entry i is block i + 1.
+
     def ref_counts(self) -> np.ndarray:
         return np.fromiter(map(_REF_COUNT, self.blocks), dtype=np.int32, count=len(self.blocks))
 
     def hashed_mask(self) -> np.ndarray:
         mask = np.zeros(len(self.blocks), dtype=bool)
         mask[np.fromiter(map(_BLOCK_ID, self.cached_blocks.values()), dtype=np.int64,
-                         count=len(self.cached_blocks))] = True
+                         count=len(self.cached_blocks)) - 1] = True
         return mask
 
     def from_tier_mask(self) -> np.ndarray:
@@ -178,6 +184,9 @@ class BlockPool:
         """Assert the three-state invariant of the module docstring (tests call this)."""
         in_queue = {block.block_id for block in self.free_queue}
         assert len(in_queue) == self.free_queue.num_blocks, "free queue count is off"
+        assert NULL_BLOCK.block_id not in in_queue and NULL_BLOCK.ref_count == 0, (
+            "the null block was handed out")
+        assert NULL_BLOCK.block_hash is None and NULL_BLOCK not in self.cached_blocks.values()
         for block in self.blocks:
             assert block.ref_count >= 0
             assert (block.ref_count == 0) == (block.block_id in in_queue), (

@@ -1,8 +1,10 @@
-"""The dtypes the engine runs in, by the names the config and the command line use."""
+"""The devices and dtypes the engine runs on, by the names the config and the command line use."""
 
 from __future__ import annotations
 
 import torch
+
+from paged_chat.engine.errors import PagedChatError
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,3 +31,12 @@ def _cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(device: str) -> torch.device:
+    """The torch device for a config's `device`; "auto" picks CUDA when torch sees one."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PagedChatError("device='cuda' but torch sees no CUDA device: use device='cpu'")
+    return torch.device(device)

@@ -1,6 +1,9 @@
 """Exceptions (and the one warning) the engine raises. The CLI and TUI turn each into one line
 for the user."""
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class PagedChatError(Exception):
     """Base class: anything the user can act on, with a message that says how."""
@@ -33,3 +36,20 @@ def describe_error(error: BaseException) -> str:
     if isinstance(error, USER_ERRORS):
         return str(error)
     return f"{type(error).__name__}: {error}"
+
+
+# On the CPU, torch's allocator reports a failure as a plain RuntimeError with this text.
+_CPU_ALLOCATION_FAILURE = "can't allocate memory"
+
+
+@contextmanager
+def out_of_memory(doing: str, advice: str) -> Iterator[None]:
+    """Turn an out-of-memory error at start-up into one line that says what to change."""
+    import torch  # this module is imported by the app: keep torch out of its import
+
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        if not isinstance(error, torch.OutOfMemoryError) and _CPU_ALLOCATION_FAILURE not in str(error):
+            raise
+        raise PagedChatError(f"out of memory while {doing}: {advice}") from error

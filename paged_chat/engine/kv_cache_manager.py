@@ -21,7 +21,7 @@ positions keep their place in the table; those entries are always a leading run,
 request keeps the hashes of every block (`Request.block_hashes`), so its later full blocks
 chain to the right parents. A released block that was hashed stays in the prefix cache,
 evictable, like any block a finished request frees. Admission counts only the blocks from
-the window on, so such a request can outgrow the pool (`longest_sequence`). While any
+the window on, so such a request can outgrow the pool (`kv_pool_sizing.longest_sequence`). While any
 layer attends globally nothing is released.
 """
 
@@ -47,19 +47,6 @@ def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
     digest = hashlib.blake2b(parent_hash, digest_size=16)
     digest.update(array("q", token_ids).tobytes())
     return digest.digest()
-
-
-def longest_sequence(num_blocks: int, block_size: int, sliding_window: int | None,
-                     max_chunk: int) -> int | None:
-    """The most tokens one sequence can hold in a pool of `num_blocks`, or None for no bound:
-    with a sliding window the pool only ever holds its window and a chunk of at most
-    `max_chunk` new tokens (block boundaries may cost one block more), and when that fits,
-    a request running alone can always go on."""
-    if sliding_window is not None:
-        live_blocks = -(-(sliding_window - 1 + max_chunk) // block_size) + 1
-        if live_blocks <= num_blocks:
-            return None
-    return num_blocks * block_size
 
 
 class BlockKV(Protocol):

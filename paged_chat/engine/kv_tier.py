@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from paged_chat.engine.config import EngineConfig
 from paged_chat.engine.errors import KVTierWarning
 from paged_chat.engine.stats import KVTierStats
 
@@ -58,6 +59,7 @@ _SAMPLES_PER_TENSOR = 4096
 _MAX_PENDING_BYTES = 256 * 2**20
 # A temp file older than this belongs to a process that died mid-write.
 _STALE_TEMP_S = 600.0
+_DEFAULT_CUDA_HOST_BYTES = 2 * 2**30
 
 
 def model_fingerprint(weights: dict[str, torch.Tensor]) -> bytes:
@@ -457,3 +459,20 @@ def clear_disk_tier(cache_dir: str | Path) -> tuple[int, int]:
             Path(item.path).unlink(missing_ok=True)
             files, freed = files + 1, freed + size
     return files, freed
+
+
+def build_kv_tier(config: EngineConfig, fingerprint: bytes, kv_cache: torch.Tensor
+                  ) -> KVTier | None:
+    """The host and disk KV tiers the config asks for, or None (they need the prefix cache).
+    `kv_cache` is the pool they sit under: its dtype, device and layout."""
+    host_bytes = config.kv_tier_host_bytes
+    on_cuda = kv_cache.device.type == "cuda"
+    if host_bytes is None:
+        host_bytes = _DEFAULT_CUDA_HOST_BYTES if on_cuda else 0
+    disk_dir = Path(config.cache_dir) / TIER_DIR if config.cache_dir else None
+    wanted = host_bytes or (disk_dir and config.kv_tier_disk_bytes)
+    if not config.enable_prefix_caching or not wanted:
+        return None
+    num_layers, _, kv_heads, _, block_size, head_dim = kv_cache.shape
+    layout = TierLayout(fingerprint, kv_cache.dtype, (num_layers, 2, kv_heads, block_size, head_dim))
+    return KVTier(layout, host_bytes, disk_dir, config.kv_tier_disk_bytes, pin_memory=on_cuda)

@@ -1,11 +1,18 @@
-"""ModelRunner: turns a scheduled step into flat batch tensors, runs the model, samples.
+"""ModelRunner: owns the model and the KV cache; turns a scheduled step into flat batch
+tensors, runs the model, samples; copies whole blocks in and out for the KV tier.
+
+Set-up, in nano-vllm's ModelRunner order: size the pool (on CUDA by profiling the largest
+step: the warm-up that measures what a step takes), allocate it, then, for a backend whose
+kernels compile (Triton on CUDA), compile every variant and capture the decode graphs.
 
 The KV cache is one preallocated tensor `[layers, 2, *attention.kv_cache_shape(...)]`
-(keys and values of every layer, in the attention backend's layout); the runner owns it.
-Per step it builds, on the host with numpy and sent in one copy (`AttentionMetadata.build`):
-token ids, positions, slot mapping, query offsets, context lengths, block tables and the
-rows to compute logits for: the model computes them only for the rows that sample (the
-last token of each sequence whose known tokens are all computed after this step).
+(keys and values of every layer, in the attention backend's layout) of `num_blocks + 1`
+blocks: block 0 is the null block (`block_pool.NULL_BLOCK`), where padding and released
+table entries point. Per step the runner builds, on the host with numpy and sent in one
+copy (`AttentionMetadata.build`): token ids, positions, slot mapping, query offsets, context
+lengths, block tables and the rows to compute logits for: the model computes them only for
+the rows that sample (the last token of each sequence whose known tokens are all computed
+after this step).
 
 Sampling faults stay with their request: a row whose logits are not finite, or a batch
 whose sampling raises, yields an exception in that row's place (the batch is then sampled
@@ -22,10 +29,19 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata, StagingBuffer
+from paged_chat.engine.attention.selector import select_attention
+from paged_chat.engine.config import EngineConfig
+from paged_chat.engine.errors import out_of_memory
+from paged_chat.engine.kv_pool_sizing import (
+    KVCacheSpec,
+    allocate_kv_cache,
+    longest_sequence,
+    size_kv_pool,
+)
 from paged_chat.engine.models.llama import LlamaForCausalLM
 from paged_chat.engine.models.loader import ProgressHook
+from paged_chat.engine.models.model_config import ModelConfig
 from paged_chat.engine.sampler import SamplingBatch, sample
 from paged_chat.engine.scheduler import ScheduledRequest
 
@@ -51,13 +67,31 @@ class SamplingError(Exception):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int,
-                 attention: AttentionBackend) -> None:
+    def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
+                 device: torch.device, dtype: torch.dtype,
+                 on_progress: ProgressHook | None = None) -> None:
+        """Size and allocate the KV pool for `model` (its weights loaded, in `dtype` on
+        `device`) and make it ready to serve (see the module docstring). `num_blocks` and
+        `max_model_len` say what came of it: the blocks requests can use, and the longest
+        sequence, which the model and the pool both bound."""
         self.model = model
-        self.kv_cache = kv_cache
-        self.block_size = block_size
-        self.attention = attention
-        self.device = kv_cache.device
+        self.block_size = config.block_size
+        self.attention = select_attention(config.attention_backend, model_config, device)
+        self.device = device
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        spec = KVCacheSpec(model_config.num_layers, self.block_size, self.attention, dtype, device)
+        model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                        model_config.max_position_embeddings)
+        with out_of_memory("profiling a step to size the KV cache",
+                           "lower max_num_batched_tokens (the largest step)"):
+            self.num_blocks = config.num_blocks or size_kv_pool(spec, config, model, model_len)
+        # A request can never outgrow the pool: it is the one bound nothing can preempt. With
+        # a sliding window on every layer the pool holds only the window of each request.
+        longest = longest_sequence(self.num_blocks, self.block_size,
+                                   model_config.window_of_every_layer, self.max_num_batched_tokens)
+        self.max_model_len = model_len if longest is None else min(model_len, longest)
+        model.build_rope_tables(self.max_model_len)
+        self.kv_cache = allocate_kv_cache(spec, self.num_blocks, config)
         self.last_forward_s = 0.0
         # The stepping thread's CPU time in the sampler's math last step (on a GPU, its
         # launches): what `bench --host-overhead` takes away to leave the host's own work.
@@ -66,6 +100,10 @@ class ModelRunner:
         self._graphs: dict[int, _DecodeGraph] = {}
         self._graph_width = 0
         self._graph_staging: StagingBuffer | None = None
+        if self.attention.compiles_kernels and device.type == "cuda":
+            self.warm_up(on_progress)
+            if not config.enforce_eager:
+                self.capture_decode_graphs(config.max_num_seqs, on_progress or _no_progress)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest],
@@ -109,10 +147,29 @@ class ModelRunner:
         self.model(torch.zeros_like(meta.positions), meta.positions, self.kv_cache, meta,
                    self.attention, meta.query_start_loc[1:].long() - 1)
 
+    def warm_up(self, on_progress: ProgressHook | None = None) -> None:
+        """Compile every kernel variant this configuration can reach before serving, so none
+        compiles mid-chat (a pause of a second or more each on a GPU).
+
+        The Triton kernels take the split count and the sliding window at run time, so a
+        launch's variant depends only on its kind (decode or prefill) and on whether a
+        split merge runs; two steps reach them all: the largest prefill the token budget
+        allows, and one decode at the longest context (split when a GPU would split it).
+        """
+        report = on_progress or _no_progress
+        longest = self.max_model_len
+        budget = min(self.max_num_batched_tokens, longest)
+        steps = [([budget], [budget]), ([1], [longest])]
+        report("compiling kernels", 0, len(steps))
+        for done, (query_lens, seq_lens) in enumerate(steps, 1):
+            self.run_dummy_step(query_lens, seq_lens)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            report("compiling kernels", done, len(steps))
+
     # ---- CUDA graphs of decode steps -------------------------------------------------
 
-    def capture_decode_graphs(self, max_batch: int, max_model_len: int,
-                              on_progress: ProgressHook) -> None:
+    def capture_decode_graphs(self, max_batch: int, on_progress: ProgressHook) -> None:
         """Capture one CUDA graph of a whole decode step (every layer, logits of every row) per
         batch-size bucket up to `max_batch`, largest first, in one shared memory pool.
 
@@ -125,7 +182,7 @@ class ModelRunner:
         (`EngineConfig.enforce_eager`).
         """
         assert self.device.type == "cuda" and self.attention.compiles_kernels
-        self._graph_width = -(-max_model_len // self.block_size)
+        self._graph_width = -(-self.max_model_len // self.block_size)
         self._graph_staging = StagingBuffer(self.device)
         buckets = sorted({b for b in GRAPH_BATCH_SIZES if b < max_batch} | {max_batch},
                          reverse=True)
@@ -133,7 +190,7 @@ class ModelRunner:
         for done, batch in enumerate(buckets):
             on_progress("capturing CUDA graphs", done, len(buckets))
             meta = self._graph_meta(batch, [], [], [])
-            self.attention.plan_graph(meta, self.kv_cache, max_model_len)
+            self.attention.plan_graph(meta, self.kv_cache, self.max_model_len)
             input_ids, logits_indices = meta.extra
             with torch.inference_mode():
                 # An eager run first: lazy initialisation (cuBLAS handles, the split
@@ -251,3 +308,7 @@ class ModelRunner:
             vocab_size=vocab_size,
             device=self.device,
         )
+
+
+def _no_progress(stage: str, done: int, total: int) -> None:
+    """A ProgressHook that hears nothing."""

@@ -22,7 +22,10 @@ import numpy as np
 class BlockMap:
     """The pool's blocks and who holds them. The holder arrays are built from the tables on
     their first read: the engine takes a snapshot ~20 times a second (and the benchmark
-    every step), but a panel draws one only ~5 times a second, if it is shown at all."""
+    every step), but a panel draws one only ~5 times a second, if it is shown at all.
+
+    An engine's map has a cell per allocatable block: cell i is block i + 1, and its tables
+    hold cells (the reserved null block 0, of released entries, is -1 there)."""
 
     ref_counts: np.ndarray          # int32 [num_blocks]: requests holding each block
     cached: np.ndarray              # bool [num_blocks]: has a prefix hash (evictable at ref 0)
