@@ -17,6 +17,8 @@ def phase_of(request: Request) -> str:
     """Where the request is, finer than its status: "waiting" (never scheduled), "preempted"
     (waiting to recompute), "prefilling" (its known tokens are not all computed yet),
     "decoding" or "finished". Aborts and faults must be safe in each."""
+    if request.status is RequestStatus.WAITING_FOR_KV:
+        return "waiting for KV"
     if request.status is RequestStatus.WAITING:
         return "preempted" if request.num_preemptions else "waiting"
     if request.status is RequestStatus.RUNNING:

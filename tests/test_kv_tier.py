@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -22,7 +23,16 @@ import torch
 
 from paged_chat.engine import Engine, KVTierWarning, SamplingParams
 from paged_chat.engine.kv_cache_manager import hash_block
-from paged_chat.engine.kv_tier import ENTRY_SUFFIX, TIER_DIR, DiskTier, TierLayout, clear_disk_tier
+from paged_chat.engine.kv_tier import (
+    ENTRY_SUFFIX,
+    TIER_DIR,
+    DiskTier,
+    KVTier,
+    TierLayout,
+    clear_disk_tier,
+)
+from paged_chat.engine.request import RequestStatus
+from engine_helpers import assert_no_leaks
 from soak import run_soak, soak_config
 from tiny_models import build_tiny_model
 
@@ -125,6 +135,97 @@ def test_a_process_that_exits_leaves_its_blocks_on_disk(tier_engine, make_engine
     out = tier_engine().generate([follow_up], GREEDY)[0]
     assert out.num_tier_cached_tokens == history_blocks(follow_up) * BLOCK
     assert out.token_ids == expected_reply(make_engine, follow_up)
+
+
+def test_a_slow_tier_read_holds_back_only_its_own_request(tier_engine, make_engine, monkeypatch):
+    """A tier read that takes 2 s (held, in fact, until the other chats are done) holds back
+    only the request waiting for it: the chats already running keep stepping and finish
+    meanwhile, no step waits on the read, and the request then prefills only its new tokens."""
+    writer = tier_engine()
+    follow_up = first_turn(writer, history())
+    writer.close()
+    engine = tier_engine()
+    read_started, others_done = threading.Event(), threading.Event()
+    load = KVTier.load
+
+    def slow_load(tier: KVTier, block_hashes: list[bytes]) -> list[torch.Tensor]:
+        began = time.monotonic()
+        read_started.set()
+        others_done.wait(timeout=120)
+        time.sleep(max(0.0, 2.0 - (time.monotonic() - began)))  # the slow disk itself
+        return load(tier, block_hashes)
+
+    monkeypatch.setattr(KVTier, "load", slow_load)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    others = [engine.add_request(history(seed, 40), params) for seed in (5, 6, 7)]
+    engine.step()
+    cold = engine.add_request(follow_up, GREEDY)
+    finished: dict[str, object] = {}
+    give_up = time.monotonic() + 120
+    while not all(rid in finished for rid in others):
+        assert time.monotonic() < give_up, "the running chats stopped stepping"
+        finished.update((out.request_id, out) for out in engine.step() if out.finished)
+        assert cold not in finished
+        assert engine.requests[cold].status is RequestStatus.WAITING_FOR_KV
+    assert read_started.is_set() and engine.requests[cold].num_computed_tokens == 0
+    others_done.set()
+    slowest_step = 0.0
+    while cold not in finished:
+        assert time.monotonic() < give_up, "the read never completed"
+        began = time.monotonic()
+        finished.update((out.request_id, out) for out in engine.step() if out.finished)
+        slowest_step = max(slowest_step, time.monotonic() - began)
+    assert slowest_step < 1.0, "a step waited on the tier read"
+    out = finished[cold]
+    assert out.num_tier_cached_tokens == out.num_cached_tokens == history_blocks(follow_up) * BLOCK
+    assert out.token_ids == expected_reply(make_engine, follow_up)
+    assert_no_leaks(engine)
+
+
+def test_preempting_or_aborting_a_request_while_its_tier_read_runs_frees_everything(
+        tier_engine, monkeypatch):
+    """A request waiting for KV is aborted, or preempted by a running chat that needs its
+    blocks: every block goes back, nothing of the read is indexed, and the read's late end
+    changes nothing."""
+    writer = tier_engine()
+    follow_up = first_turn(writer, history())
+    writer.close()
+    engine = tier_engine(num_blocks=14)
+    release = threading.Event()
+    load = KVTier.load
+
+    def held_load(tier: KVTier, block_hashes: list[bytes]) -> list[torch.Tensor]:
+        release.wait(timeout=120)
+        return load(tier, block_hashes)
+
+    monkeypatch.setattr(KVTier, "load", held_load)
+    cold = engine.add_request(follow_up, GREEDY)
+    engine.step()
+    assert engine.requests[cold].status is RequestStatus.WAITING_FOR_KV
+    assert engine.stats().blocks_in_use == history_blocks(follow_up)
+    engine.abort(cold)
+    engine.step()
+    assert engine.stats().blocks_in_use == 0 and not engine.kv_cache.pool.cached_blocks
+    assert_no_leaks(engine)
+    # Preempted: a running chat grows into the blocks the read holds.
+    cold = engine.add_request(follow_up, GREEDY)
+    engine.step()
+    assert engine.requests[cold].status is RequestStatus.WAITING_FOR_KV
+    grower = engine.add_request(history(9, 20), SamplingParams(temperature=0, max_tokens=80,
+                                                               ignore_eos=True))
+    give_up = time.monotonic() + 120
+    while engine.requests[cold].status is RequestStatus.WAITING_FOR_KV:
+        assert time.monotonic() < give_up, "the running chat never needed the read's blocks"
+        engine.step()
+        engine.kv_cache.check_invariants()
+    assert engine.stats().num_preemptions >= 1
+    release.set()
+    while engine.has_unfinished():
+        assert time.monotonic() < give_up
+        engine.step()
+        engine.kv_cache.check_invariants()
+    assert grower not in engine.requests and cold not in engine.requests
+    assert_no_leaks(engine)
 
 
 def test_no_disk_tier_without_a_cache_dir_or_bytes(make_engine, tmp_path):

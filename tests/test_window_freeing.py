@@ -19,7 +19,7 @@ from engine_helpers import assert_no_leaks, blocks_owned
 from paged_chat.cli import CliState, app
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.block_pool import NULL_BLOCK
-from paged_chat.engine.kv_cache_manager import KVCacheManager, hash_block
+from paged_chat.engine.kv_cache_manager import KVCacheManager, TierRead, TierReadState, hash_block
 from paged_chat.engine.request import Request
 from paged_chat.tui.engine_panel import format_numbers
 from tiny_models import build_tiny_model
@@ -219,47 +219,80 @@ SMALL_BLOCK = 4   # the manager alone takes any block size
 
 
 class StubTier:
-    """Holds every hash; `load` serves the first `serves` blocks asked for."""
+    """Holds every hash but those a load found `bad` (then forgotten, as the disk tier
+    forgets an entry it rejects); `load` serves blocks up to the first bad one."""
 
-    def __init__(self, serves: int) -> None:
-        self.serves, self.asked, self.misses = serves, [], 0
+    def __init__(self) -> None:
+        self.bad: set[bytes] = set()
+        self.forgotten: set[bytes] = set()
+        self.asked: list[int] = []
+        self.misses = 0
 
     def __contains__(self, block_hash: bytes) -> bool:
-        return True
+        return block_hash not in self.forgotten
 
     def load(self, block_hashes: list[bytes]) -> list[torch.Tensor]:
         self.asked.append(len(block_hashes))
-        return [torch.zeros(1)] * min(self.serves, len(block_hashes))
+        served = []
+        for block_hash in block_hashes:
+            if block_hash in self.bad:
+                self.forgotten.add(block_hash)
+                break
+            served.append(torch.zeros(1))
+        return served
 
     def record_misses(self, num_blocks: int) -> None:
         self.misses += num_blocks
 
 
-class StubBlockKV:
-    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
-        assert len(block_ids) == len(kv)
-
-
-@pytest.mark.parametrize("serves", [2, 1])
-def test_the_tier_reads_only_the_window_and_a_cut_run_reads_nothing(serves):
-    """Window 6, blocks of 4: of a 40-token prompt's 9 full blocks the first new token's
-    window sees blocks 7 and 8 alone. When block 8 fails to load, a run ending at 8 would
-    need block 6, never read: the whole prompt is prefilled."""
-    tier = StubTier(serves)
-    manager = KVCacheManager(num_blocks=16, block_size=SMALL_BLOCK, enable_caching=True,
-                             tier=tier, block_kv=StubBlockKV(), sliding_window=6)
-    request = make_request("r", list(range(40)))
+def read_from_tier(manager: KVCacheManager, tier: StubTier, request: Request,
+                   expected_blocks: int) -> TierRead:
+    """Plan, issue and finish one tier read of the request, as scheduler and engine would."""
     cached = manager.find_cached_prefix(request)
-    tier_kv = manager.read_tier_prefix(request, cached, budget=8)
-    assert cached == [] and tier.asked == [2]
-    if serves == 2:
-        assert tier_kv[:7] == [None] * 7 and len(tier_kv) == 9 and tier.misses == 0
-    else:
-        assert tier_kv == [] and tier.misses == 9
-    assert manager.allocate(request, min(40 - len(tier_kv) * SMALL_BLOCK, 8), cached, tier_kv)
+    assert cached == [] and manager.tier_blocks_to_read(request, cached, budget=8) == expected_blocks
+    manager.start_tier_read(request, cached, expected_blocks)
+    (read,) = manager.take_new_tier_reads()
+    assert all(block.block_hash is None for block in read.blocks), "indexed before its KV is in"
+    manager.check_invariants()
+    kv = tier.load(read.block_hashes)
+    manager.finish_tier_read(read, complete=len(kv) == len(read.blocks))
+    return read
+
+
+@pytest.mark.parametrize("bad", [None, 8])
+def test_the_tier_reads_only_the_window_and_a_cut_run_starts_over(bad):
+    """Window 6, blocks of 4: of a 40-token prompt's 9 full blocks the first new token's
+    window sees blocks 7 and 8 alone, and only they are read, into fresh blocks (the 7
+    before them are NULL_BLOCK). When block 8 fails to load, a run ending at 8 would need
+    block 6, never read: the request gives its blocks back and starts over, and the run
+    ending at block 8 reads blocks 6 and 7."""
+    tier = StubTier()
+    manager = KVCacheManager(num_blocks=16, block_size=SMALL_BLOCK, enable_caching=True,
+                             tier=tier, sliding_window=6)
+    request = make_request("r", list(range(40)))
+    manager.find_cached_prefix(request)
+    if bad is not None:
+        tier.bad.add(request.block_hashes[bad])
+    read = read_from_tier(manager, tier, request, 9)
+    assert len(read.blocks) == 2 and manager.tables["r"] == [NULL_BLOCK] * 7 + read.blocks
+    if bad is not None:
+        assert read.state is TierReadState.SHORT
+        manager.free(request)
+        manager.check_invariants()
+        assert manager.pool.num_free_blocks == 16, "a short read leaked a block"
+        read = read_from_tier(manager, tier, request, 8)
+        assert tier.asked == [2, 2]
+    assert read.state is TierReadState.DONE and all(block.from_tier for block in read.blocks)
+    assert manager.admit_tier_read(request) is read
+    num_read = 9 if bad is None else 8
+    assert read.num_cached_tokens == read.num_tier_tokens == num_read * SMALL_BLOCK
+    request.num_computed_tokens = read.num_cached_tokens
+    assert manager.allocate(request, 40 - read.num_cached_tokens)
+    manager.record_tier_misses(request, read.num_cached_tokens)
+    assert tier.misses == 9 - num_read
     table = manager.tables["r"]
-    assert table.count(NULL_BLOCK) == manager.num_released.get("r", 0) == (7 if tier_kv else 0)
-    assert len(table) == (10 if tier_kv else 2)
+    assert table.count(NULL_BLOCK) == manager.num_released["r"] == num_read - 2
+    assert len(table) == 10
     manager.check_invariants()
 
 

@@ -28,12 +28,17 @@ from paged_chat.engine.dtypes import dtype_name, resolve_device, resolve_dtype
 from paged_chat.engine.errors import out_of_memory
 from paged_chat.engine.kv_cache_manager import KVCacheManager
 from paged_chat.engine.kv_tier import build_kv_tier, model_fingerprint
+from paged_chat.engine.kv_transfer import KVTransfer
 from paged_chat.engine.models.loader import ModelSource, ProgressHook, load_model, load_model_source
 from paged_chat.engine.request import FinishReason, Request, RequestOutput, SamplingParams
 from paged_chat.engine.runner import ModelRunner
 from paged_chat.engine.scheduler import Scheduler
 from paged_chat.engine.stats import BlockMap, EngineStats, KVTierStats, RateMeter
 from paged_chat.engine.threads import StepThreads
+
+
+# How long a step with nothing to run (every request waiting for KV) waits for a tier read.
+_IDLE_READ_WAIT_S = 0.01
 
 
 class Engine:
@@ -69,7 +74,9 @@ class Engine:
         self.kv_cache = KVCacheManager(self.num_blocks, self.block_size,
                                        config.enable_prefix_caching,
                                        build_kv_tier(config, fingerprint, self.runner.kv_cache),
-                                       self.runner, source.config.window_of_every_layer)
+                                       source.config.window_of_every_layer,
+                                       self.runner.block_id_rows)
+        self.kv_transfer = KVTransfer(self.kv_cache, self.runner)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens)
         self.eos_token_ids = frozenset(source.config.eos_token_ids) | (
@@ -148,7 +155,7 @@ class Engine:
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix; blocks in use stay as they are."""
-        self.kv_cache.pool.reset_prefix_cache()
+        self.kv_cache.reset_prefix_cache()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._pending)
@@ -161,11 +168,14 @@ class Engine:
     def flush(self) -> None:
         """Wait until the KV tier's queued disk writes are done (a process about to end
         leaves its chats' blocks for the next one)."""
+        self.kv_transfer.offload()
         if self.kv_cache.tier is not None:
             self.kv_cache.tier.flush()
 
     def close(self) -> None:
-        """Finish the KV tier's queued disk writes and stop its writer (also done at exit)."""
+        """Finish the KV tier's queued disk writes and stop its reader and writer (the
+        writer also stops at exit)."""
+        self.kv_transfer.close()
         if self.kv_cache.tier is not None:
             self.kv_cache.tier.close()
 
@@ -188,24 +198,26 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; return this step's deltas (finished ones included)."""
         outputs, self._pending = self._pending, []
-        if not self.scheduler.has_unfinished():
+        started = time.perf_counter()
+        self.kv_transfer.complete_reads()
+        schedule = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
+        self.kv_transfer.offload()  # what left the pool, before a forward can overwrite it
+        self.kv_transfer.start_reads()
+        if schedule is None or not schedule.scheduled:
+            self.kv_transfer.wait_for_reads(_IDLE_READ_WAIT_S)  # every request waits for KV
             self._last_batch = (0, 0)
             self._last_step_time = self.runner.last_forward_s = 0.0
             return outputs
-        started = time.perf_counter()
-        schedule = self.scheduler.schedule()
         policy = self.threads.for_step(decode_only=schedule.num_tokens == len(schedule.scheduled))
         threads = policy.apply()
         samplers = [item for item in schedule.scheduled if item.samples]
-        tables = self.kv_cache.block_id_rows.array(
-            [item.request.request_id for item in schedule.scheduled])
         try:
-            sampled = self.runner.execute(schedule.scheduled, tables)
+            sampled = self.runner.execute(schedule.scheduled)
         except Exception:
             # The scheduler indexed the blocks this step fills before the forward that should
             # have written them: forget the index, or a later request could hit unwritten
             # blocks. The requests keep their places, so a retried step redoes this work.
-            self.kv_cache.pool.reset_prefix_cache()
+            self.kv_cache.reset_prefix_cache()
             self._pending = outputs + self._pending  # deltas collected before the step stay due
             raise
         self._prompt_rate.add(self.scheduler.update(schedule))
@@ -222,6 +234,7 @@ class Engine:
         self._last_batch = (len(schedule.scheduled), schedule.num_tokens)
         self._last_step_time = time.perf_counter() - started
         policy.record(threads, schedule.num_tokens, self._last_step_time)
+        self.kv_transfer.offload()  # finished requests' blocks go down now, not a step later
         return outputs
 
     def _append_token(self, request: Request, token_id: int, now: float) -> RequestOutput:
@@ -308,7 +321,7 @@ class Engine:
             blocks_cached=cached,
             blocks_free=self.num_blocks - in_use - cached,
             num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.loading),
             num_preemptions=self.scheduler.num_preemptions,
             num_evictions=pool.num_evictions,
             batch_size=batch_size,

@@ -12,7 +12,8 @@ KV depends on (the model's weights, the dtype, the block size, the cache layout)
   payload's CRC-32 then the payload. A read checks all of it: a mismatch, a short file or
   a bad checksum is deleted, never loaded.
 
-Writes never stall a step. The engine hands over tensors it has already copied out of the
+Reads and writes never stall a step: reads run on the engine's reader thread (see
+kv_transfer); for a write the engine hands over tensors it has already copied out of the
 pool; a writer thread serializes them, writes a temp file, fsyncs and renames it into
 place (a torn write is never read back). The queue is bounded in bytes: a full queue
 drops the write. A disk error (full, read-only, the directory gone) turns the disk tier
@@ -135,29 +136,33 @@ class TierLayout:
 
 
 class HostTier:
-    """Block KV in host RAM, LRU, at most `capacity_bytes`."""
+    """Block KV in host RAM, LRU, at most `capacity_bytes`. The engine's thread stores and
+    the reader thread reads: one lock keeps the LRU whole."""
 
     def __init__(self, capacity_bytes: int, block_nbytes: int) -> None:
         self.capacity_blocks = capacity_bytes // block_nbytes
         self.block_nbytes = block_nbytes
         self.entries: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._lock = threading.Lock()
 
     def __contains__(self, block_hash: bytes) -> bool:
         return block_hash in self.entries
 
     def get(self, block_hash: bytes) -> torch.Tensor | None:
-        kv = self.entries.get(block_hash)
-        if kv is not None:
-            self.entries.move_to_end(block_hash)
-        return kv
+        with self._lock:
+            kv = self.entries.get(block_hash)
+            if kv is not None:
+                self.entries.move_to_end(block_hash)
+            return kv
 
     def put(self, block_hash: bytes, kv: torch.Tensor) -> None:
         if self.capacity_blocks == 0:
             return
-        self.entries[block_hash] = kv
-        self.entries.move_to_end(block_hash)
-        while len(self.entries) > self.capacity_blocks:
-            self.entries.popitem(last=False)
+        with self._lock:
+            self.entries[block_hash] = kv
+            self.entries.move_to_end(block_hash)
+            while len(self.entries) > self.capacity_blocks:
+                self.entries.popitem(last=False)
 
     @property
     def nbytes(self) -> int:
@@ -398,7 +403,8 @@ class KVTier:
 
     def load(self, block_hashes: list[bytes]) -> list[torch.Tensor]:
         """The KV of the leading blocks that every tier can still serve, in order (a block
-        that turns out missing or rejected ends the run)."""
+        that turns out missing or rejected ends the run). Reads the disk: the engine calls
+        it on its reader thread (kv_transfer), never in a step."""
         loaded = []
         for block_hash in block_hashes:
             kv = self.host.get(block_hash) if self.host is not None else None

@@ -86,6 +86,7 @@ def _check(ok: bool, name: str, value: object, allowed: str) -> None:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting for KV"   # holds its blocks while a KV tier read fills them
     RUNNING = "running"
     FINISHED = "finished"
 

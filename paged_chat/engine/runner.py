@@ -31,6 +31,7 @@ import torch
 
 from paged_chat.engine.attention.metadata import AttentionMetadata, StagingBuffer
 from paged_chat.engine.attention.selector import select_attention
+from paged_chat.engine.block_id_rows import BlockIdRows
 from paged_chat.engine.config import EngineConfig
 from paged_chat.engine.errors import out_of_memory
 from paged_chat.engine.kv_pool_sizing import (
@@ -96,6 +97,8 @@ class ModelRunner:
         # The stepping thread's CPU time in the sampler's math last step (on a GPU, its
         # launches): what `bench --host-overhead` takes away to leave the host's own work.
         self.last_sample_cpu_s = 0.0
+        # Every request's block table as ids, written by the KV manager as tables change.
+        self.block_id_rows = BlockIdRows()
         self._staging = StagingBuffer(self.device)
         self._graphs: dict[int, _DecodeGraph] = {}
         self._graph_width = 0
@@ -106,8 +109,7 @@ class ModelRunner:
                 self.capture_decode_graphs(config.max_num_seqs, on_progress or _no_progress)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest],
-                block_tables: Sequence[Sequence[int]]) -> list[int | Exception]:
+    def execute(self, scheduled: list[ScheduledRequest]) -> list[int | Exception]:
         """Run one step; return the sampled token of each scheduled item that samples, in order,
         or the exception that sampling that item raised.
 
@@ -115,6 +117,7 @@ class ModelRunner:
         exception from the forward propagates: it concerns the whole batch.
         """
         samplers = [item for item in scheduled if item.samples]
+        block_tables = self.block_id_rows.array([item.request.request_id for item in scheduled])
         self.last_sample_cpu_s = 0.0
         started = time.perf_counter()
         graph_batch = self._graph_batch(scheduled)
@@ -237,6 +240,9 @@ class ModelRunner:
         if len(samples) == len(scheduled):
             return captured.logits[:len(samples)]
         return captured.logits[torch.tensor(samples, device=self.device)]
+
+    # ---- whole blocks, for the KV tier (kv_transfer) ---------------------------------
+
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """A copy of whole blocks' KV on the CPU, [blocks, layers, 2, kv_heads, block_size,
         head_dim], that no later step touches (a KV tier keeps it)."""

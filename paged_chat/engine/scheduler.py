@@ -4,12 +4,19 @@ Each step has one budget of `max_num_batched_tokens` shared by every kind of wor
 
 1. Running requests, oldest first, each take the tokens they still need: one for a
    decode, the rest of the prompt (capped by the budget) for a prefill in chunks. When the
-   pool cannot grow a table, the most recently admitted running request is preempted: its
-   blocks go back (their content stays cached, so the recompute is mostly prefix hits)
-   and it returns to the head of the waiting queue.
-2. Waiting requests, in arrival order, join while budget, `max_num_seqs` and blocks last.
-   Each first takes over its cached prefix (the pool's blocks, then what the KV tier reads
-   back into fresh blocks, both counted as cached), then prefills what is left, chunked.
+   pool cannot grow a table, a request is preempted: one waiting for KV if there is one,
+   else the most recently admitted running request. Its blocks go back (their content
+   stays cached, so the recompute is mostly prefix hits) and it returns to the head of
+   the waiting queue.
+2. Requests whose KV tier read is done, then waiting requests in arrival order, join
+   while budget, `max_num_seqs` and blocks last. A waiting request first takes over its
+   cached prefix from the pool. When the KV tier holds blocks past it, the request takes
+   blocks for them and waits for KV (`loading`, not scheduled) while the engine reads them
+   back off the step; it joins once they are in, counting them as cached, as it would the
+   pool's. Then each prefills what is left, chunked.
+
+The scheduler does no I/O: a tier read is only issued here (see kv_cache_manager); the
+engine runs it and completes it between steps, so no step waits on a disk.
 
 Nothing waits behind a long prompt: decodes are scheduled before it every step, and it
 only gets what budget is left. A preempted request goes back to the head of the queue, and
@@ -21,7 +28,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from paged_chat.engine.kv_cache_manager import KVCacheManager
+from paged_chat.engine.block_pool import KVBlock
+from paged_chat.engine.kv_cache_manager import KVCacheManager, TierReadState
 from paged_chat.engine.request import Request, RequestStatus
 
 
@@ -49,6 +57,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: list[Request] = []    # WAITING_FOR_KV, in the order their reads were issued
         self.num_preemptions = 0
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
@@ -57,7 +66,7 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -71,7 +80,7 @@ class Scheduler:
             num_left = len(request.all_token_ids) - request.num_computed_tokens
             num_new = num_left if num_left < budget else budget
             while not allocate(request, num_new):
-                victim = self.running.pop()
+                victim = self.loading[-1] if self.loading else self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -81,20 +90,34 @@ class Scheduler:
                 budget -= num_new
                 index += 1
 
-        while (self.waiting and budget > 0 and not preempted
-               and len(self.running) < self.max_num_seqs):
-            request = self.waiting[0]
-            cached_prefix = self.kv_cache.find_cached_prefix(request)
-            tier_kv = self.kv_cache.read_tier_prefix(request, cached_prefix, budget)
-            if tier_kv is None:
-                break
-            num_tier_cached = len(tier_kv) * self.kv_cache.block_size
-            num_cached = len(cached_prefix) * self.kv_cache.block_size + num_tier_cached
+        while budget > 0 and not preempted and (request := self._next_to_admit()) is not None:
+            if request.status is RequestStatus.WAITING_FOR_KV:   # its prefix is in its table
+                read = self.kv_cache.tier_reads[request.request_id]
+                cached_prefix: list[KVBlock] = []
+                num_cached, num_tier_cached = read.num_cached_tokens, read.num_tier_tokens
+                request.num_computed_tokens = num_cached
+            else:
+                cached_prefix = self.kv_cache.find_cached_prefix(request)
+                num_tier_blocks = self.kv_cache.tier_blocks_to_read(request, cached_prefix, budget)
+                if num_tier_blocks is None:
+                    break
+                if num_tier_blocks:
+                    self.kv_cache.start_tier_read(request, cached_prefix, num_tier_blocks)
+                    self.waiting.popleft()
+                    request.status = RequestStatus.WAITING_FOR_KV
+                    self.loading.append(request)
+                    continue
+                num_cached, num_tier_cached = len(cached_prefix) * self.kv_cache.block_size, 0
             num_left = request.num_tokens - num_cached
             num_new = min(num_left, budget)
-            if not self.kv_cache.allocate(request, num_new, cached_prefix, tier_kv):
+            if not self.kv_cache.allocate(request, num_new, cached_prefix):
                 break
-            self.waiting.popleft()
+            if request.status is RequestStatus.WAITING_FOR_KV:
+                self.loading.remove(request)
+                self.kv_cache.admit_tier_read(request)
+            else:
+                self.waiting.popleft()
+            self.kv_cache.record_tier_misses(request, num_cached)
             self.prefix_cache_queried_tokens += request.num_tokens
             self.prefix_cache_hit_tokens += num_cached
             if request.num_preemptions == 0:
@@ -109,6 +132,20 @@ class Scheduler:
         # Decodes first: attention backends batch the single-token queries together.
         scheduled.sort(key=_not_a_decode)
         return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
+
+    def _next_to_admit(self) -> Request | None:
+        """The first request whose tier read is done (it holds its blocks: it goes first),
+        else the head of the waiting queue while `max_num_seqs` allows one more. A request
+        whose read came back short starts over at the head of the waiting queue."""
+        for request in [r for r in self.loading if self.kv_cache.tier_read_state(r)
+                        is TierReadState.SHORT]:
+            self._preempt(request, count=False)
+        for request in self.loading:
+            if self.kv_cache.tier_read_state(request) is TierReadState.DONE:
+                return request
+        if self.waiting and len(self.running) + len(self.loading) < self.max_num_seqs:
+            return self.waiting[0]
+        return None
 
     def update(self, output: SchedulerOutput) -> int:
         """Advance each scheduled request past the tokens this step computed; return how
@@ -125,18 +162,25 @@ class Scheduler:
         """Take a request out of the queues and give its blocks back (any finish reason)."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_KV:
+            self.loading.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
         self.kv_cache.free(request)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, count: bool = True) -> None:
+        """Free the request's blocks and put it back at the head of the waiting queue;
+        `count`: as a preemption (not for a tier read that came back short)."""
+        if request.status is RequestStatus.WAITING_FOR_KV:
+            self.loading.remove(request)
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)
-        self.num_preemptions += 1
+        if count:
+            request.num_preemptions += 1
+            self.num_preemptions += 1
 
 
 def _not_a_decode(item: ScheduledRequest) -> bool:
