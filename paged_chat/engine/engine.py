@@ -66,8 +66,6 @@ class Engine:
         fingerprint = model_fingerprint(dict(model.named_parameters()))
         self.runner = ModelRunner(model, source.config, config, self.device, self.dtype,
                                   on_progress)
-        if self.device.type == "cpu":
-            model.pack_for_cpu()
         self.block_size = config.block_size
         self.num_blocks = self.runner.num_blocks
         self.max_model_len = self.runner.max_model_len

@@ -27,8 +27,7 @@ import hashlib
 from array import array
 from concurrent.futures import Future
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from paged_chat.engine.block_id_rows import BlockIdRows
 from paged_chat.engine.block_pool import NULL_BLOCK, BlockPool, KVBlock
@@ -39,6 +38,9 @@ from paged_chat.engine.single_type_kv_manager import (
     SingleTypeKVManager,
     SlidingWindowManager,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 
 def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
@@ -188,9 +190,9 @@ class KVCacheManager:
         assert self.tier_reads.keys() <= self.tables.keys(), "a tier read holds no table"
         for read in self.tier_reads.values():
             table = self.tables[read.request.request_id]
-            assert all(block.block_hash is None for block in read.blocks) or (
-                read.state is not TierReadState.IN_FLIGHT), "a block read in flight is indexed"
             assert all(block in table for block in read.blocks), "a tier read's block left"
+            assert read.state is not TierReadState.IN_FLIGHT or all(
+                block.block_hash is None for block in read.blocks), "a block read in flight is indexed"
 
     # ---- the KV tier ------------------------------------------------------------------
 

@@ -3,7 +3,8 @@ tensors, runs the model, samples; copies whole blocks in and out for the KV tier
 
 Set-up, in nano-vllm's ModelRunner order: size the pool (on CUDA by profiling the largest
 step: the warm-up that measures what a step takes), allocate it, then, for a backend whose
-kernels compile (Triton on CUDA), compile every variant and capture the decode graphs.
+kernels compile (Triton on CUDA), compile every variant and capture the decode graphs; on
+the CPU, pack the weights for oneDNN.
 
 The KV cache is one preallocated tensor `[layers, 2, *attention.kv_cache_shape(...)]`
 (keys and values of every layer, in the attention backend's layout) of `num_blocks + 1`
@@ -107,6 +108,8 @@ class ModelRunner:
             self.warm_up(on_progress)
             if not config.enforce_eager:
                 self.capture_decode_graphs(config.max_num_seqs, on_progress or _no_progress)
+        if device.type == "cpu":
+            model.pack_for_cpu()    # last: nothing reads a packed weight
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> list[int | Exception]:
