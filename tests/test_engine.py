@@ -9,6 +9,7 @@ from transformers import GenerationConfig
 
 from engine_helpers import holders_of, owners_of
 from paged_chat.engine import EngineConfig, SamplingParams
+from paged_chat.engine.block_pool import NULL_BLOCK
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 # The reference's counterpart of ignore_eos: no end token at all (min_new_tokens would
@@ -187,6 +188,7 @@ def test_stats_snapshot(make_engine):
     assert sum(h == [request] for h in holders) == 5
     assert {owners_of(stats.blocks, b)[0] for b in range(64) if holders[b]} == {"tab-1"}
     table = engine.kv_cache.block_ids(request)
+    assert NULL_BLOCK.block_id not in table and len(stats.blocks.ref_counts) == 64
     held = [b for b in range(64) if holders[b]]
     positions = {b: int(stats.blocks.holder_positions[stats.blocks.holder_ptr[b]]) for b in held}
     assert [table[positions[b]] - 1 for b in held] == held, (

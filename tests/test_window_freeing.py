@@ -249,7 +249,8 @@ def read_from_tier(manager: KVCacheManager, tier: StubTier, request: Request,
                    expected_blocks: int) -> TierRead:
     """Plan, issue and finish one tier read of the request, as scheduler and engine would."""
     cached = manager.find_cached_prefix(request)
-    assert cached == [] and manager.tier_blocks_to_read(request, cached, budget=8) == expected_blocks
+    assert cached == []
+    assert manager.tier_blocks_to_read(request, cached, budget=8) == expected_blocks
     manager.start_tier_read(request, cached, expected_blocks)
     (read,) = manager.take_new_tier_reads()
     assert all(block.block_hash is None for block in read.blocks), "indexed before its KV is in"

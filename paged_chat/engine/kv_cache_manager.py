@@ -192,7 +192,7 @@ class KVCacheManager:
             table = self.tables[read.request.request_id]
             assert all(block in table for block in read.blocks), "a tier read's block left"
             assert read.state is not TierReadState.IN_FLIGHT or all(
-                block.block_hash is None for block in read.blocks), "a block read in flight is indexed"
+                block.block_hash is None for block in read.blocks), "a block in flight is indexed"
 
     # ---- the KV tier ------------------------------------------------------------------
 

@@ -480,5 +480,6 @@ def build_kv_tier(config: EngineConfig, fingerprint: bytes, kv_cache: torch.Tens
     if not config.enable_prefix_caching or not wanted:
         return None
     num_layers, _, kv_heads, _, block_size, head_dim = kv_cache.shape
-    layout = TierLayout(fingerprint, kv_cache.dtype, (num_layers, 2, kv_heads, block_size, head_dim))
+    block_shape = (num_layers, 2, kv_heads, block_size, head_dim)
+    layout = TierLayout(fingerprint, kv_cache.dtype, block_shape)
     return KVTier(layout, host_bytes, disk_dir, config.kv_tier_disk_bytes, pin_memory=on_cuda)

@@ -80,6 +80,7 @@ class Scheduler:
             num_left = len(request.all_token_ids) - request.num_computed_tokens
             num_new = num_left if num_left < budget else budget
             while not allocate(request, num_new):
+                # One waiting for KV has computed nothing, and holds blocks: it goes first.
                 victim = self.loading[-1] if self.loading else self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
