@@ -32,6 +32,8 @@ from paged_chat.engine.kv_tier import (
     clear_disk_tier,
 )
 from paged_chat.engine.request import RequestStatus
+from paged_chat.engine.runner import ModelRunner
+from paged_chat.engine.scheduler import Scheduler
 from engine_helpers import assert_no_leaks
 from soak import run_soak, soak_config
 from tiny_models import build_tiny_model
@@ -180,6 +182,34 @@ def test_a_slow_tier_read_holds_back_only_its_own_request(tier_engine, make_engi
     assert out.num_tier_cached_tokens == out.num_cached_tokens == history_blocks(follow_up) * BLOCK
     assert out.token_ids == expected_reply(make_engine, follow_up)
     assert_no_leaks(engine)
+
+
+def test_scheduling_does_no_io(make_engine, monkeypatch):
+    """Eviction into the host tier and hits read back from it, in a pool that holds one
+    prompt at a time: no tier read, disk read or block copy runs inside `schedule`."""
+    scheduling = threading.local()
+    schedule = Scheduler.schedule
+
+    def watched_schedule(self: Scheduler) -> object:
+        scheduling.now = True
+        try:
+            return schedule(self)
+        finally:
+            scheduling.now = False
+
+    def forbidden(original):
+        def wrapper(*args, **kwargs):
+            assert not getattr(scheduling, "now", False), f"{original.__name__} in schedule()"
+            return original(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(Scheduler, "schedule", watched_schedule)
+    for owner, name in ((KVTier, "load"), (DiskTier, "read"), (ModelRunner, "read_blocks"),
+                        (ModelRunner, "write_blocks")):
+        monkeypatch.setattr(owner, name, forbidden(getattr(owner, name)))
+    engine = make_engine(num_blocks=12, kv_tier_host_bytes="1MiB", kv_tier_disk_bytes=0)
+    outputs = [engine.generate([history(seed, 150)], GREEDY)[0] for seed in (1, 2, 1)]
+    assert outputs[2].num_tier_cached_tokens > 0 and engine.stats().num_evictions > 0
 
 
 def test_preempting_or_aborting_a_request_while_its_tier_read_runs_frees_everything(

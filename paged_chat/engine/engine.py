@@ -7,6 +7,8 @@ next step: continuous batching.
 
 With a KV tier (EngineConfig.kv_tier_*), finished and evicted blocks outlive the pool
 and the process: `close()` (or interpreter exit) finishes the tier's queued disk writes.
+Between steps the engine has `KVTransfer` do the tier's traffic the scheduler decided:
+a request whose blocks the tier holds waits while they are read, off the step.
 """
 
 from __future__ import annotations
@@ -61,7 +63,8 @@ class Engine:
                            "use a smaller model or dtype, or device='cpu'"):
             model = load_model(source, self.dtype, self.device, config.cache_dir,
                                config.weight_cache_size, on_progress)
-        # Packing makes the weights opaque, and a tied output projection a second tensor.
+        # Before the runner packs the CPU weights: packed, they are opaque, and a tied
+        # output projection is a second tensor.
         num_parameters = sum(p.numel() for p in model.parameters())
         fingerprint = model_fingerprint(dict(model.named_parameters()))
         self.runner = ModelRunner(model, source.config, config, self.device, self.dtype,
