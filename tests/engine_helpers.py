@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from paged_chat.engine import Engine, RequestOutput, SamplingParams
-from paged_chat.engine.client import EngineClient
+from paged_chat.engine import EngineClient
 from paged_chat.engine.request import Request, RequestStatus
 from paged_chat.engine.stats import BlockMap, EngineStats
 
@@ -67,4 +67,4 @@ def engine_thread_idle(async_engine) -> bool:
     """No request in the engine and no command waiting for its thread. Once every stream is
     closed, this turning True means every cancellation has been applied: the thread sleeps,
     and a test may look at the engine and find nothing held."""
-    return async_engine._commands.empty() and not async_engine.engine.has_unfinished()
+    return async_engine.transport._commands.empty() and not async_engine.transport.engine.has_unfinished()

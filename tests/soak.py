@@ -35,7 +35,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from paged_chat.engine import AsyncEngine, Engine, EngineConfig, RequestOutput, SamplingParams
+from paged_chat.engine import (ClientSpec, Engine, EngineConfig, LocalClient, make_client,
+                               RequestOutput, SamplingParams)
 from paged_chat.engine.models.loader import ModelSource, load_model_source
 from engine_helpers import engine_thread_idle, phase_of
 from paged_chat.engine.request import Request
@@ -336,7 +337,7 @@ async def _drive_async(engine: Engine, workload: _Workload, report: SoakReport,
                        deadline: float) -> None:
     """One asyncio task per chat slot streams from an AsyncEngine; aborts are cancellations
     after a random delay (in seconds here), wherever the request then is."""
-    async_engine = AsyncEngine(engine, stats_interval_s=0.02)
+    async_engine = make_client(ClientSpec(engine=engine, stats_interval_s=0.02))
 
     async def run_turn(turn: _Turn) -> None:
         stop_at = (turn.abort_at * turn.params.max_tokens if turn.abort_at is not None
@@ -374,14 +375,14 @@ async def _drive_async(engine: Engine, workload: _Workload, report: SoakReport,
         await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
 
 
-async def _until_idle(async_engine: AsyncEngine, report: SoakReport, timeout_s: float = 60) -> None:
+async def _until_idle(async_engine: LocalClient, report: SoakReport, timeout_s: float = 60) -> None:
     """Wait until the engine thread has applied every cancellation it was sent: with every
     stream closed, nothing may stay running or waiting."""
     give_up = time.monotonic() + timeout_s
     while not engine_thread_idle(async_engine):
         if time.monotonic() > give_up:
             report.problem(f"the engine did not go idle within {timeout_s} s of the last "
-                           f"stream closing ({len(async_engine.engine.requests)} requests left)")
+                           f"stream closing ({len(async_engine.transport.engine.requests)} requests left)")
             return
         await asyncio.sleep(0.02)
 

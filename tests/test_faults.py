@@ -14,7 +14,8 @@ import random
 import pytest
 import torch
 
-from paged_chat.engine import AsyncEngine, Engine, EngineDeadError, PagedChatError, SamplingParams
+from paged_chat.engine import (ClientSpec, Engine, EngineDeadError, LocalClient, make_client,
+                               PagedChatError, SamplingParams)
 from paged_chat.engine.runner import ModelRunner
 from engine_helpers import engine_thread_idle, generate, phase_of
 from test_engine import GREEDY, random_prompts
@@ -157,20 +158,20 @@ def test_aborts_land_while_preempted_in_a_storm(make_engine):
 
 @pytest.fixture
 def storm_engine(make_engine):
-    engine = AsyncEngine(make_engine(num_blocks=32, block_size=8, max_num_batched_tokens=48),
-                         stats_interval_s=0.01)
+    engine = make_client(ClientSpec(engine=make_engine(num_blocks=32, block_size=8, max_num_batched_tokens=48),
+                         stats_interval_s=0.01))
     yield engine
     engine.shutdown()
 
 
-async def wait_idle(engine: AsyncEngine, timeout_s: float = 60) -> None:
+async def wait_idle(engine: LocalClient, timeout_s: float = 60) -> None:
     """Until every cancellation is applied; then nothing may be held."""
     async def poll():
         while not engine_thread_idle(engine):
             await asyncio.sleep(0.01)
     await asyncio.wait_for(poll(), timeout_s)
-    assert not engine.engine.requests and engine.engine.stats().blocks_in_use == 0
-    engine.engine.kv_cache.check_invariants()
+    assert not engine.transport.engine.requests and engine.transport.engine.stats().blocks_in_use == 0
+    engine.transport.engine.kv_cache.check_invariants()
 
 
 async def test_async_cancel_storm(storm_engine):
@@ -304,10 +305,10 @@ def test_failed_forward_leaves_the_engine_consistent_and_a_retry_completes(make_
 
 
 async def test_failed_step_ends_streams_in_every_phase_and_serving_resumes(make_engine):
-    engine = AsyncEngine(make_engine(max_num_seqs=2, max_num_batched_tokens=32),
-                         stats_interval_s=0.01)
+    engine = make_client(ClientSpec(engine=make_engine(max_num_seqs=2, max_num_batched_tokens=32),
+                         stats_interval_s=0.01))
     try:
-        runner = engine.engine.runner
+        runner = engine.transport.engine.runner
         execute = runner.execute
         calls = 0
 
@@ -341,9 +342,9 @@ async def test_failed_step_ends_streams_in_every_phase_and_serving_resumes(make_
 async def test_a_crashed_engine_thread_says_so_and_restarts(make_engine):
     """An error outside a step (an engine bug) stops the thread, loudly: open streams end,
     new ones are refused with the reason, and restart() serves again on the same engine."""
-    engine = AsyncEngine(make_engine(), stats_interval_s=0.01)
+    engine = make_client(ClientSpec(engine=make_engine(), stats_interval_s=0.01))
     try:
-        core = engine.engine
+        core = engine.transport.engine
         stats = core.stats
         crash = True
 
@@ -360,7 +361,7 @@ async def test_a_crashed_engine_thread_says_so_and_restarts(make_engine):
             await generate(engine, [5, 6, 7], GREEDY)
         crash = False
         await asyncio.get_running_loop().run_in_executor(None, engine.restart)
-        assert engine.running and engine.engine is core and engine.last_error is None
+        assert engine.running and engine.transport.engine is core and engine.last_error is None
         final = await asyncio.wait_for(generate(engine, [5, 6, 7], SHORT), 30)
         assert final.finish_reason == "length"
     finally:
@@ -368,9 +369,9 @@ async def test_a_crashed_engine_thread_says_so_and_restarts(make_engine):
 
 
 async def test_restart_ends_open_streams_and_rebuilds_an_engine_it_cannot_reset(make_engine):
-    engine = AsyncEngine(make_engine(), stats_interval_s=0.01)
+    engine = make_client(ClientSpec(engine=make_engine(), stats_interval_s=0.01))
     try:
-        old = engine.engine
+        old = engine.transport.engine
         task = asyncio.create_task(generate(engine, [5, 6, 7], SamplingParams(max_tokens=1000,
                                                                              ignore_eos=True)))
         while engine.stats().num_running == 0:
@@ -384,7 +385,7 @@ async def test_restart_ends_open_streams_and_rebuilds_an_engine_it_cannot_reset(
         await asyncio.get_running_loop().run_in_executor(None, engine.restart)
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(task, 30)
-        assert engine.running and engine.engine is not old
+        assert engine.running and engine.transport.engine is not old
         final = await asyncio.wait_for(generate(engine, [5, 6, 7], SHORT), 30)
         assert final.finish_reason == "length"
         reset()  # leave the old engine clean for make_engine's teardown check
@@ -393,7 +394,7 @@ async def test_restart_ends_open_streams_and_rebuilds_an_engine_it_cannot_reset(
 
 
 async def test_restart_after_shutdown(make_engine):
-    engine = AsyncEngine(make_engine())
+    engine = make_client(ClientSpec(engine=make_engine()))
     engine.shutdown()
     with pytest.raises(EngineDeadError, match="shut down"):
         await generate(engine, [5], SHORT)

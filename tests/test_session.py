@@ -10,7 +10,7 @@ from contextlib import aclosing
 
 import pytest
 
-from paged_chat.engine import AsyncEngine, Engine, SamplingParams
+from paged_chat.engine import ClientSpec, Engine, make_client, SamplingParams
 from paged_chat.session import ChatSession, Turn, chat_title
 from paged_chat.store import ChatMovedOn, ChatStore
 from engine_helpers import assert_no_leaks
@@ -21,10 +21,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture
 def client(chat_model_dir):
-    engine = AsyncEngine(Engine(engine_config(chat_model_dir)))
+    engine = make_client(ClientSpec(engine=Engine(engine_config(chat_model_dir))))
     yield engine
     engine.shutdown()
-    assert_no_leaks(engine.engine)
+    assert_no_leaks(engine.transport.engine)
 
 
 @pytest.fixture
