@@ -1,4 +1,4 @@
-"""A `paged-chat serve` in the test process: the tiny chat model on an AsyncEngine, the API
+"""A `paged-chat serve` in the test process: the tiny chat model on a thread client, the API
 on a free loopback port, served by uvicorn on a thread of its own (so a test's own event
 loop, a Pilot's included, can be a client)."""
 

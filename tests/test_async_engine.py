@@ -1,4 +1,5 @@
-"""AsyncEngine: streaming, cancellation, errors reaching every stream, stats that never block."""
+"""The thread client (LocalClient over ThreadTransport): streaming, cancellation, errors
+reaching every stream, stats that never block."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ from paged_chat.engine import ClientSpec, make_client, SamplingParams
 from paged_chat.engine.detokenizer import IncrementalDetokenizer
 from paged_chat.engine.runner import ModelRunner
 from paged_chat.text import sanitize_for_terminal
-from engine_helpers import generate
+from engine_helpers import generate, step_as_a_client
 from test_engine import GREEDY
 
 pytestmark = pytest.mark.timeout(300)
@@ -204,7 +204,7 @@ def test_fuzz_stop_strings_through_the_engine(make_engine, monkeypatch):
         request_id = engine.add_request([5, 6, 7], params)
         deltas = []
         while engine.has_unfinished():
-            deltas += [out for out in engine.step() if out.request_id == request_id]
+            deltas += [out for out in step_as_a_client(engine) if out.request_id == request_id]
         final = deltas[-1]
         expected, hit = engine_stop_oracle(engine.tokenizer, ids, stop)
         assert "".join(d.new_text for d in deltas) == final.text == expected
