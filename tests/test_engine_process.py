@@ -55,6 +55,9 @@ def idle(engine: LocalClient) -> bool:
 
 async def test_streams_match_the_engine_in_this_process(process_engine, chat_model_dir):
     assert process_engine.transport.pid != os.getpid()
+    capabilities = process_engine.capabilities
+    assert capabilities.block_map and capabilities.metrics
+    assert capabilities.where == f"in a child process (pid {process_engine.transport.pid})"
     prompts = [[5, 6, 7], "a plain prompt"]
     expected = Engine(engine_config(chat_model_dir)).generate(prompts, SHORT)
     streams = await asyncio.wait_for(asyncio.gather(*(collect(process_engine, p) for p in prompts)), 60)

@@ -16,8 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from paged_chat.cli import CliState, app as cli_app
-from paged_chat.engine import (ClientSpec, Engine, EngineClient, RemoteEngineError, SamplingParams,
-                               make_client)
+from paged_chat.engine import (ClientSpec, Engine, EngineClient, EngineDeadError, RemoteClient,
+                               RemoteEngineError, SamplingParams, make_client)
 from paged_chat.session import ChatSession
 from paged_chat.store import ChatStore
 from paged_chat.tui.app import PagedChatApp
@@ -40,7 +40,9 @@ async def two_turns(client, system: str = "Be brief.") -> ChatSession:
 
 async def test_a_remote_chat_is_the_same_chat_as_in_process(api):
     remote = make_client(ClientSpec(api.url, stats_interval_s=0.05))
+    assert isinstance(remote, RemoteClient) and remote.running
     assert not remote.capabilities.block_map and remote.info.name == api.model
+    assert remote.capabilities.where == f"remote at {api.server.url.removeprefix('http://')}"
     generated_before = remote.stats().generation_tokens_total
     over_http = await two_turns(remote)
     in_process = await two_turns(api.client)
@@ -120,9 +122,18 @@ async def test_a_server_that_goes_away_mid_reply_keeps_the_partial_reply(chat_mo
     client.shutdown()
     assert session.turn.finish_reason == "error" and len(session.turn.token_ids) >= 3
     assert session.conversation.token_ids[-len(session.turn.token_ids):] == session.turn.token_ids
-    assert remote.running  # a dropped stream is the server's business, not a stopped client
+    assert remote.running  # a dropped stream fails that stream alone, not the client
+
+    async def unreachable():
+        while remote.running:      # stats() schedules the scrape that finds nobody there
+            remote.stats()
+            await asyncio.sleep(0.05)
+    await asyncio.wait_for(unreachable(), 30)
+    assert "cannot reach the server" in remote.last_error
     remote.shutdown()
     assert not remote.running
+    with pytest.raises(EngineDeadError, match="shut down"):
+        await anext(remote.stream([1, 2, 3], GREEDY))
 
 
 @pytest.mark.timeout(180)
