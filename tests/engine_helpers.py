@@ -67,7 +67,8 @@ def engine_thread_idle(async_engine) -> bool:
     """No request in the engine and no command waiting for its thread. Once every stream is
     closed, this turning True means every cancellation has been applied: the thread sleeps,
     and a test may look at the engine and find nothing held."""
-    return async_engine.transport._commands.empty() and not async_engine.transport.engine.has_unfinished()
+    transport = async_engine.transport
+    return transport._commands.empty() and not transport.engine.has_unfinished()
 
 
 # per Engine stepped through step_as_a_client: its processor, and the requests it tracks

@@ -159,7 +159,8 @@ def test_the_app_turns_its_options_into_one_spec(tmp_path):
 
     config = EngineConfig(model="m")
     remote = client_spec(config, "process", server="localhost:8000", api_key="k", model="x")
-    assert (remote.transport, remote.api_key, remote.remote_model) == ("http://localhost:8000", "k", "x")
+    assert (remote.transport, remote.api_key, remote.remote_model) == (
+        "http://localhost:8000", "k", "x")
     assert client_spec(config, "process", server="https://h/v1").transport == "https://h/v1"
     built = []
     injected = client_spec(config, "process", make_engine=built.append)

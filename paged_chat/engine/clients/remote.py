@@ -94,7 +94,7 @@ class RemoteClient:
         self._client: openai.AsyncOpenAI | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self._streams = Streams()
-        self._pumps: dict[str, asyncio.Task] = {}  # per open request, the task reading its HTTP stream
+        self._pumps: dict[str, asyncio.Task] = {}  # per open request: the task reading its stream
         self._ids = 0
         self._token_prompts = True    # False once the server refused a token-id prompt
         self._vllm_extras = True      # False once it refused vLLM's sampling fields
