@@ -110,6 +110,17 @@ async def test_shutdown_ends_open_streams_and_the_child_exits(own_process_engine
         await collect(own_process_engine, [5, 6])
 
 
+async def test_restart_serves_again_in_a_new_child(own_process_engine):
+    first_child = own_process_engine.transport.pid
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, own_process_engine.shutdown)
+    assert not own_process_engine.running
+    await loop.run_in_executor(None, own_process_engine.restart)
+    assert own_process_engine.running and own_process_engine.last_error is None
+    assert own_process_engine.transport.pid not in (first_child, os.getpid())
+    assert len(await asyncio.wait_for(collect(own_process_engine, [5, 6]), 60)) == 12
+
+
 async def test_a_killed_child_ends_every_stream_with_its_exit_code(own_process_engine):
     stream = own_process_engine.stream([5, 6, 7], LONG)
     await asyncio.wait_for(anext(stream), 60)
