@@ -48,8 +48,8 @@ class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | Any) -> None:
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
-        # finished here (a stop string), not yet in the core: what the core still sends is dropped;
-        # a request re-added under the same id meanwhile waits here for the old one's end
+        # ended here (a stop string, a left stream), not yet in the core: what the core still
+        # sends for it is dropped; one re-added under the same id waits here for the old one's end
         self._draining: dict[str, _RequestState | None] = {}
 
     def __len__(self) -> int:
@@ -106,19 +106,16 @@ class OutputProcessor:
                 if finished and not stopped and reason in ("stop", "length"):
                     new_text += detokenizer.flush()
                     stopped = detokenizer.stopped  # in text held back until now (a split character)
+                ended_here = stopped
+                if stopped:
+                    reason = "stop"
             except Exception as fault:  # one request's detokenizer must not take the batch down
-                new_text, stopped = "", False
+                new_text, ended_here = "", True
                 reason, error = "error", f"{type(fault).__name__}: {fault}"
-                if not finished:
-                    finished = True
-                    to_abort.append(request_id)
-                    self._draining[request_id] = None
-            if stopped:
-                reason = "stop"
-                if not finished:
-                    finished = True
-                    to_abort.append(request_id)
-                    self._draining[request_id] = None
+            if ended_here and not finished:  # the core goes on with it until it hears
+                finished = True
+                to_abort.append(request_id)
+                self._draining[request_id] = None
             if finished:
                 del self._states[request_id]
             # RequestOutput's fields in order: one per running request per step (see
