@@ -446,16 +446,14 @@ def _load(make_engine: EngineFactory, config: EngineConfig, options: AskOptions
           ) -> tuple[EngineClient, float]:
     """The engine client (in-process, or the --server's), and how long it took; says what
     is loading when stderr is a terminal."""
-    from paged_chat.engine import AsyncEngine
-    from paged_chat.remote import RemoteEngine
+    from paged_chat.client_spec import client_spec
+    from paged_chat.engine import make_client
 
     started = time.perf_counter()
     if sys.stderr.isatty():
         _say(f"loading {options.server or config.model} ...")
-    if options.server:
-        client = RemoteEngine(options.server, options.api_key, model=options.engine.get("model"))
-    else:
-        client = AsyncEngine(lambda: make_engine(config))
+    client = make_client(client_spec(config, server=options.server, api_key=options.api_key,
+                                     model=options.engine.get("model"), make_engine=make_engine))
     return client, time.perf_counter() - started
 
 

@@ -122,11 +122,12 @@ class CliState:
         chats over HTTP on 2 cores, float32: 148-164 tok/s with the engine on a thread of
         the server, 164-183 like this, 144-148 in a process on every core). An injected
         factory's engine (tests) runs on a thread: it cannot cross to a spawned process."""
-        from paged_chat.engine import AsyncEngine, EngineProcess
+        from paged_chat.client_spec import client_spec
+        from paged_chat.engine import make_client
 
-        if self.engine_factory is not None:
-            return AsyncEngine(lambda: self.make_engine(config))
-        return EngineProcess(config, leave_cores=1, on_progress=_load_progress())
+        injected = self.make_engine if self.engine_factory is not None else None
+        return make_client(client_spec(config, "process", make_engine=injected, leave_cores=1,
+                                       on_progress=_load_progress()))
 
 
 def _load_progress() -> Callable[[str, int, int], None] | None:

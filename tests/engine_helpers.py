@@ -3,12 +3,12 @@ a block, whether anything leaked. Kept here so the package holds product code on
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
 
-from paged_chat.engine import Engine, RequestOutput, SamplingParams
-from paged_chat.engine.client import EngineClient
+from paged_chat.engine import Engine, EngineClient, OutputProcessor, RequestOutput, SamplingParams
 from paged_chat.engine.request import Request, RequestStatus
 from paged_chat.engine.stats import BlockMap, EngineStats
 
@@ -69,4 +69,37 @@ def engine_thread_idle(async_engine) -> bool:
     """No request in the engine and no command waiting for its thread. Once every stream is
     closed, this turning True means every cancellation has been applied: the thread sleeps,
     and a test may look at the engine and find nothing held."""
-    return async_engine._commands.empty() and not async_engine.engine.has_unfinished()
+    transport = async_engine.transport
+    return transport._commands.empty() and not transport.engine.has_unfinished()
+
+
+# per Engine stepped through step_as_a_client: its processor, and the requests it tracks
+_client_sides: weakref.WeakKeyDictionary[Engine, tuple[OutputProcessor, set[str]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def step_as_a_client(engine: Engine) -> list[RequestOutput]:
+    """`engine.step()` with a client's output processor after it: RequestOutputs (new text,
+    the reply so far), and what a stop string ended aborted in the core, as a client does.
+    Step an engine this way throughout (or not at all) so each reply is whole."""
+    processor, tracked = _client_side(engine)
+    params = {rid: request.params for rid, request in engine.requests.items() if rid not in tracked}
+    core_outputs = engine.step()
+    for core in core_outputs:
+        if core.request_id not in tracked:
+            processor.add_request(core.request_id, params.get(core.request_id))
+            tracked.add(core.request_id)
+    processed = processor.process(core_outputs)
+    for request_id in processed.to_abort:
+        engine.abort(request_id)
+    tracked.difference_update(core.request_id for core in core_outputs if core.finished)
+    return processed.outputs
+
+
+def client_processor(engine: Engine) -> OutputProcessor:
+    """The output processor `step_as_a_client` runs `engine`'s outputs through."""
+    return _client_side(engine)[0]
+
+
+def _client_side(engine: Engine) -> tuple[OutputProcessor, set[str]]:
+    return _client_sides.setdefault(engine, (OutputProcessor(engine.tokenizer), set()))

@@ -1,4 +1,4 @@
-"""A `paged-chat serve` in the test process: the tiny chat model on an AsyncEngine, the API
+"""A `paged-chat serve` in the test process: the tiny chat model on a thread client, the API
 on a free loopback port, served by uvicorn on a thread of its own (so a test's own event
 loop, a Pilot's included, can be a client)."""
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from paged_chat.engine import AsyncEngine, Engine, EngineConfig
+from paged_chat.engine import ClientSpec, Engine, EngineConfig, LocalClient, make_client
 from paged_chat.server import ApiServer
 
 
@@ -43,7 +43,7 @@ def wait_for(condition: Callable[[], bool], timeout: float = 60.0, what: str = "
 
 @dataclass
 class Served:
-    client: AsyncEngine
+    client: LocalClient
     server: ApiServer
     thread: threading.Thread
 
@@ -60,7 +60,7 @@ class Served:
         self.thread.join(30)
 
 
-def start_server(client: AsyncEngine, **options) -> Served:
+def start_server(client: LocalClient, **options) -> Served:
     server = ApiServer(client, port=0, **options)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
@@ -77,7 +77,7 @@ def chat_engine_config(model_dir, **overrides) -> EngineConfig:
 @pytest.fixture(scope="module")
 def served(chat_model_dir) -> Iterator[Served]:
     """One engine and server for a module's tests; each test must leave no block in use."""
-    client = AsyncEngine(Engine(chat_engine_config(chat_model_dir)))
+    client = make_client(ClientSpec(engine=Engine(chat_engine_config(chat_model_dir))))
     running = start_server(client, model_names=[str(chat_model_dir)])
     yield running
     running.stop()

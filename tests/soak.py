@@ -35,9 +35,10 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from paged_chat.engine import AsyncEngine, Engine, EngineConfig, RequestOutput, SamplingParams
+from paged_chat.engine import (ClientSpec, Engine, EngineConfig, LocalClient, make_client,
+                               RequestOutput, SamplingParams)
 from paged_chat.engine.models.loader import ModelSource, load_model_source
-from engine_helpers import engine_thread_idle, phase_of
+from engine_helpers import engine_thread_idle, phase_of, step_as_a_client
 from paged_chat.engine.request import Request
 
 _NUM_SYSTEM_PROMPTS = 4
@@ -49,7 +50,7 @@ _MAX_PROBLEMS = 20  # a broken engine fails every request alike: the first few s
 # one when first seen so, a decoding one after a random part of its max_tokens.
 _ABORT_PHASES = ("waiting", "prefilling", "preempted", "decoding")
 _ABORT_WAITING_STEPS = 40
-# Through the AsyncEngine a stream is cancelled after a random delay up to this, or after the
+# Through a thread client a stream is cancelled after a random delay up to this, or after the
 # same fraction of its max_tokens, whichever comes first.
 _ABORT_WITHIN_S = 0.4
 
@@ -68,7 +69,7 @@ def soak_config(model: str, **overrides: object) -> EngineConfig:
 class SoakReport:
     """What a soak did and what it found; `problems` is empty when every check held."""
 
-    mode: str  # "engine" (Engine.step driven directly) or "async" (AsyncEngine streams)
+    mode: str  # "engine" (Engine.step driven directly) or "async" (a thread client's streams)
     duration_s: float
     num_chats: int
     requests: int = 0
@@ -125,7 +126,7 @@ def run_soak(config: EngineConfig, duration_s: float = 600.0, num_chats: int = 6
 
     `num_chats` chats run at once; each runs all its turns, and until `duration_s` has
     passed a finished chat is replaced by a new one (`duration_s=0`: each chat runs once).
-    `use_async` drives an AsyncEngine with one asyncio task per chat instead of stepping
+    `use_async` drives a thread client with one asyncio task per chat instead of stepping
     the Engine. Up to `verify_greedy` greedy replies are rerun alone and compared.
     """
     source = load_model_source(config.model)
@@ -311,7 +312,7 @@ def _drive_engine(engine: Engine, workload: _Workload, report: SoakReport,
             if request is not None and _aborts_now(turn, request, step):
                 report.aborts_by_state[phase_of(request)] += 1
                 engine.abort(request_id)
-        outputs = engine.step()
+        outputs = step_as_a_client(engine)
         step += 1
         for out in outputs:
             turn = in_flight[out.request_id]
@@ -334,9 +335,9 @@ def _drive_engine(engine: Engine, workload: _Workload, report: SoakReport,
 
 async def _drive_async(engine: Engine, workload: _Workload, report: SoakReport,
                        deadline: float) -> None:
-    """One asyncio task per chat slot streams from an AsyncEngine; aborts are cancellations
+    """One asyncio task per chat slot streams from a thread client; aborts are cancellations
     after a random delay (in seconds here), wherever the request then is."""
-    async_engine = AsyncEngine(engine, stats_interval_s=0.02)
+    async_engine = make_client(ClientSpec(engine=engine, stats_interval_s=0.02))
 
     async def run_turn(turn: _Turn) -> None:
         stop_at = (turn.abort_at * turn.params.max_tokens if turn.abort_at is not None
@@ -374,14 +375,14 @@ async def _drive_async(engine: Engine, workload: _Workload, report: SoakReport,
         await asyncio.get_running_loop().run_in_executor(None, async_engine.shutdown)
 
 
-async def _until_idle(async_engine: AsyncEngine, report: SoakReport, timeout_s: float = 60) -> None:
+async def _until_idle(async_engine: LocalClient, report: SoakReport, timeout_s: float = 60) -> None:
     """Wait until the engine thread has applied every cancellation it was sent: with every
     stream closed, nothing may stay running or waiting."""
     give_up = time.monotonic() + timeout_s
     while not engine_thread_idle(async_engine):
         if time.monotonic() > give_up:
             report.problem(f"the engine did not go idle within {timeout_s} s of the last "
-                           f"stream closing ({len(async_engine.engine.requests)} requests left)")
+                           f"stream closing ({len(async_engine.transport.engine.requests)} requests left)")
             return
         await asyncio.sleep(0.02)
 

@@ -1,4 +1,5 @@
-"""AsyncEngine: streaming, cancellation, errors reaching every stream, stats that never block."""
+"""The thread client (LocalClient over ThreadTransport): streaming, cancellation, errors
+reaching every stream, stats that never block."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import threading
 
 import pytest
 
-from paged_chat.engine import AsyncEngine, EngineDeadError, SamplingParams
-from paged_chat.engine.async_engine import GIL_SWITCH_INTERVAL_S
+from paged_chat.engine import ClientSpec, EngineDeadError, LocalClient, make_client, SamplingParams
+from paged_chat.engine.clients.thread_transport import GIL_SWITCH_INTERVAL_S
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -17,12 +18,12 @@ SHORT = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture
 def async_engine(make_engine):
-    engine = AsyncEngine(make_engine(), stats_interval_s=0.01)
+    engine = make_client(ClientSpec(engine=make_engine(), stats_interval_s=0.01))
     yield engine
     engine.shutdown()
 
 
-async def collect(engine: AsyncEngine, prompt, params=SHORT, owner=None) -> list:
+async def collect(engine: LocalClient, prompt, params=SHORT, owner=None) -> list:
     return [out async for out in engine.stream(prompt, params, owner=owner)]
 
 
@@ -61,7 +62,7 @@ async def test_bad_prompt_raises_in_the_stream(async_engine):
 
 
 async def test_step_failure_reaches_every_stream_and_the_engine_recovers(async_engine):
-    runner = async_engine.engine.runner
+    runner = async_engine.transport.engine.runner
     original = runner.execute
 
     def broken(*args, **kwargs):
@@ -89,7 +90,7 @@ async def test_stats_are_published_while_running(async_engine):
 
 
 async def test_shutdown_ends_open_streams(make_engine):
-    engine = AsyncEngine(make_engine())
+    engine = make_client(ClientSpec(engine=make_engine()))
     task = asyncio.create_task(collect(engine, [5, 6, 7], LONG))
     await wait_until(lambda: engine.stats().num_running == 1)
     await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
@@ -105,7 +106,7 @@ def test_the_engine_thread_wins_the_gil_back_quickly(make_engine):
     default = sys.getswitchinterval()
     try:
         sys.setswitchinterval(0.005)
-        engine = AsyncEngine(make_engine())
+        engine = make_client(ClientSpec(engine=make_engine()))
         assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S)
         engine.shutdown()
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S / 2)
@@ -125,7 +126,7 @@ async def test_a_builder_builds_the_engine_on_the_engine_thread(make_engine):
         built_on.append(threading.current_thread())
         return make_engine()
 
-    engine = AsyncEngine(build)
+    engine = make_client(ClientSpec(engine=build))
     try:
         assert built_on[0].name == "paged-chat-engine" and built_on[0] is not threading.current_thread()
         assert (await asyncio.wait_for(collect(engine, [5, 6, 7]), 30))[-1].finished
@@ -138,7 +139,7 @@ def test_a_builders_error_is_raised_to_the_caller():
         raise FileNotFoundError("no model at /nowhere")
 
     with pytest.raises(FileNotFoundError, match="no model at /nowhere"):
-        AsyncEngine(build)
+        make_client(ClientSpec(engine=build))
 
 
 async def wait_until(condition, timeout_s: float = 30.0) -> None:

@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paged_chat.chat import ChatTemplateError, Conversation
-from paged_chat.engine import AsyncEngine, SamplingParams
+from paged_chat.engine import ClientSpec, make_client, SamplingParams
 from paged_chat.engine.detokenizer import IncrementalDetokenizer
 from paged_chat.engine.runner import ModelRunner
 from paged_chat.text import sanitize_for_terminal
-from engine_helpers import generate
+from engine_helpers import generate, step_as_a_client
 from test_engine import GREEDY
 
 pytestmark = pytest.mark.timeout(300)
@@ -100,7 +100,7 @@ def test_prompts_of_only_special_tokens(make_engine):
 async def test_a_megabyte_prompt_fails_alone(make_engine):
     """A 1 MB paste is far past max_model_len: it gets its error while a chat next to it
     streams on undisturbed, and its ids, as a list, fare the same."""
-    engine = AsyncEngine(make_engine())
+    engine = make_client(ClientSpec(engine=make_engine()))
     try:
         paste = ("All work and no play makes Jack a dull boy. \x1b[31m" * 20_000)[:1_000_000]
         bystander = asyncio.create_task(generate(engine, [5, 6, 7], GREEDY))
@@ -204,7 +204,7 @@ def test_fuzz_stop_strings_through_the_engine(make_engine, monkeypatch):
         request_id = engine.add_request([5, 6, 7], params)
         deltas = []
         while engine.has_unfinished():
-            deltas += [out for out in engine.step() if out.request_id == request_id]
+            deltas += [out for out in step_as_a_client(engine) if out.request_id == request_id]
         final = deltas[-1]
         expected, hit = engine_stop_oracle(engine.tokenizer, ids, stop)
         assert "".join(d.new_text for d in deltas) == final.text == expected

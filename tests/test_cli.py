@@ -641,7 +641,7 @@ def test_real_entry_point_streams_then_stops_on_ctrl_c(tmp_path):
 
 
 def test_ask_builds_its_engine_on_the_engine_thread(cli):
-    """`ask` streams from an AsyncEngine: the model must load on the thread that steps it,
+    """`ask` streams from a thread client: the model must load on the thread that steps it,
     or the main thread keeps an OpenMP pool that slowed every step to 60-70% on 2 cores."""
     built_on = []
 

@@ -1,4 +1,4 @@
-"""EngineProcess: the engine in a child process streams what the engine in this process
+"""The process transport: the engine in a child process streams what the engine in this process
 generates, aborts what is left, sends its block map over, and every way the child can end
 (shutdown, a load error, a kill, its parent gone) ends the streams with one clear line."""
 
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from paged_chat.engine import Engine, EngineDeadError, ModelLoadError, SamplingParams
-from paged_chat.engine.engine_process import EngineProcess
+from paged_chat.engine import (ClientSpec, Engine, EngineDeadError, LocalClient, ModelLoadError,
+                               SamplingParams, make_client)
 from tui_helpers import engine_config
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
@@ -25,14 +25,14 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def process_engine(chat_model_dir):
-    engine = EngineProcess(engine_config(chat_model_dir), stats_interval_s=0.01)
+    engine = make_client(ClientSpec("process", engine_config(chat_model_dir), stats_interval_s=0.01))
     yield engine
     engine.shutdown()
 
 
 @pytest.fixture
 def own_process_engine(chat_model_dir):
-    engine = EngineProcess(engine_config(chat_model_dir))
+    engine = make_client(ClientSpec("process", engine_config(chat_model_dir)))
     yield engine
     engine.shutdown()
 
@@ -48,13 +48,16 @@ async def wait_until(condition, timeout_s: float = 60.0) -> None:
     await asyncio.wait_for(poll(), timeout_s)
 
 
-def idle(engine: EngineProcess) -> bool:
+def idle(engine: LocalClient) -> bool:
     stats = engine.stats()
     return stats.blocks_in_use == 0 and stats.num_running == 0 and stats.num_waiting == 0
 
 
 async def test_streams_match_the_engine_in_this_process(process_engine, chat_model_dir):
-    assert process_engine.pid != os.getpid()
+    assert process_engine.transport.pid != os.getpid()
+    capabilities = process_engine.capabilities
+    assert capabilities.block_map and capabilities.metrics
+    assert capabilities.where == f"in a child process (pid {process_engine.transport.pid})"
     prompts = [[5, 6, 7], "a plain prompt"]
     expected = Engine(engine_config(chat_model_dir)).generate(prompts, SHORT)
     streams = await asyncio.wait_for(asyncio.gather(*(collect(process_engine, p) for p in prompts)), 60)
@@ -62,10 +65,10 @@ async def test_streams_match_the_engine_in_this_process(process_engine, chat_mod
         assert [t for d in deltas for t in d.new_token_ids] == final.token_ids
         assert "".join(d.new_text for d in deltas) == final.text
         assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
-        # The child sends deltas only; the parent fills the reply so far back in.
+        # The child sends core outputs only; the parent's output processor builds the reply.
         assert deltas[-1].token_ids == final.token_ids and deltas[-1].text == final.text
         assert deltas[3].token_ids[:4] == final.token_ids[:4]
-    assert not process_engine._replies   # nothing kept of a finished request
+    assert not len(process_engine._processor)   # nothing kept of a finished request
     assert process_engine.info.tokenizer.decode(expected[0].token_ids) == expected[0].text
 
 
@@ -102,15 +105,26 @@ async def test_shutdown_ends_open_streams_and_the_child_exits(own_process_engine
     with pytest.raises(EngineDeadError, match="shut down"):
         async for _ in stream:   # the deltas that came before the shutdown, then the error
             pass
-    assert own_process_engine._process.exitcode == 0 and not own_process_engine.running
+    assert own_process_engine.transport._process.exitcode == 0 and not own_process_engine.running
     with pytest.raises(EngineDeadError):
         await collect(own_process_engine, [5, 6])
+
+
+async def test_restart_serves_again_in_a_new_child(own_process_engine):
+    first_child = own_process_engine.transport.pid
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, own_process_engine.shutdown)
+    assert not own_process_engine.running
+    await loop.run_in_executor(None, own_process_engine.restart)
+    assert own_process_engine.running and own_process_engine.last_error is None
+    assert own_process_engine.transport.pid not in (first_child, os.getpid())
+    assert len(await asyncio.wait_for(collect(own_process_engine, [5, 6]), 60)) == 12
 
 
 async def test_a_killed_child_ends_every_stream_with_its_exit_code(own_process_engine):
     stream = own_process_engine.stream([5, 6, 7], LONG)
     await asyncio.wait_for(anext(stream), 60)
-    os.kill(own_process_engine.pid, signal.SIGKILL)
+    os.kill(own_process_engine.transport.pid, signal.SIGKILL)
     with pytest.raises(EngineDeadError, match=r"exited unexpectedly \(exit code -9\)"):
         async for _ in stream:
             pass
@@ -125,12 +139,12 @@ async def test_a_message_the_parent_cannot_take_ends_the_streams_instead_of_hang
     def unreadable(message):
         raise TypeError("a message from another version")
 
-    monkeypatch.setattr(own_process_engine, "_handle", unreadable)
+    monkeypatch.setattr(own_process_engine, "on_outputs", unreadable)
     with pytest.raises(EngineDeadError, match="could not be read .*another version"):
         await asyncio.wait_for(collect(own_process_engine, [5, 6, 7]), 60)
     assert not own_process_engine.running
-    own_process_engine._process.join(30)
-    assert own_process_engine._process.exitcode == -signal.SIGKILL
+    own_process_engine.transport._process.join(30)
+    assert own_process_engine.transport._process.exitcode == -signal.SIGKILL
 
 
 def test_the_child_exits_when_its_parent_is_killed(chat_model_dir):
@@ -154,11 +168,11 @@ def test_the_child_exits_when_its_parent_is_killed(chat_model_dir):
 PARENT_SCRIPT = """
 import sys
 import time
-from paged_chat.engine.engine_process import EngineProcess
+from paged_chat.engine import ClientSpec, make_client
 from tui_helpers import engine_config
 if __name__ == "__main__":
-    engine = EngineProcess(engine_config(sys.argv[1]))
-    print(engine.pid, flush=True)
+    engine = make_client(ClientSpec("process", engine_config(sys.argv[1])))
+    print(engine.transport.pid, flush=True)
     time.sleep(600)
 """
 
@@ -174,4 +188,4 @@ def child_alive(pid: int) -> bool:
 
 def test_a_load_error_is_raised_from_the_constructor(tmp_path):
     with pytest.raises(ModelLoadError, match="missing"):
-        EngineProcess(engine_config(tmp_path / "missing"))
+        make_client(ClientSpec("process", engine_config(tmp_path / "missing")))

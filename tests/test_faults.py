@@ -14,10 +14,12 @@ import random
 import pytest
 import torch
 
-from paged_chat.engine import AsyncEngine, Engine, EngineDeadError, PagedChatError, SamplingParams
+from paged_chat.engine import (ClientSpec, Engine, EngineDeadError, LocalClient, make_client,
+                               PagedChatError, SamplingParams)
 from paged_chat.engine.kv_pool_sizing import KVCacheSpec
 from paged_chat.engine.runner import ModelRunner
-from engine_helpers import engine_thread_idle, generate, phase_of
+from engine_helpers import (client_processor, engine_thread_idle, generate, phase_of,
+                            step_as_a_client)
 from test_engine import GREEDY, random_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -30,7 +32,7 @@ def run_to_end(engine: Engine, check_every_step: bool = True) -> dict:
     """Step until idle; the final output of every request that finished meanwhile."""
     final = {}
     while engine.has_unfinished():
-        final.update((out.request_id, out) for out in engine.step() if out.finished)
+        final.update((out.request_id, out) for out in step_as_a_client(engine) if out.finished)
         if check_every_step:
             engine.kv_cache.check_invariants()
     return final
@@ -60,7 +62,7 @@ def step_until(engine: Engine, condition, limit: int = 500) -> None:
     for _ in range(limit):
         if condition():
             return
-        engine.step()
+        step_as_a_client(engine)
         engine.kv_cache.check_invariants()
     raise AssertionError("the state never came up")
 
@@ -101,7 +103,7 @@ def test_abort_while_waiting_and_odd_aborts(make_engine):
     engine = make_engine(max_num_seqs=1)
     first, waiting, later = (engine.add_request([5 + i, 6, 7], SHORT) for i in range(3))
     engine.abort(later)  # before any step
-    final = {out.request_id: out for out in engine.step() if out.finished}
+    final = {out.request_id: out for out in step_as_a_client(engine) if out.finished}
     assert phase_of(engine.requests[waiting]) == "waiting"
     assert engine.kv_cache.block_ids(waiting) == []
     engine.abort(waiting)
@@ -129,7 +131,7 @@ def test_random_abort_storm(make_engine, seed):
             if rng.random() < 0.05:
                 aborted_in[request_id] = phase_of(request)
                 engine.abort(request_id)
-        final.update((out.request_id, out) for out in engine.step() if out.finished)
+        final.update((out.request_id, out) for out in step_as_a_client(engine) if out.finished)
         engine.kv_cache.check_invariants()
     assert {"waiting", "prefilling", "decoding"} <= set(aborted_in.values())
     survivors = [rid for rid in ids if rid not in aborted_in]
@@ -148,30 +150,30 @@ def test_aborts_land_while_preempted_in_a_storm(make_engine):
             if phase_of(request) == "preempted":
                 aborted.append(request.request_id)
                 engine.abort(request.request_id)
-        engine.step()
+        step_as_a_client(engine)
         engine.kv_cache.check_invariants()
     assert len(aborted) >= 2 and set(aborted) <= set(ids)
 
 
-# ---- cancel storms through the AsyncEngine ------------------------------------------
+# ---- cancel storms through a thread client ------------------------------------------
 
 
 @pytest.fixture
 def storm_engine(make_engine):
-    engine = AsyncEngine(make_engine(num_blocks=32, block_size=8, max_num_batched_tokens=48),
-                         stats_interval_s=0.01)
+    engine = make_client(ClientSpec(engine=make_engine(num_blocks=32, block_size=8, max_num_batched_tokens=48),
+                         stats_interval_s=0.01))
     yield engine
     engine.shutdown()
 
 
-async def wait_idle(engine: AsyncEngine, timeout_s: float = 60) -> None:
+async def wait_idle(engine: LocalClient, timeout_s: float = 60) -> None:
     """Until every cancellation is applied; then nothing may be held."""
     async def poll():
         while not engine_thread_idle(engine):
             await asyncio.sleep(0.01)
     await asyncio.wait_for(poll(), timeout_s)
-    assert not engine.engine.requests and engine.engine.stats().blocks_in_use == 0
-    engine.engine.kv_cache.check_invariants()
+    assert not engine.transport.engine.requests and engine.transport.engine.stats().blocks_in_use == 0
+    engine.transport.engine.kv_cache.check_invariants()
 
 
 async def test_async_cancel_storm(storm_engine):
@@ -268,18 +270,20 @@ def test_detokenizer_fault_fails_only_that_request(make_engine):
     prompts = random_prompts(4, seed=16)
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     bad = engine.add_request([5, 6, 7], GREEDY)
-    detokenizer = engine._decodings[bad].detokenizer
+    first = {out.request_id: out for out in step_as_a_client(engine)}
+    fed = len(first[bad].token_ids) if bad in first else 0
+    detokenizer = client_processor(engine)._states[bad].detokenizer
     add_token = detokenizer.add_token
     calls = []
 
     def faulty(token_id):
         calls.append(token_id)
-        if len(calls) == 3:
+        if fed + len(calls) == 3:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected detokenizer fault")
         return add_token(token_id)
 
     detokenizer.add_token = faulty
-    final = run_to_end(engine)
+    final = first | run_to_end(engine)
     assert final[bad].finish_reason == "error" and "injected detokenizer fault" in final[bad].error
     assert len(final[bad].token_ids) == 3
     assert [final[rid].token_ids for rid in ids] == alone(make_engine, prompts)
@@ -296,7 +300,7 @@ def test_failed_forward_leaves_the_engine_consistent_and_a_retry_completes(make_
     system = random_prompts(1, seed=17, low=60, high=61)[0]
     prompts = [system + p for p in random_prompts(4, seed=18)]
     ids = [engine.add_request(p, GREEDY) for p in prompts]
-    engine.step()
+    step_as_a_client(engine)
     fail_one_step(engine)
     assert not engine.kv_cache.pool.cached_blocks
     engine.kv_cache.check_invariants()
@@ -305,10 +309,10 @@ def test_failed_forward_leaves_the_engine_consistent_and_a_retry_completes(make_
 
 
 async def test_failed_step_ends_streams_in_every_phase_and_serving_resumes(make_engine):
-    engine = AsyncEngine(make_engine(max_num_seqs=2, max_num_batched_tokens=32),
-                         stats_interval_s=0.01)
+    engine = make_client(ClientSpec(engine=make_engine(max_num_seqs=2, max_num_batched_tokens=32),
+                         stats_interval_s=0.01))
     try:
-        runner = engine.engine.runner
+        runner = engine.transport.engine.runner
         execute = runner.execute
         calls = 0
 
@@ -342,9 +346,9 @@ async def test_failed_step_ends_streams_in_every_phase_and_serving_resumes(make_
 async def test_a_crashed_engine_thread_says_so_and_restarts(make_engine):
     """An error outside a step (an engine bug) stops the thread, loudly: open streams end,
     new ones are refused with the reason, and restart() serves again on the same engine."""
-    engine = AsyncEngine(make_engine(), stats_interval_s=0.01)
+    engine = make_client(ClientSpec(engine=make_engine(), stats_interval_s=0.01))
     try:
-        core = engine.engine
+        core = engine.transport.engine
         stats = core.stats
         crash = True
 
@@ -361,7 +365,7 @@ async def test_a_crashed_engine_thread_says_so_and_restarts(make_engine):
             await generate(engine, [5, 6, 7], GREEDY)
         crash = False
         await asyncio.get_running_loop().run_in_executor(None, engine.restart)
-        assert engine.running and engine.engine is core and engine.last_error is None
+        assert engine.running and engine.transport.engine is core and engine.last_error is None
         final = await asyncio.wait_for(generate(engine, [5, 6, 7], SHORT), 30)
         assert final.finish_reason == "length"
     finally:
@@ -369,9 +373,9 @@ async def test_a_crashed_engine_thread_says_so_and_restarts(make_engine):
 
 
 async def test_restart_ends_open_streams_and_rebuilds_an_engine_it_cannot_reset(make_engine):
-    engine = AsyncEngine(make_engine(), stats_interval_s=0.01)
+    engine = make_client(ClientSpec(engine=make_engine(), stats_interval_s=0.01))
     try:
-        old = engine.engine
+        old = engine.transport.engine
         task = asyncio.create_task(generate(engine, [5, 6, 7], SamplingParams(max_tokens=1000,
                                                                              ignore_eos=True)))
         while engine.stats().num_running == 0:
@@ -385,7 +389,7 @@ async def test_restart_ends_open_streams_and_rebuilds_an_engine_it_cannot_reset(
         await asyncio.get_running_loop().run_in_executor(None, engine.restart)
         with pytest.raises(EngineDeadError):
             await asyncio.wait_for(task, 30)
-        assert engine.running and engine.engine is not old
+        assert engine.running and engine.transport.engine is not old
         final = await asyncio.wait_for(generate(engine, [5, 6, 7], SHORT), 30)
         assert final.finish_reason == "length"
         reset()  # leave the old engine clean for make_engine's teardown check
@@ -394,7 +398,7 @@ async def test_restart_ends_open_streams_and_rebuilds_an_engine_it_cannot_reset(
 
 
 async def test_restart_after_shutdown(make_engine):
-    engine = AsyncEngine(make_engine())
+    engine = make_client(ClientSpec(engine=make_engine()))
     engine.shutdown()
     with pytest.raises(EngineDeadError, match="shut down"):
         await generate(engine, [5], SHORT)
@@ -455,7 +459,7 @@ def test_outputs_due_before_a_failed_step_are_still_delivered(make_engine):
     engine = make_engine()
     dropped = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=8))
     kept = engine.add_request([8, 9], SamplingParams(temperature=0, max_tokens=8))
-    engine.step()
+    step_as_a_client(engine)
     engine.abort(dropped)
     fail_one_step(engine)
     finished = run_to_end(engine)

@@ -16,8 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from paged_chat.cli import CliState, app as cli_app
-from paged_chat.engine import AsyncEngine, Engine, SamplingParams
-from paged_chat.remote import RemoteEngine, RemoteEngineError
+from paged_chat.engine import (ClientSpec, Engine, EngineClient, EngineDeadError, RemoteClient,
+                               RemoteEngineError, SamplingParams, make_client)
 from paged_chat.session import ChatSession
 from paged_chat.store import ChatStore
 from paged_chat.tui.app import PagedChatApp
@@ -39,27 +39,29 @@ async def two_turns(client, system: str = "Be brief.") -> ChatSession:
 
 
 async def test_a_remote_chat_is_the_same_chat_as_in_process(api):
-    remote = RemoteEngine(api.url, stats_interval_s=0.05)
-    assert remote.info.num_blocks == 0 and remote.info.name == api.model
+    remote = make_client(ClientSpec(api.url, stats_interval_s=0.05))
+    assert isinstance(remote, RemoteClient) and remote.running
+    assert not remote.capabilities.block_map and remote.info.name == api.model
+    assert remote.capabilities.where == f"remote at {api.server.url.removeprefix('http://')}"
     generated_before = remote.stats().generation_tokens_total
     over_http = await two_turns(remote)
     in_process = await two_turns(api.client)
     assert over_http.conversation.token_ids == in_process.conversation.token_ids
     assert over_http.turn.text == in_process.turn.text and len(over_http.turn.token_ids) == 6
-    assert remote.has_metrics
+    assert remote.capabilities.metrics
     # The server's counters hold all four turns: the two it served and the two run in-process.
     await asyncio.wait_for(_scraped(remote, generated_before + 4 * 6), timeout=30)
     assert remote.stats().generation_tokens_total == generated_before + 4 * 6
     assert remote.stats().prefix_cache_queried_tokens > 0
 
 
-async def _scraped(remote: RemoteEngine, generated: int) -> None:
+async def _scraped(remote: EngineClient, generated: int) -> None:
     while remote.stats().generation_tokens_total < generated:  # stats() schedules the next scrape
         await asyncio.sleep(0.05)
 
 
 async def test_abort_closes_the_stream_and_frees_the_server_blocks(api):
-    remote = RemoteEngine(api.url)
+    remote = make_client(ClientSpec(api.url))
     seen = []
     async for output in remote.stream([1, 520, 9531, 198], SamplingParams(max_tokens=5000, ignore_eos=True),
                                       request_id="long"):
@@ -67,7 +69,7 @@ async def test_abort_closes_the_stream_and_frees_the_server_blocks(api):
         if len(seen) == 3:
             remote.abort("long")
     assert seen[-1].finished and seen[-1].finish_reason == "abort" and len(seen[-1].token_ids) >= 3
-    await asyncio.to_thread(wait_for, lambda: not api.client.engine.requests, 60, "the server to abort")
+    await asyncio.to_thread(wait_for, lambda: not api.client.transport.engine.requests, 60, "the server to abort")
 
 
 def test_ask_server(api, tmp_path, monkeypatch):
@@ -94,17 +96,17 @@ def test_a_wrong_key_is_one_line(served, chat_model_dir):
     keyed = start_server(served.client, api_key="right")
     try:
         with pytest.raises(RemoteEngineError, match=r"refused the API key \(401\)"):
-            RemoteEngine(keyed.url, api_key="wrong")
-        right = RemoteEngine(keyed.url, api_key="right", model=str(chat_model_dir))
+            make_client(ClientSpec(keyed.url, api_key="wrong"))
+        right = make_client(ClientSpec(keyed.url, api_key="right", remote_model=str(chat_model_dir)))
         assert right.info.name == served.model and right.info.tokenizer is not None
     finally:
         keyed.stop()
 
 
 async def test_a_server_that_goes_away_mid_reply_keeps_the_partial_reply(chat_model_dir):
-    client = AsyncEngine(Engine(chat_engine_config(chat_model_dir)))
+    client = make_client(ClientSpec(engine=Engine(chat_engine_config(chat_model_dir))))
     going = start_server(client, model_names=[str(chat_model_dir)])
-    remote = RemoteEngine(going.url)
+    remote = make_client(ClientSpec(going.url))
     session = ChatSession(system_prompt="Be brief.")
     def go_away() -> None:
         # No graceful shutdown: uvicorn would otherwise wait up to 5 s for the stream, and a
@@ -120,14 +122,23 @@ async def test_a_server_that_goes_away_mid_reply_keeps_the_partial_reply(chat_mo
     client.shutdown()
     assert session.turn.finish_reason == "error" and len(session.turn.token_ids) >= 3
     assert session.conversation.token_ids[-len(session.turn.token_ids):] == session.turn.token_ids
-    assert remote.running  # a dropped stream is the server's business, not a stopped client
+    assert remote.running  # a dropped stream fails that stream alone, not the client
+
+    async def unreachable():
+        while remote.running:      # stats() schedules the scrape that finds nobody there
+            remote.stats()
+            await asyncio.sleep(0.05)
+    await asyncio.wait_for(unreachable(), 30)
+    assert "cannot reach the server" in remote.last_error
     remote.shutdown()
     assert not remote.running
+    with pytest.raises(EngineDeadError, match="shut down"):
+        await anext(remote.stream([1, 2, 3], GREEDY))
 
 
 @pytest.mark.timeout(180)
 async def test_tui_on_a_remote_engine(api, tmp_path):
-    remote = RemoteEngine(api.url)
+    remote = make_client(ClientSpec(api.url))
     app = PagedChatApp(make_settings(max_tokens=6), engine=remote, store=ChatStore(tmp_path / "chats.db"),
                        session_path=tmp_path / "session.json", restore=False)
     async with app.run_test(size=(120, 40)) as pilot:
@@ -146,7 +157,7 @@ async def test_tui_on_a_remote_engine(api, tmp_path):
 
 @pytest.mark.timeout(180)
 async def test_tui_serves_its_engine_and_shows_api_owners(chat_model_dir, tmp_path):
-    client = AsyncEngine(Engine(chat_engine_config(chat_model_dir)))
+    client = make_client(ClientSpec(engine=Engine(chat_engine_config(chat_model_dir))))
     app = PagedChatApp(make_settings(max_tokens=6), engine=client, store=ChatStore(tmp_path / "chats.db"),
                        session_path=tmp_path / "session.json", restore=False, serve_port=0)
     try:
@@ -163,7 +174,7 @@ async def test_tui_serves_its_engine_and_shows_api_owners(chat_model_dir, tmp_pa
                         break
             assert panel.tabs["editor"].title == "editor"
             await api_client.close()
-            await wait_until(pilot, lambda: client.stats().blocks_in_use == 0 and not client.engine.requests)
+            await wait_until(pilot, lambda: client.stats().blocks_in_use == 0 and not client.transport.engine.requests)
     finally:
         client.shutdown()
 
@@ -182,8 +193,8 @@ async def test_a_chat_on_transformers_serve(chat_model_dir, tmp_path):
         await asyncio.to_thread(wait_for, lambda: answers_health(port) or process.poll() is not None,
                                 240, "transformers serve to start")
         assert process.poll() is None, (tmp_path / "transformers-serve.log").read_text()[-2000:]
-        remote = RemoteEngine(f"http://127.0.0.1:{port}/v1")
-        assert not remote.has_metrics
+        remote = make_client(ClientSpec(f"http://127.0.0.1:{port}/v1"))
+        assert not remote.capabilities.metrics
         session = await two_turns(remote)
         assert session.turn.finish_reason in ("stop", "length") and session.turn.text
         assert len(session.conversation.messages) == 4

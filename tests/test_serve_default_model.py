@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from paged_chat.engine import AsyncEngine, Engine, EngineConfig
+from paged_chat.engine import ClientSpec, Engine, EngineConfig, make_client
 from server_fixtures import Served, start_server, wait_for
 
 CLIENTS = 64
@@ -30,7 +30,7 @@ def default_served(smollm2_source) -> Iterator[Served]:
     config = EngineConfig(device="cpu", dtype="float32", num_blocks=256, block_size=16,
                           max_model_len=64, max_num_seqs=CLIENTS + LEAVERS,
                           max_num_batched_tokens=512)
-    client = AsyncEngine(Engine(config, source=smollm2_source))
+    client = make_client(ClientSpec(engine=Engine(config, source=smollm2_source)))
     running = start_server(client)
     yield running
     running.stop()
@@ -91,7 +91,7 @@ async def test_64_concurrent_streams_on_the_default_model(default_served):
     assert counts[:CLIENTS] == [MAX_TOKENS] * CLIENTS, "a client was starved or cut short"
     assert max(first_token_at) < min(finished_at), "a stream began only after another had ended"
     assert peak > 32, f"the engine never batched more than {peak} of {CLIENTS} streams"
-    wait_for(lambda: not api.client.engine.requests, timeout=60, what="the leavers to be aborted")
+    wait_for(lambda: not api.client.transport.engine.requests, timeout=60, what="the leavers to be aborted")
     wait_for(lambda: api.client.stats().blocks_in_use == 0, timeout=60, what="every block back")
     leaver_tokens = api.client.stats().generation_tokens_total - before - CLIENTS * MAX_TOKENS
     assert leaver_tokens < LEAVERS * 16, (

@@ -209,10 +209,10 @@ def test_client_disconnect_mid_stream_frees_the_blocks(api):
         events = response.iter_lines()
         received = [line for line, _ in zip(events, range(6)) if line.startswith("data:")]
         assert len(received) >= 2
-        assert api.client.stats().blocks_in_use > 0 or api.client.engine.requests
+        assert api.client.stats().blocks_in_use > 0 or api.client.transport.engine.requests
         owners = api.client.stats().blocks.request_owners
-        assert "leaver" in owners or api.client.engine.requests
-    wait_for(lambda: not api.client.engine.requests, timeout=60, what="the request to be aborted")
+        assert "leaver" in owners or api.client.transport.engine.requests
+    wait_for(lambda: not api.client.transport.engine.requests, timeout=60, what="the request to be aborted")
     wait_for(lambda: api.client.stats().blocks_in_use == 0, timeout=60, what="its blocks back")
 
 

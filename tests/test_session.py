@@ -10,10 +10,10 @@ from contextlib import aclosing
 
 import pytest
 
-from paged_chat.engine import AsyncEngine, Engine, SamplingParams
+from paged_chat.engine import ClientSpec, Engine, make_client, SamplingParams
 from paged_chat.session import ChatSession, Turn, chat_title
 from paged_chat.store import ChatMovedOn, ChatStore
-from engine_helpers import assert_no_leaks
+from engine_helpers import assert_no_leaks, step_as_a_client
 from tui_helpers import engine_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -21,10 +21,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 @pytest.fixture
 def client(chat_model_dir):
-    engine = AsyncEngine(Engine(engine_config(chat_model_dir)))
+    engine = make_client(ClientSpec(engine=Engine(engine_config(chat_model_dir))))
     yield engine
     engine.shutdown()
-    assert_no_leaks(engine.engine)
+    assert_no_leaks(engine.transport.engine)
 
 
 @pytest.fixture
@@ -152,15 +152,15 @@ def test_chat_titles_are_one_clean_line():
 
 
 def test_a_turn_fed_deltas_late_keeps_the_ids_that_go_with_each_text(chat_model_dir):
-    """A delta's `token_ids` is the request's own list, which the engine extends after
-    handing it out: a consumer that lags behind the engine (its queue holds several steps)
+    """A delta's `token_ids` is the request's own list, which the output processor extends
+    after handing it out: a consumer that lags behind the engine (its queue holds several steps)
     must not take ids from later steps with an earlier step's text."""
     engine = Engine(engine_config(chat_model_dir))
     prompt = engine.tokenizer.encode("Hello there")
     engine.add_request(prompt, GREEDY)
     deltas = []
     while engine.has_unfinished():
-        deltas += engine.step()
+        deltas += step_as_a_client(engine)
     turn, seen = Turn("Hello there", prompt), []
     for output in deltas:
         turn.add(output, 0.0)

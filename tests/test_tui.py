@@ -22,8 +22,7 @@ from textual import events
 from textual._xterm_parser import XTermParser
 from textual.widgets import Tabs
 
-from paged_chat.engine import AsyncEngine, EngineConfig
-from paged_chat.engine.engine_process import EngineProcess
+from paged_chat.engine import EngineConfig
 from paged_chat.session import chat_title
 from paged_chat.store import ChatStore
 from paged_chat.text import sanitize_for_terminal as clean
@@ -180,15 +179,17 @@ async def test_long_chat_mounts_lazily(engine, tmp_path):
 
 @pytest.mark.timeout(120)
 async def test_model_loads_in_a_worker_while_the_ui_is_open(chat_model_dir, tmp_path, monkeypatch):
-    from_config = AsyncEngine.from_config.__func__
+    import paged_chat.engine
+
+    real_make_client = paged_chat.engine.make_client
     loading_seen = threading.Event()
 
-    def slow_load(cls, config, on_progress):  # the tiny model loads too fast to see "loading"
-        on_progress("converting weights", 3, 10)
+    def slow_load(spec):  # the tiny model loads too fast to see "loading"
+        spec.on_progress("converting weights", 3, 10)
         loading_seen.wait(60)
-        return from_config(cls, config)
+        return real_make_client(spec)
 
-    monkeypatch.setattr(AsyncEngine, "from_config", classmethod(slow_load))
+    monkeypatch.setattr(paged_chat.engine, "make_client", slow_load)
     settings = make_settings(max_tokens=8, engine_process=False)
     app = TuiTestApp(settings, engine_config=engine_config(chat_model_dir),
                   store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
@@ -204,7 +205,7 @@ async def test_model_loads_in_a_worker_while_the_ui_is_open(chat_model_dir, tmp_
         assert "ready" in text_of(app.query_one("#status"))
         assert replies(app.active_tab)[0].text
         engine = app.engine
-    assert engine._thread.is_alive() is False   # the app shut down the engine it loaded
+    assert engine.transport._thread.is_alive() is False   # the app shut down the engine it loaded
 
 
 @pytest.mark.timeout(180)
@@ -217,14 +218,15 @@ async def test_the_app_runs_its_engine_in_a_process_of_its_own(chat_model_dir, t
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_until(pilot, lambda: app.engine is not None, timeout=120)
         engine = app.engine
-        assert isinstance(engine, EngineProcess) and engine.pid != os.getpid()
+        assert engine.capabilities.where.startswith("in a child process")
+        assert engine.transport.pid != os.getpid()
         await type_prompt(pilot, "hello from the app")
         await wait_until(pilot, lambda: engine.stats().blocks_in_use > 0, timeout=60)
         assert app.active_tab.chat_id in engine.stats().blocks.request_owners
         await wait_until(pilot, lambda: idle(app), timeout=60)
         assert len(app.active_tab.session.turn.token_ids) == 300
         assert replies(app.active_tab)[0].text
-    assert engine._process.exitcode == 0 and not engine.running
+    assert engine.transport._process.exitcode == 0 and not engine.running
 
 
 @pytest.mark.timeout(60)
@@ -241,7 +243,7 @@ async def test_model_load_failure_is_shown(tmp_path):
 
 @pytest.mark.timeout(120)
 async def test_engine_error_shows_in_the_tab_and_the_app_carries_on(engine, tmp_path):
-    runner = engine.engine.runner
+    runner = engine.transport.engine.runner
     execute = runner.execute
     calls = {"n": 0}
 

@@ -1,5 +1,5 @@
 """Snapshot tests (pytest-textual-snapshot) of the main screen, from a deterministic engine
-state: a fake AsyncEngine whose `stats()` replays a fixed series of snapshots, and a store
+state: a fake engine client whose `stats()` replays a fixed series of snapshots, and a store
 with three chats. Update the SVGs with `pytest tests/test_tui_snapshots.py --snapshot-update`
 after an intended change of the layout, and look at them before committing."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from paged_chat.engine.client import ModelInfo
+from paged_chat.engine import ClientCapabilities, ModelInfo
 from paged_chat.engine.stats import BlockMap, EngineStats
 from paged_chat.session import Turn
 from paged_chat.settings import Settings
@@ -30,13 +30,14 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    """What the app reads of an AsyncEngine, with `stats()` replaying `series` in order
+    """What the app reads of an engine client, with `stats()` replaying `series` in order
     (staying on the last one)."""
 
     def __init__(self, series: list[EngineStats]) -> None:
         self.series = series
         self.calls = 0
         self.last_error = None
+        self.capabilities = ClientCapabilities(block_map=True, metrics=True, where="fake")
         self.info = ModelInfo(name="smollm2-135m", tokenizer=FakeTokenizer(), chat_template="",
                               device="cuda", dtype="bfloat16", num_blocks=NUM_BLOCKS,
                               block_size=BLOCK_SIZE, max_model_len=8192, num_parameters=0)

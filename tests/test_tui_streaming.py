@@ -18,7 +18,7 @@ import numpy as np
 from textual import events
 from textual.widgets.markdown import MarkdownBlock
 
-from paged_chat.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from paged_chat.engine import ClientCapabilities, Engine, EngineConfig, RequestOutput, SamplingParams
 from paged_chat.engine.stats import BlockMap
 from paged_chat.settings import ChatSettings, Settings
 from paged_chat.store import ChatStore
@@ -39,6 +39,10 @@ class FedClient:
     @property
     def info(self):
         return self.engine.info
+
+    @property
+    def capabilities(self) -> ClientCapabilities:
+        return ClientCapabilities(block_map=True, metrics=True, where="fed by the test")
 
     def stats(self):
         return self.engine.stats()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine_helpers import assert_no_leaks
-from paged_chat.engine import AsyncEngine, Engine
+from paged_chat.engine import ClientSpec, Engine, make_client
 from tui_helpers import engine_config, idle, make_app, make_settings, new_tab, type_prompt, wait_until
 
 LONG_SYSTEM = ("You are a meticulous assistant for a team of engineers. " * 12).strip()
@@ -17,7 +17,7 @@ async def test_chats_reopened_after_a_restart_prefill_from_the_kv_tier(chat_mode
     send in each: every chat's history comes back from the disk tier, not the model."""
     settings = make_settings(max_tokens=48, system_prompt=LONG_SYSTEM)
     config = engine_config(chat_model_dir, cache_dir=str(tmp_path / "cache"))
-    first_engine = AsyncEngine(Engine(config))
+    first_engine = make_client(ClientSpec(engine=Engine(config)))
     app = make_app(first_engine, tmp_path, settings)
     async with app.run_test(size=(120, 40)) as pilot:
         for index in range(4):
@@ -28,10 +28,10 @@ async def test_chats_reopened_after_a_restart_prefill_from_the_kv_tier(chat_mode
         histories = [len(tab.session.conversation.token_ids) for tab in app.chat_tabs]
     app.store.close()
     first_engine.shutdown()   # waits for the tier's writes
-    assert_no_leaks(first_engine.engine)
+    assert_no_leaks(first_engine.transport.engine)
     assert min(histories) > 200
 
-    engine = AsyncEngine(Engine(config))
+    engine = make_client(ClientSpec(engine=Engine(config)))
     app = make_app(engine, tmp_path, settings)
     try:
         async with app.run_test(size=(120, 40)) as pilot:
@@ -55,4 +55,4 @@ async def test_chats_reopened_after_a_restart_prefill_from_the_kv_tier(chat_mode
             assert engine.stats().tier.hit_blocks > 0
     finally:
         engine.shutdown()
-        assert_no_leaks(engine.engine)
+        assert_no_leaks(engine.transport.engine)

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from engine_fixtures import MISTRAL_WINDOW
-from engine_helpers import assert_no_leaks, blocks_owned
+from engine_helpers import assert_no_leaks, blocks_owned, step_as_a_client
 from paged_chat.cli import CliState, app
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.block_pool import NULL_BLOCK
@@ -126,7 +126,7 @@ def test_a_second_request_hits_the_prefix_cache_past_released_blocks(mistral_dir
     second_id = engine.add_request(prompt, GREEDY)
     outputs = []
     while engine.has_unfinished():
-        outputs += [out for out in engine.step() if out.finished]
+        outputs += [out for out in step_as_a_client(engine) if out.finished]
         engine.kv_cache.check_invariants()
     (second,) = outputs
     assert second.request_id == second_id

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from textual import events
 
-from paged_chat.engine import AsyncEngine, Engine, EngineConfig
+from paged_chat.engine import ClientSpec, Engine, EngineConfig, LocalClient, make_client
 from paged_chat.settings import ChatSettings, Settings, TuiSettings
 from paged_chat.store import ChatStore
 from paged_chat.tui.app import PagedChatApp
@@ -34,21 +34,21 @@ def engine_config(model_dir: Path, **overrides) -> EngineConfig:
 
 @pytest.fixture
 def make_async_engine(chat_model_dir):
-    engines: list[AsyncEngine] = []
+    engines: list[LocalClient] = []
 
-    def make(**overrides) -> AsyncEngine:
-        engine = AsyncEngine(Engine(engine_config(chat_model_dir, **overrides)))
+    def make(**overrides) -> LocalClient:
+        engine = make_client(ClientSpec(engine=Engine(engine_config(chat_model_dir, **overrides))))
         engines.append(engine)
         return engine
 
     yield make
     for engine in engines:
         engine.shutdown()
-        assert_no_leaks(engine.engine)
+        assert_no_leaks(engine.transport.engine)
 
 
 @pytest.fixture
-def engine(make_async_engine) -> AsyncEngine:
+def engine(make_async_engine) -> LocalClient:
     return make_async_engine()
 
 
@@ -114,7 +114,7 @@ def idle(app: PagedChatApp) -> bool:
 class Watcher:
     """Samples the engine and the block map every 10 ms in the background of a test."""
 
-    def __init__(self, app: PagedChatApp, engine: AsyncEngine) -> None:
+    def __init__(self, app: PagedChatApp, engine: LocalClient) -> None:
         self.app, self.engine = app, engine
         self.max_batch = 0
         self.tab_codes: set[int] = set()

@@ -3,7 +3,8 @@
 On a GPU the forward of a small model takes a few milliseconds, so every millisecond the
 engine spends on the host per step (scheduling, block tables, the step's input tensors,
 sampling, detokenizing, stats) is throughput lost. This scenario runs the real scheduler,
-KV manager, runner preparation, sampler, detokenizer and stats over a stub forward that
+KV manager, runner preparation, sampler, the client's output processor (detokenizing) and
+stats over a stub forward that
 returns logits in zero time (views into one random buffer), at several batch sizes with
 long contexts that share a prefix, and reports the engine's time per decode step and per
 token. The model keeps the real vocabulary and tokenizer; it keeps one layer only, so the
@@ -29,7 +30,7 @@ import time
 
 import torch
 
-from paged_chat.engine import Engine, EngineConfig, SamplingParams
+from paged_chat.engine import Engine, EngineConfig, OutputProcessor, SamplingParams
 from paged_chat.engine.models.loader import ModelSource
 
 
@@ -76,13 +77,15 @@ def host_overhead(source: ModelSource, batch_sizes: tuple[int, ...] = (32, 128, 
             max_num_batched_tokens=_PREFILL_BUDGET, seed=seed, threads=1), source=one_layer)
         engine.use_forward(StubForward(batch, vocab, seed))
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        processor = OutputProcessor(engine.tokenizer)  # the client's part of a step: the text
         for _ in range(batch):
-            engine.add_request(shared + [rng.randrange(vocab) for _ in range(prompt_len - shared_len)],
-                               params)
+            processor.add_request(engine.add_request(
+                shared + [rng.randrange(vocab) for _ in range(prompt_len - shared_len)], params),
+                params)
         wall, cpu, sampler_cpu, stats_cpu = [], [], [], []
         while len(cpu) < decode_steps:
             started, started_cpu = time.perf_counter(), time.thread_time()
-            engine.step()
+            processor.process(engine.step())
             elapsed, elapsed_cpu = time.perf_counter() - started, time.thread_time() - started_cpu
             started_cpu = time.thread_time()
             stats = engine.stats()

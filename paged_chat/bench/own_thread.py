@@ -4,7 +4,7 @@ do not slow each other down through OpenMP.
 GNU OpenMP (torch's CPU thread pool on Linux) keeps a pool of worker threads for every
 thread that has run a parallel op, for as long as that thread lives, and its workers stop
 spin-waiting between parallel regions once the process holds more such threads than it has
-cores. A system whose steps run on a thread of their own (paged-chat's AsyncEngine, the
+cores. A system whose steps run on a thread of their own (paged-chat's thread transport, the
 TUI, transformers' continuous batching) is then slowed by a pool some other system left
 behind on the main thread: measured on 2 cores, 60-70% of its speed. The bench therefore
 builds and runs each system on a thread that ends afterwards, and its main thread runs no

@@ -3,7 +3,7 @@
     python -m paged_chat.bench.serve [--model smollm2-135m] [--chats 32] [--max-tokens 64]
 
 The same engine settings (config.toml's, with --model) in both runs, each in a fresh
-engine: in-process, every chat is a stream on an AsyncEngine in this process; over HTTP,
+engine: in-process, every chat is a stream on an engine on a thread of this process; over HTTP,
 `paged-chat serve` runs in a process of its own (as deployed) and every chat is a
 streaming /v1/chat/completions of the official `openai` client from this one. Greedy, EOS ignored: both runs generate the same number of tokens. Prints
 output tokens/s of each, their ratio, and the mean TTFT of each (the server's added TTFT
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import httpx
 import openai
 
-from paged_chat.engine import AsyncEngine, SamplingParams
+from paged_chat.engine import ClientSpec, EngineClient, SamplingParams, make_client
 from paged_chat.settings import load_settings
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
@@ -69,7 +69,7 @@ def _messages(index: int) -> list[dict[str, str]]:
             {"role": "user", "content": f"Chat {index}: tell me something about the number {index}."}]
 
 
-def in_process(client: AsyncEngine, chats: int, max_tokens: int) -> Awaitable[RunResult]:
+def in_process(client: EngineClient, chats: int, max_tokens: int) -> Awaitable[RunResult]:
     tokenizer, template = client.info.tokenizer, client.info.chat_template
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     config = load_settings().engine_config(model=args.model)
-    client = AsyncEngine.from_config(config)
+    client = make_client(ClientSpec("thread", config))
     try:
         asyncio.run(in_process(client, 2, 4))   # warm-up: first-call costs out of the run
         local = asyncio.run(in_process(client, args.chats, args.max_tokens))

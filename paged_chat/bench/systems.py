@@ -13,7 +13,7 @@ import torch
 
 from paged_chat.bench.own_thread import on_own_thread
 from paged_chat.bench.workload import Workload
-from paged_chat.engine import Engine, SamplingParams
+from paged_chat.engine import Engine, OutputProcessor, SamplingParams
 from paged_chat.engine.models.loader import ModelSource
 
 SYSTEMS = ("paged-chat", "hf-seq", "hf-static", "hf-cb")
@@ -89,11 +89,14 @@ def run_paged_chat(engine: Engine, workload: Workload) -> SystemResult:
     timeline: list[tuple[float, int, int, int]] = []
     with RssMonitor() as rss:
         start = time.perf_counter()
+        processor = OutputProcessor(engine.tokenizer)  # the text, as a client makes it
         ids = [engine.add_request(p, sp) for p, sp in zip(workload.prompts, params)]
+        for request_id, sp in zip(ids, params):
+            processor.add_request(request_id, sp)
         times: dict[str, list[float]] = {rid: [] for rid in ids}
         tokens: dict[str, list[int]] = {}
         while engine.has_unfinished():
-            outputs = engine.step()
+            outputs = processor.process(engine.step()).outputs
             now = time.perf_counter()
             for out in outputs:
                 times[out.request_id].extend([now] * len(out.new_token_ids))

@@ -23,7 +23,7 @@ import tempfile
 import time
 
 from paged_chat.chat import Conversation
-from paged_chat.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from paged_chat.engine import Engine, EngineConfig, OutputProcessor, RequestOutput, SamplingParams
 from paged_chat.engine.models.loader import ModelSource, load_model_source
 
 HISTORY_TOKENS = 1500
@@ -94,10 +94,11 @@ def format_tier_resume(result: dict) -> str:
 def _time_to_first_token(engine: Engine, prompt: list[int]) -> tuple[float, RequestOutput]:
     """Seconds from add_request to the step that yields its first token, and its final output."""
     started = time.perf_counter()
-    engine.add_request(prompt, REPLY)
+    processor = OutputProcessor(engine.tokenizer)  # the reply as a client sees it
+    processor.add_request(engine.add_request(prompt, REPLY), REPLY)
     first = None
     while engine.has_unfinished():
-        for out in engine.step():
+        for out in processor.process(engine.step()).outputs:
             if first is None and out.new_token_ids:
                 first = time.perf_counter() - started
             if out.finished:

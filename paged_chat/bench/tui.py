@@ -3,10 +3,10 @@
 The same chats (the demo's tabs: their system prompts and first prompts, greedy, EOS
 ignored so every run produces the same tokens) run through the engine alone
 (`Engine.generate`) and through the real app run headless (Textual's `run_test`) with one tab
-streaming each chat: the app as it ships, its engine in a process of its own
-(EngineProcess), and the app with its engine on a thread of its own process (AsyncEngine over
-the same engine the alone runs use, `[tui] engine_process = false`). Each runs ROUNDS times,
-alternating, so a change in the machine's load between runs hits all three; the best run of
+streaming each chat: the app as it ships, its engine in a process of its own (the process
+transport), and the app with its engine on a thread of its own process (the thread
+transport over the same engine the alone runs use, `[tui] engine_process = false`). Each
+runs ROUNDS times, alternating, so a change in the machine's load between runs hits all three; the best run of
 each is compared. Then the app as it ships runs twice more: while a key is typed into the
 shown tab's prompt every TYPE_EVERY_S (keypress-to-echo times), and under cProfile.
 cProfile watches only the thread that enables it, here the app's event loop (the UI
@@ -37,7 +37,8 @@ from textual import events
 
 from paged_chat.bench.own_thread import on_own_thread
 from paged_chat.chat import Conversation
-from paged_chat.engine import AsyncEngine, Engine, EngineClient, EngineConfig, SamplingParams
+from paged_chat.engine import (ClientSpec, Engine, EngineClient, EngineConfig, SamplingParams,
+                               make_client)
 from paged_chat.settings import ChatSettings, Settings
 from paged_chat.store import ChatStore
 
@@ -49,8 +50,8 @@ AREAS = {               # where a profiled function's file lies -> what it is pa
     "markdown": ("textual/widgets/_markdown", "markdown_it", "paged_chat/tui/messages"),
     "engine panel": ("paged_chat/tui/engine_panel", "paged_chat/tui/block_map",
                      "paged_chat/tui/sparkline", "paged_chat/engine/stats"),
-    "engine hand-off": ("paged_chat/session", "paged_chat/engine/async_engine",
-                        "paged_chat/engine/streams", "paged_chat/engine/engine_process",
+    "engine hand-off": ("paged_chat/session", "paged_chat/engine/clients",
+                        "paged_chat/engine/output_processor", "paged_chat/engine/detokenizer",
                         "paged_chat/store", "sqlite3"),
     "layout and paint": ("textual/_compositor", "textual/_arrange", "textual/_layout",
                          "textual/layouts", "textual/strip", "textual/_styles_cache",
@@ -127,7 +128,7 @@ def run_app(client: EngineClient, chats: list[tuple[str | None, str]], params: S
             if profile is not None:
                 profile.disable()
             tokens = sum(len(tab.session.turn.token_ids) for tab in tabs)
-            result = {"client": type(client).__name__, "output_tokens": tokens, "wall_s": wall,
+            result = {"engine": client.capabilities.where, "output_tokens": tokens, "wall_s": wall,
                       "output_tokens_per_s": tokens / wall, "ui_cpu_per_s": ui_cpu / wall}
             if echoes:
                 echoes.sort()
@@ -207,7 +208,7 @@ def run_tui_bench(options: TuiBenchOptions, log: Callable[[str], None] = print) 
         process = start_engine_process(config)
         clients.callback(process.shutdown)
         asyncio.run(_warm_up(process))
-        on_thread = AsyncEngine(engine)
+        on_thread = make_client(ClientSpec("thread", engine=engine))
         clients.callback(on_thread.shutdown)
         rounds: dict[str, list[dict]] = {"engine_alone": [], "app": [], "app_engine_on_a_thread": []}
         for round_ in range(1, ROUNDS + 1):

@@ -11,33 +11,41 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "AsyncEngine": "paged_chat.engine.async_engine",
     "BlockMap": "paged_chat.engine.stats",
+    "ClientCapabilities": "paged_chat.engine.clients.protocol",
+    "ClientSpec": "paged_chat.engine.clients.factory",
     "Engine": "paged_chat.engine.engine",
-    "EngineClient": "paged_chat.engine.client",
+    "EngineClient": "paged_chat.engine.clients.protocol",
     "EngineConfig": "paged_chat.engine.config",
+    "EngineCoreOutput": "paged_chat.engine.request",
     "EngineDeadError": "paged_chat.engine.errors",
-    "EngineProcess": "paged_chat.engine.engine_process",
     "EngineStats": "paged_chat.engine.stats",
     "KVTierStats": "paged_chat.engine.stats",
     "KVTierWarning": "paged_chat.engine.errors",
-    "ModelInfo": "paged_chat.engine.client",
+    "LocalClient": "paged_chat.engine.clients.local",
+    "ModelInfo": "paged_chat.engine.clients.protocol",
     "ModelLoadError": "paged_chat.engine.errors",
+    "OutputProcessor": "paged_chat.engine.output_processor",
     "PagedChatError": "paged_chat.engine.errors",
+    "RemoteClient": "paged_chat.engine.clients.remote",
+    "RemoteEngineError": "paged_chat.engine.clients.remote",
     "RequestOutput": "paged_chat.engine.request",
     "SamplingParams": "paged_chat.engine.request",
+    "make_client": "paged_chat.engine.clients.factory",
 }
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from paged_chat.engine.async_engine import AsyncEngine
-    from paged_chat.engine.client import EngineClient, ModelInfo
+    from paged_chat.engine.clients.factory import ClientSpec, make_client
+    from paged_chat.engine.clients.local import LocalClient
+    from paged_chat.engine.clients.protocol import ClientCapabilities, EngineClient, ModelInfo
+    from paged_chat.engine.clients.remote import RemoteClient, RemoteEngineError
     from paged_chat.engine.config import EngineConfig
     from paged_chat.engine.engine import Engine
-    from paged_chat.engine.engine_process import EngineProcess
     from paged_chat.engine.errors import (EngineDeadError, KVTierWarning, ModelLoadError,
                                           PagedChatError)
-    from paged_chat.engine.request import RequestOutput, SamplingParams
+    from paged_chat.engine.output_processor import OutputProcessor
+    from paged_chat.engine.request import EngineCoreOutput, RequestOutput, SamplingParams
     from paged_chat.engine.stats import BlockMap, EngineStats, KVTierStats
 
 

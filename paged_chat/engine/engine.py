@@ -1,7 +1,10 @@
 """Engine: the synchronous core. add_request / step / abort / generate / stats.
 
 One `step()` schedules work under the token budget, runs one forward over every scheduled
-token, samples, detokenizes, and returns the per-request deltas of that step. Finished
+token, samples, and returns what that step changed per request: new token ids and finish
+reasons (EngineCoreOutput), no text. Stop token ids, EOS and the length limit end a request
+here; text and stop strings are the client's output processor's (output_processor.py),
+which `generate` runs too. Finished
 requests leave at once (their blocks go back to the pool) and waiting ones join on the
 next step: continuous batching.
 
@@ -23,16 +26,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from paged_chat.engine.client import ModelInfo
+from paged_chat.engine.clients.protocol import ModelInfo
 from paged_chat.engine.config import EngineConfig
-from paged_chat.engine.detokenizer import IncrementalDetokenizer
 from paged_chat.engine.dtypes import dtype_name, resolve_device, resolve_dtype
 from paged_chat.engine.errors import out_of_memory
 from paged_chat.engine.kv_cache_manager import KVCacheManager
 from paged_chat.engine.kv_tier import build_kv_tier, model_fingerprint
 from paged_chat.engine.kv_transfer import KVTransfer
 from paged_chat.engine.models.loader import ModelSource, ProgressHook, load_model, load_model_source
-from paged_chat.engine.request import FinishReason, Request, RequestOutput, SamplingParams
+from paged_chat.engine.output_processor import OutputProcessor
+from paged_chat.engine.request import (EngineCoreOutput, FinishReason, Request, RequestOutput,
+                                       SamplingParams)
 from paged_chat.engine.runner import ModelRunner
 from paged_chat.engine.scheduler import Scheduler
 from paged_chat.engine.stats import BlockMap, EngineStats, KVTierStats, RateMeter
@@ -83,8 +87,8 @@ class Engine:
         self.eos_token_ids = frozenset(source.config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.requests: dict[str, Request] = {}
-        self._decodings: dict[str, _Decoding] = {}
-        self._pending: list[RequestOutput] = []
+        self._limits: dict[str, _Limits] = {}
+        self._pending: list[EngineCoreOutput] = []
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)
         self._prompt_rate = RateMeter()
@@ -121,8 +125,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(request_id, token_ids, params, seed, time.monotonic(), owner=owner)
         self.requests[request_id] = request
-        self._decodings[request_id] = _Decoding(
-            IncrementalDetokenizer(self.tokenizer, params.stop),
+        self._limits[request_id] = _Limits(
             frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids),
             min(len(token_ids) + params.max_tokens, self.max_model_len))
         if len(token_ids) >= self.max_model_len:
@@ -142,7 +145,7 @@ class Engine:
 
     def abort_all(self) -> None:
         """Abort every request, discarding their outputs: for a caller that has given up on
-        everything in flight and has told the consumers itself (AsyncEngine shutting down)."""
+        everything in flight and has told the consumers itself (a client shutting down)."""
         for request_id in list(self.requests):
             self.abort(request_id)
         self._pending.clear()
@@ -183,21 +186,30 @@ class Engine:
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        """Run prompts to completion together; return one final output per prompt, in order."""
+        """Run prompts to completion together; return one final output per prompt, in order,
+        with its text (through an OutputProcessor, as a client's: stop strings apply)."""
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params)} SamplingParams")
-        ids = [self.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        processor = OutputProcessor(self.tokenizer)
+        ids = []
+        for prompt, p in zip(prompts, params):
+            ids.append(self.add_request(prompt, p))
+            processor.add_request(ids[-1], p)
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
-            final.update((out.request_id, out) for out in self.step() if out.finished)
+            processed = processor.process(self.step())
+            for request_id in processed.to_abort:
+                self.abort(request_id)
+            final.update((out.request_id, out) for out in processed.outputs if out.finished)
         return [final[request_id] for request_id in ids]
 
     # ---- the step -------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; return this step's deltas (finished ones included)."""
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one scheduling step; return what it changed per request (finished ones
+        included, and those an abort or a refused prompt finished since the last step)."""
         outputs, self._pending = self._pending, []
         started = time.perf_counter()
         self.kv_transfer.complete_reads()
@@ -224,7 +236,7 @@ class Engine:
         self._prompt_rate.add(self.scheduler.update(schedule))
         now = time.monotonic()
         for item, token in zip(samplers, sampled):
-            try:  # one request's fault (its sampling, its detokenizer) must not take the batch down
+            try:  # one request's fault (its sampling) must not take the batch down
                 if isinstance(token, Exception):
                     raise token
                 outputs.append(self._append_token(item.request, token, now))
@@ -238,43 +250,34 @@ class Engine:
         self.kv_transfer.offload()  # finished requests' blocks go down now, not a step later
         return outputs
 
-    def _append_token(self, request: Request, token_id: int, now: float) -> RequestOutput:
+    def _append_token(self, request: Request, token_id: int, now: float) -> EngineCoreOutput:
         if request.first_token_time is None:
             request.first_token_time = now
             self._prompt_tokens_total += request.num_prompt_tokens
         request.all_token_ids.append(token_id)
         request.output_token_ids.append(token_id)
-        decoding = self._decodings[request.request_id]
-        detokenizer = decoding.detokenizer
-        new_text, hit_stop_string = detokenizer.add_token(token_id)
-        if hit_stop_string or token_id in decoding.stop_token_ids:
+        limits = self._limits[request.request_id]
+        if token_id in limits.stop_token_ids:
             reason: FinishReason = "stop"
-        elif len(request.all_token_ids) >= decoding.max_num_tokens:
+        elif len(request.all_token_ids) >= limits.max_num_tokens:
             reason = "length"
         else:
-            # RequestOutput's fields in order: a step builds one per running request, and
-            # keywords cost 2.5 times as much (0.3 ms per step at batch 256)
-            return RequestOutput(
-                request.request_id, [token_id], new_text, request.output_token_ids,
-                detokenizer.text, False, None, len(request.prompt_token_ids),
-                request.num_cached_prompt_tokens, None, request.num_tier_cached_tokens)
-        if not hit_stop_string:
-            new_text += detokenizer.flush()
-            if detokenizer.stopped:  # in text held back until now (an unfinished character)
-                reason = "stop"
-        return self._finish(request, reason, new_token_ids=[token_id], new_text=new_text)
+            # EngineCoreOutput's fields in order: one per running request (its docstring)
+            return EngineCoreOutput(request.request_id, [token_id], False, None,
+                                    len(request.prompt_token_ids), request.num_cached_prompt_tokens,
+                                    request.num_tier_cached_tokens)
+        return self._finish(request, reason, new_token_ids=[token_id])
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None,
-                new_token_ids: list[int] | None = None, new_text: str = "") -> RequestOutput:
+                new_token_ids: list[int] | None = None) -> EngineCoreOutput:
         self.scheduler.finish(request)
         request.finish_reason = reason
         request.error = error
         del self.requests[request.request_id]
-        text = self._decodings.pop(request.request_id).detokenizer.text
-        return RequestOutput(
-            request.request_id, new_token_ids or [], new_text, request.output_token_ids, text,
-            True, reason, request.num_prompt_tokens, request.num_cached_prompt_tokens, error,
-            request.num_tier_cached_tokens)
+        del self._limits[request.request_id]
+        return EngineCoreOutput(request.request_id, new_token_ids or [], True, reason,
+                                request.num_prompt_tokens, request.num_cached_prompt_tokens,
+                                request.num_tier_cached_tokens, error)
 
     def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
         """Token ids of a prompt, validated: the model would index its embedding with them.
@@ -345,10 +348,9 @@ class Engine:
 
 
 @dataclass(slots=True)
-class _Decoding:
+class _Limits:
     """What the engine checks after each token of one request."""
 
-    detokenizer: IncrementalDetokenizer
     stop_token_ids: frozenset[int]  # the request's own, and the model's EOS unless ignore_eos
     max_num_tokens: int             # prompt and output: max_tokens or max_model_len, the lower
 

@@ -1,4 +1,5 @@
-"""Sampling parameters, per-request state and the deltas the engine hands back."""
+"""Sampling parameters, per-request state, the core's per-step outputs (ids only) and the
+client-side RequestOutput the output processor builds from them."""
 
 from __future__ import annotations
 
@@ -96,9 +97,8 @@ class Request:
     """One sequence's life in the engine.
 
     `all_token_ids` is prompt + generated so far; `output_token_ids` the generated ones
-    alone (the list every delta hands out, extended in place). `num_computed_tokens`
-    counts the leading tokens whose K/V are in the cache (prefix hits included); the
-    scheduler advances it.
+    alone. `num_computed_tokens` counts the leading tokens whose K/V are in the cache
+    (prefix hits included); the scheduler advances it.
     `block_hashes[i]` is the prefix hash of full block `i` of `all_token_ids`, filled in
     as blocks fill up (the tokens never change, so it survives preemption).
     """
@@ -143,10 +143,32 @@ class Request:
 
 
 @dataclass(slots=True)
+class EngineCoreOutput:
+    """What one request's step changed in the core (`Engine.step`): ids and counts, no text.
+    The core stops a request on its stop token ids, EOS and the length limit; text and stop
+    strings are the output processor's (output_processor.py). Read-only by convention, and
+    built positionally: a step builds one per running request, and keywords cost 2.5 times
+    as much, a frozen dataclass's __init__ five times (0.3 and 0.5 ms per step at batch 256).
+
+    `num_cached_tokens` prompt tokens were not prefilled (prefix cache hits);
+    `num_tier_cached_tokens` of them were read back from a KV tier (host RAM or disk).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_tier_cached_tokens: int
+    error: str | None = None
+
+
+@dataclass(slots=True)
 class RequestOutput:
-    """What one request produced in one step (a delta), or in total from `Engine.generate`.
-    Read-only by convention: a step builds one per running request, and a frozen
-    dataclass's __init__ costs five times as much (0.5 ms per step at batch 256).
+    """What one request produced in one step (a delta), or in total from `Engine.generate`,
+    as a client hands it out; built by the OutputProcessor alone. Read-only by convention
+    (see EngineCoreOutput for why it is not frozen).
 
     For a delta, `new_token_ids` and `new_text` are this step's; `token_ids` and `text` are
     everything so far. `token_ids` is the request's own list, which later steps extend in

@@ -154,11 +154,21 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     blocks_freed_by_window: int = 0   # released behind a sliding window (every layer windowed)
+    # a pool-less client's figure for its engine's KV use (a remote's vLLM kv_cache_usage_perc)
+    reported_kv_cache_usage: float | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         queried = self.prefix_cache_queried_tokens
         return self.prefix_cache_hit_tokens / queried if queried else 0.0
+
+    @property
+    def kv_cache_usage(self) -> float | None:
+        """The share of the KV pool in use: from the block counts where there is a pool,
+        else what the engine reported (None: nothing)."""
+        if self.num_blocks:
+            return self.blocks_in_use / self.num_blocks
+        return self.reported_kv_cache_usage
 
     @property
     def kv_waste(self) -> float:

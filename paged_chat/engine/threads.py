@@ -28,7 +28,7 @@ leave free, measured (`MachineLoad`), and decode steps run on no more than those
 (`StepThreads` says why).
 
 `torch.set_num_threads` reaches OpenMP per calling thread, so `apply()` sets the count at
-the start of every step on the thread that steps (AsyncEngine's thread included), not once
+the start of every step on the thread that steps (the thread transport's included), not once
 at start-up on the thread that built the engine.
 """
 

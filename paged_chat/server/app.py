@@ -28,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from paged_chat.engine.client import EngineClient
+from paged_chat.engine.clients.protocol import EngineClient
 from paged_chat.engine.errors import EngineDeadError, describe_error
 from paged_chat.engine.request import RequestOutput
 from paged_chat.server.metrics import metrics_registry

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from paged_chat.engine.client import EngineClient
+from paged_chat.engine.clients.protocol import EngineClient
 
 
 class EngineCollector(Collector):
@@ -26,7 +26,7 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         stats = self.client.stats()
-        usage = stats.blocks_in_use / stats.num_blocks if stats.num_blocks else 0.0
+        usage = stats.kv_cache_usage or 0.0
         gauges = (("vllm:num_requests_running", "Requests in the running batch.", stats.num_running),
                   ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
                   ("vllm:kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.", usage))

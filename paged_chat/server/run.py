@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import uvicorn
 
-from paged_chat.engine.client import EngineClient
+from paged_chat.engine.clients.protocol import EngineClient
 from paged_chat.engine.errors import PagedChatError
 from paged_chat.server.app import build_app
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import jinja2
 
-from paged_chat.engine.client import EngineClient
+from paged_chat.engine.clients.protocol import EngineClient
 from paged_chat.engine.request import RequestOutput, SamplingParams
 from paged_chat.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                         PromptTokensDetails, SamplingRequest, Usage,

@@ -38,8 +38,8 @@ from paged_chat.tui.open_tabs import OpenTabs
 from paged_chat.tui.tabs import TabManagement
 
 if TYPE_CHECKING:
-    from paged_chat.engine import EngineClient, EngineConfig, SamplingParams
-    from paged_chat.engine.engine_process import EngineProcess
+    from paged_chat.engine import (ClientCapabilities, EngineClient, EngineConfig, ModelInfo,
+                                   SamplingParams)
     from paged_chat.engine.models.loader import ProgressHook
     from paged_chat.server import ApiServer
     from paged_chat.tui.demo import Autopilot
@@ -193,9 +193,10 @@ class PagedChatApp(ChatActions, TabManagement, App):
         """The engine in a process of its own ([tui] engine_process), or on a thread of the app."""
         if self.settings.tui.engine_process:
             return start_engine_process(self.engine_config, progress)
-        from paged_chat.engine import AsyncEngine
+        from paged_chat.client_spec import client_spec
+        from paged_chat.engine import make_client
 
-        return AsyncEngine.from_config(self.engine_config, on_progress=progress)
+        return make_client(client_spec(self.engine_config, "thread", on_progress=progress))
 
     def _engine_loaded(self, engine: EngineClient, seconds: float) -> None:
         self.engine = engine
@@ -204,8 +205,6 @@ class PagedChatApp(ChatActions, TabManagement, App):
         self._update_status()
         if seconds:
             self.notify(f"{engine.info.name} is ready ({seconds:.1f} s)", timeout=3, markup=False)
-        if engine.info.num_blocks == 0:
-            self.panel.remote = engine
         if self.serve_port is not None:
             self._serve_api(engine)
 
@@ -256,6 +255,7 @@ class PagedChatApp(ChatActions, TabManagement, App):
             self._tab_infos = {tab.chat_id: TabInfo(clean(tab.title), tab.colour, tab.tokens_of)
                                for tab in self.chat_tabs}
         try:
+            self.panel.capabilities = self.engine.capabilities
             self.panel.show_stats(stats, with_request_owners(self._tab_infos, stats.blocks))
         except NoMatches:  # the panel is being built or torn down
             return
@@ -282,8 +282,7 @@ class PagedChatApp(ChatActions, TabManagement, App):
             info = self.engine.info
             text.append("● ", style="green")
             text.append(info.name, style="bold")
-            text.append(f" · {info.device} · {info.dtype} · {info.num_blocks:,} blocks × {info.block_size}"
-                        if info.num_blocks else f" · {self.engine.describe()}")
+            text.append(f" · {describe_where(self.engine.capabilities, info)}")
             text.append(f" · max {info.max_model_len:,} tokens/seq")
             if self.load_seconds:
                 text.append(f" · ready (loaded in {self.load_seconds:.1f} s)", style="dim")
@@ -344,15 +343,25 @@ class PagedChatApp(ChatActions, TabManagement, App):
 
 
 def start_engine_process(config: EngineConfig, progress: ProgressHook | None = None
-                         ) -> EngineProcess:
+                         ) -> EngineClient:
     """The app's engine: in a process of its own, its output to a log file (the app owns the
     terminal), its decode steps leaving a core to the UI thread until a trial finds more
     threads faster (measured on 2 cores, float32: with 2 threads the app kept 80% of the
     engine alone, with 1 thread 93%)."""
-    from paged_chat.engine.engine_process import EngineProcess
+    from paged_chat.client_spec import client_spec
+    from paged_chat.engine import make_client
 
-    return EngineProcess(config, on_progress=progress, log_path=cache_dir() / "engine.log",
-                         leave_cores=UI_CORES)
+    return make_client(client_spec(config, "process", on_progress=progress,
+                                   log_path=cache_dir() / "engine.log", leave_cores=UI_CORES))
+
+
+def describe_where(capabilities: ClientCapabilities, info: ModelInfo) -> str:
+    """The status line's word on the engine: its device, dtype and pool, or where it is and
+    what it does not show."""
+    if capabilities.block_map:
+        return f"{info.device} · {info.dtype} · {info.num_blocks:,} blocks × {info.block_size}"
+    where = f"{capabilities.where} · no block map"
+    return where if capabilities.metrics else where + " · no vLLM /metrics"
 
 
 def run_app(settings: Settings, demo: int | None = None, serve_port: int | None = None,
@@ -361,9 +370,10 @@ def run_app(settings: Settings, demo: int | None = None, serve_port: int | None 
     `serve_port`, the API on its engine too; with `server`, on that remote server's engine)."""
     engine = None
     if server:
-        from paged_chat.remote import RemoteEngine
+        from paged_chat.client_spec import client_spec
+        from paged_chat.engine import make_client
 
-        engine = RemoteEngine(server, settings.server.api_key)
+        engine = make_client(client_spec(None, server=server, api_key=settings.server.api_key))
     app = PagedChatApp(settings, demo=demo, engine=engine, serve_port=serve_port)
     try:
         app.run()

@@ -9,7 +9,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -17,6 +16,7 @@ from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.widgets import Label, Static
 
+from paged_chat.engine.clients.protocol import ClientCapabilities
 from paged_chat.engine.stats import BlockMap, EngineStats
 from paged_chat.tui.block_map import TAB_COLOURS, BlockMapView
 from paged_chat.tui.sparkline import Spark
@@ -175,7 +175,7 @@ class EnginePanel(Vertical):
         self.stats: EngineStats | None = None
         self.tabs: Mapping[str, TabInfo] = {}
         self.decode: Callable[[Sequence[int]], str] | None = None
-        self.remote: Any = None   # a remote EngineClient (kv_cache_usage, has_metrics); no pool
+        self.capabilities: ClientCapabilities | None = None   # the engine client's, once loaded
         self._legend_holders: tuple[str, ...] = ()   # chats holding blocks, as the legend lists them
         self._pinned: int | None = None
         self._shown_at = 0.0                    # when show_stats last drew
@@ -210,10 +210,10 @@ class EnginePanel(Vertical):
             return
         self._shown_at = now
         self.stats = stats
-        if self.remote is not None:
+        if self.capabilities is not None and not self.capabilities.block_map:
             self._update_static("#pool-title", Text("remote engine: no block map", style="bold"))
             self._update_static("#numbers", format_remote_numbers(
-                stats, self.remote.kv_cache_usage, self.remote.has_metrics))
+                stats, stats.kv_cache_usage, self.capabilities.metrics))
             return
         busy = bool(stats.num_running or stats.num_waiting)
         self._history["batch"].append(stats.batch_size if busy else 0)

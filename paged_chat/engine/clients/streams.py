@@ -1,7 +1,8 @@
 """Streams: the asyncio side of an engine client, one queue per open request.
 
-The thread that hears the engine (AsyncEngine's engine thread, EngineProcess's reader) hands
-each step's deltas to the streams' event loops, once per loop per step (not once per token).
+The thread that hears the engine (a local client's engine thread or pipe reader, a remote
+client's HTTP tasks) hands each step's deltas to the streams' event loops, once per loop per
+step (not once per token).
 Leaving a stream early, or an error in it, sends an Abort for its request, so its blocks go
 back to the pool. Once `end()` has said why the engine stopped, no stream can open until
 `reopen()`.
@@ -15,7 +16,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
-from paged_chat.engine.engine_loop import Abort, Add, Command
+from paged_chat.engine.clients.engine_loop import Abort, Add, Command
 from paged_chat.engine.errors import EngineDeadError
 from paged_chat.engine.request import RequestOutput
 

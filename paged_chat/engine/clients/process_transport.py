@@ -1,4 +1,4 @@
-"""EngineProcess: the EngineClient whose Engine runs in a child process of its own.
+"""ProcessTransport: the Engine in a child process of its own (LocalClient's second transport).
 
 Why a process. In one process the UI's event loop and the engine thread share one GIL: the
 engine thread gives it up in every torch op and must win it back after each one, while the
@@ -9,27 +9,28 @@ EngineCore off the same way.
 
 How. The child (spawned, not forked: the parent has threads, and a forked torch would
 inherit their locks) builds the Engine on its main thread, so its OpenMP pool is the only
-one, and runs the same loop as AsyncEngine's thread (engine_loop.py) over one duplex pipe:
+one, and runs the same loop as the thread transport (engine_loop.py) over one duplex pipe:
 
     parent -> child   Add, Abort, ResetPrefixCache, Shutdown       (engine_loop's commands)
     child -> parent   _Progress while loading, then _Ready (ModelInfo, first stats) or
                       _LoadFailed; then per step _Outputs, every stats_interval_s _Stats,
                       _RequestFailed, _StepFailed, and last _Stopped
 
-A step's outputs cross without their history: a RequestOutput's `token_ids` and `text` are
-the whole reply so far, and pickling those every step would cost the child and the parent
-time that grows with every token (at batch 256 and 1,000-token replies, 9 ms to pickle and
-20 ms to unpickle a step against 1.4 and 0.9 without). The parent's reader keeps each open
-request's ids and text and fills them back in.
+A step's outputs cross as the core made them: ids and counts, no text and no history (a
+reply's whole ids and text, pickled every step, would cost time that grows with every
+token: at batch 256 and 1,000-token replies, 9 ms to pickle and 20 ms to unpickle a step
+against 1.4 and 0.9 without). The client's output processor turns them into text on the
+parent's reader thread.
 
 In the parent a sender thread writes the commands (a long prompt never blocks the event
 loop on a full pipe while the child is in a step) and a reader thread hands each step's
-deltas to the streams' event loops (streams.py), as AsyncEngine's thread does. `stats()`
-returns the last snapshot the child sent, block map included; it never waits.
+core outputs, stats and failures to the client, as the engine thread does in-process.
+The client's `stats()` is the last snapshot the child sent, block map included.
 
 Failures. A failed step ends the open streams and the child keeps serving, as on a thread.
 A child that dies (killed, out of memory, a crash in native code) ends every stream with
-EngineDeadError naming its exit code, and `last_error` says so. A child whose parent dies
+EngineDeadError naming its exit code, and the client's `last_error` says so. A restart
+starts a new child (the model loads again). A child whose parent dies
 sees its pipe close and exits; it ignores SIGINT, so Ctrl+C in a terminal reaches only the
 app, which shuts the child down. Its stdout and stderr go to `log_path` when given (a TUI
 owns the terminal), with Python's fault handler on, so a native crash leaves a trace there.
@@ -39,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import itertools
 import multiprocessing
 import os
 import pickle
@@ -47,19 +47,22 @@ import queue
 import signal
 import sys
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from paged_chat.engine.client import ModelInfo
+from paged_chat.engine.clients.engine_loop import Command, Shutdown
+from paged_chat.engine.clients.protocol import ModelInfo
 from paged_chat.engine.config import EngineConfig
-from paged_chat.engine.engine_loop import Abort, Add, Command, ResetPrefixCache, Shutdown
 from paged_chat.engine.errors import EngineDeadError, PagedChatError, describe_error
 from paged_chat.engine.models.loader import ProgressHook
-from paged_chat.engine.request import RequestOutput, SamplingParams
+from paged_chat.engine.request import EngineCoreOutput
 from paged_chat.engine.stats import EngineStats
-from paged_chat.engine.streams import Streams
+
+if TYPE_CHECKING:
+    from paged_chat.engine.clients.local import TransportEvents
 
 
 @dataclass(slots=True)
@@ -82,7 +85,7 @@ class _LoadFailed:
 
 @dataclass(slots=True)
 class _Outputs:
-    outputs: list[RequestOutput]
+    outputs: list[EngineCoreOutput]
 
 
 @dataclass(slots=True)
@@ -102,45 +105,59 @@ class _StepFailed:
 
 
 @dataclass(slots=True)
-class _Reply:
-    token_ids: list[int]
-    text: str
-
-
-@dataclass(slots=True)
 class _Stopped:
     reason: str
     error: str | None  # the internal error that stopped the loop, if one did
 
 
-class EngineProcess:
-    """An EngineClient (paged_chat.engine.client) over an Engine in a child process."""
+class ProcessTransport:
+    """An Engine in a spawned child process named "paged-chat-engine"."""
 
     def __init__(self, config: EngineConfig, on_progress: ProgressHook | None = None,
                  log_path: Path | None = None, leave_cores: int = 0,
                  stats_interval_s: float = 0.05) -> None:
-        """Start the child and wait until it has loaded the model (`on_progress(stage, done,
-        total)` hears a slow load advance). The load's error is raised here; a child that
-        dies while loading is an EngineDeadError. `leave_cores`: how many cores the parent
-        needs while the engine steps (StepThreads.leave_cores)."""
-        self.last_error: str | None = None
-        self._streams = Streams()
-        self._ids = itertools.count()
-        self._replies: dict[str, _Reply] = {}  # the reader's: each open request's reply so far
+        """`on_progress(stage, done, total)` hears a slow load advance; `log_path` takes the
+        child's stdout and stderr; `leave_cores`: how many cores the parent needs while the
+        engine steps (StepThreads.leave_cores)."""
+        self.config = config
+        self.on_progress = on_progress
+        self.log_path = log_path
+        self.leave_cores = leave_cores
+        self.stats_interval_s = stats_interval_s
+        self._process: multiprocessing.process.BaseProcess | None = None
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    @property
+    def where(self) -> str:
+        return f"in a child process (pid {self.pid})"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def start(self, events: TransportEvents) -> None:
+        """Start the child and wait until it has loaded the model. The load's error is raised
+        here; a child that dies while loading is an EngineDeadError."""
+        self._events = events
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
         self._process = context.Process(
-            target=_child_main, args=(child_conn, config, stats_interval_s, log_path, leave_cores),
+            target=_child_main, args=(child_conn, self.config, self.stats_interval_s,
+                                      self.log_path, self.leave_cores),
             name="paged-chat-engine", daemon=True)
         with _stderr_with_a_descriptor():
             self._process.start()
         child_conn.close()  # the child's end lives in the child: EOF here once it exits
         try:
-            self.info, self._stats = self._wait_until_ready(on_progress)
+            self._info, stats = self._wait_until_ready()
         except BaseException:
             self._conn.close()
             self._process.join(10.0)
             raise
+        events.on_stats(stats)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._write, name="paged-chat-engine-sender",
                                         daemon=True)
@@ -149,37 +166,14 @@ class EngineProcess:
         self._sender.start()
         self._reader.start()
 
-    @property
-    def running(self) -> bool:
-        """Whether the child serves requests (False after shutdown or once it died)."""
-        return self._streams.stopped is None
+    def send(self, command: Command) -> None:
+        self._commands.put(command)
 
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid
-
-    def stats(self) -> EngineStats:
-        return self._stats
-
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-               request_id: str | None = None, owner: str | None = None
-               ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's deltas until it finishes; stop early to abort it. Raises
-        EngineDeadError when a step fails or the child stops."""
-        request_id = request_id or f"stream-{next(self._ids)}"
-        return self._streams.stream(Add(request_id, prompt, params, owner), self._commands.put)
-
-    def abort(self, request_id: str) -> None:
-        self._commands.put(Abort(request_id))
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix, in the child, before its next step."""
-        self._commands.put(ResetPrefixCache())
-
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Abort everything, let the child finish the KV tier's writes and exit, and wait for
+    def stop(self, reason: str, timeout_s: float) -> None:
+        """Let the child abort everything, finish the KV tier's writes and exit, and wait for
         it (killed after `timeout_s`)."""
-        self._commands.put(Shutdown("the engine has shut down"))
+        assert self._process is not None
+        self._commands.put(Shutdown(reason))
         self._reader.join(timeout_s)
         self._process.join(timeout_s)
         if self._process.is_alive():
@@ -189,9 +183,14 @@ class EngineProcess:
         self._sender.join(timeout_s)
         self._conn.close()
 
+    def restart(self, timeout_s: float) -> None:
+        """A new child, which loads the model again."""
+        self.start(self._events)
+
     # ---- the parent's threads ---------------------------------------------------------
 
-    def _wait_until_ready(self, on_progress: ProgressHook | None) -> tuple[ModelInfo, EngineStats]:
+    def _wait_until_ready(self) -> tuple[ModelInfo, EngineStats]:
+        assert self._process is not None
         while True:
             try:
                 message = self._conn.recv()
@@ -200,8 +199,8 @@ class EngineProcess:
                 raise EngineDeadError(f"the engine process exited while loading the model "
                                       f"(exit code {self._process.exitcode})") from None
             if isinstance(message, _Progress):
-                if on_progress is not None:
-                    on_progress(message.stage, message.done, message.total)
+                if self.on_progress is not None:
+                    self.on_progress(message.stage, message.done, message.total)
             elif isinstance(message, _LoadFailed):
                 raise message.error
             else:
@@ -215,48 +214,28 @@ class EngineProcess:
                 return
 
     def _read(self) -> None:
+        assert self._process is not None
+        events = self._events
         try:
             while not isinstance(message := self._conn.recv(), _Stopped):
-                self._handle(message)
-            if message.error is not None:
-                self.last_error = message.error
-            reason = message.reason
+                if isinstance(message, _Outputs):
+                    events.on_outputs(message.outputs)
+                elif isinstance(message, _Stats):
+                    events.on_stats(message.stats)
+                elif isinstance(message, _RequestFailed):
+                    events.on_request_failed(message.request_id, message.error)
+                else:
+                    events.on_step_failed(message.message)
+            reason, error = message.reason, message.error
         except (EOFError, OSError):
             self._process.join(10.0)
-            reason = self.last_error = (f"the engine process exited unexpectedly (exit code "
-                                        f"{self._process.exitcode}); restart the app")
-        except Exception as error:  # a message this side cannot take: a bug; never hang on it
+            reason = error = (f"the engine process exited unexpectedly (exit code "
+                              f"{self._process.exitcode}); restart the app")
+        except Exception as exc:  # a message this side cannot take: a bug; never hang on it
             self._process.kill()
-            reason = self.last_error = (f"the engine process sent what could not be read "
-                                        f"({describe_error(error)}); restart the app")
-        self._replies.clear()
-        self._streams.end(reason)
-
-    def _handle(self, message: _Outputs | _Stats | _RequestFailed | _StepFailed) -> None:
-        if isinstance(message, _Outputs):
-            for output in message.outputs:
-                self._restore_history(output)
-            for request_id in self._streams.deliver(message.outputs):
-                self._commands.put(Abort(request_id))
-        elif isinstance(message, _Stats):
-            self._stats = message.stats
-        elif isinstance(message, _RequestFailed):
-            self._replies.pop(message.request_id, None)
-            self._streams.fail([message.request_id], message.error)
-        else:
-            self._replies.clear()  # the child aborted every request
-            self.last_error = message.message
-            self._streams.fail(None, EngineDeadError(f"the engine step failed: {message.message}"))
-
-    def _restore_history(self, output: RequestOutput) -> None:
-        """Fill in the `token_ids` and `text` the child left out (the module's docstring)."""
-        if output.finished:
-            reply = self._replies.pop(output.request_id, None) or _Reply([], "")
-        else:
-            reply = self._replies.setdefault(output.request_id, _Reply([], ""))
-        reply.token_ids += output.new_token_ids
-        reply.text += output.new_text
-        output.token_ids, output.text = reply.token_ids, reply.text
+            reason = error = (f"the engine process sent what could not be read "
+                              f"({describe_error(exc)}); restart the app")
+        events.on_stopped(reason, error)
 
 
 # ---- the child ------------------------------------------------------------------------
@@ -267,12 +246,9 @@ class _PipeEvents:
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
 
-    def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        if not outputs:
-            return
-        for output in outputs:  # the parent rebuilds them; these outputs go nowhere else
-            output.token_ids, output.text = [], ""
-        self.conn.send(_Outputs(outputs))
+    def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        if outputs:
+            self.conn.send(_Outputs(outputs))
 
     def on_stats(self, stats: EngineStats) -> None:
         self.conn.send(_Stats(stats))
@@ -286,8 +262,8 @@ class _PipeEvents:
 
 def _child_main(conn: Connection, config: EngineConfig, stats_interval_s: float,
                 log_path: Path | None, leave_cores: int) -> None:
+    from paged_chat.engine.clients.engine_loop import serve_engine
     from paged_chat.engine.engine import Engine
-    from paged_chat.engine.engine_loop import serve_engine
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if log_path is not None:

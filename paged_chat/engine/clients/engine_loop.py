@@ -1,9 +1,9 @@
 """The loop that serves an Engine: apply the commands that came in, step while there is work,
 sleep on the commands when there is none, and report what happened.
 
-It runs wherever the engine lives: on AsyncEngine's thread, or as the main loop of
-EngineProcess's child process. Only the transport differs, behind two small surfaces: where
-the commands come from (`receive`) and who hears of outputs, stats and failures
+It runs wherever the engine lives: on the thread transport's thread, or as the main loop
+of the process transport's child. Only the transport differs, behind two small surfaces:
+where the commands come from (`receive`) and who hears of core outputs, stats and failures
 (`LoopEvents`). The commands are plain picklable dataclasses, so they cross a pipe as they
 are.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from paged_chat.engine.engine import Engine
-from paged_chat.engine.request import RequestOutput, SamplingParams
+from paged_chat.engine.request import EngineCoreOutput, SamplingParams
 from paged_chat.engine.stats import EngineStats
 
 
@@ -49,8 +49,8 @@ Command = Add | Abort | ResetPrefixCache | Shutdown
 class LoopEvents(Protocol):
     """What the loop reports, from the thread that runs it."""
 
-    def on_outputs(self, outputs: list[RequestOutput]) -> None:
-        """One step's deltas."""
+    def on_outputs(self, outputs: list[EngineCoreOutput]) -> None:
+        """One step's core outputs (ids, no text)."""
 
     def on_stats(self, stats: EngineStats) -> None:
         """A new snapshot: at most every `stats_interval_s` while stepping, and when idle."""

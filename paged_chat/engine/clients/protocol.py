@@ -1,10 +1,11 @@
-"""EngineClient: the one surface the app (chat sessions, the TUI, `ask`) uses to talk to an
-engine, whatever runs it.
+"""EngineClient: the one surface the app (chat sessions, the TUI, `ask`, the server) uses to
+talk to an engine, whatever runs it and wherever.
 
-The in-process `AsyncEngine` is the first implementation; an engine behind an HTTP API
-(vLLM, llama.cpp's server, another paged-chat) can be a second one without the app
-changing. The app never reaches behind this surface (no `.engine`, `.kv_cache`,
-`.runner`, `.scheduler`).
+Implementations (this folder): LocalClient (local.py) over an Engine on a thread of this
+process or in a child process (its transport), and RemoteClient (remote.py) over an
+OpenAI-compatible server. `make_client` (factory.py) builds one. The app never reaches
+behind this surface (no `.engine`, `.kv_cache`, `.runner`, `.scheduler`): what a front end
+may use beyond the common part is stated in `capabilities`, never guessed from sentinels.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from paged_chat.engine.stats import EngineStats
 @dataclass(slots=True, frozen=True)
 class ModelInfo:
     """What the app needs to know of the model an engine serves. `tokenizer` and
-    `chat_template` build prompts; `num_blocks` is 0 where the engine shows no pool
-    (a remote server)."""
+    `chat_template` build prompts; the pool's size (`num_blocks`, `block_size`) means
+    something only where the client's capabilities say `block_map`."""
 
     name: str
     tokenizer: Any
@@ -34,12 +35,31 @@ class ModelInfo:
     num_parameters: int
 
 
+@dataclass(slots=True, frozen=True)
+class ClientCapabilities:
+    """What a front end may use of a client beyond the common surface.
+
+    `block_map`: stats() describes a pool (num_blocks, the block map, block counts) and
+    `info` gives its size; False for a server whose pool is its own. `metrics`: stats()
+    carries the engine's numbers (queues, rates, prefix hits); False for a server whose
+    /metrics did not answer with vLLM's names, where only a client's own timings say
+    anything. `where`: one line for a status bar on where the engine runs.
+    """
+
+    block_map: bool
+    metrics: bool
+    where: str
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     """Submit prompts, stream their deltas, abort them, read the engine's stats."""
 
     @property
     def info(self) -> ModelInfo: ...
+
+    @property
+    def capabilities(self) -> ClientCapabilities: ...
 
     @property
     def last_error(self) -> str | None:

@@ -1,4 +1,4 @@
-"""RemoteEngine: the EngineClient over an OpenAI-compatible server (vLLM, SGLang,
+"""RemoteClient: the EngineClient over an OpenAI-compatible server (vLLM, SGLang,
 llama.cpp's server, Ollama's /v1, another `paged-chat serve`), through the `openai` client.
 
 Prompts. A ChatSession keeps the exact token ids of its chat and submits prompt ids, so
@@ -8,8 +8,11 @@ token-id prompts (a 400 or 422 on the first one) is sent the ids decoded back to
 the local tokenizer from then on (it re-tokenizes them; the prefix cache still matches
 where the tokenizations agree). A server that refuses vLLM's sampling extras (`top_k`,
 `min_p`, ..., as `transformers serve` does) gets OpenAI's fields only from then on. Reply
-ids come from the server when it returns them (vLLM's `return_token_ids`), else from
-encoding the reply's text locally.
+ids come from the server when it returns them (vLLM's `return_token_ids`), and the output
+processor turns them into text as it does for a local engine; else they come from encoding
+the reply's text locally, and the text is the server's. Streams are streams.py's, as for a
+local engine: leaving one early (or `abort`) closes its HTTP stream, which makes the server
+abort the request.
 
 The tokenizer and chat template are the served model's, loaded locally: from `model`
 (a spec: alias, .gguf, HF folder, cached hub id) when given, else from the first model id
@@ -20,8 +23,11 @@ Stats. `stats()` never waits on the network: it returns the last scrape of the s
 /metrics and schedules the next one on the running event loop (at most every
 `stats_interval_s`). Where the server speaks vLLM's metric names, running/waiting,
 preemptions, prefix-cache queries/hits and prompt/generation tokens (totals, and per second
-from counter deltas) fill the EngineStats, and `kv_cache_usage` holds the KV usage; a remote engine shows no
-blocks (num_blocks 0, an empty BlockMap). `has_metrics` says whether it had any.
+from counter deltas) fill the EngineStats, and `reported_kv_cache_usage` the KV usage. The
+capabilities say there is no block map (num_blocks 0, an empty BlockMap), and `metrics`
+whether the last scrape found vLLM's names. `running` is False after shutdown and while the
+server cannot be reached (the last scrape of /metrics could not connect; a stream the server
+drops fails that stream alone).
 
 Errors (connection refused, a 401, a server that drops mid-stream) are RemoteEngineError
 with one line; a turn that fails mid-reply keeps what came (ChatSession marks it "error").
@@ -33,7 +39,7 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -41,9 +47,12 @@ import numpy as np
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from paged_chat.engine.client import ModelInfo
+from paged_chat.engine.clients.engine_loop import Abort, Add, Command
+from paged_chat.engine.clients.protocol import ClientCapabilities, ModelInfo
+from paged_chat.engine.clients.streams import Streams
 from paged_chat.engine.errors import ModelLoadError, PagedChatError
-from paged_chat.engine.request import RequestOutput, SamplingParams
+from paged_chat.engine.output_processor import OutputProcessor
+from paged_chat.engine.request import EngineCoreOutput, RequestOutput, SamplingParams
 from paged_chat.engine.stats import BlockMap, EngineStats
 
 # What each EngineStats field reads from /metrics: vLLM's names, then older vLLM's.
@@ -69,15 +78,7 @@ class _Scrape:
     taken_at: float
 
 
-@dataclass(slots=True)
-class _Stream:
-    request_id: str
-    task: asyncio.Task | None = None
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-
-
-class RemoteEngine:
+class RemoteClient:
     """An EngineClient whose engine is an OpenAI-compatible server at `url` (…/v1 or the
     server's root)."""
 
@@ -88,21 +89,22 @@ class RemoteEngine:
         self.timeout_s = timeout_s
         self.stats_interval_s = stats_interval_s
         self.last_error: str | None = None
-        self.kv_cache_usage: float | None = None
-        self.has_metrics = False
+        self._has_metrics = False
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client: openai.AsyncOpenAI | None = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, _Stream] = {}
+        self._streams = Streams()
+        self._pumps: dict[str, asyncio.Task] = {}  # per open request: the task reading its stream
         self._ids = 0
         self._token_prompts = True    # False once the server refused a token-id prompt
         self._vllm_extras = True      # False once it refused vLLM's sampling fields
         self._scrapes: list[_Scrape] = []
         self._scraping: asyncio.Task | None = None
-        self.running = True  # until shutdown: the server's own health is its business
+        self._reachable = True        # False while the server cannot be reached
         served = self._served_models()
         self.model = model if model in served else served[0]
         self.info = self._model_info(served, model)
+        self._processor = OutputProcessor(self.info.tokenizer)
         self._stats = self._empty_stats()
         self._record_scrape(self._get("/metrics", required=False))
 
@@ -156,56 +158,57 @@ class RemoteEngine:
 
     # ---- EngineClient -----------------------------------------------------------------
 
-    async def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                     request_id: str | None = None, owner: str | None = None
-                     ) -> AsyncIterator[RequestOutput]:
+    @property
+    def running(self) -> bool:
+        """False after shutdown, and while the server cannot be reached."""
+        return self._streams.stopped is None and self._reachable
+
+    @property
+    def capabilities(self) -> ClientCapabilities:
+        """No block map (the server's pool is its own); metrics while /metrics speaks vLLM's."""
+        return ClientCapabilities(block_map=False, metrics=self._has_metrics,
+                                  where=f"remote at {httpx.URL(self.base_url).netloc.decode()}")
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+               request_id: str | None = None, owner: str | None = None
+               ) -> AsyncIterator[RequestOutput]:
         """The reply's deltas as the server streams them; stop early (or `abort`) and the
         HTTP stream is closed, which makes the server abort the request."""
-        params = params or SamplingParams()
         self._ids += 1
         request_id = request_id or f"remote-{self._ids}"
-        prompt_ids = self._prompt_ids(prompt)
-        state = _Stream(request_id)
-        self._streams[request_id] = state
-        deltas: asyncio.Queue = asyncio.Queue()
-        state.task = asyncio.create_task(self._pump(prompt, prompt_ids, params, owner, state, deltas))
-        finished = False
-        try:
-            while not finished:
-                item = await deltas.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            self._streams.pop(request_id, None)
-            state.task.cancel()
-            await asyncio.gather(state.task, return_exceptions=True)
+        return self._streams.stream(Add(request_id, prompt, params, owner), self._send)
 
     def abort(self, request_id: str) -> None:
-        state = self._streams.get(request_id)
-        if state is not None and state.task is not None:
-            state.task.cancel()
+        """Close the request's HTTP stream; its stream ends with finish_reason "abort"."""
+        pump = self._pumps.get(request_id)
+        if pump is not None:
+            pump.cancel()
 
     def stats(self) -> EngineStats:
         self._schedule_scrape()
         return self._stats
 
-    def describe(self) -> str:
-        """Where the engine is, for a status line: a remote engine has no block map here."""
-        where = f"remote at {httpx.URL(self.base_url).netloc.decode()} · no block map"
-        return where if self.has_metrics else where + " · no vLLM /metrics"
-
     def reset_prefix_cache(self) -> None:
         """A remote server's cache is its own: nothing to do from here."""
 
     def shutdown(self) -> None:
-        self.running = False
-        for state in list(self._streams.values()):
-            if state.task is not None:
-                state.task.cancel()
+        for pump in list(self._pumps.values()):
+            pump.cancel()
+        self._processor.clear()
+        self._streams.end("the remote engine client has shut down")
 
     # ---- streaming --------------------------------------------------------------------
+
+    def _send(self, command: Command) -> None:
+        """A stream's commands, on its event loop: its Add starts the task that reads the
+        HTTP stream; its Abort (left early) closes that."""
+        if isinstance(command, Add):
+            self._processor.add_request(command.request_id, command.params)
+            self._pumps[command.request_id] = asyncio.get_running_loop().create_task(
+                self._pump(command))
+        elif isinstance(command, Abort):
+            self._processor.abort_request(command.request_id)
+            self.abort(command.request_id)
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -221,23 +224,56 @@ class RemoteEngine:
             self._client_loop = loop
         return self._client
 
-    async def _pump(self, prompt: str | Sequence[int], prompt_ids: list[int], params: SamplingParams,
-                    owner: str | None, state: _Stream, deltas: asyncio.Queue) -> None:
-        """Read the HTTP stream into `deltas`; ends with a final output (an aborted one when
-        cancelled) or an exception."""
+    async def _pump(self, add: Add) -> None:
+        """Read the HTTP stream into the request's stream; it ends with a final output (an
+        aborted one when cancelled) or an exception."""
+        request_id, params = add.request_id, add.params or SamplingParams()
+        streaming = as_text = False
+        prompt_ids: list[int] | None = None
         try:
-            async for choice in self._choices(prompt, prompt_ids, params, owner):
-                deltas.put_nowait(self._delta(state, prompt_ids, choice))
-                if choice.finish_reason is not None:
+            prompt_ids = self._prompt_ids(add.prompt)  # a bad prompt raises as it is
+            async for choice in self._choices(add.prompt, prompt_ids, params, add.owner):
+                streaming = True
+                as_text = getattr(choice, "token_ids", None) is None
+                core = self._core_output(request_id, prompt_ids, choice)
+                if self._deliver(core, choice.text or "" if as_text else None):
                     return
-            deltas.put_nowait(RemoteEngineError(f"the server at {self.base_url} ended the stream "
-                                                "before the reply finished"))
+            raise RemoteEngineError(f"the server at {self.base_url} ended the stream before "
+                                    "the reply finished")
         except asyncio.CancelledError:
-            deltas.put_nowait(self._final(state, prompt_ids, "abort"))
+            self._deliver(EngineCoreOutput(request_id, [], True, "abort", len(prompt_ids or ()),
+                                           0, 0), "" if as_text else None)
             raise
         except Exception as error:
-            streaming = bool(state.token_ids or state.text)
-            deltas.put_nowait(_remote_error(error, self.base_url, streaming))
+            self._processor.drop(request_id)
+            self._streams.fail([request_id], error if prompt_ids is None else
+                               _remote_error(error, self.base_url, streaming))
+        finally:
+            self._pumps.pop(request_id, None)
+
+    def _core_output(self, request_id: str, prompt_ids: list[int], choice: Any) -> EngineCoreOutput:
+        new_ids = getattr(choice, "token_ids", None)
+        if new_ids is None:  # a server that does not return ids: the local tokenizer's
+            text = choice.text or ""
+            new_ids = self.info.tokenizer.encode(text, add_special_tokens=False) if text else []
+        reason = _finish_reason(choice.finish_reason)
+        return EngineCoreOutput(request_id, list(new_ids), reason is not None, reason,
+                                len(prompt_ids), 0, 0)
+
+    def _deliver(self, core: EngineCoreOutput, text: str | None) -> bool:
+        """Hand one output to its stream: with `text` None, text from the ids (the output
+        processor's), else the server's `text`. True once the request is over here: finished,
+        or ended by a stop string the server did not apply (its HTTP stream is then closed)."""
+        if text is not None:
+            output = self._processor.process_text(core, text)
+            self._streams.deliver([output] if output is not None else [])
+            return core.finished
+        processed = self._processor.process([core])
+        for request_id in processed.to_abort:  # no core to abort it in: its end is here
+            self._processor.process([EngineCoreOutput(request_id, [], True, "abort",
+                                                      core.num_prompt_tokens, 0, 0)])
+        self._streams.deliver(processed.outputs)
+        return core.finished or bool(processed.to_abort)
 
     async def _choices(self, prompt: str | Sequence[int], prompt_ids: list[int],
                        params: SamplingParams, owner: str | None) -> AsyncIterator[Any]:
@@ -270,23 +306,6 @@ class RemoteEngine:
             frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
             stop=params.stop or None, user=owner or openai.NOT_GIVEN, extra_body=extra)
 
-    def _delta(self, state: _Stream, prompt_ids: list[int], choice: Any) -> RequestOutput:
-        text = choice.text or ""
-        new_ids = getattr(choice, "token_ids", None)
-        if new_ids is None:  # a server that does not return ids: the local tokenizer's
-            new_ids = self.info.tokenizer.encode(text, add_special_tokens=False) if text else []
-        state.text += text
-        state.token_ids += list(new_ids)
-        reason = choice.finish_reason
-        return RequestOutput(state.request_id, list(new_ids), text, list(state.token_ids),
-                             state.text, reason is not None, _finish_reason(reason),
-                             len(prompt_ids), 0)
-
-    @staticmethod
-    def _final(state: _Stream, prompt_ids: list[int], reason: str) -> RequestOutput:
-        return RequestOutput(state.request_id, [], "", list(state.token_ids), state.text, True,
-                             reason, len(prompt_ids), 0)
-
     # ---- /metrics ---------------------------------------------------------------------
 
     def _schedule_scrape(self) -> None:
@@ -303,20 +322,20 @@ class RemoteEngine:
         try:
             async with httpx.AsyncClient(timeout=10.0) as client:
                 response = await client.get(url, headers=self._headers)
-            self.last_error = None
+            self.last_error, self._reachable = None, True
         except httpx.HTTPError as error:
             self.last_error = f"cannot reach the server at {self.base_url} ({error})"
+            self._reachable = False
             return
         self._record_scrape(response.text if response.status_code == 200 else None)
 
     def _record_scrape(self, text: str | None) -> None:
         values = _vllm_values(text) if text else {}
-        self.has_metrics = bool(values)
+        self._has_metrics = bool(values)
         if not values:
             return
         scrape = _Scrape(values, time.monotonic())
         self._scrapes = [*self._scrapes[-1:], scrape]
-        self.kv_cache_usage = values.get("kv_cache_usage")
         previous = self._scrapes[0]
         elapsed = scrape.taken_at - previous.taken_at
 
@@ -330,7 +349,8 @@ class RemoteEngine:
         self._stats = self._empty_stats(**counts, prompt_tokens_per_s=rate("prompt_tokens"),
                                         generation_tokens_per_s=rate("generation_tokens"),
                                         prompt_tokens_total=int(values.get("prompt_tokens", 0)),
-                                        generation_tokens_total=int(values.get("generation_tokens", 0)))
+                                        generation_tokens_total=int(values.get("generation_tokens", 0)),
+                                        reported_kv_cache_usage=values.get("kv_cache_usage"))
 
     @staticmethod
     def _empty_stats(**values: Any) -> EngineStats:

@@ -1,0 +1,87 @@
+"""make_client: the one way a front end gets an EngineClient (the CLI, ask, the REPL, the
+server, the TUI, the benchmarks).
+
+A ClientSpec says which transport and with what: the engine on a thread of this process, in
+a child process, or behind an OpenAI-compatible server's URL. The engine never imports the
+app, so the app turns its settings into a spec itself (paged_chat/client_spec.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from paged_chat.engine.clients.protocol import EngineClient
+from paged_chat.engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from paged_chat.engine.engine import Engine
+    from paged_chat.engine.models.loader import ProgressHook
+
+LOCAL_TRANSPORTS = ("thread", "process")
+
+
+@dataclass(slots=True, frozen=True)
+class ClientSpec:
+    """What `make_client` builds.
+
+    `transport`: "thread" (the engine on a thread of this process), "process" (in a spawned
+    child: no GIL shared with the caller) or an http(s) URL (an OpenAI-compatible server).
+    A local engine is built from `config`, or is `engine`: one built elsewhere or a function
+    that builds one (tests, an injected factory), which only a thread can take (neither
+    crosses to a spawned process). `on_progress` hears a slow load advance; `log_path` takes
+    a child's output; `leave_cores` is how many cores the caller needs while the engine
+    steps (a child's StepThreads.leave_cores). A remote takes `api_key`, and
+    `remote_model`: where to load the served model's tokenizer from (else the first id the
+    server lists that resolves locally). `stats_interval_s`: the transport's default when None.
+    """
+
+    transport: str = "thread"
+    config: EngineConfig | None = None
+    engine: Engine | Callable[[], Engine] | None = None
+    on_progress: ProgressHook | None = None
+    log_path: Path | None = None
+    leave_cores: int = 0
+    api_key: str | None = None
+    remote_model: str | None = None
+    stats_interval_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.transport in LOCAL_TRANSPORTS or is_url(self.transport)):
+            raise ValueError(f"ClientSpec.transport={self.transport!r} is invalid: expected "
+                             "'thread', 'process' or an http(s):// URL")
+        if self.transport in LOCAL_TRANSPORTS and (self.config is None) == (self.engine is None):
+            raise ValueError("a local engine client needs a config or an engine, not both")
+        if self.transport == "process" and self.engine is not None:
+            raise ValueError("an engine built here cannot cross to a child process: "
+                             "use transport='thread', or give a config")
+
+
+def is_url(transport: str) -> bool:
+    return transport.startswith(("http://", "https://"))
+
+
+def make_client(spec: ClientSpec) -> EngineClient:
+    """Build the client `spec` describes; a failed load or an unreachable server is raised here."""
+    interval = {} if spec.stats_interval_s is None else {"stats_interval_s": spec.stats_interval_s}
+    if is_url(spec.transport):
+        from paged_chat.engine.clients.remote import RemoteClient
+
+        return RemoteClient(spec.transport, spec.api_key, model=spec.remote_model, **interval)
+    from paged_chat.engine.clients.local import LocalClient
+
+    if spec.transport == "process":
+        from paged_chat.engine.clients.process_transport import ProcessTransport
+
+        assert spec.config is not None
+        return LocalClient(ProcessTransport(spec.config, spec.on_progress, spec.log_path,
+                                            spec.leave_cores, **interval))
+    from paged_chat.engine.clients.thread_transport import ThreadTransport
+    from paged_chat.engine.engine import Engine
+
+    config, on_progress = spec.config, spec.on_progress
+    assert spec.engine is not None or config is not None
+    engine = spec.engine or (lambda: Engine(config, on_progress=on_progress))
+    return LocalClient(ThreadTransport(engine, **interval))
