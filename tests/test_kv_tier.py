@@ -34,7 +34,7 @@ from paged_chat.engine.kv_tier import (
 from paged_chat.engine.request import RequestStatus
 from paged_chat.engine.runner import ModelRunner
 from paged_chat.engine.scheduler import Scheduler
-from engine_helpers import assert_no_leaks
+from engine_helpers import assert_no_leaks, step_as_a_client
 from soak import run_soak, soak_config
 from tiny_models import build_tiny_model
 
@@ -160,20 +160,20 @@ def test_a_slow_tier_read_holds_back_only_its_own_request(tier_engine, make_engi
     monkeypatch.setattr(KVTier, "load", slow_load)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     others = [engine.add_request(history(seed, 40), params) for seed in (5, 6, 7)]
-    engine.step()
+    step_as_a_client(engine)
     cold = engine.add_request(follow_up, GREEDY)
     finished: dict[str, object] = {}
     give_up = time.monotonic() + 120
     while not all(rid in finished for rid in others):
         assert time.monotonic() < give_up, "the running chats stopped stepping"
-        finished.update((out.request_id, out) for out in engine.step() if out.finished)
+        finished.update((out.request_id, out) for out in step_as_a_client(engine) if out.finished)
         assert cold not in finished
         assert engine.requests[cold].status is RequestStatus.WAITING_FOR_KV
     assert read_started.is_set() and engine.requests[cold].num_computed_tokens == 0
     others_done.set()
     while cold not in finished:
         assert time.monotonic() < give_up, "the read never completed"
-        finished.update((out.request_id, out) for out in engine.step() if out.finished)
+        finished.update((out.request_id, out) for out in step_as_a_client(engine) if out.finished)
     out = finished[cold]
     assert out.num_tier_cached_tokens == out.num_cached_tokens == history_blocks(follow_up) * BLOCK
     assert out.token_ids == expected_reply(make_engine, follow_up)
