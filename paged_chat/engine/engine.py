@@ -4,9 +4,8 @@ One `step()` schedules work under the token budget, runs one forward over every 
 token, samples, and returns what that step changed per request: new token ids and finish
 reasons (EngineCoreOutput), no text. Stop token ids, EOS and the length limit end a request
 here; text and stop strings are the client's output processor's (output_processor.py),
-which `generate` runs too. Finished
-requests leave at once (their blocks go back to the pool) and waiting ones join on the
-next step: continuous batching.
+which `generate` runs too. Finished requests leave at once (their blocks go back to the
+pool) and waiting ones join on the next step: continuous batching.
 
 With a KV tier (EngineConfig.kv_tier_*), finished and evicted blocks outlive the pool
 and the process: `close()` (or interpreter exit) finishes the tier's queued disk writes.
@@ -17,13 +16,10 @@ a request whose blocks the tier holds waits while they are read, off the step.
 from __future__ import annotations
 
 import itertools
-import operator
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from paged_chat.engine.clients.protocol import ModelInfo
@@ -35,11 +31,12 @@ from paged_chat.engine.kv_tier import build_kv_tier, model_fingerprint
 from paged_chat.engine.kv_transfer import KVTransfer
 from paged_chat.engine.models.loader import ModelSource, ProgressHook, load_model, load_model_source
 from paged_chat.engine.output_processor import OutputProcessor
+from paged_chat.engine.prompt import prompt_token_ids
 from paged_chat.engine.request import (EngineCoreOutput, FinishReason, Request, RequestOutput,
                                        SamplingParams)
 from paged_chat.engine.runner import ModelRunner
 from paged_chat.engine.scheduler import Scheduler
-from paged_chat.engine.stats import BlockMap, EngineStats, KVTierStats, RateMeter
+from paged_chat.engine.stats import EngineStats, KVTierStats, StepMetrics
 from paged_chat.engine.threads import StepThreads
 
 
@@ -87,16 +84,10 @@ class Engine:
         self.eos_token_ids = frozenset(source.config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.requests: dict[str, Request] = {}
-        self._limits: dict[str, _Limits] = {}
+        self.metrics = StepMetrics()
         self._pending: list[EngineCoreOutput] = []
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)
-        self._prompt_rate = RateMeter()
-        self._generation_rate = RateMeter()
-        self._prompt_tokens_total = 0
-        self._generation_tokens_total = 0
-        self._last_batch = (0, 0)
-        self._last_step_time = 0.0
         self.info = ModelInfo(
             name=self.model_name, tokenizer=self.tokenizer, chat_template=self.chat_template,
             device=self.device.type, dtype=dtype_name(self.dtype), num_blocks=self.num_blocks,
@@ -117,17 +108,17 @@ class Engine:
         params = params or SamplingParams()
         if request_id is not None and not (isinstance(request_id, str) and request_id):
             raise ValueError(f"request_id={request_id!r} is invalid: expected a non-empty string")
-        token_ids = self._tokenize(prompt)
+        token_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
         if request_id is None:
             request_id = next(free for free in (f"req-{n}" for n in self._ids) if free not in self.requests)
         elif request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        request = Request(request_id, token_ids, params, seed, time.monotonic(), owner=owner)
+        request = Request(request_id, token_ids, params, seed, time.monotonic(), owner=owner,
+                          stop_token_ids=frozenset(params.stop_token_ids) | (
+                              frozenset() if params.ignore_eos else self.eos_token_ids),
+                          max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len))
         self.requests[request_id] = request
-        self._limits[request_id] = _Limits(
-            frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids),
-            min(len(token_ids) + params.max_tokens, self.max_model_len))
         if len(token_ids) >= self.max_model_len:
             self._pending.append(self._finish(request, "error", (
                 f"the prompt has {len(token_ids)} tokens; this engine holds at most "
@@ -218,8 +209,8 @@ class Engine:
         self.kv_transfer.start_reads()
         if schedule is None or not schedule.scheduled:
             self.kv_transfer.wait_for_reads(_IDLE_READ_WAIT_S)  # every request waits for KV
-            self._last_batch = (0, 0)
-            self._last_step_time = self.runner.last_forward_s = 0.0
+            self.metrics.record_step(0, 0, 0, 0, 0.0)
+            self.runner.last_forward_s = 0.0
             return outputs
         policy = self.threads.for_step(decode_only=schedule.num_tokens == len(schedule.scheduled))
         threads = policy.apply()
@@ -233,7 +224,7 @@ class Engine:
             self.kv_cache.reset_prefix_cache()
             self._pending = outputs + self._pending  # deltas collected before the step stay due
             raise
-        self._prompt_rate.add(self.scheduler.update(schedule))
+        prompt_tokens = self.scheduler.update(schedule)
         now = time.monotonic()
         for item, token in zip(samplers, sampled):
             try:  # one request's fault (its sampling) must not take the batch down
@@ -242,24 +233,22 @@ class Engine:
                 outputs.append(self._append_token(item.request, token, now))
             except Exception as error:
                 outputs.append(self._finish(item.request, "error", f"{type(error).__name__}: {error}"))
-        self._generation_rate.add(len(sampled))
-        self._generation_tokens_total += len(sampled)
-        self._last_batch = (len(schedule.scheduled), schedule.num_tokens)
-        self._last_step_time = time.perf_counter() - started
-        policy.record(threads, schedule.num_tokens, self._last_step_time)
+        elapsed = time.perf_counter() - started
+        self.metrics.record_step(len(schedule.scheduled), schedule.num_tokens, prompt_tokens,
+                                 len(sampled), elapsed)
+        policy.record(threads, schedule.num_tokens, elapsed)
         self.kv_transfer.offload()  # finished requests' blocks go down now, not a step later
         return outputs
 
     def _append_token(self, request: Request, token_id: int, now: float) -> EngineCoreOutput:
         if request.first_token_time is None:
             request.first_token_time = now
-            self._prompt_tokens_total += request.num_prompt_tokens
+            self.metrics.prompt_tokens_total += request.num_prompt_tokens
         request.all_token_ids.append(token_id)
         request.output_token_ids.append(token_id)
-        limits = self._limits[request.request_id]
-        if token_id in limits.stop_token_ids:
+        if token_id in request.stop_token_ids:
             reason: FinishReason = "stop"
-        elif len(request.all_token_ids) >= limits.max_num_tokens:
+        elif len(request.all_token_ids) >= request.max_num_tokens:
             reason = "length"
         else:
             # EngineCoreOutput's fields in order: one per running request (its docstring)
@@ -274,50 +263,16 @@ class Engine:
         request.finish_reason = reason
         request.error = error
         del self.requests[request.request_id]
-        del self._limits[request.request_id]
         return EngineCoreOutput(request.request_id, new_token_ids or [], True, reason,
                                 request.num_prompt_tokens, request.num_cached_prompt_tokens,
                                 request.num_tier_cached_tokens, error)
-
-    def _tokenize(self, prompt: str | Sequence[int]) -> list[int]:
-        """Token ids of a prompt, validated: the model would index its embedding with them.
-
-        Ids must be integers proper: `int()` would turn 3.7 into 3 and "12" into 12, bytes
-        iterate as ints and True is 1, so each of those would be a different prompt than meant.
-        """
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt, (bytes, bytearray)):
-            raise ValueError("the prompt is bytes: decode it to text, or pass token ids")
-        else:
-            try:
-                token_ids = [_token_id(t) for t in prompt]
-            except TypeError as error:
-                raise ValueError("the prompt must be text or a sequence of integer token ids "
-                                 f"({error})") from None
-            vocab = self.model_config.vocab_size
-            bad = next((t for t in token_ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
-        if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token")
-        return token_ids
 
     # ---- stats ----------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
         """A snapshot of the pool, the queues and the rates after the last step."""
-        pool = self.kv_cache.pool
-        ref_counts = pool.ref_counts()
-        hashed = pool.hashed_mask()
-        in_use = int(np.count_nonzero(ref_counts))
-        cached = int(np.count_nonzero(hashed & (ref_counts == 0)))
-        # The map's cells are the pool's blocks: cell i is block i + 1 (0 is the null block).
-        tables = {rid: self.kv_cache.block_id_rows.of(rid) - 1 for rid in self.kv_cache.tables}
-        wasted = sum(len(table) * self.block_size - self.requests[rid].num_computed_tokens
-                     for rid, table in tables.items() if rid in self.requests)
-        owners = {rid: self.requests[rid].owner for rid in tables if rid in self.requests}
-        batch_size, batch_tokens = self._last_batch
+        blocks, wasted = self.kv_cache.block_map(self.requests)
+        in_use, cached, metrics = blocks.num_in_use, blocks.num_cached, self.metrics
         return EngineStats(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
@@ -327,35 +282,20 @@ class Engine:
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting) + len(self.scheduler.loading),
             num_preemptions=self.scheduler.num_preemptions,
-            num_evictions=pool.num_evictions,
-            batch_size=batch_size,
-            batch_tokens=batch_tokens,
-            prompt_tokens_per_s=self._prompt_rate.rate(),
-            generation_tokens_per_s=self._generation_rate.rate(),
+            num_evictions=self.kv_cache.pool.num_evictions,
+            batch_size=metrics.batch_size,
+            batch_tokens=metrics.batch_tokens,
+            prompt_tokens_per_s=metrics.prompt_rate.rate(),
+            generation_tokens_per_s=metrics.generation_rate.rate(),
             prefix_cache_queried_tokens=self.scheduler.prefix_cache_queried_tokens,
             prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
             kv_slots_wasted=wasted,
-            step_time_s=self._last_step_time,
+            step_time_s=metrics.step_time_s,
             forward_time_s=self.runner.last_forward_s,
-            blocks=BlockMap.build(ref_counts, hashed, tables, owners,
-                                  pool.from_tier_mask() if self.kv_cache.tier is not None else None,
-                                  self.kv_cache.num_released),
+            blocks=blocks,
             tier=self.kv_cache.tier.stats() if self.kv_cache.tier is not None else KVTierStats(),
-            prompt_tokens_total=self._prompt_tokens_total,
-            generation_tokens_total=self._generation_tokens_total,
+            prompt_tokens_total=metrics.prompt_tokens_total,
+            generation_tokens_total=metrics.generation_tokens_total,
             blocks_freed_by_window=self.kv_cache.num_window_released,
         )
 
-
-@dataclass(slots=True)
-class _Limits:
-    """What the engine checks after each token of one request."""
-
-    stop_token_ids: frozenset[int]  # the request's own, and the model's EOS unless ignore_eos
-    max_num_tokens: int             # prompt and output: max_tokens or max_model_len, the lower
-
-
-def _token_id(value: object) -> int:
-    if isinstance(value, bool):
-        raise TypeError("a bool is not a token id")
-    return operator.index(value)

@@ -38,6 +38,7 @@ from paged_chat.engine.single_type_kv_manager import (
     SingleTypeKVManager,
     SlidingWindowManager,
 )
+from paged_chat.engine.stats import BlockMap
 
 if TYPE_CHECKING:
     import torch
@@ -108,6 +109,19 @@ class KVCacheManager:
     @property
     def block_id_rows(self) -> BlockIdRows:
         return self.single_type_manager.rows
+
+    def block_map(self, requests: dict[str, Request]) -> tuple[BlockMap, int]:
+        """The pool's block map, each table tagged with its request's owner, and how many
+        slots the tables hold past their requests' computed tokens. The map's cells are the
+        pool's blocks: cell i is block i + 1 (block 0 is the null block)."""
+        tables = {rid: self.block_id_rows.of(rid) - 1 for rid in self.tables}
+        wasted = sum(len(table) * self.block_size - requests[rid].num_computed_tokens
+                     for rid, table in tables.items() if rid in requests)
+        owners = {rid: requests[rid].owner for rid in tables if rid in requests}
+        blocks = BlockMap.build(self.pool.ref_counts(), self.pool.hashed_mask(), tables, owners,
+                                self.pool.from_tier_mask() if self.tier is not None else None,
+                                self.num_released)
+        return blocks, wasted
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

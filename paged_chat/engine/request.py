@@ -120,6 +120,10 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     owner: str | None = None
+    # What the engine ends it on after each token, set when it is added: its own stop ids
+    # and the model's EOS unless ignore_eos; max_tokens or max_model_len, prompt included.
+    stop_token_ids: frozenset[int] = frozenset()
+    max_num_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

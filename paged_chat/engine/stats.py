@@ -53,6 +53,15 @@ class BlockMap:
                                count=len(request_ids)))
 
     @property
+    def num_in_use(self) -> int:
+        return int(np.count_nonzero(self.ref_counts))
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks no request holds that keep a prefix hash: evictable."""
+        return int(np.count_nonzero(self.cached & (self.ref_counts == 0)))
+
+    @property
     def holder_ptr(self) -> np.ndarray:
         """int32 [num_blocks + 1]"""
         return self._holder_arrays()[0]
@@ -194,3 +203,25 @@ class RateMeter:
         if not self._events:
             return 0.0
         return sum(count for _, count in self._events) / self.window_s
+
+
+@dataclass(slots=True)
+class StepMetrics:
+    """What the engine counts as it steps, for its snapshots: token rates over the last
+    seconds, totals since it started (a request's prompt counted at its first token), and
+    the last step's batch and time (zero after a step that ran nothing)."""
+
+    prompt_rate: RateMeter = field(default_factory=RateMeter)
+    generation_rate: RateMeter = field(default_factory=RateMeter)
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    batch_size: int = 0
+    batch_tokens: int = 0
+    step_time_s: float = 0.0
+
+    def record_step(self, batch_size: int, batch_tokens: int, prompt_tokens: int,
+                    sampled_tokens: int, step_time_s: float) -> None:
+        self.prompt_rate.add(prompt_tokens)
+        self.generation_rate.add(sampled_tokens)
+        self.generation_tokens_total += sampled_tokens
+        self.batch_size, self.batch_tokens, self.step_time_s = batch_size, batch_tokens, step_time_s
