@@ -229,7 +229,8 @@ class Engine:
                     raise token
                 outputs.append(self._append_token(item.request, token, now))
             except Exception as error:
-                outputs.append(self._finish(item.request, "error", f"{type(error).__name__}: {error}"))
+                if not (token is error and self.scheduler.recompute_after_fault(item.request)):
+                    outputs.append(self._finish(item.request, "error", f"{type(error).__name__}: {error}"))
         self._generation_rate.add(len(sampled))
         self._generation_tokens_total += len(sampled)
         self._last_batch = (len(schedule.scheduled), schedule.num_tokens)
@@ -266,9 +267,9 @@ class Engine:
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None,
                 new_token_ids: list[int] | None = None, new_text: str = "") -> RequestOutput:
-        self.scheduler.finish(request)
         request.finish_reason = reason
         request.error = error
+        self.scheduler.finish(request)
         del self.requests[request.request_id]
         text = self._decodings.pop(request.request_id).detokenizer.text
         return RequestOutput(
