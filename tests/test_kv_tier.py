@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import paged_chat.engine.engine as engine_module
 from paged_chat.engine import Engine, KVTierWarning, SamplingParams
 from paged_chat.engine.kv_cache_manager import hash_block
 from paged_chat.engine.kv_tier import (
@@ -474,3 +475,119 @@ def test_cache_clear_command(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "(2 KV blocks)" in result.stdout and str(tmp_path / TIER_DIR) in result.stdout
     assert not entries(tmp_path / TIER_DIR)
+
+
+# ---- a failed forward never poisons the tier (issue 31, item 2) ----
+
+def poison_weights(monkeypatch, token_id: int) -> None:
+    """Engines built under it load weights whose embedding of `token_id` holds a NaN, in an
+    element the model fingerprint does not sample: every logit after that token is NaN, as
+    in a forward that overflowed once, and the tier's layout is the healthy model's."""
+    real_load = engine_module.load_model
+
+    def load_poisoned(*args, **kwargs):
+        model = real_load(*args, **kwargs)
+        embedding = next(p for name, p in model.named_parameters() if "embed" in name)
+        step = max(1, embedding.numel() // 4096)
+        flat_index = token_id * embedding.shape[1] + 1
+        assert flat_index % step, "the fingerprint would see the poisoned element"
+        with torch.no_grad():
+            embedding[token_id, 1] = float("nan")
+        return model
+    monkeypatch.setattr(engine_module, "load_model", load_poisoned)
+
+
+def test_a_failed_forward_leaves_nothing_in_the_tier(tier_engine, make_engine, monkeypatch,
+                                                     tmp_path):
+    """The issue's user: a chat whose forward produced NaN failed; a new engine (the weights
+    sound again) on the same cache dir resumed it and failed too, on the NaN KV the first
+    one had written to the tier, in every later process."""
+    prompt = history()
+    with monkeypatch.context() as patch:
+        poison_weights(patch, prompt[0])
+        sick = tier_engine()
+    out = sick.generate([prompt], GREEDY)[0]
+    assert out.finish_reason == "error" and "not finite" in out.error
+    assert not sick.kv_cache.pool.cached_blocks  # nothing of it is hit in this process either
+    sick.close()
+    assert not entries(tier_dir(tmp_path))
+
+    healthy = tier_engine()
+    assert healthy.kv_cache.tier.layout == sick.kv_cache.tier.layout
+    follow_up = prompt + NEW_MESSAGE
+    out = healthy.generate([follow_up], GREEDY)[0]
+    assert out.finish_reason == "length", out.error
+    assert out.num_tier_cached_tokens == 0
+    assert out.token_ids == expected_reply(make_engine, follow_up)
+
+
+def test_a_block_that_is_not_finite_is_never_stored(tmp_path):
+    tier = KVTier(LAYOUT, 0, tmp_path, 2**20)
+    kv = torch.stack([block(1.0), block(2.0), block(3.0)])
+    kv[1, 0, 0, 0, 0, 0] = float("inf")
+    kv[2, 1, 1, 1, 1, 1] = float("nan")
+    keys = [bytes([i]) * 16 for i in range(3)]
+    tier.store(keys, kv)
+    assert tier.flush()
+    assert [key in tier for key in keys] == [True, False, False]
+    assert len(entries(tmp_path)) == 1 and tier.stats().blocks_not_finite == 2
+    tier.close()
+
+
+def overwrite_entries(directory: Path, layout: TierLayout, hashes: list[bytes]) -> None:
+    """Rewrite entries, checksums and all, with KV that is finite (every check passes) but
+    so large that a forward over it overflows, as KV from a fault outside the checks."""
+    for block_hash in hashes:
+        path = directory / layout.entry_name(block_hash)
+        kv = layout.decode(block_hash, bytearray(path.read_bytes())).clone().fill_(3e38)
+        path.write_bytes(b"".join(bytes(part) for part in layout.encode(block_hash, kv)))
+
+
+def test_kv_restored_from_the_tier_that_fails_a_request_is_dropped_and_recomputed(
+        tier_engine, make_engine, tmp_path):
+    writer = tier_engine()
+    follow_up = first_turn(writer, history())
+    writer.close()
+    layout = writer.kv_cache.tier.layout
+    hashes = block_hashes(follow_up)[:history_blocks(follow_up)]
+    overwrite_entries(tier_dir(tmp_path), layout, hashes)
+
+    reader = tier_engine()
+    out = reader.generate([follow_up], GREEDY)[0]
+    stats = reader.stats().tier
+    assert out.finish_reason == "length", out.error
+    assert out.token_ids == expected_reply(make_engine, follow_up)
+    assert stats.disk_hit_blocks == len(hashes) and stats.blocks_dropped >= len(hashes)
+    assert out.num_tier_cached_tokens == 0  # recomputed
+    reader.close()  # the recomputed blocks went down: the tier holds sound KV again
+
+    out = tier_engine().generate([follow_up], GREEDY)[0]
+    assert out.num_tier_cached_tokens >= len(hashes) * BLOCK
+    assert out.token_ids == expected_reply(make_engine, follow_up)
+
+
+@pytest.mark.parametrize("directory", ["writable", "read-only"])
+def test_a_request_that_fails_without_the_tier_too_is_recomputed_once(
+        directory, tier_engine, tmp_path, monkeypatch):
+    """The model fails on the new message whatever the history's KV: recomputed once without
+    the tier, the request fails with the model's error, which says nothing of the cache.
+    Only a tier that cannot delete the entries says how to (`paged-chat cache clear`)."""
+    writer = tier_engine()
+    follow_up = first_turn(writer, history())
+    writer.close()
+    with monkeypatch.context() as patch:
+        poison_weights(patch, NEW_MESSAGE[0])
+        reader = tier_engine()
+    if directory == "read-only":
+        monkeypatch.setattr(DiskTier, "_unlink", lambda self, name: False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = reader.generate([follow_up], GREEDY)[0]
+    tier_warnings = [str(w.message) for w in caught if issubclass(w.category, KVTierWarning)]
+    assert out.finish_reason == "error" and "not finite" in out.error
+    assert "cache clear" not in out.error
+    assert reader.stats().tier.disk_hit_blocks == history_blocks(follow_up)  # read once
+    if directory == "read-only":
+        assert len(tier_warnings) == 1 and "`paged-chat cache clear`" in tier_warnings[0]
+    else:
+        assert not tier_warnings and not entries(tier_dir(tmp_path))
