@@ -591,3 +591,96 @@ def test_a_request_that_fails_without_the_tier_too_is_recomputed_once(
         assert len(tier_warnings) == 1 and "`paged-chat cache clear`" in tier_warnings[0]
     else:
         assert not tier_warnings and not entries(tier_dir(tmp_path))
+
+
+# ---- what is not a regular file in the tier directory (issue 31, items 3 and 6) ----
+
+def write_entries(directory: Path, count: int) -> list[bytes]:
+    keys = [bytes([i]) * 16 for i in range(count)]
+    disk = DiskTier(directory, 2**20, LAYOUT)
+    for key in keys:
+        disk.submit(key, block(float(key[0])))
+    disk.close()
+    return keys
+
+
+def test_links_in_the_tier_dir_are_skipped_never_followed(tmp_path):
+    """A dangling link, and a link (under an entry's name) to a sound entry elsewhere: both
+    skipped and counted; the tier stays on and serves its own entries."""
+    directory, elsewhere = tmp_path / TIER_DIR, tmp_path / "elsewhere"
+    keys = write_entries(directory, 2)
+    outside_key = bytes([9]) * 16
+    outside = DiskTier(elsewhere, 2**20, LAYOUT)
+    outside.submit(outside_key, block(9.0))
+    outside.close()
+    (directory / "dangling.kv").symlink_to(tmp_path / "nowhere.kv")
+    (directory / LAYOUT.entry_name(outside_key)).symlink_to(elsewhere / LAYOUT.entry_name(outside_key))
+
+    disk = DiskTier(directory, 2**20, LAYOUT)
+    assert disk.enabled, disk.error
+    assert disk.entries_skipped == 2 and len(disk.index) == 2
+    assert outside_key not in disk and disk.read(outside_key) is None
+    assert torch.equal(disk.read(keys[1]), block(1.0))
+    disk.close()
+
+
+def test_a_directory_named_like_an_entry_never_turns_the_tier_off(tmp_path):
+    directory = tmp_path / TIER_DIR
+    (directory / "not-an-entry.kv").mkdir(parents=True)
+    disk = DiskTier(directory, 2 * LAYOUT.entry_nbytes, LAYOUT)
+    for i in range(4):  # past the bound: eviction runs
+        disk.submit(bytes([i]) * 16, block(float(i)))
+    assert disk.flush()
+    assert disk.enabled, disk.error
+    assert disk.entries_skipped == 1 and len(entries(directory)) == 3  # the directory and 2
+    assert (directory / "not-an-entry.kv").is_dir()
+    disk.close()
+
+
+def test_a_huge_sparse_entry_does_not_evict_the_real_ones(tmp_path):
+    """Sized by st_size, a 50 GiB sparse file made the scan evict every entry; sized by its
+    header (it has none) it is rejected, alone."""
+    directory = tmp_path / TIER_DIR
+    keys = write_entries(directory, 3)
+    with open(directory / "sparse.kv", "wb") as file:
+        file.truncate(50 * 2**30)
+    disk = DiskTier(directory, 2**20, LAYOUT)
+    assert disk.entries_rejected == 1 and not (directory / "sparse.kv").exists()
+    assert disk.nbytes == 3 * LAYOUT.entry_nbytes
+    assert all(torch.equal(disk.read(key), block(float(key[0]))) for key in keys)
+    disk.close()
+
+
+def test_a_linked_tier_dir_is_not_used(tmp_path):
+    target = tmp_path / "somewhere-else"
+    target.mkdir()
+    (tmp_path / TIER_DIR).symlink_to(target)
+    with pytest.warns(KVTierWarning, match="link"):
+        disk = DiskTier(tmp_path / TIER_DIR, 2**20, LAYOUT)
+    assert not disk.enabled and not disk.submit(bytes(16), block(0.0))
+    assert not list(target.iterdir())
+    assert clear_disk_tier(tmp_path) == (0, 0)
+
+
+def test_a_fifo_in_place_of_an_entry_never_blocks(tmp_path):
+    """A FIFO under an entry's name, there at the scan or put there after it: the read
+    returns at once (a miss), the FIFO is skipped and counted, and left alone."""
+    directory = tmp_path / TIER_DIR
+    keys = write_entries(directory, 2)
+    os.mkfifo(directory / "fifo.kv")
+    disk = DiskTier(directory, 2**20, LAYOUT)
+    assert disk.entries_skipped == 1
+    path = directory / LAYOUT.entry_name(keys[0])
+    path.unlink()
+    os.mkfifo(path)
+    reads: list[torch.Tensor | None] = []
+    reader = threading.Thread(target=lambda: reads.append(disk.read(keys[0])), daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    if reader.is_alive():  # unblock the stuck open, so the test process can end
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("reading a FIFO entry blocked")
+    assert reads == [None] and disk.entries_skipped == 2 and keys[0] not in disk
+    assert torch.equal(disk.read(keys[1]), block(1.0))
+    assert path.is_fifo()
+    disk.close()
