@@ -229,8 +229,10 @@ class Engine:
                     raise token
                 outputs.append(self._append_token(item.request, token, now))
             except Exception as error:
-                if not (token is error and self.scheduler.recompute_after_fault(item.request)):
-                    outputs.append(self._finish(item.request, "error", f"{type(error).__name__}: {error}"))
+                # Logits that are not finite may come of KV the tier restored: recompute once.
+                if isinstance(token, Exception) and self.scheduler.recompute_after_fault(item.request):
+                    continue
+                outputs.append(self._finish(item.request, "error", f"{type(error).__name__}: {error}"))
         self._generation_rate.add(len(sampled))
         self._generation_tokens_total += len(sampled)
         self._last_batch = (len(schedule.scheduled), schedule.num_tokens)

@@ -215,6 +215,7 @@ class DiskTier:
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._dir_fd: int | None = None
         try:
             directory.mkdir(parents=True, exist_ok=True)
             self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -300,7 +301,7 @@ class DiskTier:
         with self._lock:
             self.pending.pop(name, None)
         self._forget(name)
-        return not self.enabled or self._unlink(name)
+        return self._dir_fd is None or self._unlink(name)
 
     def room(self) -> int:
         """How many more writes the queue takes now."""
@@ -358,11 +359,10 @@ class DiskTier:
         """The size an entry's header declares (any layout's), None when it has no header
         or is not that size."""
         try:
-            fd = os.open(name, _OPEN_ENTRY, dir_fd=self._dir_fd)
-        except FileNotFoundError:
+            with open(os.open(name, _OPEN_ENTRY, dir_fd=self._dir_fd), "rb") as file:
+                header = file.read(_HEADER.size)
+        except OSError:     # gone meanwhile, or unreadable
             return None
-        with open(fd, "rb") as file:
-            header = file.read(_HEADER.size)
         if len(header) < _HEADER.size:
             return None
         magic, version, *_, payload_nbytes = _HEADER.unpack(header)
@@ -523,7 +523,8 @@ class KVTier:
         if self.host is not None:
             for block_hash in block_hashes:
                 self.host.drop(block_hash)
-        if self.disk is not None and not all([self.disk.drop(h) for h in block_hashes]):
+        undeleted = [h for h in block_hashes if self.disk is not None and not self.disk.drop(h)]
+        if undeleted:
             warnings.warn(
                 f"the disk KV tier at {self.disk.directory} keeps blocks that made a request "
                 "fail and cannot delete them; `paged-chat cache clear` removes them",
