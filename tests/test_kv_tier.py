@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import paged_chat.engine.engine as engine_module
 from paged_chat.engine import Engine, KVTierWarning, SamplingParams
 from paged_chat.engine.kv_cache_manager import hash_block
 from paged_chat.engine.kv_tier import (
@@ -474,3 +475,213 @@ def test_cache_clear_command(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "(2 KV blocks)" in result.stdout and str(tmp_path / TIER_DIR) in result.stdout
     assert not entries(tmp_path / TIER_DIR)
+
+
+# ---- a failed forward never poisons the tier (issue 31, item 2) ----
+
+def poison_weights(monkeypatch, token_id: int) -> None:
+    """Engines built under it load weights whose embedding of `token_id` holds a NaN, in an
+    element the model fingerprint does not sample: every logit after that token is NaN, as
+    in a forward that overflowed once, and the tier's layout is the healthy model's."""
+    real_load = engine_module.load_model
+
+    def load_poisoned(*args, **kwargs):
+        model = real_load(*args, **kwargs)
+        embedding = next(p for name, p in model.named_parameters() if "embed" in name)
+        step = max(1, embedding.numel() // 4096)
+        flat_index = token_id * embedding.shape[1] + 1
+        assert flat_index % step, "the fingerprint would see the poisoned element"
+        with torch.no_grad():
+            embedding[token_id, 1] = float("nan")
+        return model
+    monkeypatch.setattr(engine_module, "load_model", load_poisoned)
+
+
+def test_a_failed_forward_leaves_nothing_in_the_tier(tier_engine, make_engine, monkeypatch,
+                                                     tmp_path):
+    """The issue's user: a chat whose forward produced NaN failed; a new engine (the weights
+    sound again) on the same cache dir resumed it and failed too, on the NaN KV the first
+    one had written to the tier, in every later process."""
+    prompt = history()
+    with monkeypatch.context() as patch:
+        poison_weights(patch, prompt[0])
+        sick = tier_engine()
+    out = sick.generate([prompt], GREEDY)[0]
+    assert out.finish_reason == "error" and "not finite" in out.error
+    sick.close()
+    written_by_the_sick_engine = entries(tier_dir(tmp_path))
+
+    healthy = tier_engine()
+    assert healthy.kv_cache.tier.layout == sick.kv_cache.tier.layout
+    follow_up = prompt + NEW_MESSAGE
+    out = healthy.generate([follow_up], GREEDY)[0]
+    assert out.finish_reason == "length", out.error
+    assert out.num_tier_cached_tokens == 0
+    assert out.token_ids == expected_reply(make_engine, follow_up)
+    assert not sick.kv_cache.pool.cached_blocks  # nothing of it was hit in its process either
+    assert not written_by_the_sick_engine
+
+
+def test_a_block_that_is_not_finite_is_never_stored(tmp_path):
+    tier = KVTier(LAYOUT, 0, tmp_path, 2**20)
+    kv = torch.stack([block(1.0), block(2.0), block(3.0)])
+    kv[1, 0, 0, 0, 0, 0] = float("inf")
+    kv[2, 1, 1, 1, 1, 1] = float("nan")
+    keys = [bytes([i]) * 16 for i in range(3)]
+    tier.store(keys, kv)
+    assert tier.flush()
+    assert [key in tier for key in keys] == [True, False, False]
+    assert len(entries(tmp_path)) == 1 and tier.stats().blocks_not_finite == 2
+    tier.close()
+
+
+def overwrite_entries(directory: Path, layout: TierLayout, hashes: list[bytes]) -> None:
+    """Rewrite entries, checksums and all, with KV that is finite (every check passes) but
+    so large that a forward over it overflows, as KV from a fault outside the checks."""
+    for block_hash in hashes:
+        path = directory / layout.entry_name(block_hash)
+        kv = layout.decode(block_hash, bytearray(path.read_bytes())).clone().fill_(3e38)
+        path.write_bytes(b"".join(bytes(part) for part in layout.encode(block_hash, kv)))
+
+
+def test_kv_restored_from_the_tier_that_fails_a_request_is_dropped_and_recomputed(
+        tier_engine, make_engine, tmp_path):
+    writer = tier_engine()
+    follow_up = first_turn(writer, history())
+    writer.close()
+    layout = writer.kv_cache.tier.layout
+    hashes = block_hashes(follow_up)[:history_blocks(follow_up)]
+    overwrite_entries(tier_dir(tmp_path), layout, hashes)
+
+    reader = tier_engine()
+    out = reader.generate([follow_up], GREEDY)[0]
+    stats = reader.stats().tier
+    assert out.finish_reason == "length", out.error
+    assert out.token_ids == expected_reply(make_engine, follow_up)
+    assert stats.disk_hit_blocks == len(hashes) and stats.blocks_dropped >= len(hashes)
+    assert out.num_tier_cached_tokens == 0  # recomputed
+    reader.close()  # the recomputed blocks went down: the tier holds sound KV again
+
+    out = tier_engine().generate([follow_up], GREEDY)[0]
+    assert out.num_tier_cached_tokens >= len(hashes) * BLOCK
+    assert out.token_ids == expected_reply(make_engine, follow_up)
+
+
+@pytest.mark.parametrize("directory", ["writable", "read-only"])
+def test_a_request_that_fails_without_the_tier_too_is_recomputed_once(
+        directory, tier_engine, tmp_path, monkeypatch):
+    """The model fails on the new message whatever the history's KV: recomputed once without
+    the tier, the request fails with the model's error, which says nothing of the cache.
+    Only a tier that cannot delete the entries says how to (`paged-chat cache clear`)."""
+    writer = tier_engine()
+    follow_up = first_turn(writer, history())
+    writer.close()
+    with monkeypatch.context() as patch:
+        poison_weights(patch, NEW_MESSAGE[0])
+        reader = tier_engine()
+    if directory == "read-only":
+        monkeypatch.setattr(DiskTier, "_unlink", lambda self, name: False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = reader.generate([follow_up], GREEDY)[0]
+    tier_warnings = [str(w.message) for w in caught if issubclass(w.category, KVTierWarning)]
+    assert out.finish_reason == "error" and "not finite" in out.error
+    assert "cache clear" not in out.error
+    assert reader.stats().tier.disk_hit_blocks == history_blocks(follow_up)  # read once
+    if directory == "read-only":
+        assert len(tier_warnings) == 1 and "`paged-chat cache clear`" in tier_warnings[0]
+    else:
+        assert not tier_warnings and not entries(tier_dir(tmp_path))
+
+
+# ---- what is not a regular file in the tier directory (issue 31, items 3 and 6) ----
+
+def write_entries(directory: Path, count: int) -> list[bytes]:
+    keys = [bytes([i]) * 16 for i in range(count)]
+    disk = DiskTier(directory, 2**20, LAYOUT)
+    for key in keys:
+        disk.submit(key, block(float(key[0])))
+    disk.close()
+    return keys
+
+
+def test_links_in_the_tier_dir_are_skipped_never_followed(tmp_path):
+    """A dangling link, and a link (under an entry's name) to a sound entry elsewhere: both
+    skipped and counted; the tier stays on and serves its own entries."""
+    directory, elsewhere = tmp_path / TIER_DIR, tmp_path / "elsewhere"
+    keys = write_entries(directory, 2)
+    outside_key = bytes([9]) * 16
+    outside = DiskTier(elsewhere, 2**20, LAYOUT)
+    outside.submit(outside_key, block(9.0))
+    outside.close()
+    (directory / "dangling.kv").symlink_to(tmp_path / "nowhere.kv")
+    (directory / LAYOUT.entry_name(outside_key)).symlink_to(elsewhere / LAYOUT.entry_name(outside_key))
+
+    disk = DiskTier(directory, 2**20, LAYOUT)
+    assert disk.enabled, disk.error
+    assert disk.entries_skipped == 2 and len(disk.index) == 2
+    assert outside_key not in disk and disk.read(outside_key) is None
+    assert torch.equal(disk.read(keys[1]), block(1.0))
+    disk.close()
+
+
+def test_a_directory_named_like_an_entry_never_turns_the_tier_off(tmp_path):
+    directory = tmp_path / TIER_DIR
+    (directory / "not-an-entry.kv").mkdir(parents=True)
+    disk = DiskTier(directory, 2 * LAYOUT.entry_nbytes, LAYOUT)
+    for i in range(4):  # past the bound: eviction runs
+        disk.submit(bytes([i]) * 16, block(float(i)))
+    assert disk.flush()
+    assert disk.enabled, disk.error
+    assert disk.entries_skipped == 1 and len(entries(directory)) == 3  # the directory and 2
+    assert (directory / "not-an-entry.kv").is_dir()
+    disk.close()
+
+
+def test_a_huge_sparse_entry_does_not_evict_the_real_ones(tmp_path):
+    """Sized by st_size, a 50 GiB sparse file made the scan evict every entry; sized by its
+    header (it has none) it is rejected, alone."""
+    directory = tmp_path / TIER_DIR
+    keys = write_entries(directory, 3)
+    with open(directory / "sparse.kv", "wb") as file:
+        file.truncate(50 * 2**30)
+    disk = DiskTier(directory, 2**20, LAYOUT)
+    assert all(key in disk and torch.equal(disk.read(key), block(float(key[0]))) for key in keys)
+    assert disk.entries_rejected == 1 and not (directory / "sparse.kv").exists()
+    assert disk.nbytes == 3 * LAYOUT.entry_nbytes
+    disk.close()
+
+
+def test_a_linked_tier_dir_is_not_used(tmp_path):
+    target = tmp_path / "somewhere-else"
+    target.mkdir()
+    (tmp_path / TIER_DIR).symlink_to(target)
+    with pytest.warns(KVTierWarning, match="link"):
+        disk = DiskTier(tmp_path / TIER_DIR, 2**20, LAYOUT)
+    assert not disk.enabled and not disk.submit(bytes(16), block(0.0))
+    assert not list(target.iterdir())
+    assert clear_disk_tier(tmp_path) == (0, 0)
+
+
+def test_a_fifo_in_place_of_an_entry_never_blocks(tmp_path):
+    """A FIFO under an entry's name, there at the scan or put there after it: the read
+    returns at once (a miss), the FIFO is skipped and counted, and left alone."""
+    directory = tmp_path / TIER_DIR
+    keys = write_entries(directory, 2)
+    os.mkfifo(directory / "fifo.kv")
+    disk = DiskTier(directory, 2**20, LAYOUT)
+    path = directory / LAYOUT.entry_name(keys[0])
+    path.unlink()
+    os.mkfifo(path)
+    reads: list[torch.Tensor | None] = []
+    reader = threading.Thread(target=lambda: reads.append(disk.read(keys[0])), daemon=True)
+    reader.start()
+    reader.join(timeout=30)
+    if reader.is_alive():  # unblock the stuck open, so the test process can end
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("reading a FIFO entry blocked")
+    assert reads == [None] and keys[0] not in disk
+    assert disk.entries_skipped == 2  # the FIFO at the scan, and the one in place of keys[0]
+    assert torch.equal(disk.read(keys[1]), block(1.0))
+    assert path.is_fifo()
+    disk.close()

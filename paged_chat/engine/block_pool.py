@@ -160,6 +160,13 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_blocks[block_hash] = block
 
+    def uncache(self, blocks: list[KVBlock]) -> None:
+        """Take blocks out of the prefix-cache index (their KV is not to be trusted)."""
+        for block in blocks:
+            if block.block_hash is not None:
+                del self.cached_blocks[block.block_hash]
+                block.block_hash = None
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (weights changed, or a test wants a cold cache)."""
         for block in self.cached_blocks.values():

@@ -161,18 +161,12 @@ class Engine:
         self.runner.model = forward
 
     def flush(self) -> None:
-        """Wait until the KV tier's queued disk writes are done (a process about to end
-        leaves its chats' blocks for the next one)."""
-        self.kv_transfer.offload()
-        if self.kv_cache.tier is not None:
-            self.kv_cache.tier.flush()
+        """Wait until the KV tier's queued disk writes are done (kv_transfer.flush)."""
+        self.kv_transfer.flush()
 
     def close(self) -> None:
-        """Finish the KV tier's queued disk writes and stop its reader and writer (the
-        writer also stops at exit)."""
+        """Finish the KV tier's traffic and stop its threads (kv_transfer.close)."""
         self.kv_transfer.close()
-        if self.kv_cache.tier is not None:
-            self.kv_cache.tier.close()
 
     def generate(self, prompts: Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -232,6 +226,9 @@ class Engine:
                     raise token
                 outputs.append(self._append_token(item.request, token, now))
             except Exception as error:
+                # Logits that are not finite may come of KV the tier restored: recompute once.
+                if isinstance(token, Exception) and self.scheduler.recompute_after_fault(item.request):
+                    continue
                 outputs.append(self._finish(item.request, "error", f"{type(error).__name__}: {error}"))
         elapsed = time.perf_counter() - started
         self.metrics.record_step(len(schedule.scheduled), schedule.num_tokens, prompt_tokens,
@@ -259,9 +256,9 @@ class Engine:
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None,
                 new_token_ids: list[int] | None = None) -> EngineCoreOutput:
-        self.scheduler.finish(request)
         request.finish_reason = reason
         request.error = error
+        self.scheduler.finish(request)
         del self.requests[request.request_id]
         return EngineCoreOutput(request.request_id, new_token_ids or [], True, reason,
                                 request.num_prompt_tokens, request.num_cached_prompt_tokens,

@@ -177,13 +177,28 @@ class KVCacheManager:
         self._cache_full_blocks(request, num_tokens)
         return True
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, keep_kv: bool = True) -> None:
         """Return the request's blocks, tail first, so its prefix is evicted last (their KV
         goes down to the tier first, when there is one); a tier read in flight for it is
-        dropped (its blocks were never indexed: nothing of it is kept)."""
+        dropped (its blocks were never indexed: nothing of it is kept). Without `keep_kv`
+        (the request failed: its KV may be what failed it) its blocks also leave the prefix
+        cache, so none is hit again or goes down to the tier."""
         self.tier_reads.pop(request.request_id, None)
         self._num_hashed.pop(request.request_id, None)
-        self._give_back(self.single_type_manager.free(request.request_id))
+        blocks = self.single_type_manager.free(request.request_id)
+        if not keep_kv:
+            self.pool.uncache(blocks)
+        self._give_back(blocks)
+
+    def drop_restored_kv(self, request: Request) -> bool:
+        """For a request that failed: when KV read back from the tier is in its blocks, have
+        the tier forget every block of its prefix and return True (the caller recomputes it
+        without them); False when none of its KV came from the tier."""
+        table = self.tables.get(request.request_id, ())
+        if self.tier is None or not any(block.from_tier for block in table):
+            return False
+        self.tier.drop(request.block_hashes)
+        return True
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, and every block due to go down to the tier: after a

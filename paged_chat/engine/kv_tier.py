@@ -10,7 +10,14 @@ KV depends on (the model's weights, the dtype, the block size, the cache layout)
   last use (file mtime across processes). Every file is a fixed header (magic, version,
   model fingerprint, block hash, dtype, block size, layout, shape, length) then the
   payload's CRC-32 then the payload. A read checks all of it: a mismatch, a short file or
-  a bad checksum is deleted, never loaded.
+  a bad checksum is deleted, never loaded. An entry is sized by its header, not its
+  st_size (a sparse file claims any size it likes).
+- Only regular files are entries, and no link is followed: the directory is opened with
+  O_NOFOLLOW and every entry relative to it, with O_NOFOLLOW | O_NONBLOCK (a FIFO opens at
+  once and is refused by its fstat). What is not a regular file is skipped and counted,
+  never deleted, and never turns the tier off.
+- Only finite KV is stored: a block with a NaN or inf (a forward that overflowed) is
+  dropped before it is written; `drop` forgets blocks whose KV led a request to fail.
 
 Reads and writes never stall a step: reads run on the engine's reader thread (see
 kv_transfer); for a write the engine hands over tensors it has already copied out of the
@@ -32,10 +39,12 @@ import errno
 import hashlib
 import os
 import queue
+import stat
 import struct
 import threading
 import time
 import warnings
+import weakref
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -61,6 +70,8 @@ _MAX_PENDING_BYTES = 256 * 2**20
 # A temp file older than this belongs to a process that died mid-write.
 _STALE_TEMP_S = 600.0
 _DEFAULT_CUDA_HOST_BYTES = 2 * 2**30
+# Every entry is opened so: a link is never followed, a FIFO never blocks the open.
+_OPEN_ENTRY = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
 def model_fingerprint(weights: dict[str, torch.Tensor]) -> bytes:
@@ -164,6 +175,10 @@ class HostTier:
             while len(self.entries) > self.capacity_blocks:
                 self.entries.popitem(last=False)
 
+    def drop(self, block_hash: bytes) -> None:
+        with self._lock:
+            self.entries.pop(block_hash, None)
+
     @property
     def nbytes(self) -> int:
         return len(self.entries) * self.block_nbytes
@@ -180,7 +195,9 @@ class DiskTier:
     """Block KV files in one directory, LRU within `capacity_bytes`, written by a thread.
 
     `pending` holds what is queued and not yet on disk, so a block is findable (and never
-    queued twice) from the moment it is handed over.
+    queued twice) from the moment it is handed over. `index` holds the regular files whose
+    header parses, sized by it. Every file operation is relative to `_dir_fd`, the
+    directory opened without following a link, so neither it nor an entry is ever one.
     """
 
     def __init__(self, directory: Path, capacity_bytes: int, layout: TierLayout,
@@ -193,13 +210,22 @@ class DiskTier:
         self.pending: dict[str, torch.Tensor] = {}
         self.nbytes = 0
         self.bytes_read = self.bytes_written = 0
-        self.writes_dropped = self.entries_rejected = 0
+        self.writes_dropped = self.entries_rejected = self.entries_skipped = 0
         self.error: str | None = None
         self._lock = threading.Lock()
         self._queue: queue.SimpleQueue[_Write | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._dir_fd: int | None = None
         try:
             directory.mkdir(parents=True, exist_ok=True)
+            self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError as error:
+            self._turn_off(NotADirectoryError(
+                f"{TIER_DIR} is a symbolic link or not a directory (a link is never followed)")
+                if error.errno in (errno.ELOOP, errno.ENOTDIR, errno.EEXIST) else error)
+            return
+        weakref.finalize(self, os.close, self._dir_fd)
+        try:
             self._scan()
         except OSError as error:
             self._turn_off(error)
@@ -218,30 +244,39 @@ class DiskTier:
             return self.enabled and (name in self.pending or name in self.index)
 
     def read(self, block_hash: bytes) -> torch.Tensor | None:
-        """The block's KV, or None when it is missing or its entry is rejected (and deleted)."""
+        """The block's KV, or None when it is missing, not a regular file (skipped) or its
+        entry is rejected (and deleted)."""
         name = self.layout.entry_name(block_hash)
         with self._lock:
             kv = self.pending.get(name)
             if kv is not None or not self.enabled or name not in self.index:
                 return kv
             self.index.move_to_end(name)
-        path = self.directory / name
         data = bytearray(self.layout.entry_nbytes + 1)  # one byte more tells a longer file
         try:
-            with open(path, "rb") as file:
-                del data[file.readinto(data):]
-        except OSError:  # evicted by another process, or the directory is gone
+            fd = os.open(name, _OPEN_ENTRY, dir_fd=self._dir_fd)
+        except OSError as error:  # evicted by another process, the directory gone, or a link
+            self.entries_skipped += error.errno == errno.ELOOP
             self._forget(name)
             return None
-        kv = self.layout.decode(block_hash, data)
-        with contextlib.suppress(OSError):  # a read-only directory keeps what it has
-            if kv is None:
-                path.unlink(missing_ok=True)
-            else:
-                os.utime(path)  # the recency the next process's scan sees
+        with open(fd, "rb") as file:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                self.entries_skipped += 1
+                self._forget(name)
+                return None
+            try:
+                del data[file.readinto(data):]
+            except OSError:
+                self._forget(name)
+                return None
+            kv = self.layout.decode(block_hash, data)
+            if kv is not None:
+                with contextlib.suppress(OSError):  # a read-only directory keeps what it has
+                    os.utime(fd)  # the recency the next process's scan sees
         if kv is None:
             self.entries_rejected += 1
             self._forget(name)
+            self._unlink(name)
             return None
         self.bytes_read += len(data)
         return kv
@@ -258,6 +293,15 @@ class DiskTier:
             self.pending[name] = kv
         self._queue.put(_Write(name, block_hash, kv))
         return True
+
+    def drop(self, block_hash: bytes) -> bool:
+        """Forget a block and delete its entry (a queued write of it is not done); False when
+        the entry is still on disk (the directory is read-only)."""
+        name = self.layout.entry_name(block_hash)
+        with self._lock:
+            self.pending.pop(name, None)
+        self._forget(name)
+        return self._dir_fd is None or self._unlink(name)
 
     def room(self) -> int:
         """How many more writes the queue takes now."""
@@ -283,24 +327,52 @@ class DiskTier:
         atexit.unregister(self.close)
 
     def _scan(self) -> None:
-        """Index the directory's entries, least recently used first; clear dead temp files."""
+        """Index the directory's entries, least recently used first; clear dead temp files.
+        What is not a regular file is skipped; an entry whose header does not parse or whose
+        size is not the one it declares is deleted."""
         entries = []
         now = time.time()
-        for item in os.scandir(self.directory):
-            stat = item.stat()
-            if item.name.endswith(ENTRY_SUFFIX):
-                entries.append((stat.st_mtime, item.name, stat.st_size))
-            elif item.name.endswith(_TEMP_SUFFIX) and now - stat.st_mtime > _STALE_TEMP_S:
-                Path(item.path).unlink(missing_ok=True)
+        with os.scandir(self._dir_fd) as items:
+            for item in items:
+                try:
+                    status = item.stat(follow_symlinks=False)
+                except FileNotFoundError:   # deleted meanwhile by another process
+                    continue
+                if not item.name.endswith((ENTRY_SUFFIX, _TEMP_SUFFIX)):
+                    continue
+                if not stat.S_ISREG(status.st_mode):
+                    self.entries_skipped += 1
+                elif item.name.endswith(_TEMP_SUFFIX):
+                    if now - status.st_mtime > _STALE_TEMP_S:
+                        self._unlink(item.name)
+                elif (size := self._declared_size(item.name, status.st_size)) is None:
+                    self.entries_rejected += 1
+                    self._unlink(item.name)
+                else:
+                    entries.append((status.st_mtime, item.name, size))
         for _, name, size in sorted(entries):
             self.index[name] = size
             self.nbytes += size
         self._evict_to(self.capacity_bytes)
 
+    def _declared_size(self, name: str, st_size: int) -> int | None:
+        """The size an entry's header declares (any layout's), None when it has no header
+        or is not that size."""
+        try:
+            with open(os.open(name, _OPEN_ENTRY, dir_fd=self._dir_fd), "rb") as file:
+                header = file.read(_HEADER.size)
+        except OSError:     # gone meanwhile, or unreadable
+            return None
+        if len(header) < _HEADER.size:
+            return None
+        magic, version, *_, payload_nbytes = _HEADER.unpack(header)
+        size = _HEADER.size + _CHECKSUM.size + payload_nbytes
+        return size if magic == _MAGIC and version == _VERSION and size == st_size else None
+
     def _write_loop(self) -> None:
         while (write := self._queue.get()) is not None:
             try:
-                if self.enabled:
+                if self.enabled and write.name in self.pending:    # not dropped meanwhile
                     self._write(write)
             except Exception as error:  # a disk fault, or a bug: either way the engine goes on
                 self._turn_off(error)
@@ -313,9 +385,10 @@ class DiskTier:
         size = sum(len(part) for part in parts)
         if size > self.capacity_bytes:
             return
-        path = self.directory / write.name
-        temp = path.with_name(f"{write.name}.{os.getpid()}{_TEMP_SUFFIX}")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        temp = f"{write.name}.{os.getpid()}{_TEMP_SUFFIX}"
+        self._unlink(temp)  # one a dead process of the same pid left (or a link in its place)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644,
+                     dir_fd=self._dir_fd)
         try:
             for part in parts:
                 view = memoryview(part)
@@ -324,10 +397,15 @@ class DiskTier:
             os.fsync(fd)
         except OSError:
             os.close(fd)
-            temp.unlink(missing_ok=True)
+            self._unlink(temp)
             raise
         os.close(fd)
-        os.replace(temp, path)
+        try:
+            os.replace(temp, write.name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        except IsADirectoryError:   # a directory under an entry's name: not ours to remove
+            self._unlink(temp)
+            self.writes_dropped += 1
+            return
         with self._lock:
             self.nbytes += size - self.index.pop(write.name, 0)
             self.index[write.name] = size
@@ -341,7 +419,18 @@ class DiskTier:
                     return
                 name, size = self.index.popitem(last=False)
                 self.nbytes -= size
-            (self.directory / name).unlink(missing_ok=True)
+            self._unlink(name)
+
+    def _unlink(self, name: str) -> bool:
+        """Delete a file of the directory (a link itself, never its target); False when it
+        could not be (read-only), True when it is gone."""
+        try:
+            os.unlink(name, dir_fd=self._dir_fd)
+        except (FileNotFoundError, IsADirectoryError):  # gone, or not ours: never indexed
+            return True
+        except OSError:
+            return False
+        return True
 
     def _forget(self, name: str) -> None:
         with self._lock:
@@ -375,6 +464,7 @@ class KVTier:
         self.host = HostTier(host_bytes, layout.block_nbytes) if host_bytes > 0 else None
         self.disk = DiskTier(disk_dir, disk_bytes, layout) if disk_dir and disk_bytes > 0 else None
         self.host_hit_blocks = self.disk_hit_blocks = self.miss_blocks = 0
+        self.blocks_not_finite = self.blocks_dropped = 0
 
     @property
     def block_size(self) -> int:
@@ -391,8 +481,14 @@ class KVTier:
         return self.disk.room() if self.disk is not None else 0
 
     def store(self, block_hashes: list[bytes], kv: torch.Tensor) -> None:
-        """Keep blocks' KV, `kv[i]` for `block_hashes[i]`: a CPU tensor nobody writes again."""
+        """Keep blocks' KV, `kv[i]` for `block_hashes[i]`: a CPU tensor nobody writes again.
+        A block holding a NaN or inf is not kept (one check of the whole batch finds it)."""
         assert kv.device.type == "cpu" and len(kv) == len(block_hashes)
+        if not torch.isfinite(kv).all():
+            finite = torch.isfinite(kv).flatten(1).all(1)
+            self.blocks_not_finite += len(kv) - int(finite.sum())
+            block_hashes = [h for h, ok in zip(block_hashes, finite.tolist()) if ok]
+            kv = kv[finite]
         if self.pin_memory:
             kv = kv.pin_memory()
         for block_hash, block_kv in zip(block_hashes, kv):
@@ -418,6 +514,21 @@ class KVTier:
                 break
             loaded.append(kv)
         return loaded
+
+    def drop(self, block_hashes: list[bytes]) -> None:
+        """Forget blocks whose KV led a request to fail, in every tier. An entry the disk tier
+        cannot delete (a read-only directory) is only forgotten by this process: say once
+        how to remove it."""
+        self.blocks_dropped += len(block_hashes)
+        if self.host is not None:
+            for block_hash in block_hashes:
+                self.host.drop(block_hash)
+        undeleted = [h for h in block_hashes if self.disk is not None and not self.disk.drop(h)]
+        if undeleted:
+            warnings.warn(
+                f"the disk KV tier at {self.disk.directory} keeps blocks that made a request "
+                "fail and cannot delete them; `paged-chat cache clear` removes them",
+                KVTierWarning, stacklevel=2)
 
     def record_misses(self, num_blocks: int) -> None:
         self.miss_blocks += num_blocks
@@ -449,6 +560,9 @@ class KVTier:
             bytes_written=disk.bytes_written if disk else 0,
             writes_dropped=disk.writes_dropped if disk else 0,
             entries_rejected=disk.entries_rejected if disk else 0,
+            entries_skipped=disk.entries_skipped if disk else 0,
+            blocks_not_finite=self.blocks_not_finite,
+            blocks_dropped=self.blocks_dropped,
             disk_error=disk.error if disk else None,
         )
 
@@ -457,11 +571,11 @@ def clear_disk_tier(cache_dir: str | Path) -> tuple[int, int]:
     """Delete every disk tier entry under a cache dir; return (files, bytes) freed."""
     directory = Path(cache_dir) / TIER_DIR
     files = freed = 0
-    if not directory.is_dir():
+    if not directory.is_dir() or directory.is_symlink():
         return 0, 0
     for item in os.scandir(directory):
-        if item.name.endswith((ENTRY_SUFFIX, _TEMP_SUFFIX)) and item.is_file():
-            size = item.stat().st_size
+        if item.name.endswith((ENTRY_SUFFIX, _TEMP_SUFFIX)) and item.is_file(follow_symlinks=False):
+            size = item.stat(follow_symlinks=False).st_size
             Path(item.path).unlink(missing_ok=True)
             files, freed = files + 1, freed + size
     return files, freed

@@ -76,8 +76,18 @@ class KVTransfer:
         if futures:
             concurrent.futures.wait(futures, timeout_s, concurrent.futures.FIRST_COMPLETED)
 
+    def flush(self) -> None:
+        """Copy out what is due to go down and wait until the tier's queued disk writes are
+        done (a process about to end leaves its chats' blocks for the next one)."""
+        self.offload()
+        if self.kv_cache.tier is not None:
+            self.kv_cache.tier.flush()
+
     def close(self) -> None:
-        """Copy out what is due to go down, and stop the reader (a read in flight finishes)."""
+        """Copy out what is due to go down, stop the reader (a read in flight finishes), then
+        finish the tier's queued disk writes and stop its writer (which also stops at exit)."""
         self.offload()
         if self._reader is not None:
             self._reader.shutdown(wait=True)
+        if self.kv_cache.tier is not None:
+            self.kv_cache.tier.close()

@@ -59,6 +59,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.loading: list[Request] = []    # WAITING_FOR_KV, in the order their reads were issued
         self.num_preemptions = 0
+        self.recomputed_after_fault: set[str] = set()   # request ids, until they finish
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
 
@@ -160,7 +161,9 @@ class Scheduler:
         return prompt_tokens
 
     def finish(self, request: Request) -> None:
-        """Take a request out of the queues and give its blocks back (any finish reason)."""
+        """Take a request out of the queues and give its blocks back (any finish reason; its
+        `finish_reason` is set: a failed request's KV is not kept)."""
+        self.recomputed_after_fault.discard(request.request_id)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING_FOR_KV:
@@ -168,14 +171,27 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
-        self.kv_cache.free(request)
+        self.kv_cache.free(request, keep_kv=request.finish_reason != "error")
 
-    def _preempt(self, request: Request, count: bool = True) -> None:
+    def recompute_after_fault(self, request: Request) -> bool:
+        """A running request's logits were not finite. When KV read back from the KV tier is
+        in its blocks, that KV may be why: the tier forgets the request's prefix and the
+        request is recomputed from its tokens, once. False (it fails) otherwise."""
+        if (request.request_id in self.recomputed_after_fault
+                or not self.kv_cache.drop_restored_kv(request)):
+            return False
+        self.recomputed_after_fault.add(request.request_id)
+        self.running.remove(request)
+        self._preempt(request, count=False, keep_kv=False)
+        return True
+
+    def _preempt(self, request: Request, count: bool = True, keep_kv: bool = True) -> None:
         """Free the request's blocks and put it back at the head of the waiting queue;
-        `count`: as a preemption (not for a tier read that came back short)."""
+        `count`: as a preemption (not for a tier read that came back short or a recompute
+        after a fault); `keep_kv`: see KVCacheManager.free."""
         if request.status is RequestStatus.WAITING_FOR_KV:
             self.loading.remove(request)
-        self.kv_cache.free(request)
+        self.kv_cache.free(request, keep_kv)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         self.waiting.appendleft(request)

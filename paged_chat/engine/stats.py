@@ -128,6 +128,9 @@ class KVTierStats:
     bytes_written: int = 0           # to disk
     writes_dropped: int = 0          # the writer's queue was full: not stored
     entries_rejected: int = 0        # header or checksum mismatch: deleted, never loaded
+    entries_skipped: int = 0         # not regular files (links, FIFOs, directories): left alone
+    blocks_not_finite: int = 0       # KV with a NaN or inf: never stored
+    blocks_dropped: int = 0          # KV that a request failed after: forgotten, deleted
     disk_error: str | None = None    # why the disk tier turned itself off, if it did
 
     @property
