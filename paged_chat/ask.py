@@ -2,7 +2,7 @@
 
 stdout carries only answers (streamed, flushed per delta) or JSON; everything else
 (loading, warnings, stats, errors) goes to stderr, so `ask` composes in pipes. Every
-prompt is a ChatSession turn (paged_chat.session, as in the TUI) through the in-process
+prompt is a ChatSession turn (paged_chat.chat_session, as in the TUI) through the in-process
 engine client; several prompts (`--file`) all go into the one engine at once and are
 answered in input order: the earliest unfinished answer streams live while later ones are
 held until their turn.
@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from paged_chat.session import ChatSession, Turn, chat_title
+from paged_chat.chat_session import ChatSession, Turn, chat_title
 from paged_chat.settings import chat_sampling
 from paged_chat.text import StreamSanitizer, check_text
 
@@ -253,7 +253,7 @@ def run_ask(options: AskOptions, settings: Settings, make_engine: EngineFactory,
 def _run_turn(options: AskOptions, settings: Settings, make_engine: EngineFactory,
               stdin: TextIO | None) -> int:
     """One chat turn: a new chat, or the next turn of a stored one (-c, --chat)."""
-    from paged_chat.chat import Conversation
+    from paged_chat.conversation import Conversation
     from paged_chat.store import ChatStore
 
     user_text = read_prompt(options.prompt, stdin)

@@ -319,7 +319,7 @@ def chat_command(ctx: typer.Context,
     Commands: /new, /system TEXT, /stats, /help, /quit (or Ctrl+D); Ctrl+C stops a reply.
     """
     from paged_chat.ask import AskOptions, check_text_options
-    from paged_chat.repl import run_chat
+    from paged_chat.chat_command import run_chat
 
     state = _state(ctx)
     options = AskOptions(system=system, continue_chat=continue_chat, chat_id=chat_id,

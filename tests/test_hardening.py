@@ -23,7 +23,7 @@ from hypothesis import given, settings, strategies as st
 from typer.testing import CliRunner
 
 from paged_chat import ask as ask_module
-from paged_chat.session import chat_title
+from paged_chat.chat_session import chat_title
 from paged_chat import store as store_module
 from paged_chat.ask import AskOptions, OrderedOutput, parse_prompt_file, run_ask
 from paged_chat.cli import CliState, app

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_chat import store as store_module
-from paged_chat.chat import Conversation
+from paged_chat.conversation import Conversation
 from paged_chat.store import ChatNotFound, ChatStore, MessageNotFound, StoreError
 
 REPO = Path(__file__).resolve().parent.parent

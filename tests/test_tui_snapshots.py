@@ -13,7 +13,7 @@ import pytest
 
 from paged_chat.engine.client import ModelInfo
 from paged_chat.engine.stats import BlockMap, EngineStats
-from paged_chat.session import Turn
+from paged_chat.chat_session import Turn
 from paged_chat.settings import Settings
 from paged_chat.store import ChatStore
 from paged_chat.tui.app import PagedChatApp

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from textual.css.query import NoMatches
 
-from paged_chat.session import ChatSession
+from paged_chat.chat_session import ChatSession
 from paged_chat.tui.chat_tab import ChatTab
 
 if TYPE_CHECKING:

@@ -31,7 +31,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from paged_chat.chat import Conversation
+from paged_chat.conversation import Conversation
 from paged_chat.engine.errors import PagedChatError, describe_error
 from paged_chat.store import StoreError
 from paged_chat.text import sanitize_for_terminal

@@ -1,7 +1,7 @@
 """`paged-chat chat`: the interactive loop in a plain terminal, for who wants `ollama run`
 or `llm chat` and no full-screen UI.
 
-One engine is loaded once; each line typed is a ChatSession turn (paged_chat.session, as
+One engine is loaded once; each line typed is a ChatSession turn (paged_chat.chat_session, as
 in `ask` and the TUI) through the in-process engine client, its reply streamed to stdout
 and saved in the same chat store. A chat is created on its first message (titled by it);
 `-c` / `--chat ID` go on with a stored one.
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, TextIO
 from paged_chat.ask import (STOP_SIGNALS, AskOptions, Answer, _chat_to_continue, _configure, _load,
                             _model_spec, _say, _stop_signals, _warn, _warnings_to_stderr)
 from paged_chat.engine.errors import PagedChatError, describe_error
-from paged_chat.session import ChatSession, chat_title
+from paged_chat.chat_session import ChatSession, chat_title
 from paged_chat.settings import chat_sampling, data_dir
 from paged_chat.text import StreamSanitizer, sanitize_for_terminal
 
