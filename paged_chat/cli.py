@@ -145,7 +145,7 @@ def _reported(ctx: typer.Context) -> Iterator[None]:
     """Turn failures into exit codes: a usage error is one line and status 2, any other
     error one line and status 1 (re-raised with --debug), Ctrl+C status 130. Python
     warnings (e.g. a directory made private) are one `Warning: ...` line each."""
-    from paged_chat.ask import UsageError
+    from paged_chat.plain_terminal import UsageError
 
     try:
         with warnings.catch_warnings():
@@ -285,7 +285,8 @@ def ask(ctx: typer.Context,
 
         paged-chat ask --file prompts.txt --json
     """
-    from paged_chat.ask import AskOptions, check_text_options, run_ask
+    from paged_chat.ask import check_text_options, run_ask
+    from paged_chat.plain_terminal import AskOptions
 
     state = _state(ctx)
     options = AskOptions(
@@ -318,8 +319,9 @@ def chat_command(ctx: typer.Context,
 
     Commands: /new, /system TEXT, /stats, /help, /quit (or Ctrl+D); Ctrl+C stops a reply.
     """
-    from paged_chat.ask import AskOptions, check_text_options
+    from paged_chat.ask import check_text_options
     from paged_chat.chat_command import run_chat
+    from paged_chat.plain_terminal import AskOptions
 
     state = _state(ctx)
     options = AskOptions(system=system, continue_chat=continue_chat, chat_id=chat_id,
@@ -539,7 +541,7 @@ def delete_chat(ctx: typer.Context, chat_id: ChatId,
             if not sys.stdin.isatty():  # a terminal echoed the answer and its newline
                 typer.echo(answer.strip(), err=True)
             if not answer:
-                from paged_chat.ask import UsageError
+                from paged_chat.plain_terminal import UsageError
 
                 raise UsageError("no answer on stdin: the chat was not deleted (--yes "
                                  "deletes without asking)")

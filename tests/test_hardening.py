@@ -22,12 +22,12 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from typer.testing import CliRunner
 
-from paged_chat import ask as ask_module
-from paged_chat.chat_session import chat_title
 from paged_chat import store as store_module
-from paged_chat.ask import AskOptions, OrderedOutput, parse_prompt_file, run_ask
+from paged_chat.ask import OrderedOutput, parse_prompt_file, run_ask
+from paged_chat.chat_session import chat_title
 from paged_chat.cli import CliState, app
 from paged_chat.engine import SamplingParams
+from paged_chat.plain_terminal import AskOptions, UsageError
 from paged_chat.settings import load_settings
 from paged_chat.store import ChatStore
 from paged_chat.text import StreamSanitizer, sanitize_for_terminal
@@ -376,7 +376,7 @@ def test_a_jsonl_file_with_a_bom_is_jsonl(cli, tmp_path):
 
 def test_deeply_nested_json_is_a_usage_error_naming_the_line():
     deep = "[" * 100_000 + "]" * 100_000
-    with pytest.raises(ask_module.UsageError, match="line 2 of the prompt file is not JSON .nested too deeply"):
+    with pytest.raises(UsageError, match="line 2 of the prompt file is not JSON .nested too deeply"):
         parse_prompt_file('{"prompt": "fine"}\n' + deep)
     assert [p.prompt for p in parse_prompt_file(deep)] == [deep]  # not an object: a plain prompt
 
