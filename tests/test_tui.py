@@ -154,7 +154,7 @@ async def test_restart_restores_chats_lazily(engine, tmp_path):
         assert replies(tabs[0])[0].text == replies_before[0]
         # A follow-up prompt continues from the exact stored ids: the prefix cache hits.
         await type_prompt(pilot, "and again")
-        await wait_until(pilot, lambda: idle(app))
+        await wait_until(pilot, lambda: tabs[0].session.turn is not None and idle(app))
         assert tabs[0].session.conversation.token_ids[:len(history)] == history
         assert tabs[0].session.turn.num_cached_tokens >= len(history) // 16 * 16
 
@@ -463,7 +463,7 @@ async def test_dialogs_rename_settings_close(engine, tmp_path):
         stored = app.store.get_chat(tab.chat_id).messages
         assert stored[-1].finish_reason == "abort" and stored[-1].token_ids
         # The closed chat stays in the store; the palette's "Open chat" brings it back.
-        assert [c.id for c in app.closed_chats()] == [tab.chat_id]
+        assert [c.id for c in app.tabs.closed_chats()] == [tab.chat_id]
         provider = StoredChats(app.screen)
         [hit] = [hit async for hit in provider.search("renamed")]
         assert "Open chat: Renamed" in str(hit.text)
@@ -517,7 +517,7 @@ async def test_keypress_echo_latency_while_eight_tabs_stream(engine, tmp_path):
     app = make_app(engine, tmp_path, make_settings(max_tokens=900), demo=9)
     async with app.run_test(size=(140, 44)) as pilot:
         tab = app.active_tab
-        app.pause_demo(tab)
+        app.tabs.pause_demo(tab)
         await wait_until(pilot, lambda: not tab.streaming, timeout=120)
         await wait_until(pilot, lambda: engine.stats().num_running >= 6, timeout=60)
         prompt = tab.prompt

@@ -114,7 +114,7 @@ def run_app(client: EngineClient, chats: list[tuple[str | None, str]], params: S
             tabs = []
             for index, (system, _) in enumerate(chats):
                 chat = store.create_chat(f"Demo {index + 1}", client.info.name, system, {})
-                tabs.append(await app.open_chat_tab(chat, activate=index == 0, loaded=True))
+                tabs.append(await app.tabs.open_chat_tab(chat, activate=index == 0, loaded=True))
             if profile is not None:
                 profile.enable()
             started, ui_started = time.perf_counter(), time.thread_time()
