@@ -219,8 +219,8 @@ def run_ask(options: AskOptions, settings: Settings, make_engine: EngineFactory,
 def _run_turn(options: AskOptions, settings: Settings, make_engine: EngineFactory,
               stdin: TextIO | None) -> int:
     """One chat turn: a new chat, or the next turn of a stored one (-c, --chat)."""
+    from paged_chat.chat_store import ChatStore
     from paged_chat.conversation import Conversation
-    from paged_chat.store import ChatStore
 
     user_text = read_prompt(options.prompt, stdin)
     if not user_text:

@@ -33,9 +33,9 @@ from paged_chat.settings import chat_sampling, data_dir
 from paged_chat.text import StreamSanitizer, sanitize_for_terminal
 
 if TYPE_CHECKING:
+    from paged_chat.chat_store import ChatStore
     from paged_chat.engine import EngineClient, EngineConfig, SamplingParams
     from paged_chat.settings import Settings
-    from paged_chat.store import ChatStore
 
 PROMPT = ">>> "
 HISTORY_FILE = "chat_history"
@@ -54,7 +54,7 @@ def run_chat(options: AskOptions, settings: Settings, make_engine: EngineFactory
              stdin: TextIO, stdout: TextIO) -> int:
     """Load the engine, then chat until /quit or end of input; the exit status (0, or
     143 / 129 when SIGTERM / SIGHUP ended it)."""
-    from paged_chat.store import ChatStore
+    from paged_chat.chat_store import ChatStore
 
     with ExitStack() as cleanup, warnings_to_stderr():
         store = cleanup.enter_context(ChatStore())

@@ -37,8 +37,8 @@ from paged_chat.settings import Settings, config_path, load_settings
 from paged_chat.text import sanitize_for_terminal
 
 if TYPE_CHECKING:
+    from paged_chat.chat_store import ChatStore, StoredChat
     from paged_chat.engine import Engine, EngineClient, EngineConfig
-    from paged_chat.store import Chat, ChatStore
 
 def _without_flag_types(params: list[click.Parameter]) -> list[click.Parameter]:
     for param in params:
@@ -567,7 +567,7 @@ def clear_cache(ctx: typer.Context) -> None:
 def _open_store(ctx: typer.Context) -> Iterator[ChatStore]:
     """The chat store for one command, with errors reported and a recovery notice shown."""
     with _reported(ctx):
-        from paged_chat.store import ChatStore
+        from paged_chat.chat_store import ChatStore
 
         store = ChatStore()
         if store.notice:
@@ -578,7 +578,7 @@ def _open_store(ctx: typer.Context) -> Iterator[ChatStore]:
             store.close()
 
 
-def _markdown(chat: Chat) -> str:
+def _markdown(chat: StoredChat) -> str:
     """A chat as Markdown: a heading, what it ran on, then each message under its role."""
     lines = [f"# {chat.title}", "", f"chat `{chat.id}` · {chat.model} · {_local_time(chat.created)}", ""]
     if chat.system_prompt:

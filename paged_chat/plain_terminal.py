@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
     from paged_chat.chat_session import Turn
+    from paged_chat.chat_store import ChatStore, StoredChat
     from paged_chat.engine import Engine, EngineClient, EngineConfig, SamplingParams
     from paged_chat.settings import Settings
-    from paged_chat.store import Chat, ChatStore
 
 EngineFactory = Callable[["EngineConfig"], "Engine"]
 
@@ -79,7 +79,7 @@ def load_client(make_engine: EngineFactory, config: EngineConfig, options: AskOp
     return client, time.perf_counter() - started
 
 
-def chat_to_continue(options: AskOptions, store: ChatStore) -> Chat:
+def chat_to_continue(options: AskOptions, store: ChatStore) -> StoredChat:
     """The chat -c or --chat names, once it is clear the options can continue it."""
     if options.continue_chat and options.chat_id is not None:
         raise UsageError("give -c (the latest chat) or --chat ID, not both")
@@ -93,7 +93,7 @@ def chat_to_continue(options: AskOptions, store: ChatStore) -> Chat:
     return chat
 
 
-def _check_continuable(options: AskOptions, chat: Chat) -> None:
+def _check_continuable(options: AskOptions, chat: StoredChat) -> None:
     """A chat's token ids belong to its model and its system prompt: continuing it with
     others would silently re-encode (or mis-read) its history."""
     model = options.engine.get("model")

@@ -24,10 +24,10 @@ from typer.testing import CliRunner
 
 from paged_chat import chat_session as session_module
 from paged_chat.ask import parse_prompt_file, read_prompt
+from paged_chat.chat_store import ChatStore
 from paged_chat.cli import CliState, app
 from paged_chat.engine import Engine
 from paged_chat.plain_terminal import UsageError
-from paged_chat.store import ChatStore
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -11,8 +11,8 @@ from contextlib import aclosing
 import pytest
 
 from paged_chat.chat_session import ChatSession, Turn, chat_title
+from paged_chat.chat_store import ChatMovedOn, ChatStore
 from paged_chat.engine import AsyncEngine, Engine, SamplingParams
-from paged_chat.store import ChatMovedOn, ChatStore
 from engine_helpers import assert_no_leaks
 from tui_helpers import engine_config
 

@@ -23,9 +23,9 @@ from textual._xterm_parser import XTermParser
 from textual.widgets import Tabs
 
 from paged_chat.chat_session import chat_title
+from paged_chat.chat_store import ChatStore
 from paged_chat.engine import AsyncEngine, EngineConfig
 from paged_chat.engine.engine_process import EngineProcess
-from paged_chat.store import ChatStore
 from paged_chat.text import sanitize_for_terminal as clean
 from paged_chat.tui.actions import ACTIONS, StoredChats
 from paged_chat.tui.dialogs import ChatSettingsScreen, HelpScreen, TextPromptScreen

@@ -36,10 +36,10 @@ from pathlib import Path
 from textual import events
 
 from paged_chat.bench.own_thread import on_own_thread
+from paged_chat.chat_store import ChatStore
 from paged_chat.conversation import Conversation
 from paged_chat.engine import AsyncEngine, Engine, EngineClient, EngineConfig, SamplingParams
 from paged_chat.settings import ChatSettings, Settings
-from paged_chat.store import ChatStore
 
 PROFILE_TOP = 12        # functions listed by own time
 ROUNDS = 2              # runs of the engine alone and of each app variant, alternating

@@ -26,9 +26,9 @@ from textual.containers import Horizontal
 from textual.css.query import NoMatches
 from textual.widgets import Footer, Static
 
+from paged_chat.chat_store import ChatStore
 from paged_chat.engine.errors import PagedChatError, describe_error
 from paged_chat.settings import Settings, cache_dir, data_dir
-from paged_chat.store import ChatStore
 from paged_chat.tui.actions import ACTIONS, ChatActions, StoredChats, make_bindings
 from paged_chat.tui.chat_search import ChatSearch
 from paged_chat.tui.engine_panel import EnginePanel, with_request_owners

@@ -24,7 +24,7 @@ from paged_chat.tui.chat_tab import ChatTab, MakeParams, WaitForEngine
 from paged_chat.tui.engine_panel import TabInfo
 
 if TYPE_CHECKING:
-    from paged_chat.store import Chat, ChatStore
+    from paged_chat.chat_store import ChatStore, StoredChat
     from paged_chat.tui.demo import Autopilot
     from paged_chat.tui.open_tabs import OpenTabs
 
@@ -87,7 +87,8 @@ class ChatTabs(TabbedContent):
         self._save_open_tabs()
         return tab
 
-    async def open_chat_tab(self, chat: Chat, *, activate: bool = True, loaded: bool = False) -> ChatTab:
+    async def open_chat_tab(self, chat: StoredChat, *, activate: bool = True,
+                            loaded: bool = False) -> ChatTab:
         """A tab for a stored chat; `loaded` says whether `chat` carries its messages."""
         session = ChatSession(self.store, chat, loaded=loaded, on_warning=self._store_warning)
         return await self.open_session_tab(session, activate=activate)
@@ -109,7 +110,7 @@ class ChatTabs(TabbedContent):
                 return
         await self.open_chat_tab(self.store.get_chat(chat_id), loaded=True)
 
-    def closed_chats(self) -> list[Chat]:
+    def closed_chats(self) -> list[StoredChat]:
         """The stored chats that have no tab open."""
         open_ids = {tab.chat_id for tab in self.chat_tabs}
         return [chat for chat in self.store.list_chats() if chat.id not in open_ids]
