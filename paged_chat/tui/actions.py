@@ -2,8 +2,8 @@
 
 `ChatActions` is mixed into the app; it acts on the active tab through the tab's own
 methods and on the tabs through the ChatTabs widget's (`app.tabs`: `open_new_chat`,
-`open_session_tab`, `close_tab`, `cycle_tabs`), and reads only the app's public surface
-(`active_tab`, `chat_tabs`, `panel`, `store`, `settings`, `keymap`).
+`fork_tab`, `close_tab`, `cycle_tabs`, `pause_demo`), and reads only the app's public
+surface (`active_tab`, `chat_tabs`, `panel`, `store`, `settings`, `keymap`).
 """
 
 from __future__ import annotations
@@ -121,9 +121,7 @@ class ChatActions:
             self.notify("wait for the reply to finish (or stop it) before forking",
                         severity="warning", markup=False)
             return
-        await tab.ensure_loaded()
-        fork = await self.tabs.open_session_tab(tab.session.fork(f"{tab.title} (fork)"))
-        await fork.ensure_loaded()
+        await self.tabs.fork_tab(tab)
         self.notify(f"forked {tab.title!r}: the fork shares every full KV block of its history",
                     markup=False)
 

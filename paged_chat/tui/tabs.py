@@ -2,10 +2,11 @@
 
 It opens chats in tabs (new, stored, forked, restored from the last run, the demo's),
 closes and cycles them, draws their headers, keeps the open-tabs file in step and tells
-the engine panel who each tab is. What it needs comes down as constructor arguments and
-callables (the store, the open-tabs file, how a tab waits for the engine, the model new
-chats are stored with); its tabs report up with ChatTab messages, which it handles before
-they bubble on to the app. Nothing outside reads its state but through the methods below.
+the engine panel who each tab is. What it needs comes down as constructor arguments (the
+store, the open-tabs file, new chats' system prompt, and callables: the model new chats
+are stored with, how a tab waits for the engine and makes its sampling parameters); its
+tabs report up with ChatTab messages, which it handles before they bubble on to the app.
+Nothing outside reads its state but through the methods below.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ DEMO_SAMPLING = {"max_tokens": 256}   # demo replies stay short so the tabs keep
 class ChatTabs(TabbedContent):
     """The open chats, each a ChatTab (a view of one ChatSession on `store`).
 
-    Its own state, keyed by the tab: `_labels` the header text last drawn (a header is
-    redrawn only when its text changes: a new label re-lays the tab bar), `_infos` what the
-    panel knows of each open chat (None: rebuild on the next ask, after a tab opened,
-    closed, was renamed or shows another chat), `_autopilots` the demo tabs' drivers.
-    `model_name()` is what new chats store as their model (the engine's, once loaded).
+    Its own state: `_labels`, per tab, the header text last drawn (a header is redrawn only
+    when its text changes: a new label re-lays the tab bar); `_infos`, per open chat id,
+    what the panel shows of its tab (None: rebuilt when next asked for, after a tab
+    closed or shows another chat; a tab opened or renamed drops it too); `_autopilots`,
+    per demo tab, its driver. `model_name()` is what new chats store as their model (the
+    engine's, once loaded).
     """
 
     def __init__(self, store: ChatStore, open_tabs: OpenTabs, *, model_name: Callable[[], str],
@@ -101,6 +103,13 @@ class ChatTabs(TabbedContent):
             number += 1
         chat = self.store.create_chat(f"Chat {number}", self.model_name(), self.system_prompt, {})
         return await self.open_chat_tab(chat, loaded=True)
+
+    async def fork_tab(self, tab: ChatTab) -> ChatTab:
+        """A new tab on a copy of `tab`'s chat (its KV blocks shared), shown and loaded."""
+        await tab.ensure_loaded()
+        fork = await self.open_session_tab(tab.session.fork(f"{tab.title} (fork)"))
+        await fork.ensure_loaded()
+        return fork
 
     async def open_stored_chat(self, chat_id: str) -> None:
         """Go to the chat's tab, or open one for it."""
