@@ -438,7 +438,8 @@ async def test_dialogs_rename_settings_close(engine, tmp_path):
         await wait_until(pilot, lambda: "Renamed" in app.tabs.get_tab(tab.id).label.plain)
         assert tab.title == app.store.get_chat(tab.chat_id).title == "Renamed"
         await press(pilot, "f4")
-        await wait_until(pilot, lambda: isinstance(app.screen, ChatSettingsScreen))
+        await wait_until(pilot, lambda: isinstance(app.screen, ChatSettingsScreen)
+                         and app.screen.query("#f-temperature"))
         app.screen.query_one("#system-prompt").text = "Be terse."
         app.screen.query_one("#f-temperature").value = "-1"
         await press(pilot, "ctrl+s")

@@ -60,19 +60,19 @@ class StoredChats(Provider):
     """Palette: reopen a chat from the store that has no open tab."""
 
     async def search(self, query: str) -> Hits:
-        app = self.app
+        tabs = self.app.tabs
         matcher = self.matcher(query)
-        for chat in app.tabs.closed_chats():
+        for chat in tabs.closed_chats():
             text = f"Open chat: {chat.title}"
             score = matcher.match(text)
             if score > 0:
-                yield Hit(score, matcher.highlight(text), partial(app.tabs.open_stored_chat, chat.id),
+                yield Hit(score, matcher.highlight(text), partial(tabs.open_stored_chat, chat.id),
                           help=f"last used {time.strftime('%Y-%m-%d %H:%M', time.localtime(chat.updated))}")
 
     async def discover(self) -> Hits:
-        app = self.app
-        for chat in app.tabs.closed_chats()[:20]:
-            yield DiscoveryHit(f"Open chat: {chat.title}", partial(app.tabs.open_stored_chat, chat.id))
+        tabs = self.app.tabs
+        for chat in tabs.closed_chats()[:20]:
+            yield DiscoveryHit(f"Open chat: {chat.title}", partial(tabs.open_stored_chat, chat.id))
 
 
 class ChatActions:
