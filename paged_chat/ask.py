@@ -2,10 +2,10 @@
 
 stdout carries only answers (streamed, flushed per delta) or JSON; everything else
 (loading, warnings, stats, errors) goes to stderr, so `ask` composes in pipes. Every
-prompt is a ChatSession turn (paged_chat.session, as in the TUI) through the in-process
-engine client; several prompts (`--file`) all go into the one engine at once and are
-answered in input order: the earliest unfinished answer streams live while later ones are
-held until their turn.
+prompt is a ChatSession turn (paged_chat.chat_session, as in the TUI) through the
+in-process engine client; several prompts (`--file`) all go into the one engine at once
+and are answered in input order: the earliest unfinished answer streams live while later
+ones are held until their turn.
 
 Ctrl+C, SIGTERM (`timeout`, `kill`) and SIGHUP (the terminal went away) stop the replies
 between steps (their blocks freed): the partial answers stay on stdout and are saved with
@@ -13,56 +13,32 @@ finish_reason "abort", and the exit code is 128 + the signal's number (130, 143,
 shell reports a process that signal ended. A second signal cancels at once.
 
 On a terminal, stdout shows the model's text sanitized (no escape sequences, no control
-characters); piped, it is exact.
+characters); piped, it is exact. What `ask` shares with `chat` (options, loading, the
+chat to continue, stop signals, stderr) is in paged_chat.plain_terminal.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import sys
 import time
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, aclosing, contextmanager
+from collections.abc import Callable
+from contextlib import ExitStack, aclosing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from paged_chat.session import ChatSession, Turn, chat_title
+from paged_chat.chat_session import ChatSession, Turn, chat_title
+from paged_chat.plain_terminal import (STOP_SIGNALS, AskOptions, EngineFactory, UsageError,
+                                       chat_to_continue, configure, load_client, model_spec,
+                                       say, stop_signals, turn_stats_line, warn,
+                                       warnings_to_stderr)
 from paged_chat.settings import chat_sampling
 from paged_chat.text import StreamSanitizer, check_text
 
 if TYPE_CHECKING:
-    from paged_chat.engine import Engine, EngineClient, EngineConfig, SamplingParams
+    from paged_chat.engine import EngineClient, SamplingParams
     from paged_chat.settings import Settings
-    from paged_chat.store import Chat, ChatStore
-
-EngineFactory = Callable[["EngineConfig"], "Engine"]
-
-
-class UsageError(ValueError):
-    """The command line asks for something impossible; the CLI exits with status 2."""
-
-
-@dataclass(slots=True)
-class AskOptions:
-    """Everything `paged-chat ask` was given. `engine` and `sampling` hold the overrides
-    of the settings (None: not given)."""
-
-    prompt: str | None = None
-    system: str | None = None
-    engine: dict[str, Any] = field(default_factory=dict)
-    sampling: dict[str, Any] = field(default_factory=dict)
-    stats: bool = False
-    json: bool = False
-    continue_chat: bool = False
-    chat_id: str | None = None
-    save: bool = True
-    file: TextIO | None = None
-    server: str | None = None       # an OpenAI-compatible server's URL instead of the engine
-    api_key: str | None = None
 
 
 @dataclass(slots=True)
@@ -186,16 +162,6 @@ class Answer:
                 "timings": {"load_s": round(load_s, 3), "ttft_s": timings["ttft_s"],
                             "total_s": timings["total_s"], "tokens_per_s": timings["tokens_per_s"]}}
 
-    def stats_line(self, load_s: float) -> str:
-        turn, timings = self.turn, self.turn.timings()
-        first = "no token" if timings["ttft_s"] is None else f"first token after {timings['ttft_s']:.2f} s"
-        tier = (f", {turn.num_tier_cached_tokens:,} of them read back from the KV tier"
-                if turn.num_tier_cached_tokens else "")
-        return (f"{len(turn.prompt_ids):,} prompt tokens ({turn.num_cached_tokens:,} from the "
-                f"cache{tier}), {len(turn.token_ids)} generated, {first}, "
-                f"{timings['tokens_per_s']:.1f} tokens/s, model loaded in {load_s:.1f} s")
-
-
 class OrderedOutput:
     """Writes answers to stdout in input order while they finish in any order: the earliest
     unfinished answer streams live, later ones are held until it is done. Plain text puts
@@ -253,29 +219,29 @@ def run_ask(options: AskOptions, settings: Settings, make_engine: EngineFactory,
 def _run_turn(options: AskOptions, settings: Settings, make_engine: EngineFactory,
               stdin: TextIO | None) -> int:
     """One chat turn: a new chat, or the next turn of a stored one (-c, --chat)."""
-    from paged_chat.chat import Conversation
-    from paged_chat.store import ChatStore
+    from paged_chat.chat_store import ChatStore
+    from paged_chat.conversation import Conversation
 
     user_text = read_prompt(options.prompt, stdin)
     if not user_text:
         raise UsageError('no prompt: give one as an argument or on stdin, or use --file '
                          '(e.g. paged-chat ask "Why is the sky blue?")')
     continuing = options.continue_chat or options.chat_id is not None
-    with ExitStack() as cleanup, _warnings_to_stderr():
+    with ExitStack() as cleanup, warnings_to_stderr():
         store = cleanup.enter_context(ChatStore()) if options.save or continuing else None
         if store is not None and store.notice:
-            _say(f"Warning: {store.notice}")
-        chat = _chat_to_continue(options, store) if continuing else None
+            warn(store.notice)
+        chat = chat_to_continue(options, store) if continuing else None
         engine_overrides = options.engine if chat is None else {**options.engine, "model": chat.model}
-        config, params = _configure(settings, engine_overrides,
-                                    {**(chat.sampling if chat else {}), **options.sampling})
-        client, load_s = _load(make_engine, config, options)
+        config, params = configure(settings, engine_overrides,
+                                   {**(chat.sampling if chat else {}), **options.sampling})
+        client, load_s = load_client(make_engine, config, options)
         system = options.system or settings.chat.system_prompt
         if options.save:
             chat = chat or store.create_chat(chat_title((options.prompt or "").strip() or user_text),
-                                             _model_spec(config.model), system,
+                                             model_spec(config.model), system,
                                              chat_sampling(params))
-            session = ChatSession(store, chat, on_warning=_warn)
+            session = ChatSession(store, chat, on_warning=warn)
         else:
             info = client.info
             conversation = (Conversation.from_chat(chat, info.tokenizer, info.chat_template)
@@ -290,25 +256,15 @@ def _run_batch(options: AskOptions, settings: Settings, make_engine: EngineFacto
     if options.prompt or options.continue_chat or options.chat_id is not None:
         raise UsageError("--file runs its own prompts: drop the PROMPT argument, -c and --chat")
     prompts = read_prompt_file(options.file)
-    config, params = _configure(settings, options.engine, options.sampling)
-    with _warnings_to_stderr():
-        client, load_s = _load(make_engine, config, options)
+    config, params = configure(settings, options.engine, options.sampling)
+    with warnings_to_stderr():
+        client, load_s = load_client(make_engine, config, options)
         answers = [Answer(index, ChatSession(system_prompt=item.system or options.system
                                              or settings.chat.system_prompt),
                           item.prompt, params,
                           {"index": index, "prompt": item.prompt, "model": config.model})
                    for index, item in enumerate(prompts)]
         return _answer(client, answers, options, load_s)
-
-
-def _configure(settings: Settings, engine: dict[str, Any], sampling: dict[str, Any]
-               ) -> tuple[EngineConfig, SamplingParams]:
-    """The settings with the command line's values on top. config.toml was checked when
-    it was read, so a bad value here came from an option: a usage error."""
-    try:
-        return settings.engine_config(**engine), settings.sampling_params(**sampling)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
 
 
 def _answer(client: EngineClient, answers: list[Answer], options: AskOptions, load_s: float) -> int:
@@ -322,10 +278,10 @@ def _answer(client: EngineClient, answers: list[Answer], options: AskOptions, lo
     if options.stats:
         _print_stats(answers, load_s, stats.num_preemptions)
         if stats.blocks_freed_by_window:
-            _say(f"{stats.blocks_freed_by_window} KV blocks freed behind the sliding window")
+            say(f"{stats.blocks_freed_by_window} KV blocks freed behind the sliding window")
     failed = [answer for answer in answers if answer.turn.finish_reason == "error"]
     for answer in failed:
-        _say(f"Error: {f'prompt {answer.index + 1}: ' if len(answers) > 1 else ''}{answer.turn.error}")
+        say(f"Error: {f'prompt {answer.index + 1}: ' if len(answers) > 1 else ''}{answer.turn.error}")
     return STOP_SIGNALS[signals[0]] if signals else 1 if failed else 0
 
 
@@ -343,46 +299,13 @@ async def _stream_all(client: EngineClient, answers: list[Answer], output: Order
         for answer in answers:
             answer.session.stop()
 
-    with _stop_signals(stop_all) as received:
+    with stop_signals(stop_all) as received:
         try:
             await asyncio.gather(*(answer_one(answer) for answer in answers))
         except asyncio.CancelledError:  # a second signal: every turn was saved as stopped
             if not received:
                 raise
     return received
-
-
-STOP_SIGNALS = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
-
-
-@contextmanager
-def _stop_signals(stop: Callable[[], None]) -> Iterator[list[int]]:
-    """While inside, Ctrl+C, SIGTERM and SIGHUP call `stop` (the replies end between steps,
-    their partial text kept); a second one cancels the running task at once. Yields the
-    signals received. Outside the main thread signals cannot be caught: they act as usual."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    received: list[int] = []
-
-    def on_signal(signum: int) -> None:
-        received.append(signum)
-        if len(received) == 1:
-            stop()
-        else:
-            task.cancel()
-
-    installed = []
-    for signum in STOP_SIGNALS:
-        try:
-            loop.add_signal_handler(signum, on_signal, signum)
-        except (ValueError, RuntimeError):  # not the main thread
-            break
-        installed.append(signum)
-    try:
-        yield received
-    finally:
-        for signum in installed:
-            loop.remove_signal_handler(signum)
 
 
 def load_progress() -> Callable[[str, int, int], None]:
@@ -403,86 +326,18 @@ def load_progress() -> Callable[[str, int, int], None]:
     return show
 
 
-def _warn(message: str) -> None:
-    _say(f"Warning: {message}")
-
-
-def _chat_to_continue(options: AskOptions, store: ChatStore) -> Chat:
-    """The chat -c or --chat names, once it is clear the options can continue it."""
-    if options.continue_chat and options.chat_id is not None:
-        raise UsageError("give -c (the latest chat) or --chat ID, not both")
-    if options.chat_id is not None:
-        chat = store.get_chat(store.resolve_id(options.chat_id))
-    else:
-        chat = store.latest_chat()
-        if chat is None:
-            raise UsageError("there is no chat to continue yet: ask without -c to start one")
-    _check_continuable(options, chat)
-    return chat
-
-
-def _check_continuable(options: AskOptions, chat: Chat) -> None:
-    """A chat's token ids belong to its model and its system prompt: continuing it with
-    others would silently re-encode (or mis-read) its history."""
-    model = options.engine.get("model")
-    if model is not None and not _same_model(model, chat.model):
-        raise UsageError(f"chat {chat.id} uses the model {chat.model!r}: drop --model to continue "
-                         "it, or start a new chat")
-    if options.system is not None and options.system != (chat.system_prompt or ""):
-        raise UsageError(f"chat {chat.id} has its own system prompt: drop --system to continue it")
-
-
-def _model_spec(model: str) -> str:
-    """What a chat stores as its model: a path made absolute, so -c works from anywhere."""
-    path = Path(model).expanduser()
-    return str(path.resolve()) if path.exists() else model
-
-
-def _same_model(a: str, b: str) -> bool:
-    return a == b or Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
-
-
-def _load(make_engine: EngineFactory, config: EngineConfig, options: AskOptions
-          ) -> tuple[EngineClient, float]:
-    """The engine client (in-process, or the --server's), and how long it took; says what
-    is loading when stderr is a terminal."""
-    from paged_chat.client_spec import client_spec
-    from paged_chat.engine import make_client
-
-    started = time.perf_counter()
-    if sys.stderr.isatty():
-        _say(f"loading {options.server or config.model} ...")
-    client = make_client(client_spec(config, server=options.server, api_key=options.api_key,
-                                     model=options.engine.get("model"), make_engine=make_engine))
-    return client, time.perf_counter() - started
-
-
 def _print_stats(answers: list[Answer], load_s: float, preemptions: int) -> None:
     if len(answers) == 1:
-        _say(answers[0].stats_line(load_s))
+        say(turn_stats_line(answers[0].turn, load_s))
         return
     for answer in answers:
-        _say(f"[{answer.index + 1}] {answer.stats_line(load_s)}")
+        say(f"[{answer.index + 1}] {turn_stats_line(answer.turn, load_s)}")
     turns = [answer.turn for answer in answers]
     started = min(turn.submitted_at for turn in turns)
     ended = max(turn.finished_at or started for turn in turns)
     generated = sum(len(turn.token_ids) for turn in turns)
     rate = generated / (ended - started) if ended > started else 0.0
     cached = sum(turn.num_cached_tokens for turn in turns)
-    _say(f"{len(answers)} prompts: {generated} tokens generated in {ended - started:.2f} s "
-         f"({rate:.1f} tokens/s together), {cached} prompt tokens from the prefix cache, "
-         f"{preemptions} preemptions")
-
-
-@contextmanager
-def _warnings_to_stderr() -> Iterator[None]:
-    """Python warnings (a template that forces a re-encode, a missing chat template) as
-    one `Warning: ...` line each, not the module:line format meant for developers."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("default")
-        warnings.showwarning = lambda message, *args, **kwargs: _say(f"Warning: {message}")
-        yield
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    say(f"{len(answers)} prompts: {generated} tokens generated in {ended - started:.2f} s "
+        f"({rate:.1f} tokens/s together), {cached} prompt tokens from the prefix cache, "
+        f"{preemptions} preemptions")

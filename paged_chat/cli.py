@@ -37,8 +37,8 @@ from paged_chat.settings import Settings, config_path, load_settings
 from paged_chat.text import sanitize_for_terminal
 
 if TYPE_CHECKING:
+    from paged_chat.chat_store import ChatStore, StoredChat
     from paged_chat.engine import Engine, EngineClient, EngineConfig
-    from paged_chat.store import Chat, ChatStore
 
 def _without_flag_types(params: list[click.Parameter]) -> list[click.Parameter]:
     for param in params:
@@ -146,7 +146,7 @@ def _reported(ctx: typer.Context) -> Iterator[None]:
     """Turn failures into exit codes: a usage error is one line and status 2, any other
     error one line and status 1 (re-raised with --debug), Ctrl+C status 130. Python
     warnings (e.g. a directory made private) are one `Warning: ...` line each."""
-    from paged_chat.ask import UsageError
+    from paged_chat.plain_terminal import UsageError
 
     try:
         with warnings.catch_warnings():
@@ -286,7 +286,8 @@ def ask(ctx: typer.Context,
 
         paged-chat ask --file prompts.txt --json
     """
-    from paged_chat.ask import AskOptions, check_text_options, run_ask
+    from paged_chat.ask import check_text_options, run_ask
+    from paged_chat.plain_terminal import AskOptions
 
     state = _state(ctx)
     options = AskOptions(
@@ -319,8 +320,9 @@ def chat_command(ctx: typer.Context,
 
     Commands: /new, /system TEXT, /stats, /help, /quit (or Ctrl+D); Ctrl+C stops a reply.
     """
-    from paged_chat.ask import AskOptions, check_text_options
-    from paged_chat.repl import run_chat
+    from paged_chat.ask import check_text_options
+    from paged_chat.chat_command import run_chat
+    from paged_chat.plain_terminal import AskOptions
 
     state = _state(ctx)
     options = AskOptions(system=system, continue_chat=continue_chat, chat_id=chat_id,
@@ -540,7 +542,7 @@ def delete_chat(ctx: typer.Context, chat_id: ChatId,
             if not sys.stdin.isatty():  # a terminal echoed the answer and its newline
                 typer.echo(answer.strip(), err=True)
             if not answer:
-                from paged_chat.ask import UsageError
+                from paged_chat.plain_terminal import UsageError
 
                 raise UsageError("no answer on stdin: the chat was not deleted (--yes "
                                  "deletes without asking)")
@@ -566,7 +568,7 @@ def clear_cache(ctx: typer.Context) -> None:
 def _open_store(ctx: typer.Context) -> Iterator[ChatStore]:
     """The chat store for one command, with errors reported and a recovery notice shown."""
     with _reported(ctx):
-        from paged_chat.store import ChatStore
+        from paged_chat.chat_store import ChatStore
 
         store = ChatStore()
         if store.notice:
@@ -577,7 +579,7 @@ def _open_store(ctx: typer.Context) -> Iterator[ChatStore]:
             store.close()
 
 
-def _markdown(chat: Chat) -> str:
+def _markdown(chat: StoredChat) -> str:
     """A chat as Markdown: a heading, what it ran on, then each message under its role."""
     lines = [f"# {chat.title}", "", f"chat `{chat.id}` · {chat.model} · {_local_time(chat.created)}", ""]
     if chat.system_prompt:

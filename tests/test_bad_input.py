@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paged_chat.chat import ChatTemplateError, Conversation
+from paged_chat.conversation import ChatTemplateError, Conversation
 from paged_chat.engine import ClientSpec, make_client, SamplingParams
 from paged_chat.engine.detokenizer import IncrementalDetokenizer
 from paged_chat.engine.runner import ModelRunner

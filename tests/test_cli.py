@@ -22,11 +22,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings as hypothesis_settings, strategies as st
 from typer.testing import CliRunner
 
-from paged_chat import session as session_module
-from paged_chat.ask import UsageError, parse_prompt_file, read_prompt
+from paged_chat import chat_session as session_module
+from paged_chat.ask import parse_prompt_file, read_prompt
+from paged_chat.chat_store import ChatStore
 from paged_chat.cli import CliState, app
 from paged_chat.engine import Engine
-from paged_chat.store import ChatStore
+from paged_chat.plain_terminal import UsageError
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -8,8 +8,8 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
+from paged_chat.chat_store import ChatStore
 from paged_chat.cli import app
-from paged_chat.store import ChatStore
 
 
 def command_paths(command, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from paged_chat.chat import Conversation
+from paged_chat.conversation import Conversation
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.models.loader import MODEL_ALIASES, resolve_alias_path
 from paged_chat.engine.models.weight_cache import list_cached_weights

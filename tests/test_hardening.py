@@ -22,14 +22,14 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from typer.testing import CliRunner
 
-from paged_chat import ask as ask_module
-from paged_chat.session import chat_title
-from paged_chat import store as store_module
-from paged_chat.ask import AskOptions, OrderedOutput, parse_prompt_file, run_ask
+from paged_chat import chat_store as store_module
+from paged_chat.ask import OrderedOutput, parse_prompt_file, run_ask
+from paged_chat.chat_session import chat_title
+from paged_chat.chat_store import ChatStore
 from paged_chat.cli import CliState, app
 from paged_chat.engine import SamplingParams
+from paged_chat.plain_terminal import AskOptions, UsageError
 from paged_chat.settings import load_settings
-from paged_chat.store import ChatStore
 from paged_chat.text import StreamSanitizer, sanitize_for_terminal
 from test_bad_input import ESCAPE_IDS, _ESCAPE_SOUP, scripted
 from test_cli import REPO, cli, one_line  # noqa: F401 (cli is a fixture)
@@ -152,8 +152,8 @@ def test_a_title_never_holds_an_escape_sequence(prompt):
 
 PERMISSIONS = """
 import os, stat
+from paged_chat.chat_store import ChatStore
 from paged_chat.settings import cache_dir
-from paged_chat.store import ChatStore
 
 def mode(path):
     return oct(stat.S_IMODE(os.stat(path).st_mode))
@@ -231,7 +231,7 @@ def test_a_corrupt_store_is_moved_aside_once_when_two_find_it(tmp_path, monkeypa
         store.close()
 
 
-RECOVER = "import sys; from pathlib import Path; from paged_chat.store import ChatStore; ChatStore(Path(sys.argv[1])).close()"
+RECOVER = "import sys; from pathlib import Path; from paged_chat.chat_store import ChatStore; ChatStore(Path(sys.argv[1])).close()"
 
 
 def test_six_processes_finding_a_corrupt_store_never_lose_it(tmp_path):
@@ -376,7 +376,7 @@ def test_a_jsonl_file_with_a_bom_is_jsonl(cli, tmp_path):
 
 def test_deeply_nested_json_is_a_usage_error_naming_the_line():
     deep = "[" * 100_000 + "]" * 100_000
-    with pytest.raises(ask_module.UsageError, match="line 2 of the prompt file is not JSON .nested too deeply"):
+    with pytest.raises(UsageError, match="line 2 of the prompt file is not JSON .nested too deeply"):
         parse_prompt_file('{"prompt": "fine"}\n' + deep)
     assert [p.prompt for p in parse_prompt_file(deep)] == [deep]  # not an object: a plain prompt
 

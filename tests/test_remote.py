@@ -15,11 +15,11 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
+from paged_chat.chat_session import ChatSession
+from paged_chat.chat_store import ChatStore
 from paged_chat.cli import CliState, app as cli_app
 from paged_chat.engine import (ClientSpec, Engine, EngineClient, EngineDeadError, RemoteClient,
                                RemoteEngineError, SamplingParams, make_client)
-from paged_chat.session import ChatSession
-from paged_chat.store import ChatStore
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.engine_panel import EnginePanel
 from server_fixtures import (answers_health, api, chat_engine_config, free_port,  # noqa: F401

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from paged_chat.repl import Repl
-from paged_chat.store import ChatStore
+from paged_chat.chat_command import Repl
+from paged_chat.chat_store import ChatStore
 from test_cli import REPO, cli  # noqa: F401 (the fixture)
 from test_model_stores import default_gguf, link, write_manifest
 

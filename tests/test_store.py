@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_chat import store as store_module
-from paged_chat.chat import Conversation
-from paged_chat.store import ChatNotFound, ChatStore, MessageNotFound, StoreError
+from paged_chat import chat_store as store_module
+from paged_chat.chat_store import ChatNotFound, ChatStore, MessageNotFound, StoreError
+from paged_chat.conversation import Conversation
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -282,7 +282,7 @@ def test_a_damaged_database_is_moved_aside(tmp_path):
 WRITER = """
 import sys
 from pathlib import Path
-from paged_chat.store import ChatStore
+from paged_chat.chat_store import ChatStore
 
 store = ChatStore(Path(sys.argv[1]))
 chat = store.create_chat("killed mid-stream", "m")

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_chat import store as store_module
-from paged_chat.store import ChatStore
+from paged_chat import chat_store as store_module
+from paged_chat.chat_store import ChatStore
 
 SEARCH_VERSION = 1   # the schema version before the search index
 

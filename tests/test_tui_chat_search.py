@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from textual.command import CommandPalette
 
-from paged_chat.store import ChatStore
+from paged_chat.chat_store import ChatStore
 from paged_chat.tui.chat_search import ChatSearch
 from tui_helpers import make_app, press, wait_until
 

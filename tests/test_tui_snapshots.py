@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from paged_chat.chat_session import Turn
+from paged_chat.chat_store import ChatStore
 from paged_chat.engine import ClientCapabilities, ModelInfo
 from paged_chat.engine.stats import BlockMap, EngineStats
-from paged_chat.session import Turn
 from paged_chat.settings import Settings
-from paged_chat.store import ChatStore
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.prompt_input import PromptInput
 

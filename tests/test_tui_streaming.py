@@ -18,10 +18,10 @@ import numpy as np
 from textual import events
 from textual.widgets.markdown import MarkdownBlock
 
+from paged_chat.chat_store import ChatStore
 from paged_chat.engine import ClientCapabilities, Engine, EngineConfig, RequestOutput, SamplingParams
 from paged_chat.engine.stats import BlockMap
 from paged_chat.settings import ChatSettings, Settings
-from paged_chat.store import ChatStore
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.block_map import TAB0, BlockMapView
 from paged_chat.tui.messages import AssistantMessage

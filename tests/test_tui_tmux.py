@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from paged_chat.store import ChatStore
+from paged_chat.chat_store import ChatStore
 
 
 _SERVERS = itertools.count()

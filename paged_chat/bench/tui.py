@@ -36,11 +36,11 @@ from pathlib import Path
 from textual import events
 
 from paged_chat.bench.own_thread import on_own_thread
-from paged_chat.chat import Conversation
+from paged_chat.chat_store import ChatStore
+from paged_chat.conversation import Conversation
 from paged_chat.engine import (ClientSpec, Engine, EngineClient, EngineConfig, SamplingParams,
                                make_client)
 from paged_chat.settings import ChatSettings, Settings
-from paged_chat.store import ChatStore
 
 PROFILE_TOP = 12        # functions listed by own time
 ROUNDS = 2              # runs of the engine alone and of each app variant, alternating
@@ -115,7 +115,7 @@ def run_app(client: EngineClient, chats: list[tuple[str | None, str]], params: S
             tabs = []
             for index, (system, _) in enumerate(chats):
                 chat = store.create_chat(f"Demo {index + 1}", client.info.name, system, {})
-                tabs.append(await app.open_chat_tab(chat, activate=index == 0, loaded=True))
+                tabs.append(await app.tabs.open_chat_tab(chat, activate=index == 0, loaded=True))
             if profile is not None:
                 profile.enable()
             started, ui_started = time.perf_counter(), time.thread_time()

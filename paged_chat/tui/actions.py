@@ -1,8 +1,9 @@
 """The app's actions: each has a key (rebindable in `[tui.keys]`) and a palette entry.
 
 `ChatActions` is mixed into the app; it acts on the active tab through the tab's own
-methods and the app's tab management (`open_new_chat`, `open_session_tab`, `close_tab`,
-`cycle_tabs`), nothing deeper.
+methods and on the tabs through the ChatTabs widget's (`app.tabs`: `open_new_chat`,
+`fork_tab`, `close_tab`, `cycle_tabs`, `pause_demo`), and reads only the app's public
+surface (`active_tab`, `chat_tabs`, `panel`, `store`, `settings`, `keymap`).
 """
 
 from __future__ import annotations
@@ -59,24 +60,24 @@ class StoredChats(Provider):
     """Palette: reopen a chat from the store that has no open tab."""
 
     async def search(self, query: str) -> Hits:
-        app = self.app
+        tabs = self.app.tabs
         matcher = self.matcher(query)
-        for chat in app.closed_chats():
+        for chat in tabs.closed_chats():
             text = f"Open chat: {chat.title}"
             score = matcher.match(text)
             if score > 0:
-                yield Hit(score, matcher.highlight(text), partial(app.open_stored_chat, chat.id),
+                yield Hit(score, matcher.highlight(text), partial(tabs.open_stored_chat, chat.id),
                           help=f"last used {time.strftime('%Y-%m-%d %H:%M', time.localtime(chat.updated))}")
 
     async def discover(self) -> Hits:
-        app = self.app
-        for chat in app.closed_chats()[:20]:
-            yield DiscoveryHit(f"Open chat: {chat.title}", partial(app.open_stored_chat, chat.id))
+        tabs = self.app.tabs
+        for chat in tabs.closed_chats()[:20]:
+            yield DiscoveryHit(f"Open chat: {chat.title}", partial(tabs.open_stored_chat, chat.id))
 
 
 class ChatActions:
-    """The action_* methods of the app (mixed into PagedChatApp, whose tab management they
-    call), and what the palette and help list of them."""
+    """The action_* methods of the app (mixed into PagedChatApp, whose tabs they act on),
+    and what the palette and help list of them."""
 
     def _need_tab(self) -> ChatTab | None:
         tab = self.active_tab
@@ -85,7 +86,7 @@ class ChatActions:
         return tab
 
     async def action_new_chat(self) -> None:
-        await self.open_new_chat()
+        await self.tabs.open_new_chat()
 
     @work(group="dialog")
     async def action_close_chat(self) -> None:
@@ -95,13 +96,13 @@ class ChatActions:
         if tab.streaming and not await self.push_screen_wait(
                 ConfirmScreen(f"A reply is streaming in {tab.title!r}. Close it anyway?", "Close")):
             return
-        await self.close_tab(tab)
+        await self.tabs.close_tab(tab)
 
     def action_next_chat(self) -> None:
-        self.cycle_tabs(+1)
+        self.tabs.cycle_tabs(+1)
 
     def action_prev_chat(self) -> None:
-        self.cycle_tabs(-1)
+        self.tabs.cycle_tabs(-1)
 
     @work(group="dialog")
     async def action_rename_chat(self) -> None:
@@ -120,9 +121,7 @@ class ChatActions:
             self.notify("wait for the reply to finish (or stop it) before forking",
                         severity="warning", markup=False)
             return
-        await tab.ensure_loaded()
-        fork = await self.open_session_tab(tab.session.fork(f"{tab.title} (fork)"))
-        await fork.ensure_loaded()
+        await self.tabs.fork_tab(tab)
         self.notify(f"forked {tab.title!r}: the fork shares every full KV block of its history",
                     markup=False)
 
@@ -141,7 +140,7 @@ class ChatActions:
     def action_stop(self) -> None:
         tab = self.active_tab
         if tab is not None:
-            self.pause_demo(tab)
+            self.tabs.pause_demo(tab)
             tab.stop()
 
     def action_regenerate(self) -> None:
@@ -203,17 +202,16 @@ class ChatActions:
                 f"Delete {tab.title!r} and its messages from the store?", "Delete")):
             return
         chat_id = tab.chat_id
-        await self.close_tab(tab)
+        await self.tabs.close_tab(tab)
         self.store.delete_chat(chat_id)
 
     def key_help(self) -> list[tuple[str, str]]:
         """(keys, description) per action, as currently bound (keymap applied)."""
-        keymap = getattr(self, "_keymap", {})
         rows = []
         for action, keys, _, description, _ in ACTIONS:
-            bound = keymap.get(action, keys)
-            rows.append((", ".join(self.get_key_display(Binding(k, action)) for k in bound.split(",")),
-                         description))
+            bound = self.keymap.get(action, keys)
+            shown = (self.get_key_display(Binding(key.strip(), action)) for key in bound.split(","))
+            rows.append((", ".join(shown), description))
         rows += [("enter", "Send the prompt"), ("shift+enter, ctrl+j", "New line in the prompt"),
                  ("up / down", "Earlier prompts (on the first / last line)"),
                  ("ctrl+p", "Command palette (every action)"), ("ctrl+q", "Quit")]

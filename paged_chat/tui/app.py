@@ -6,8 +6,8 @@ model is ready (a prompt sent before then waits for it). Each tab is a view of o
 and streams its replies in its own worker on the app's event loop; the engine panel polls
 `stats()` (which never blocks) on a ~10 Hz timer. The app talks to the engine only through
 the EngineClient surface, and takes an injected engine, store and settings, so tests can
-drive it with a tiny model and a throwaway store. Its actions live in `actions.py`, its tab
-management in `tabs.py`.
+drive it with a tiny model and a throwaway store. Its actions live in `actions.py`; its tabs
+are one widget, `ChatTabs` (`tabs.py`), that owns their state.
 """
 
 from __future__ import annotations
@@ -20,29 +20,27 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.text import Text
-from textual import on, work
+from textual import work
 from textual.app import App, ComposeResult
 from textual.containers import Horizontal
 from textual.css.query import NoMatches
-from textual.widgets import ContentSwitcher, Footer, Static, TabbedContent
+from textual.widgets import Footer, Static
 
+from paged_chat.chat_store import ChatStore
 from paged_chat.engine.errors import PagedChatError, describe_error
 from paged_chat.settings import Settings, cache_dir, data_dir
-from paged_chat.store import ChatStore
-from paged_chat.text import sanitize_for_terminal as clean
 from paged_chat.tui.actions import ACTIONS, ChatActions, StoredChats, make_bindings
 from paged_chat.tui.chat_search import ChatSearch
-from paged_chat.tui.chat_tab import ChatTab
-from paged_chat.tui.engine_panel import EnginePanel, TabInfo, with_request_owners
+from paged_chat.tui.engine_panel import EnginePanel, with_request_owners
 from paged_chat.tui.open_tabs import OpenTabs
-from paged_chat.tui.tabs import TabManagement
+from paged_chat.tui.tabs import ChatTabs
 
 if TYPE_CHECKING:
     from paged_chat.engine import (ClientCapabilities, EngineClient, EngineConfig, ModelInfo,
                                    SamplingParams)
     from paged_chat.engine.models.loader import ProgressHook
     from paged_chat.server import ApiServer
-    from paged_chat.tui.demo import Autopilot
+    from paged_chat.tui.chat_tab import ChatTab
 
 LABEL_TICKS = 10            # polls between refreshes of streaming tabs' headers
 DEMO_NUM_BLOCKS = 1536      # --demo's KV pool unless config.toml sizes it
@@ -50,7 +48,7 @@ UI_CORES = 1                # what the UI thread needs while tabs stream: 0.2-0.
 WIDE_FROM = 112   # columns from which the engine panel (48) leaves the prompt 60 or more
 
 
-class PagedChatApp(ChatActions, TabManagement, App):
+class PagedChatApp(ChatActions, App):
     CSS_PATH = Path(__file__).with_name("app.tcss")
     TITLE = "paged-chat"
     BINDINGS = make_bindings()
@@ -91,23 +89,25 @@ class PagedChatApp(ChatActions, TabManagement, App):
         self._load_started = time.monotonic()
         self._load_progress = ""     # what a slow load is doing (a GGUF's first conversion)
         self._engine_ready: asyncio.Event | None = None
-        self._tab_infos: dict[str, TabInfo] | None = None
-        self._autopilots: dict[ChatTab, Autopilot] = {}
         self._last_engine_error: str | None = None
         self._ticks = 0
+        self.keymap: dict[str, str] = {}   # [tui.keys] as applied: action -> its keys
 
     # ---- layout ---------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="main"):
-            yield TabbedContent(id="tabs")
+            yield ChatTabs(self.store, self.open_tabs, model_name=lambda: self.model_name,
+                           system_prompt=self.settings.chat.system_prompt,
+                           wait_for_engine=self.wait_for_engine,
+                           sampling_params=self.sampling_params, id="tabs")
             yield EnginePanel(id="engine-panel")
         yield Static(id="status")
         yield Footer()
 
     @property
-    def tabs(self) -> TabbedContent:
-        return self.query_one("#tabs", TabbedContent)
+    def tabs(self) -> ChatTabs:
+        return self.query_one(ChatTabs)
 
     @property
     def panel(self) -> EnginePanel:
@@ -115,15 +115,11 @@ class PagedChatApp(ChatActions, TabManagement, App):
 
     @property
     def chat_tabs(self) -> list[ChatTab]:
-        # The panes' container, not a query of the whole DOM: that walks every message
-        # widget of every tab, and the panel's poll asks for the tabs every second.
-        return [pane for pane in self.tabs.query_one(ContentSwitcher).children
-                if isinstance(pane, ChatTab)]
+        return self.tabs.chat_tabs
 
     @property
     def active_tab(self) -> ChatTab | None:
-        pane = self.tabs.active_pane
-        return pane if isinstance(pane, ChatTab) else None
+        return self.tabs.active_tab
 
     @property
     def model_name(self) -> str:
@@ -148,11 +144,11 @@ class PagedChatApp(ChatActions, TabManagement, App):
             self._engine_loaded(self.engine, 0.0)
         self.panel.decode = self._decode
         if self.demo:
-            await self._open_demo_tabs(self.demo)
+            await self.tabs.open_demo_tabs(self.demo)
         elif self.restore:
-            await self._restore_tabs()
+            await self.tabs.restore()
         if not self.chat_tabs:
-            await self.open_new_chat()
+            await self.tabs.open_new_chat()
         if self.active_tab is not None:
             await self.active_tab.ensure_loaded()
             self.active_tab.prompt.focus()
@@ -165,7 +161,8 @@ class PagedChatApp(ChatActions, TabManagement, App):
         if unknown:
             self.notify(f"[tui.keys]: unknown action(s) {', '.join(unknown)}; known: "
                         f"{', '.join(sorted(known))}", severity="error", timeout=15, markup=False)
-        self.set_keymap({action: key for action, key in keys.items() if action in known})
+        self.keymap = {action: key for action, key in keys.items() if action in known}
+        self.set_keymap(self.keymap)
 
     # ---- the engine -----------------------------------------------------------------
 
@@ -251,29 +248,18 @@ class PagedChatApp(ChatActions, TabManagement, App):
         if not self.screen_stack or not self.screen.is_attached:
             return  # shutting down
         stats = self.engine.stats()
-        if self._tab_infos is None:
-            self._tab_infos = {tab.chat_id: TabInfo(clean(tab.title), tab.colour, tab.tokens_of)
-                               for tab in self.chat_tabs}
         try:
             self.panel.capabilities = self.engine.capabilities
-            self.panel.show_stats(stats, with_request_owners(self._tab_infos, stats.blocks))
+            self.panel.show_stats(stats, with_request_owners(self.tabs.tab_infos(), stats.blocks))
         except NoMatches:  # the panel is being built or torn down
             return
         self._ticks += 1
-        if self._ticks % LABEL_TICKS == 0:
-            self._refresh_streaming_labels()
+        if self._ticks % LABEL_TICKS == 0:   # about once a second
+            self.tabs.refresh_streaming_labels()
         error = self.engine.last_error
         if error and error != self._last_engine_error:
             self._last_engine_error = error
             self.notify(f"engine step failed: {error}", severity="error", timeout=10, markup=False)
-
-    def _refresh_streaming_labels(self) -> None:
-        """Streaming tabs' headers (TTFT, tokens/s), all in one layout pass about once a second
-        (a tab label change re-lays the tab bar)."""
-        with self.batch_update():
-            for tab in self.chat_tabs:
-                if tab.streaming:
-                    self._refresh_tab(tab)
 
     def _update_status(self) -> None:
         status = self.query_one("#status", Static)
@@ -300,33 +286,6 @@ class PagedChatApp(ChatActions, TabManagement, App):
             text.append(f" · demo: {self.demo} tabs chat by themselves (Esc pauses one)",
                         style="italic")
         status.update(text, layout=False)
-
-    # ---- tabs -----------------------------------------------------------------------
-
-    @on(ChatTab.Changed)
-    def _tab_changed(self, event: ChatTab.Changed) -> None:
-        if event.tab.is_attached:
-            self._refresh_tab(event.tab)
-        if isinstance(event, ChatTab.Rekeyed):
-            self._tab_infos = None
-            self._save_open_tabs()
-        elif isinstance(event, ChatTab.TurnEnded) and event.tab in self._autopilots:
-            self._autopilots[event.tab].turn_done(event.tab)
-
-    @on(TabbedContent.TabActivated)
-    async def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
-        tab = event.pane
-        # Stale activations (restoring adds tabs one by one) load nothing: tabs load lazily.
-        try:
-            if not (isinstance(tab, ChatTab) and tab is self.active_tab and tab.is_attached):
-                return
-            # Focus first: the hidden tab's prompt must not keep it while this one loads.
-            tab.prompt.focus()
-        except NoMatches:  # the tab, or the app, is being torn down
-            return
-        self._save_open_tabs()
-        self.call_after_refresh(self._scroll_to_active_label)
-        await tab.ensure_loaded()
 
     # ---- shutdown -------------------------------------------------------------------
 

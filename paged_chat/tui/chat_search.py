@@ -22,6 +22,6 @@ class ChatSearch(Provider):
         app = self.app
         for rank, chat in enumerate(app.store.search_chats(query)[:MAX_HITS]):
             text = PREFIX + sanitize_for_terminal(chat.title)
-            yield Hit(0.5 - rank / (4 * MAX_HITS), Text(text), partial(app.open_stored_chat, chat.id),
-                      text=text,
+            yield Hit(0.5 - rank / (4 * MAX_HITS), Text(text),
+                      partial(app.tabs.open_stored_chat, chat.id), text=text,
                       help=f"last used {time.strftime('%Y-%m-%d %H:%M', time.localtime(chat.updated))}")

@@ -25,9 +25,9 @@ from textual.message import Message
 from textual.reactive import reactive
 from textual.widgets import Button, Static, TabPane
 
+from paged_chat.chat_session import ChatSession, chat_title
 from paged_chat.engine.errors import describe_error
 from paged_chat.finish_labels import finish_label
-from paged_chat.session import ChatSession, chat_title
 from paged_chat.text import sanitize_for_terminal as clean
 from paged_chat.tui.block_map import TAB_COLOURS
 from paged_chat.tui.messages import AssistantMessage, ErrorMessage, UserMessage, code_blocks

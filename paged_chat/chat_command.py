@@ -1,8 +1,8 @@
 """`paged-chat chat`: the interactive loop in a plain terminal, for who wants `ollama run`
 or `llm chat` and no full-screen UI.
 
-One engine is loaded once; each line typed is a ChatSession turn (paged_chat.session, as
-in `ask` and the TUI) through the in-process engine client, its reply streamed to stdout
+One engine is loaded once; each line typed is a ChatSession turn (paged_chat.chat_session,
+as in `ask` and the TUI) through the in-process engine client, its reply streamed to stdout
 and saved in the same chat store. A chat is created on its first message (titled by it);
 `-c` / `--chat ID` go on with a stored one.
 
@@ -24,18 +24,18 @@ from collections.abc import Callable
 from contextlib import ExitStack, aclosing
 from typing import TYPE_CHECKING, TextIO
 
-from paged_chat.ask import (STOP_SIGNALS, AskOptions, Answer, _chat_to_continue, _configure, _load,
-                            _model_spec, _say, _stop_signals, _warn, _warnings_to_stderr)
+from paged_chat.chat_session import ChatSession, chat_title
 from paged_chat.engine.errors import PagedChatError, describe_error
-from paged_chat.session import ChatSession, chat_title
+from paged_chat.plain_terminal import (STOP_SIGNALS, AskOptions, EngineFactory, chat_to_continue,
+                                       configure, load_client, model_spec, say, stop_signals,
+                                       turn_stats_line, warn, warnings_to_stderr)
 from paged_chat.settings import chat_sampling, data_dir
 from paged_chat.text import StreamSanitizer, sanitize_for_terminal
 
 if TYPE_CHECKING:
-    from paged_chat.ask import EngineFactory
+    from paged_chat.chat_store import ChatStore
     from paged_chat.engine import EngineClient, EngineConfig, SamplingParams
     from paged_chat.settings import Settings
-    from paged_chat.store import ChatStore
 
 PROMPT = ">>> "
 HISTORY_FILE = "chat_history"
@@ -54,26 +54,26 @@ def run_chat(options: AskOptions, settings: Settings, make_engine: EngineFactory
              stdin: TextIO, stdout: TextIO) -> int:
     """Load the engine, then chat until /quit or end of input; the exit status (0, or
     143 / 129 when SIGTERM / SIGHUP ended it)."""
-    from paged_chat.store import ChatStore
+    from paged_chat.chat_store import ChatStore
 
-    with ExitStack() as cleanup, _warnings_to_stderr():
+    with ExitStack() as cleanup, warnings_to_stderr():
         store = cleanup.enter_context(ChatStore())
         if store.notice:
-            _warn(store.notice)
-        chat = (_chat_to_continue(options, store)
+            warn(store.notice)
+        chat = (chat_to_continue(options, store)
                 if options.continue_chat or options.chat_id is not None else None)
         engine_overrides = options.engine if chat is None else {**options.engine, "model": chat.model}
-        config, params = _configure(settings, engine_overrides,
-                                    {**(chat.sampling if chat else {}), **options.sampling})
-        client, load_s = _load(make_engine, config, options)
+        config, params = configure(settings, engine_overrides,
+                                   {**(chat.sampling if chat else {}), **options.sampling})
+        client, load_s = load_client(make_engine, config, options)
         cleanup.callback(client.shutdown)
         system = chat.system_prompt if chat else options.system or settings.chat.system_prompt
         repl = Repl(client, store, config, params, system, stdout, load_s)
         if chat is not None:
-            repl.session = ChatSession(store, chat, on_warning=_warn)
+            repl.session = ChatSession(store, chat, on_warning=warn)
         reader = cleanup.enter_context(LineReader(stdin, stdout))
         if reader.interactive:
-            _say(f"{repl.describe()}: /help lists the commands, Ctrl+D exits")
+            say(f"{repl.describe()}: /help lists the commands, Ctrl+D exits")
         return repl.run(reader)
 
 
@@ -103,7 +103,7 @@ class LineReader:
             try:
                 self._readline.write_history_file(data_dir() / HISTORY_FILE)
             except OSError as exc:
-                _warn(f"the chat history could not be saved ({exc})")
+                warn(f"the chat history could not be saved ({exc})")
 
     def read(self) -> str | None:
         if self.interactive:
@@ -159,7 +159,7 @@ class Repl:
             "/new": self._new, "/system": self._system, "/stats": self._stats, "/help": self._help}
         handler = handlers.get(name)
         if handler is None:
-            _say(f"unknown command {sanitize_for_terminal(name)!r}: /help lists them")
+            say(f"unknown command {sanitize_for_terminal(name)!r}: /help lists them")
             return
         handler(argument.strip())
 
@@ -184,8 +184,7 @@ class Repl:
         if self.session is None or self.session.turn is None:
             self._print("no reply yet in this chat")
         else:
-            answer = Answer(0, self.session, self.session.turn.user_text, self.params)
-            self._print(answer.stats_line(self.load_s))
+            self._print(turn_stats_line(self.session.turn, self.load_s))
         self._print(f"KV pool: {stats.blocks_in_use} of {stats.num_blocks} blocks in use, "
                     f"{stats.blocks_cached} cached for reuse")
 
@@ -198,24 +197,24 @@ class Repl:
     def reply(self, text: str) -> int | None:
         """Stream the reply to `text`; the first stop signal received meanwhile, if any."""
         if self.session is None:
-            chat = self.store.create_chat(chat_title(text), _model_spec(self.config.model),
+            chat = self.store.create_chat(chat_title(text), model_spec(self.config.model),
                                           self.system, chat_sampling(self.params))
-            self.session = ChatSession(self.store, chat, on_warning=_warn)
+            self.session = ChatSession(self.store, chat, on_warning=warn)
         try:
             signals = asyncio.run(self._stream(self.session, text))
         except PagedChatError as error:  # the turn could not start (the chat moved on)
-            _say(f"Error: {describe_error(error)}")
+            say(f"Error: {describe_error(error)}")
             return None
         self._write_end()
         turn = self.session.turn
         if turn.finish_reason == "abort":
-            _say("(stopped: the reply so far is saved)")
+            say("(stopped: the reply so far is saved)")
         elif turn.finish_reason == "error":
-            _say(f"Error: {turn.error}")
+            say(f"Error: {turn.error}")
         return signals[0] if signals else None
 
     async def _stream(self, session: ChatSession, text: str) -> list[int]:
-        with _stop_signals(session.stop) as received:
+        with stop_signals(session.stop) as received:
             try:
                 async with aclosing(session.send(self.client, text, self.params)) as deltas:
                     async for delta in deltas:

@@ -31,14 +31,14 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from paged_chat.chat import Conversation
+from paged_chat.chat_store import StoreError
+from paged_chat.conversation import Conversation
 from paged_chat.engine.errors import PagedChatError, describe_error
-from paged_chat.store import StoreError
 from paged_chat.text import sanitize_for_terminal
 
 if TYPE_CHECKING:
+    from paged_chat.chat_store import ChatStore, Message, StoredChat
     from paged_chat.engine import EngineClient, RequestOutput, SamplingParams
-    from paged_chat.store import Chat, ChatStore, Message
 
 SAVE_INTERVAL_S = 0.5   # how often a streaming reply is written to the store
 TITLE_LENGTH = 60
@@ -128,7 +128,7 @@ class ChatSession:
     first turn, when the engine's tokenizer is at hand.
     """
 
-    def __init__(self, store: ChatStore | None = None, chat: Chat | None = None, *,
+    def __init__(self, store: ChatStore | None = None, chat: StoredChat | None = None, *,
                  loaded: bool = True, system_prompt: str | None = None,
                  conversation: Conversation | None = None,
                  on_warning: Callable[[str], None] | None = None) -> None:

@@ -28,7 +28,7 @@ import jinja2
 from paged_chat.engine.errors import PagedChatError
 
 if TYPE_CHECKING:
-    from paged_chat.store import Chat
+    from paged_chat.chat_store import StoredChat
 
 
 class ChatTemplateError(PagedChatError):
@@ -48,9 +48,9 @@ class Conversation:
     _pending: list[dict[str, str]] = field(default_factory=list)
 
     @classmethod
-    def from_chat(cls, chat: Chat, tokenizer: Any, chat_template: str) -> Conversation:
+    def from_chat(cls, chat: StoredChat, tokenizer: Any, chat_template: str) -> Conversation:
         """Rebuild a stored chat: its messages, and its history ids as the concatenation of
-        every row's ids (see paged_chat.store). A user message with no reply after it (the
+        every row's ids (see paged_chat.chat_store). A user message with no reply after it (the
         reply never started) gets an empty one, so the turns keep alternating; the next
         prompt then closes that empty reply, exactly as the stored ids already imply. A turn
         the engine refused outright (an error before any token, e.g. a prompt past

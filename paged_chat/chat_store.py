@@ -158,7 +158,9 @@ class Message:
 
 
 @dataclass(slots=True)
-class Chat:
+class StoredChat:
+    """One chat as the store keeps it: its row, and its messages once loaded."""
+
     id: str
     title: str
     model: str
@@ -205,22 +207,22 @@ class ChatStore:
     # ---- chats ------------------------------------------------------------------------
 
     def create_chat(self, title: str, model: str, system_prompt: str | None = None,
-                    sampling: dict | None = None) -> Chat:
+                    sampling: dict | None = None) -> StoredChat:
         now = time.time()
-        chat = Chat(_new_id(), title, model, system_prompt, dict(sampling or {}), now, now)
+        chat = StoredChat(_new_id(), title, model, system_prompt, dict(sampling or {}), now, now)
         with self._transaction() as db:
             db.execute(f"INSERT INTO chats ({_CHAT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
                        (chat.id, title, model, system_prompt, json.dumps(chat.sampling),
                         chat.created, chat.updated))
         return chat
 
-    def list_chats(self) -> list[Chat]:
+    def list_chats(self) -> list[StoredChat]:
         """Every chat, most recently updated first, without messages."""
         with self._transaction(write=False) as db:
             rows = db.execute(f"SELECT {_CHAT_COLUMNS} FROM chats ORDER BY updated DESC, rowid DESC")
             return [_chat(row) for row in rows]
 
-    def search_chats(self, text: str) -> list[Chat]:
+    def search_chats(self, text: str) -> list[StoredChat]:
         """The chats that hold every word of `text` in their title or messages (as a word
         or the start of one, case and accents ignored), most recently updated first,
         without messages. Each word is quoted, so FTS5's syntax characters are searched
@@ -234,12 +236,12 @@ class ChatStore:
                               "ORDER BY updated DESC, rowid DESC", terms)
             return [_chat(row) for row in rows]
 
-    def get_chat(self, chat_id: str) -> Chat:
+    def get_chat(self, chat_id: str) -> StoredChat:
         """The chat with its messages in order; ChatNotFound if there is none."""
         with self._transaction(write=False) as db:
             return self._load_chat(db, chat_id)
 
-    def latest_chat(self) -> Chat | None:
+    def latest_chat(self) -> StoredChat | None:
         """The most recently updated chat, with its messages; None when there is none."""
         with self._transaction(write=False) as db:
             row = db.execute("SELECT id FROM chats ORDER BY updated DESC, rowid DESC LIMIT 1").fetchone()
@@ -266,7 +268,7 @@ class ChatStore:
     def update_chat_settings(self, chat_id: str, system_prompt: str | None, sampling: dict) -> None:
         self._update_chat(chat_id, "system_prompt = ?, sampling = ?", (system_prompt, json.dumps(sampling)))
 
-    def fork_chat(self, chat_id: str, title: str | None = None) -> Chat:
+    def fork_chat(self, chat_id: str, title: str | None = None) -> StoredChat:
         """A new chat with a copy of every message, token ids included, so the fork's next
         prompt shares the original's cached blocks."""
         new_id, now = _new_id(), time.time()
@@ -339,7 +341,7 @@ class ChatStore:
     # ---- internals --------------------------------------------------------------------
 
     @staticmethod
-    def _load_chat(db: sqlite3.Connection, chat_id: str) -> Chat:
+    def _load_chat(db: sqlite3.Connection, chat_id: str) -> StoredChat:
         row = db.execute(f"SELECT {_CHAT_COLUMNS} FROM chats WHERE id = ?", (chat_id,)).fetchone()
         if row is None:
             raise ChatNotFound(f"no chat with id {chat_id!r}: `paged-chat chats` lists them")
@@ -506,9 +508,9 @@ def _search_terms(text: str) -> list[str]:
             if any(char.isalnum() for char in word)]
 
 
-def _chat(row: tuple) -> Chat:
+def _chat(row: tuple) -> StoredChat:
     chat_id, title, model, system_prompt, sampling, created, updated = row
-    return Chat(chat_id, title, model, system_prompt, json.loads(sampling), created, updated)
+    return StoredChat(chat_id, title, model, system_prompt, json.loads(sampling), created, updated)
 
 
 def _message(row: tuple) -> Message:
