@@ -321,6 +321,8 @@ def _answer(client: EngineClient, answers: list[Answer], options: AskOptions, lo
         client.shutdown()
     if options.stats:
         _print_stats(answers, load_s, stats.num_preemptions)
+        if client.info.weights:
+            _say(f"weights held: {client.info.weights}")
         if stats.blocks_freed_by_window:
             _say(f"{stats.blocks_freed_by_window} KV blocks freed behind the sliding window")
     failed = [answer for answer in answers if answer.turn.finish_reason == "error"]

@@ -21,7 +21,8 @@ from paged_chat.engine.stats import EngineStats
 class ModelInfo:
     """What the app needs to know of the model an engine serves. `tokenizer` and
     `chat_template` build prompts; `num_blocks` is 0 where the engine shows no pool
-    (a remote server)."""
+    (a remote server); `weights` says what the weights are held as ("Q4_1+Q8_0, 0.12 GB
+    of weights"; "" where unknown)."""
 
     name: str
     tokenizer: Any
@@ -32,6 +33,7 @@ class ModelInfo:
     block_size: int
     max_model_len: int
     num_parameters: int
+    weights: str = ""
 
 
 @runtime_checkable

@@ -77,10 +77,11 @@ class Engine:
         with _out_of_memory(f"loading the weights onto {self.device}", "the model does not fit; "
                             "use a smaller model or dtype, or device='cpu'"):
             model = load_model(source, self.dtype, self.device, config.cache_dir,
-                                config.weight_cache_size, on_progress)
+                                config.weight_cache_size, on_progress, config.weights)
         # Packing makes the weights opaque, and a tied output projection a second tensor.
-        num_parameters = sum(p.numel() for p in model.parameters())
-        fingerprint = model_fingerprint(dict(model.named_parameters()))
+        num_parameters = model.num_weights()
+        weights = f"{model.held_formats()}, {model.weight_bytes() / 1e9:.2f} GB of weights"
+        fingerprint = model_fingerprint(model.weight_tensors())
         if self.device.type == "cpu":
             model.pack_for_cpu()
         self.block_size = config.block_size
@@ -124,7 +125,7 @@ class Engine:
             name=self.model_name, tokenizer=self.tokenizer, chat_template=self.chat_template,
             device=self.device.type, dtype=dtype_name(self.dtype), num_blocks=self.num_blocks,
             block_size=self.block_size, max_model_len=self.max_model_len,
-            num_parameters=num_parameters)
+            num_parameters=num_parameters, weights=weights)
 
     # ---- requests -------------------------------------------------------------------
 

@@ -284,6 +284,8 @@ class PagedChatApp(ChatActions, TabManagement, App):
             text.append(info.name, style="bold")
             text.append(f" · {info.device} · {info.dtype} · {info.num_blocks:,} blocks × {info.block_size}"
                         if info.num_blocks else f" · {self.engine.describe()}")
+            if info.weights:
+                text.append(f" · {info.weights}")
             text.append(f" · max {info.max_model_len:,} tokens/seq")
             if self.load_seconds:
                 text.append(f" · ready (loaded in {self.load_seconds:.1f} s)", style="dim")
