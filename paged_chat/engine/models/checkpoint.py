@@ -122,6 +122,10 @@ class Checkpoint:
     def __init__(self, tensors: dict[str, StoredTensor]) -> None:
         self.tensors = tensors
 
+    def tensor_names(self) -> list[str]:
+        """The HF names of its tensors, in file order."""
+        return list(self.tensors)
+
     def read_into(self, name: str, out: torch.Tensor) -> int:
         """Read tensor `name` into `out` (its shape, any dtype); return a CRC-32 of the
         stored bytes where the format has one worth checking, else 0."""

@@ -220,7 +220,7 @@ def stream_weights(model: LlamaForCausalLM, checkpoint: Checkpoint, stage: str =
                    writer: EntryWriter | None = None) -> list[int]:
     """Read every tensor the model needs into its parameter (and on into `writer`, an entry
     of the converted-weights cache); return their checksums."""
-    names = [name for name in checkpoint.tensors if model.destination(name) is not None]
+    names = [name for name in checkpoint.tensor_names() if model.destination(name) is not None]
     checksums = []
     with torch.no_grad():
         for done, name in enumerate(names, 1):

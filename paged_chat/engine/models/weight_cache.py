@@ -43,6 +43,7 @@ _FORMAT_VERSION = "1"
 _SUFFIX = ".safetensors"
 _CHECKSUM_DIGITS = 8
 _HEADER_ALIGNMENT = 8
+_QUANTIZED_PARTS = frozenset(("low", "high", "scale", "offset"))  # QuantizedWeight.tensors()
 
 
 def entry_tensors(name: str, target: torch.Tensor | QuantizedWeight) -> dict[str, torch.Tensor]:
@@ -77,6 +78,12 @@ class CachedCheckpoint(Checkpoint):
         super().__init__(file.tensors)
         self.path = file.file
         self.checksum = file.metadata.get("checksum", "")
+
+    def tensor_names(self) -> list[str]:
+        """HF names: a quantized weight's entry tensors ("NAME.low", ...) are one tensor."""
+        names = (name.rpartition(".")[0] if name.rpartition(".")[2] in _QUANTIZED_PARTS
+                 else name for name in self.tensors)
+        return list(dict.fromkeys(names))
 
     def read_into(self, name: str, out: torch.Tensor | QuantizedWeight) -> int:
         checksum = 0
@@ -229,7 +236,7 @@ def list_cached_weights(root: Path) -> list[CachedWeights]:
             continue
         quantized = header.metadata.get("quantized", "")
         dtypes = {t.dtype for name, t in header.tensors.items()
-                  if not quantized or name.rpartition(".")[2] in ("weight", "bias")}
+                  if name.rpartition(".")[2] not in _QUANTIZED_PARTS}
         entries.append(CachedWeights(path, header.metadata.get("source", "?"),
                                      header.metadata.get("architecture", "?"),
                                      ",".join(sorted(dtypes)), stat.st_size, stat.st_mtime,
