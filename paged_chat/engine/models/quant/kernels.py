@@ -98,15 +98,28 @@ def _dequantize_into(lib: ctypes.CDLL, weight: QuantizedWeight, out: torch.Tenso
 
 def matmul(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor) -> None:
     """out (float32 [rows, weight.rows], a view with unit column stride) = x @ W.T, for
-    float32 x [rows, in_features]."""
+    float32 x [rows, in_features], by the kernel measured fastest for the shape."""
+    if x.shape[0] <= STREAM_MAX_ROWS and library() is not None:
+        stream_matmul(x, weight, out)
+    else:
+        tile_matmul(x, weight, out)
+
+
+def stream_matmul(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor) -> None:
+    """`matmul` by pc_matmul: each packed weight byte read once, dequantized in registers."""
     assert x.dtype == out.dtype == torch.float32 and x.is_contiguous() and out.stride(1) == 1
     lib = library()
-    if lib is not None and x.shape[0] <= STREAM_MAX_ROWS:
-        lib.pc_matmul(x.data_ptr(), x.shape[0], weight.low.data_ptr(), _pointer(weight.high),
-                      weight.scale.data_ptr(), weight.offset.data_ptr(), weight.rows,
-                      weight.in_features, weight.group, out.data_ptr(), out.stride(0),
-                      torch.get_num_threads())
-        return
+    assert lib is not None, "no C kernels on this machine"
+    lib.pc_matmul(x.data_ptr(), x.shape[0], weight.low.data_ptr(), _pointer(weight.high),
+                  weight.scale.data_ptr(), weight.offset.data_ptr(), weight.rows,
+                  weight.in_features, weight.group, out.data_ptr(), out.stride(0),
+                  torch.get_num_threads())
+
+
+def tile_matmul(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor) -> None:
+    """`matmul` by tiles of weight rows dequantized into a reused buffer, then MKL."""
+    assert x.dtype == out.dtype == torch.float32 and out.stride(1) == 1
+    lib = library()
     tile_rows = max(1, _TILE_BYTES // (4 * weight.in_features))
     buffer = _tile_buffer(tile_rows * weight.in_features)
     for start in range(0, weight.rows, tile_rows):
