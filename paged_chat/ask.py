@@ -320,9 +320,7 @@ def _answer(client: EngineClient, answers: list[Answer], options: AskOptions, lo
     finally:
         client.shutdown()
     if options.stats:
-        _print_stats(answers, load_s, stats.num_preemptions)
-        if client.info.weights:
-            _say(f"weights held: {client.info.weights}")
+        _print_stats(answers, load_s, stats.num_preemptions, client.info.weights)
         if stats.blocks_freed_by_window:
             _say(f"{stats.blocks_freed_by_window} KV blocks freed behind the sliding window")
     failed = [answer for answer in answers if answer.turn.finish_reason == "error"]
@@ -461,9 +459,10 @@ def _load(make_engine: EngineFactory, config: EngineConfig, options: AskOptions
     return client, time.perf_counter() - started
 
 
-def _print_stats(answers: list[Answer], load_s: float, preemptions: int) -> None:
+def _print_stats(answers: list[Answer], load_s: float, preemptions: int, weights: str) -> None:
+    held = f", weights held: {weights}" if weights else ""
     if len(answers) == 1:
-        _say(answers[0].stats_line(load_s))
+        _say(answers[0].stats_line(load_s) + held)
         return
     for answer in answers:
         _say(f"[{answer.index + 1}] {answer.stats_line(load_s)}")
@@ -475,7 +474,7 @@ def _print_stats(answers: list[Answer], load_s: float, preemptions: int) -> None
     cached = sum(turn.num_cached_tokens for turn in turns)
     _say(f"{len(answers)} prompts: {generated} tokens generated in {ended - started:.2f} s "
          f"({rate:.1f} tokens/s together), {cached} prompt tokens from the prefix cache, "
-         f"{preemptions} preemptions")
+         f"{preemptions} preemptions{held}")
 
 
 @contextmanager

@@ -25,6 +25,7 @@ class ModelEntry:
     size: str
     architecture: str
     status: str         # "ready", or what is missing and how to get it
+    weights: str = "-"  # what the engine holds by default: "Q4_1+Q8_0 0.12 GB" (GGUF only)
 
 
 def find_models(cache_dir: Path | None = None) -> tuple[list[ModelEntry], list[str]]:
@@ -50,11 +51,12 @@ def _converted_entries(root: Path) -> list[ModelEntry]:
 
     def status(entry: CachedWeights) -> str:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.last_used))
-        kept = f", {entry.quantized} kept quantized" if entry.quantized else ""
-        return f"converted to {entry.dtype.lower()}, last used {used}{kept}"
+        return f"converted to {entry.dtype.lower()}, last used {used}"
 
     return [ModelEntry(entry.source, "converted", _size(entry.size), entry.architecture,
-                       status(entry)) for entry in list_cached_weights(root)]
+                       status(entry), f"{entry.quantized or entry.dtype.lower()} "
+                                      f"{entry.size / 1e9:.2f} GB")
+            for entry in list_cached_weights(root)]
 
 
 def _alias_entry(name: str) -> ModelEntry:
@@ -68,7 +70,7 @@ def _alias_entry(name: str) -> ModelEntry:
         return ModelEntry(name, "alias", alias.size, "-", f"not installed: {alias.install_command}")
     architecture, held = _gguf_summary(path)
     return ModelEntry(name, "alias", _size(path.stat().st_size), architecture,
-                      _status(architecture, gguf=True) + held)
+                      _status(architecture, gguf=True), held)
 
 
 def _hf_cache_entries() -> tuple[list[ModelEntry], list[str]]:
@@ -90,7 +92,7 @@ def _hf_cache_entries() -> tuple[list[ModelEntry], list[str]]:
             if relative.endswith(".gguf"):
                 architecture, held = _gguf_summary(file.file_path)
                 entries.append(ModelEntry(str(file.file_path), "gguf", _size(file.size_on_disk),
-                                          architecture, _status(architecture, gguf=True) + held))
+                                          architecture, _status(architecture, gguf=True), held))
         weights = [file.size_on_disk for name, file in files.items() if name.endswith(_SAFETENSORS_SUFFIX)]
         if "config.json" in files and weights:
             architecture = _model_type(files["config.json"].file_path)
@@ -110,15 +112,15 @@ def _model_store_entries() -> tuple[list[ModelEntry], list[str]]:
     for model in models:
         architecture, held = _gguf_summary(model.path)
         entries.append(ModelEntry(model.spec, model.store, _size(model.path.stat().st_size),
-                                  architecture, _status(architecture, gguf=True) + held))
+                                  architecture, _status(architecture, gguf=True), held))
     return entries, notes
 
 
 def _gguf_summary(path: Path) -> tuple[str, str]:
     """general.architecture from the GGUF header, which is checked whole (every count
     against the file) within a byte bound, and what the engine holds of its weights by
-    default (", Q4_1+Q8_0 held quantized: 0.12 GB of weights"; "" when none stays
-    quantized); no weights are read."""
+    default ("Q4_1+Q8_0 0.12 GB": the formats kept quantized and the bytes of every weight,
+    the dense ones as stored; "-" when none stays quantized); no weights are read."""
     from paged_chat.engine.errors import ModelLoadError
     from paged_chat.engine.models.gguf_header import read_gguf_header
     from paged_chat.engine.models.quant import held_nbytes
@@ -126,7 +128,7 @@ def _gguf_summary(path: Path) -> tuple[str, str]:
     try:
         header = read_gguf_header(path, _GGUF_HEADER_BYTES)
     except (ModelLoadError, OSError):
-        return "unreadable", ""
+        return "unreadable", "-"
     architecture = header.metadata.get("general.architecture")
     held: dict[str, int] = {}
     dense = 0
@@ -137,8 +139,7 @@ def _gguf_summary(path: Path) -> tuple[str, str]:
         else:
             held[tensor.qtype.name] = held.get(tensor.qtype.name, 0) + nbytes
     formats = "+".join(sorted(held, key=held.__getitem__, reverse=True))
-    summary = (f", {formats} held quantized: {(sum(held.values()) + dense) / 1e9:.2f} GB of "
-               f"weights" if held else "")
+    summary = f"{formats} {(sum(held.values()) + dense) / 1e9:.2f} GB" if held else "-"
     return (str(architecture) if architecture is not None else "unknown"), summary
 
 

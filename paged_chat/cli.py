@@ -375,8 +375,8 @@ def models(ctx: typer.Context) -> None:
 
     with _reported(ctx):
         entries, notes = find_models()
-    _print_table(["MODEL", "KIND", "SIZE", "ARCH", "STATUS"],
-                 [[e.name, e.kind, e.size, e.architecture, e.status] for e in entries])
+    _print_table(["MODEL", "KIND", "SIZE", "ARCH", "STATUS", "WEIGHTS"],
+                 [[e.name, e.kind, e.size, e.architecture, e.status, e.weights] for e in entries])
     for note in notes:
         typer.echo(note, err=True)
 
