@@ -22,7 +22,7 @@ class ModelInfo:
     """What the app needs to know of the model an engine serves. `tokenizer` and
     `chat_template` build prompts; `num_blocks` is 0 where the engine shows no pool
     (a remote server); `weights` says what the weights are held as ("Q4_1+Q8_0, 0.12 GB
-    of weights"; "" where unknown)."""
+    of weights"; "" where unknown), `weight_bytes` the bytes they take (0 where unknown)."""
 
     name: str
     tokenizer: Any
@@ -34,6 +34,7 @@ class ModelInfo:
     max_model_len: int
     num_parameters: int
     weights: str = ""
+    weight_bytes: int = 0
 
 
 @runtime_checkable

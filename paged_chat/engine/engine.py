@@ -80,7 +80,8 @@ class Engine:
                                 config.weight_cache_size, on_progress, config.weights)
         # Packing makes the weights opaque, and a tied output projection a second tensor.
         num_parameters = model.num_weights()
-        weights = f"{model.held_formats()}, {model.weight_bytes() / 1e9:.2f} GB of weights"
+        weight_bytes = model.weight_bytes()
+        weights = f"{model.held_formats()}, {weight_bytes / 1e9:.2f} GB of weights"
         fingerprint = model_fingerprint(model.weight_tensors())
         if self.device.type == "cpu":
             model.pack_for_cpu()
@@ -125,7 +126,7 @@ class Engine:
             name=self.model_name, tokenizer=self.tokenizer, chat_template=self.chat_template,
             device=self.device.type, dtype=dtype_name(self.dtype), num_blocks=self.num_blocks,
             block_size=self.block_size, max_model_len=self.max_model_len,
-            num_parameters=num_parameters, weights=weights)
+            num_parameters=num_parameters, weights=weights, weight_bytes=weight_bytes)
 
     # ---- requests -------------------------------------------------------------------
 
