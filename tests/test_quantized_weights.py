@@ -195,3 +195,20 @@ def test_greedy_tokens_of_the_default_model_equal_the_dequantize_path(smollm2_so
         flips = [(step, float(logits[step, expected[step]] - logits[step, token]))
                  for step, token in enumerate(output.token_ids) if token != expected[step]]
         assert not flips, f"{prompt!r}: flipped at (step, dequantized margin) {flips}"
+
+
+def test_what_is_held_is_counted_and_fingerprinted_as_held(tmp_path, monkeypatch):
+    """The header-only estimate `paged-chat models` shows is the bytes a load holds, and
+    the KV tier's fingerprint sees the quantized weights (a cache of KV computed with them
+    is not the dequantized model's)."""
+    from paged_chat.engine.kv_tier import model_fingerprint
+    from paged_chat.engine.models.quant import held_nbytes
+
+    source = load_model_source(str(quantized_tiny_gguf(tmp_path, monkeypatch)))
+    model = load_model(source, torch.float32, torch.device("cpu"))
+    dense = load_model(source, torch.float32, torch.device("cpu"), weights="dequantize")
+    estimate = sum(held_nbytes(t.dtype, t.shape) or 0 for t in source.checkpoint.tensors.values())
+    assert estimate == sum(layer.nbytes for layer in model.quantized_layers().values())
+    assert model_fingerprint(model.weight_tensors()) != model_fingerprint(dense.weight_tensors())
+    assert sorted(model.held_formats().split("+")) == ["Q4_0", "Q4_1", "Q8_0"]
+    assert dense.held_formats() == "float32"
