@@ -46,18 +46,19 @@ def library() -> ctypes.CDLL | None:
     global _library, _loaded
     with _lock:
         if not _loaded:
-            _library = _build()
+            _library = build(_FLAG_SETS)
             _loaded = True
     return _library
 
 
-def _build() -> ctypes.CDLL | None:
+def build(flag_sets: tuple[list[str], ...]) -> ctypes.CDLL | None:
+    """kernels.c built with the first of `flag_sets` the compiler takes, or None."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
     source = _SOURCE.read_bytes()
     folder = Path(tempfile.gettempdir()) / f"paged-chat-kernels-{os.getuid()}"
-    for flags in _FLAG_SETS:
+    for flags in flag_sets:
         digest = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
         target = folder / f"quant-{digest}.so"
         if not target.is_file():
