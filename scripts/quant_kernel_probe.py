@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from paged_chat.engine.models.loader import load_model, load_model_source  # noqa: E402
-from paged_chat.engine.models.quant import kernels  # noqa: E402
+from paged_chat.engine.models.loader import load_model, load_model_source
+from paged_chat.engine.models.quant import kernels
 
 
 def best_of(run, repeats: int) -> float:
@@ -40,8 +40,16 @@ def best_of(run, repeats: int) -> float:
     return min(times)
 
 
+def copy_bandwidth(repeats: int) -> float:
+    """Bytes read + written per second by a 256 MiB float32 copy."""
+    source = torch.empty(64 << 20)
+    target = torch.empty_like(source)
+    return 2 * source.nbytes / best_of(lambda: target.copy_(source), repeats)
+
+
 def cpu_line() -> str:
-    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True,
+                           check=False).stdout.splitlines()
     fields = dict(line.split(":", 1) for line in lscpu if ":" in line)
     flags = fields.get("Flags", "").split()
     wanted = [f for f in flags if f.startswith(("avx", "amx", "fma"))]
@@ -56,11 +64,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(f"cpu: {cpu_line()}; torch {torch.__version__}, {args.threads} threads")
-    source = torch.empty(64 << 20)
-    target = torch.empty_like(source)
-    copy = 2 * source.nbytes / best_of(lambda: target.copy_(source), args.repeats)
+    copy = copy_bandwidth(args.repeats)
     print(f"copy bandwidth: {copy / 1e9:.1f} GB/s (read + write)")
-    del source, target
 
     model_source = load_model_source("smollm2-135m")
     quantized = load_model(model_source, torch.float32, torch.device("cpu"))
@@ -80,7 +85,7 @@ def main() -> None:
         for rows in args.rows:
             xs = {n: torch.randn(rows, n) for n in {layer.in_features for layer in layers}}
             for name, kernel in kernel_runs.items():
-                def step(kernel=kernel) -> None:
+                def step(kernel=kernel, rows=rows, xs=xs) -> None:
                     for layer in layers:
                         out = torch.empty(rows, layer.out_features)
                         start = 0
@@ -91,7 +96,8 @@ def main() -> None:
                 rate = quantized_bytes / seconds
                 print(f"{rows:>4} | {name:<26} | {seconds * 1e3:8.2f} | {rate / 1e9:11.1f} | "
                       f"{rate / copy:.0%}")
-            seconds = best_of(lambda: [m(xs[m.in_features]) for m in dense_layers], args.repeats)
+            seconds = best_of(lambda xs=xs: [m(xs[m.in_features]) for m in dense_layers],
+                              args.repeats)
             rate = dense_bytes / seconds
             print(f"{rows:>4} | {'float32 oneDNN (dequantized)':<26} | {seconds * 1e3:8.2f} | "
                   f"{rate / 1e9:11.1f} | {rate / copy:.0%}")

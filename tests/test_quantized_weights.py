@@ -13,8 +13,11 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import test_loader
 import torch
 import torch.nn.functional as F
+from test_loader import tiny_gguf
+from test_model import PagedSequence
 
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.models.loader import load_model, load_model_source
@@ -22,9 +25,6 @@ from paged_chat.engine.models.quant import BLOCK_FORMATS, kernels
 from paged_chat.engine.models.quant.layout import QuantizedWeight
 from paged_chat.engine.models.quant.linear import QuantizedEmbedding, QuantizedLinear
 from paged_chat.engine.models.weight_cache import list_cached_weights
-import test_loader
-from test_loader import tiny_gguf
-from test_model import PagedSequence
 
 ROWS = (1, 3, 17, 32)
 OUT_FEATURES = 72  # not a multiple of 64, nor of the kernel's 4-row tiles' 64-byte lines
@@ -43,7 +43,7 @@ def raw_rows(name: str, out_features: int, in_features: int, seed: int) -> np.nd
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
         blocks = rng.integers(0, 256, (out_features, in_features // block, type_size),
                               dtype=np.uint8)
-        fp16 = lambda values: np.asarray(values, np.float16).view(np.uint8)  # noqa: E731
+        fp16 = lambda values: np.asarray(values, np.float16).view(np.uint8)
         scales = rng.uniform(0.005, 0.05, blocks.shape[:2] + (1,))
         if name == "Q6_K":  # ql, qh, int8 scales, then d
             blocks[..., 208:210] = fp16(scales).reshape(*blocks.shape[:2], 2)

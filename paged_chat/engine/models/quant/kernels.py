@@ -65,7 +65,7 @@ def build(flag_sets: tuple[list[str], ...]) -> ctypes.CDLL | None:
             folder.mkdir(parents=True, exist_ok=True)
             partial = folder / f".partial-{os.getpid()}-{target.name}"
             result = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(partial),
-                                     str(_SOURCE)], capture_output=True)
+                                     str(_SOURCE)], capture_output=True, check=False)
             if result.returncode != 0:
                 partial.unlink(missing_ok=True)
                 continue

@@ -21,8 +21,8 @@ Format modules (legacy_formats.py, k_formats.py) decode raw GGUF rows into
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -62,7 +62,7 @@ class QuantizedWeight:
         assert self.scale.dtype == self.offset.dtype == torch.float32
 
     @classmethod
-    def empty(cls, fmt: BlockFormat, rows: int, in_features: int) -> "QuantizedWeight":
+    def empty(cls, fmt: BlockFormat, rows: int, in_features: int) -> QuantizedWeight:
         groups = in_features // fmt.group
         return cls(fmt.name, fmt.group,
                    torch.empty(rows, in_features // 2, dtype=torch.uint8),
@@ -84,14 +84,14 @@ class QuantizedWeight:
             named["high"] = self.high
         return named
 
-    def narrow(self, start: int, count: int) -> "QuantizedWeight":
+    def narrow(self, start: int, count: int) -> QuantizedWeight:
         """Rows [start, start + count), sharing this weight's memory."""
         return QuantizedWeight(self.format, self.group, self.low.narrow(0, start, count),
                                None if self.high is None else self.high.narrow(0, start, count),
                                self.scale.narrow(0, start, count),
                                self.offset.narrow(0, start, count))
 
-    def select(self, rows: torch.Tensor) -> "QuantizedWeight":
+    def select(self, rows: torch.Tensor) -> QuantizedWeight:
         """A copy of the given rows (an embedding lookup)."""
         return QuantizedWeight(self.format, self.group, self.low[rows],
                                None if self.high is None else self.high[rows],

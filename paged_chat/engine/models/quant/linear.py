@@ -33,7 +33,7 @@ class QuantizedLinear(nn.Module):
 
     @classmethod
     def empty(cls, shards: list[tuple[BlockFormat, int]], in_features: int,
-              bias: nn.Parameter | None = None) -> "QuantizedLinear":
+              bias: nn.Parameter | None = None) -> QuantizedLinear:
         """Uninitialised, for `shards` (format, rows) in row order; neighbouring shards of
         one format share a part."""
         merged: list[tuple[BlockFormat, int]] = []
