@@ -276,7 +276,7 @@ def _answer(client: EngineClient, answers: list[Answer], options: AskOptions, lo
     finally:
         client.shutdown()
     if options.stats:
-        _print_stats(answers, load_s, stats.num_preemptions)
+        _print_stats(answers, load_s, stats.num_preemptions, client.info.weights)
         if stats.blocks_freed_by_window:
             say(f"{stats.blocks_freed_by_window} KV blocks freed behind the sliding window")
     failed = [answer for answer in answers if answer.turn.finish_reason == "error"]
@@ -326,9 +326,10 @@ def load_progress() -> Callable[[str, int, int], None]:
     return show
 
 
-def _print_stats(answers: list[Answer], load_s: float, preemptions: int) -> None:
+def _print_stats(answers: list[Answer], load_s: float, preemptions: int, weights: str) -> None:
+    held = f", weights held: {weights}" if weights else ""
     if len(answers) == 1:
-        say(turn_stats_line(answers[0].turn, load_s))
+        say(turn_stats_line(answers[0].turn, load_s) + held)
         return
     for answer in answers:
         say(f"[{answer.index + 1}] {turn_stats_line(answer.turn, load_s)}")
@@ -340,4 +341,4 @@ def _print_stats(answers: list[Answer], load_s: float, preemptions: int) -> None
     cached = sum(turn.num_cached_tokens for turn in turns)
     say(f"{len(answers)} prompts: {generated} tokens generated in {ended - started:.2f} s "
         f"({rate:.1f} tokens/s together), {cached} prompt tokens from the prefix cache, "
-        f"{preemptions} preemptions")
+        f"{preemptions} preemptions{held}")

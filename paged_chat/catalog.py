@@ -25,6 +25,7 @@ class ModelEntry:
     size: str
     architecture: str
     status: str         # "ready", or what is missing and how to get it
+    weights: str = "-"  # what the engine holds by default: "Q4_1+Q8_0 0.12 GB" (GGUF only)
 
 
 def find_models(cache_dir: Path | None = None) -> tuple[list[ModelEntry], list[str]]:
@@ -53,7 +54,9 @@ def _converted_entries(root: Path) -> list[ModelEntry]:
         return f"converted to {entry.dtype.lower()}, last used {used}"
 
     return [ModelEntry(entry.source, "converted", _size(entry.size), entry.architecture,
-                       status(entry)) for entry in list_cached_weights(root)]
+                       status(entry), f"{entry.quantized or entry.dtype.lower()} "
+                                      f"{entry.size / 1e9:.2f} GB")
+            for entry in list_cached_weights(root)]
 
 
 def _alias_entry(name: str) -> ModelEntry:
@@ -65,9 +68,9 @@ def _alias_entry(name: str) -> ModelEntry:
         path = resolve_alias_path(name)
     except ModelLoadError:
         return ModelEntry(name, "alias", alias.size, "-", f"not installed: {alias.install_command}")
-    architecture = _gguf_architecture(path)
+    architecture, held = _gguf_summary(path)
     return ModelEntry(name, "alias", _size(path.stat().st_size), architecture,
-                      _status(architecture, gguf=True))
+                      _status(architecture, gguf=True), held)
 
 
 def _hf_cache_entries() -> tuple[list[ModelEntry], list[str]]:
@@ -87,9 +90,9 @@ def _hf_cache_entries() -> tuple[list[ModelEntry], list[str]]:
                  for file in revision.files}
         for relative, file in sorted(files.items()):
             if relative.endswith(".gguf"):
-                architecture = _gguf_architecture(file.file_path)
+                architecture, held = _gguf_summary(file.file_path)
                 entries.append(ModelEntry(str(file.file_path), "gguf", _size(file.size_on_disk),
-                                          architecture, _status(architecture, gguf=True)))
+                                          architecture, _status(architecture, gguf=True), held))
         weights = [file.size_on_disk for name, file in files.items() if name.endswith(_SAFETENSORS_SUFFIX)]
         if "config.json" in files and weights:
             architecture = _model_type(files["config.json"].file_path)
@@ -107,23 +110,37 @@ def _model_store_entries() -> tuple[list[ModelEntry], list[str]]:
     models, notes = find_stored_models()
     entries = []
     for model in models:
-        architecture = _gguf_architecture(model.path)
+        architecture, held = _gguf_summary(model.path)
         entries.append(ModelEntry(model.spec, model.store, _size(model.path.stat().st_size),
-                                  architecture, _status(architecture, gguf=True)))
+                                  architecture, _status(architecture, gguf=True), held))
     return entries, notes
 
 
-def _gguf_architecture(path: Path) -> str:
+def _gguf_summary(path: Path) -> tuple[str, str]:
     """general.architecture from the GGUF header, which is checked whole (every count
-    against the file) within a byte bound; no weights are read."""
+    against the file) within a byte bound, and what the engine holds of its weights by
+    default ("Q4_1+Q8_0 0.12 GB": the formats kept quantized and the bytes of every weight,
+    the dense ones as stored; "-" when none stays quantized); no weights are read."""
     from paged_chat.engine.errors import ModelLoadError
     from paged_chat.engine.models.gguf_header import read_gguf_header
+    from paged_chat.engine.models.quant import held_nbytes
 
     try:
-        architecture = read_gguf_header(path, _GGUF_HEADER_BYTES).metadata.get("general.architecture")
+        header = read_gguf_header(path, _GGUF_HEADER_BYTES)
     except (ModelLoadError, OSError):
-        return "unreadable"
-    return str(architecture) if architecture is not None else "unknown"
+        return "unreadable", "-"
+    architecture = header.metadata.get("general.architecture")
+    held: dict[str, int] = {}
+    dense = 0
+    for tensor in header.tensors:
+        nbytes = held_nbytes(tensor.qtype.name, tuple(reversed(tensor.shape)))
+        if nbytes is None:
+            dense += tensor.nbytes
+        else:
+            held[tensor.qtype.name] = held.get(tensor.qtype.name, 0) + nbytes
+    formats = "+".join(sorted(held, key=held.__getitem__, reverse=True))
+    summary = f"{formats} {(sum(held.values()) + dense) / 1e9:.2f} GB" if held else "-"
+    return (str(architecture) if architecture is not None else "unknown"), summary
 
 
 def _model_type(config_file: Path) -> str:

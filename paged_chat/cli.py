@@ -378,8 +378,8 @@ def models(ctx: typer.Context) -> None:
 
     with _reported(ctx):
         entries, notes = find_models()
-    _print_table(["MODEL", "KIND", "SIZE", "ARCH", "STATUS"],
-                 [[e.name, e.kind, e.size, e.architecture, e.status] for e in entries])
+    _print_table(["MODEL", "KIND", "SIZE", "ARCH", "STATUS", "WEIGHTS"],
+                 [[e.name, e.kind, e.size, e.architecture, e.status, e.weights] for e in entries])
     for note in notes:
         typer.echo(note, err=True)
 
@@ -432,6 +432,8 @@ def bench(ctx: typer.Context,
               min=1, help="paged-chat's threads (default: adapt to the machine).")] = None,
           host_overhead: Annotated[bool, typer.Option(
               "--host-overhead", help="Time the engine per step over a stub forward.")] = False,
+          weights: Annotated[str, typer.Option(
+              help="paged-chat's GGUF weights: quantized or dequantize.")] = "quantized",
           tui: Annotated[int, typer.Option(
               "--tui", min=0, help="Instead: the app headless with N streaming tabs vs the engine "
                                    "alone (replies of --max-output tokens), and a UI profile.")] = 0,
@@ -459,7 +461,7 @@ def bench(ctx: typer.Context,
                                threads=threads, seed=seed, block_size=block_size, scenarios=scenarios, roofline=roofline,
                                systems=tuple(name.strip() for name in systems.split(",") if name.strip()),
                                contention=contention, engine_threads=engine_threads,
-                               host_overhead=host_overhead, **sizes)
+                               host_overhead=host_overhead, weights=weights, **sizes)
         report = run_bench(options, log=lambda line: typer.echo(line, err=True))
         typer.echo(format_report(report))
         if json_path is not None:

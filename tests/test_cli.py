@@ -535,12 +535,14 @@ def test_models_lists_aliases_and_the_hf_cache(cli, tmp_path, monkeypatch, chat_
     result = cli("models")
     assert result.exit_code == 0, result.stderr
     rows = [line.split() for line in result.stdout.splitlines()]
-    assert rows[0] == ["MODEL", "KIND", "SIZE", "ARCH", "STATUS"]
-    assert rows[1][:2] == ["smollm2-135m", "alias"] and rows[1][4:] == ["llama", "ready"]
+    assert rows[0] == ["MODEL", "KIND", "SIZE", "ARCH", "STATUS", "WEIGHTS"]
+    assert rows[1][:2] == ["smollm2-135m", "alias"] and rows[1][4:] == [
+        "llama", "ready", "Q4_1+Q8_0", "0.12", "GB"]
     by_name = {row[0]: row for row in rows[2:]}
     assert by_name[str(snapshot / "tiny.Q8_0.gguf")][1:2] + by_name[str(snapshot / "tiny.Q8_0.gguf")][4:] \
-        == ["gguf", "qwen2", "ready"]
-    assert by_name["org/tiny-hf"][1:3] == ["hf", "folder"] and by_name["org/tiny-hf"][-1] == "ready"
+        == ["gguf", "qwen2", "ready", "-"]
+    assert by_name["org/tiny-hf"][1:3] == ["hf", "folder"] and by_name["org/tiny-hf"][-2:] == [
+        "ready", "-"]
     assert "unsupported" in " ".join(by_name["org/old-hf"])
 
 

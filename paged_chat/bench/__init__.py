@@ -59,6 +59,7 @@ class BenchOptions:
     contention: int = 0             # busy processes beside a second run of every system
     contention_bound_s: float = 600.0  # the busy processes stop by themselves after this
     engine_threads: int | None = None  # paged-chat's EngineConfig.threads (None: adapt)
+    weights: str = "quantized"  # paged-chat's EngineConfig.weights
     host_overhead: bool = False
 
 
@@ -76,7 +77,7 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
     config = EngineConfig(model=options.model, device="cpu", dtype=options.dtype,
                           block_size=options.block_size, max_num_seqs=options.num_chats,
                           max_num_batched_tokens=options.max_num_batched_tokens,
-                          threads=options.engine_threads)
+                          threads=options.engine_threads, weights=options.weights)
 
     def warmed_up_engine() -> Engine:
         engine = Engine(config, source=source)

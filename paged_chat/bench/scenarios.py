@@ -90,7 +90,7 @@ def roofline(engine: Engine, decode_step_s: float, batch_size: int, step_threads
     bandwidth = 2 * big.numel() / copy_s
     peak_flops = 2 * size ** 3 / matmul_s
     params = engine.info.num_parameters
-    weight_bytes = params * a.element_size()
+    weight_bytes = engine.info.weight_bytes or params * a.element_size()
     flops = 2 * params * batch_size
     floor = max(weight_bytes / bandwidth, flops / peak_flops)
     return {"bandwidth_gb_s": bandwidth / 1e9, "matmul_gflop_s": peak_flops / 1e9,

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+WEIGHTS = ("quantized", "dequantize")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
 _MEMORY_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20,
                  "mb": 10**6, "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30}
@@ -27,6 +28,10 @@ class EngineConfig:
     cache dir: the engine never reads the app's settings itself.
     `weight_cache_size` bounds the converted GGUF weights kept there (bytes or "4GiB";
     least recently used models go first).
+
+    `weights` is how a GGUF's weights are held: "quantized" keeps Q4_0/Q4_1/Q8_0/Q4_K/
+    Q5_K/Q6_K tensors in their format (CPU; engine/models/quant/), "dequantize" converts
+    every weight to `dtype`. HF folders are always read in `dtype`.
 
     Below the prefix cache, a KV tier keeps full blocks' KV past their eviction and past
     the process: `kv_tier_disk_bytes` (bytes or "4GiB"; 0 turns it off) bounds the disk
@@ -58,6 +63,7 @@ class EngineConfig:
     cache_dir: str | None = None
     enforce_eager: bool = True
     weight_cache_size: int | str = "4GiB"
+    weights: str = "quantized"
     kv_tier_disk_bytes: int | str = 4 * 2**30
     kv_tier_host_bytes: int | str | None = None
     threads: int | str | None = None
@@ -66,6 +72,7 @@ class EngineConfig:
         _choice("device", self.device, DEVICES)
         _choice("dtype", self.dtype, DTYPES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("weights", self.weights, WEIGHTS)
         _choice("block_size", self.block_size, _BLOCK_SIZES)
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)

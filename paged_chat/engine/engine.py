@@ -63,11 +63,12 @@ class Engine:
         with out_of_memory(f"loading the weights onto {self.device}", "the model does not fit; "
                            "use a smaller model or dtype, or device='cpu'"):
             model = load_model(source, self.dtype, self.device, config.cache_dir,
-                               config.weight_cache_size, on_progress)
+                               config.weight_cache_size, on_progress, config.weights)
         # Before the runner packs the CPU weights: packed, they are opaque, and a tied
         # output projection is a second tensor.
-        num_parameters = sum(p.numel() for p in model.parameters())
-        fingerprint = model_fingerprint(dict(model.named_parameters()))
+        num_parameters, weight_bytes = model.num_weights(), model.weight_bytes()
+        weights = f"{model.held_formats()}, {weight_bytes / 1e9:.2f} GB of weights"
+        fingerprint = model_fingerprint(model.weight_tensors())
         self.runner = ModelRunner(model, source.config, config, self.device, self.dtype,
                                   on_progress)
         self.block_size = config.block_size
@@ -92,7 +93,7 @@ class Engine:
             name=self.model_name, tokenizer=self.tokenizer, chat_template=self.chat_template,
             device=self.device.type, dtype=dtype_name(self.dtype), num_blocks=self.num_blocks,
             block_size=self.block_size, max_model_len=self.max_model_len,
-            num_parameters=num_parameters)
+            num_parameters=num_parameters, weights=weights, weight_bytes=weight_bytes)
 
     # ---- requests -------------------------------------------------------------------
 

@@ -269,6 +269,8 @@ class PagedChatApp(ChatActions, App):
             text.append("● ", style="green")
             text.append(info.name, style="bold")
             text.append(f" · {describe_where(self.engine.capabilities, info)}")
+            if info.weights:
+                text.append(f" · {info.weights}")
             text.append(f" · max {info.max_model_len:,} tokens/seq")
             if self.load_seconds:
                 text.append(f" · ready (loaded in {self.load_seconds:.1f} s)", style="dim")

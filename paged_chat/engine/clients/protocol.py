@@ -22,7 +22,9 @@ from paged_chat.engine.stats import EngineStats
 class ModelInfo:
     """What the app needs to know of the model an engine serves. `tokenizer` and
     `chat_template` build prompts; the pool's size (`num_blocks`, `block_size`) means
-    something only where the client's capabilities say `block_map`."""
+    something only where the client's capabilities say `block_map`. `weights` says what
+    the weights are held as ("Q4_1+Q8_0, 0.12 GB of weights"; "" where unknown),
+    `weight_bytes` the bytes they take (0 where unknown)."""
 
     name: str
     tokenizer: Any
@@ -33,6 +35,8 @@ class ModelInfo:
     block_size: int
     max_model_len: int
     num_parameters: int
+    weights: str = ""
+    weight_bytes: int = 0
 
 
 @dataclass(slots=True, frozen=True)

@@ -22,6 +22,7 @@ from paged_chat.engine.errors import ModelLoadError
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "U8": torch.uint8,  # quantized codes, in the converted-weights cache
 }
 DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 # A safetensors header is JSON of a few hundred bytes per tensor; more is not a checkpoint.
@@ -98,9 +99,9 @@ class SafetensorsFile:
                               f"probably truncated or corrupt, download it again")
 
 
-def read_safetensor(stored: StoredTensor, out: torch.Tensor) -> int:
+def read_safetensor(stored: StoredTensor, out: torch.Tensor, checksum: int = 0) -> int:
     """Read a safetensors tensor into `out` (converting its dtype); return the CRC-32 of the
-    stored bytes, which the converted-weights cache checks."""
+    stored bytes (continuing `checksum`), which the converted-weights cache checks."""
     dtype = SAFETENSORS_DTYPES.get(stored.dtype)
     if dtype is None:
         raise ModelLoadError(f"{stored.file}: a tensor is stored as {stored.dtype}; paged-chat "
@@ -111,7 +112,7 @@ def read_safetensor(stored: StoredTensor, out: torch.Tensor) -> int:
     read_exact(stored.file, stored.offset, view)
     if not direct:
         out.copy_(buffer)
-    return zlib.crc32(view)
+    return zlib.crc32(view, checksum)
 
 
 class Checkpoint:
@@ -120,6 +121,10 @@ class Checkpoint:
 
     def __init__(self, tensors: dict[str, StoredTensor]) -> None:
         self.tensors = tensors
+
+    def tensor_names(self) -> list[str]:
+        """The HF names of its tensors, in file order."""
+        return list(self.tensors)
 
     def read_into(self, name: str, out: torch.Tensor) -> int:
         """Read tensor `name` into `out` (its shape, any dtype); return a CRC-32 of the

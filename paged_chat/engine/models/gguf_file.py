@@ -27,6 +27,8 @@ from paged_chat.engine.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.checkpoint import Checkpoint, StoredTensor, read_exact
 from paged_chat.engine.models.gguf_header import GGUFHeader, TensorInfo, read_gguf_header
 from paged_chat.engine.models.model_config import SUPPORTED_ARCHITECTURES
+from paged_chat.engine.models.quant import BLOCK_FORMATS
+from paged_chat.engine.models.quant.layout import QuantizedWeight
 from paged_chat.engine.models.tensor_names import gguf_to_hf_name
 
 # GGUF architecture -> HF model_type. llama.cpp stores Mistral models as "llama".
@@ -66,7 +68,9 @@ class GGUFCheckpoint(Checkpoint):
         self.arch = arch
         self.heads = {"self_attn.q_proj.weight": num_heads, "self_attn.k_proj.weight": num_kv_heads}
 
-    def read_into(self, name: str, out: torch.Tensor) -> int:
+    def read_into(self, name: str, out: torch.Tensor | QuantizedWeight) -> int:
+        if isinstance(out, QuantizedWeight):
+            return self._read_quantized(name, out)
         stored = self.tensors[name]
         qtype = gguf.GGMLQuantizationType[stored.dtype]
         block, type_size = gguf.GGML_QUANT_SIZES[qtype]
@@ -86,6 +90,27 @@ class GGUFCheckpoint(Checkpoint):
             if self.arch == "gemma3" and name.endswith("norm.weight"):
                 values = values - 1  # convert_hf_to_gguf stores Gemma's (1 + w) as the weight
             flat[start:start + count].copy_(values)
+        return 0
+
+    def _read_quantized(self, name: str, out: QuantizedWeight) -> int:
+        """Re-lay a tensor's blocks out into `out` (quant/layout.py), rows as HF has them."""
+        stored = self.tensors[name]
+        fmt = BLOCK_FORMATS[stored.dtype]
+        qtype = gguf.GGMLQuantizationType[stored.dtype]
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        cols = stored.shape[-1]
+        row_bytes = cols // block * type_size
+        heads = self.heads.get(name.split(".", 3)[-1]) if self.arch == "llama" else None
+        chunk = out.rows if heads else max(1, _CHUNK_BYTES // (4 * cols))
+        for start in range(0, out.rows, chunk):
+            count = min(chunk, out.rows - start)
+            raw = np.empty((count, row_bytes), dtype=np.uint8)
+            read_exact(stored.file, stored.offset + start * row_bytes, memoryview(raw).cast("B"))
+            decoded = fmt.decode(raw)
+            if heads:
+                decoded = tuple(_unpermute_rows(torch.from_numpy(np.ascontiguousarray(a)),
+                                                heads).numpy() for a in decoded)
+            out.narrow(start, count).fill(*decoded)
         return 0
 
 

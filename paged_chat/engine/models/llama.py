@@ -28,6 +28,9 @@ from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.errors import UnsupportedModelError
 from paged_chat.engine.models.model_config import ModelConfig
 from paged_chat.engine.models.packed_linear import PackedLinear, pack_linears, packs
+from paged_chat.engine.models.quant import BLOCK_FORMATS
+from paged_chat.engine.models.quant.layout import QuantizedWeight
+from paged_chat.engine.models.quant.linear import QuantizedEmbedding, QuantizedLinear
 from paged_chat.engine.models.tensor_names import LAYER_TENSORS, TOP_TENSORS, split_hf_name
 
 
@@ -166,9 +169,10 @@ class GemmaDecoderLayer(DecoderLayer):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder. Make it with `empty`, fill it through `destination`, then
-    `build_rope_tables`; on the CPU, `pack_for_cpu` last (nothing reads a packed weight);
-    call it with a flat batch."""
+    """The decoder. Make it with `empty` (then `quantize` to keep a GGUF's quantized
+    weights as they are stored), fill it through `destination`, then `build_rope_tables`;
+    on the CPU, `pack_for_cpu` last (nothing reads a packed weight); call it with a flat
+    batch."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -218,19 +222,98 @@ class LlamaForCausalLM(nn.Module):
                     shapes[f"model.layers.{i}.{t.hf}.{kind}"] = shape
         return shapes
 
-    def destination(self, hf_name: str) -> torch.Tensor | None:
-        """The parameter slice an HF checkpoint tensor is copied into, or None for one this
-        model does not read (a tied lm_head, extras such as rotary tables)."""
+    def quantize(self, stored_formats: dict[str, str]) -> None:
+        """Swap each linear layer and the embedding whose checkpoint weights are all stored
+        in a format quant/ keeps (`stored_formats`: HF tensor name -> GGML type name) for
+        its quantized module, uninitialised; a tied output projection becomes the
+        embedding's table. Weights in other formats stay dense in the model's dtype."""
+        shards: dict[str, tuple[str, dict[int, str]]] = {}
+        for name, type_name in stored_formats.items():
+            split = split_hf_name(name)
+            if split is not None and split[2] == "weight":
+                t, layer, _ = split
+                module = t.param if layer is None else f"layers.{layer}.{t.param}"
+                shards.setdefault(module, (t.param, {}))[1][t.shard] = type_name
+        for module, (param, formats) in shards.items():
+            target = self.get_submodule(module)
+            counts = self.shard_rows.get(param, (target.weight.shape[0],))
+            fmts = [BLOCK_FORMATS.get(formats.get(shard, "")) for shard in range(len(counts))]
+            if None in fmts or target.weight.shape[1] % 32:
+                continue
+            if isinstance(target, nn.Embedding):
+                weight = QuantizedWeight.empty(fmts[0], *target.weight.shape)
+                replacement: nn.Module = QuantizedEmbedding(weight, target.weight.dtype)
+            else:
+                replacement = QuantizedLinear.empty(list(zip(fmts, counts)),
+                                                    target.weight.shape[1], target.bias)
+            parent, _, attr = module.rpartition(".")
+            setattr(self.get_submodule(parent) if parent else self, attr, replacement)
+        if self.lm_head is None and isinstance(self.embed_tokens, QuantizedEmbedding):
+            self.lm_head = self.embed_tokens.as_linear()
+
+    def quantized_layers(self) -> dict[str, QuantizedLinear]:
+        """Every quantized layer by module name, a tied table once."""
+        return {name: module for name, module in self.named_modules()
+                if isinstance(module, QuantizedLinear)}
+
+    def weight_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor that holds a weight, parameters and quantized buffers alike (what
+        the KV tier's model fingerprint samples)."""
+        quantized = {f"{name}.{buffer_name}": buffer
+                     for name, layer in self.quantized_layers().items()
+                     for buffer_name, buffer in layer.named_buffers()}
+        return {**dict(self.named_parameters()), **quantized}
+
+    def num_weights(self) -> int:
+        """The number of weights the model holds, a quantized one counted as one."""
+        dense = sum(p.numel() for p in self.parameters())
+        return dense + sum(layer.out_features * layer.in_features
+                           for layer in self.quantized_layers().values())
+
+    def weight_bytes(self) -> int:
+        """The bytes its weights take in memory, quantized ones as they are held."""
+        dense = sum(p.nbytes for p in self.parameters())
+        return dense + sum(layer.nbytes for layer in self.quantized_layers().values())
+
+    def quantized_formats(self) -> list[str]:
+        """The GGUF formats of its quantized weights, the most bytes first."""
+        held: dict[str, int] = {}
+        for layer in self.quantized_layers().values():
+            for part in layer.parts:
+                held[part.format] = held.get(part.format, 0) + part.nbytes
+        return sorted(held, key=held.__getitem__, reverse=True)
+
+    def held_formats(self) -> str:
+        """What its weights are held as: "Q4_1+Q8_0", "Q4_K+Q6_K+float32", "bfloat16"."""
+        dense = any(p.dim() == 2 for p in self.parameters())
+        dtype = str(self.norm.weight.dtype).removeprefix("torch.")
+        return "+".join(self.quantized_formats() + ([dtype] if dense or not
+                                                    self.quantized_layers() else []))
+
+    def destination(self, hf_name: str) -> torch.Tensor | QuantizedWeight | None:
+        """The parameter slice an HF checkpoint tensor is copied into (the rows of a
+        quantized layer it fills, for a quantized one), or None for one this model does
+        not read (a tied lm_head, extras such as rotary tables)."""
         split = split_hf_name(hf_name)
         if split is None:
             return None
         t, layer, kind = split
         module = t.param if layer is None else f"layers.{layer}.{t.param}"
+        rows = self.shard_rows.get(t.param)
+        try:
+            target = self.get_submodule(module)
+        except AttributeError:  # a tied lm_head
+            target = None
+        if kind == "weight" and isinstance(target, QuantizedEmbedding):
+            return target.table.rows(0, target.num_embeddings)
+        if kind == "weight" and isinstance(target, QuantizedLinear):
+            if rows is None:
+                return target.rows(0, target.out_features)
+            return target.rows(sum(rows[:t.shard]), rows[t.shard])
         try:
             param = self.get_parameter(f"{module}.{kind}")
         except AttributeError:  # no such parameter in this config (a bias, a tied lm_head)
             return None
-        rows = self.shard_rows.get(t.param)
         if rows is None:
             return param.data
         return param.data.narrow(0, sum(rows[:t.shard]), rows[t.shard])
@@ -240,7 +323,7 @@ class LlamaForCausalLM(nn.Module):
         windowed layers have their own base (Gemma 3), a local one. Size them from the
         engine's effective max_model_len, never from the checkpoint's metadata alone."""
         c = self.config
-        device, dtype = self.embed_tokens.weight.device, self.embed_tokens.weight.dtype
+        device, dtype = self.norm.weight.device, self.norm.weight.dtype
         self._register_rope("rope", rope_inverse_frequencies(c.head_dim, c.rope_theta,
                                                              c.rope_scaling), max_positions,
                             device, dtype)
@@ -261,7 +344,8 @@ class LlamaForCausalLM(nn.Module):
         projection too. A tied one is packed as a copy, since the embedding lookup still
         reads the plain rows: that costs vocab x hidden more memory (113 MB for
         SmolLM2-135M) and makes the logits, a fifth of its decode FLOPs, ~1.5x faster."""
-        if self.lm_head is None and packs(self.embed_tokens.weight):
+        if (self.lm_head is None and isinstance(self.embed_tokens, nn.Embedding)
+                and packs(self.embed_tokens.weight)):
             self.lm_head = PackedLinear(self.embed_tokens.weight)
         pack_linears(self)
 
@@ -284,7 +368,7 @@ class LlamaForCausalLM(nn.Module):
         return self._logits(self.norm(x[logits_indices])).float()
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.lm_head, PackedLinear):
+        if isinstance(self.lm_head, (PackedLinear, QuantizedLinear)):
             return self.lm_head(x)  # oneDNN does best with the whole vocabulary in one call
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if x.device.type == "cpu":

@@ -27,7 +27,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from paged_chat.engine.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.checkpoint import Checkpoint, SafetensorsFile
-from paged_chat.engine.models.gguf_file import load_gguf_tokenizer, read_gguf
+from paged_chat.engine.models.gguf_file import GGUFCheckpoint, load_gguf_tokenizer, read_gguf
 from paged_chat.engine.models.llama import LlamaForCausalLM
 from paged_chat.engine.models.model_config import (
     TEXT_DECODER_DEFAULTS,
@@ -37,7 +37,13 @@ from paged_chat.engine.models.model_config import (
     text_decoder_config,
 )
 from paged_chat.engine.models.tensor_names import text_decoder_tensors
-from paged_chat.engine.models.weight_cache import EntryWriter, WeightCache, combine_checksums
+from paged_chat.engine.models.weight_cache import (
+    EntryLayout,
+    EntryWriter,
+    WeightCache,
+    combine_checksums,
+    entry_tensors,
+)
 
 # on_progress(stage, done, total): called as a slow load advances (one call per tensor).
 ProgressHook = Callable[[str, int, int], None]
@@ -150,30 +156,39 @@ def load_model_source(spec: str, cache_dir: Path | str | None = None,
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                cache_dir: Path | str | None = None, cache_bytes: int = 0,
-               on_progress: ProgressHook | None = None) -> LlamaForCausalLM:
+               on_progress: ProgressHook | None = None,
+               weights: str = "quantized") -> LlamaForCausalLM:
     """The decoder with every parameter read from `source`, one tensor at a time.
 
-    A GGUF is dequantized on its first load and kept, in `dtype`, in the converted-weights
-    cache under `cache_dir` (at most `cache_bytes` in all); later loads read that back. An
-    entry whose checksum fails is discarded and converted again. Rope tables are not built
-    here: the engine sizes them once it knows its max_model_len.
+    `weights="quantized"` keeps a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights in their
+    format (re-laid out for the kernels, quant/), on the CPU; every other weight, and every
+    weight with "dequantize", an HF folder or another device, is read into `dtype`. A GGUF
+    is converted on its first load and kept in the converted-weights cache under
+    `cache_dir` (at most `cache_bytes` in all); later loads read that back. An entry whose
+    checksum fails is discarded and converted again. Rope tables are not built here: the
+    engine sizes them once it knows its max_model_len.
     """
     report = on_progress or _no_progress
     model = LlamaForCausalLM.empty(source.config, dtype, device)
+    quantize = (weights == "quantized" and isinstance(source.checkpoint, GGUFCheckpoint)
+                and torch.device(device).type == "cpu")
+    if quantize:
+        model.quantize({name: t.dtype for name, t in source.checkpoint.tensors.items()})
     if source.header_digest is None or cache_dir is None:
         stream_weights(model, source.checkpoint, "loading weights", report)
         return model
     cache = WeightCache(Path(cache_dir) / "weights", cache_bytes)
-    key = cache.key(source.header_digest, dtype)
-    shapes = _read_shapes(model, source.checkpoint)
-    cached = cache.open(key, shapes, dtype)
+    key = cache.key(source.header_digest, dtype, quantize)
+    layout = _entry_layout(model, source.checkpoint)
+    cached = cache.open(key, layout)
     if cached is not None:
         checksums = stream_weights(model, cached, "loading cached weights", report)
         if combine_checksums(checksums) == cached.checksum:
             cache.touch(cached.path)
             return model
         cache.discard(cached.path)
-    writer = cache.writer(key, shapes, dtype, source.path, source.config.model_type)
+    held = "+".join(model.quantized_formats())
+    writer = cache.writer(key, layout, source.path, source.config.model_type, held)
     try:
         stream_weights(model, source.checkpoint, "converting weights", report, writer)
     except BaseException:
@@ -189,10 +204,15 @@ def _no_progress(stage: str, done: int, total: int) -> None:
     pass
 
 
-def _read_shapes(model: LlamaForCausalLM, checkpoint: Checkpoint) -> dict[str, tuple[int, ...]]:
-    """The checkpoint tensors the model reads, in checkpoint order, with their shapes."""
-    return {name: t.shape for name, t in checkpoint.tensors.items()
-            if model.destination(name) is not None}
+def _entry_layout(model: LlamaForCausalLM, checkpoint: Checkpoint) -> EntryLayout:
+    """What a cache entry of the checkpoint tensors the model reads holds, in checkpoint
+    order."""
+    layout: EntryLayout = {}
+    for name in checkpoint.tensors:
+        if (target := model.destination(name)) is not None:
+            layout |= {entry: (tuple(t.shape), t.dtype)
+                       for entry, t in entry_tensors(name, target).items()}
+    return layout
 
 
 def stream_weights(model: LlamaForCausalLM, checkpoint: Checkpoint, stage: str = "loading weights",
@@ -200,7 +220,7 @@ def stream_weights(model: LlamaForCausalLM, checkpoint: Checkpoint, stage: str =
                    writer: EntryWriter | None = None) -> list[int]:
     """Read every tensor the model needs into its parameter (and on into `writer`, an entry
     of the converted-weights cache); return their checksums."""
-    names = [name for name in checkpoint.tensors if model.destination(name) is not None]
+    names = [name for name in checkpoint.tensor_names() if model.destination(name) is not None]
     checksums = []
     with torch.no_grad():
         for done, name in enumerate(names, 1):

@@ -1,8 +1,10 @@
-"""Converted weights on disk: a GGUF dequantized once, then read back in seconds.
+"""Converted weights on disk: a GGUF converted once, then read back in seconds.
 
-An entry is one safetensors file of the model's HF tensors in the target dtype, named by
-a key over the GGUF's whole header (metadata and tensor infos), its tensor data size, the
-dtype and this cache's format version: a changed file or dtype is a different entry. The
+An entry is one safetensors file of the model's HF tensors in the target dtype (a weight
+kept quantized as the uint8/float32 tensors of its quant/layout.py layout, under
+"NAME.low", "NAME.scale", ...), named by a key over the GGUF's whole header (metadata and
+tensor infos), its tensor data size, the dtype, whether weights stay quantized and this
+cache's format version: a changed file, dtype or weights mode is a different entry. The
 file is written tensor by tensor while the model loads, under a temporary name, and
 renamed into place only when complete. Its metadata holds a checksum of every tensor's
 bytes, which the next load recomputes as it reads: a corrupt or truncated entry is
@@ -29,13 +31,26 @@ from paged_chat.engine.models.checkpoint import (
     Checkpoint,
     SafetensorsFile,
     byte_view,
+    read_safetensor,
 )
+from paged_chat.engine.models.quant.layout import QuantizedWeight
+
+# What an entry stores per tensor: its name, shape and dtype.
+EntryLayout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 # Bump when what an entry holds for the same GGUF and dtype changes (names, layout, values).
 _FORMAT_VERSION = "1"
 _SUFFIX = ".safetensors"
 _CHECKSUM_DIGITS = 8
 _HEADER_ALIGNMENT = 8
+_QUANTIZED_PARTS = frozenset(("low", "high", "scale", "offset"))  # QuantizedWeight.tensors()
+
+
+def entry_tensors(name: str, target: torch.Tensor | QuantizedWeight) -> dict[str, torch.Tensor]:
+    """The entry's tensors for one checkpoint tensor loaded into `target`, in file order."""
+    if isinstance(target, QuantizedWeight):
+        return {f"{name}.{suffix}": tensor for suffix, tensor in target.tensors().items()}
+    return {name: target}
 
 
 def combine_checksums(checksums: list[int]) -> str:
@@ -53,6 +68,7 @@ class CachedWeights:
     dtype: str
     size: int
     last_used: float  # seconds since the epoch
+    quantized: str = ""  # the GGUF formats kept quantized ("Q4_1+Q8_0"); "" when none
 
 
 class CachedCheckpoint(Checkpoint):
@@ -63,6 +79,18 @@ class CachedCheckpoint(Checkpoint):
         self.path = file.file
         self.checksum = file.metadata.get("checksum", "")
 
+    def tensor_names(self) -> list[str]:
+        """HF names: a quantized weight's entry tensors ("NAME.low", ...) are one tensor."""
+        names = (name.rpartition(".")[0] if name.rpartition(".")[2] in _QUANTIZED_PARTS
+                 else name for name in self.tensors)
+        return list(dict.fromkeys(names))
+
+    def read_into(self, name: str, out: torch.Tensor | QuantizedWeight) -> int:
+        checksum = 0
+        for entry_name, tensor in entry_tensors(name, out).items():
+            checksum = read_safetensor(self.tensors[entry_name], tensor, checksum)
+        return checksum
+
 
 class WeightCache:
     """The entries under `root`, at most `max_bytes` in all."""
@@ -72,14 +100,15 @@ class WeightCache:
         self.max_bytes = max_bytes
 
     @staticmethod
-    def key(header_digest: str, dtype: torch.dtype) -> str:
+    def key(header_digest: str, dtype: torch.dtype, quantized: bool) -> str:
         text = f"{_FORMAT_VERSION}:{header_digest}:{DTYPE_NAMES[dtype]}"
+        if quantized:
+            text += ":quantized"
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
-    def open(self, key: str, shapes: dict[str, tuple[int, ...]],
-             dtype: torch.dtype) -> CachedCheckpoint | None:
-        """The entry for `key` if its header is whole and lists exactly `shapes` in `dtype`;
-        else None, with a broken entry removed."""
+    def open(self, key: str, layout: EntryLayout) -> CachedCheckpoint | None:
+        """The entry for `key` if its header is whole and lists exactly `layout`; else
+        None, with a broken entry removed."""
         path = self.root / f"{key}{_SUFFIX}"
         if not path.is_file():
             return None
@@ -89,21 +118,22 @@ class WeightCache:
             self.discard(path)
             return None
         stored = {name: (t.shape, t.dtype) for name, t in entry.tensors.items()}
-        if stored != {name: (shape, DTYPE_NAMES[dtype]) for name, shape in shapes.items()}:
+        if stored != {name: (shape, DTYPE_NAMES[dtype]) for name, (shape, dtype) in layout.items()}:
             self.discard(path)
             return None
         return entry
 
-    def writer(self, key: str, layout: dict[str, tuple[int, ...]], dtype: torch.dtype,
-               source: Path, architecture: str) -> "EntryWriter | None":
+    def writer(self, key: str, layout: EntryLayout, source: Path, architecture: str,
+               quantized: str = "") -> "EntryWriter | None":
         """A writer for a new entry, or None when the entry alone would exceed the bound."""
-        size = sum(_nbytes(shape, dtype) for shape in layout.values())
+        size = sum(_nbytes(shape, dtype) for shape, dtype in layout.values())
         if size > self.max_bytes:
             return None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            return EntryWriter(self, self.root / f"{key}{_SUFFIX}", layout, dtype,
-                               {"source": str(source), "architecture": architecture})
+            return EntryWriter(self, self.root / f"{key}{_SUFFIX}", layout,
+                               {"source": str(source), "architecture": architecture,
+                                "quantized": quantized})
         except OSError:  # a read-only or full cache dir costs the cache, not the load
             return None
 
@@ -132,18 +162,20 @@ class WeightCache:
 class EntryWriter:
     """Streams one entry: the header first (every offset is known from the shapes), then
     each tensor as it is loaded, then the checksum into the header, then the rename. A
-    write that fails (disk full) drops the entry and lets the load go on."""
+    write that fails (disk full) drops the entry and lets the load go on. One checksum
+    per checkpoint tensor: the CRC-32 of its entry tensors' bytes in order."""
 
-    def __init__(self, cache: WeightCache, path: Path, layout: dict[str, tuple[int, ...]],
-                 dtype: torch.dtype, metadata: dict[str, str]) -> None:
+    def __init__(self, cache: WeightCache, path: Path, layout: EntryLayout,
+                 metadata: dict[str, str]) -> None:
         self.cache = cache
         self.path = path
         self.names = list(layout)
+        self.written = 0
         self.checksums: list[int] = []
         header: dict[str, object] = {"__metadata__": {
             **metadata, "checksum": "0" * _CHECKSUM_DIGITS}}
         offset = 0
-        for name, shape in layout.items():
+        for name, (shape, dtype) in layout.items():
             end = offset + _nbytes(shape, dtype)
             header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
                             "data_offsets": [offset, end]}
@@ -159,19 +191,23 @@ class EntryWriter:
         self.file.seek(0)
         self.file.write(struct.pack("<Q", len(text)) + text)
 
-    def write(self, name: str, tensor: torch.Tensor) -> None:
-        assert name == self.names[len(self.checksums)], "tensors must come in layout order"
-        data = byte_view(tensor.detach().cpu().contiguous())
-        self.checksums.append(zlib.crc32(data))
-        if not self.file.closed:
-            try:
-                self.file.write(data)
-            except OSError:
-                self.abort()
+    def write(self, name: str, target: torch.Tensor | QuantizedWeight) -> None:
+        checksum = 0
+        for entry_name, tensor in entry_tensors(name, target).items():
+            assert entry_name == self.names[self.written], "tensors must come in layout order"
+            self.written += 1
+            data = byte_view(tensor.detach().cpu().contiguous())
+            checksum = zlib.crc32(data, checksum)
+            if not self.file.closed:
+                try:
+                    self.file.write(data)
+                except OSError:
+                    self.abort()
+        self.checksums.append(checksum)
 
     def commit(self) -> None:
         """Put the finished entry in place, then evict to the bound."""
-        assert len(self.checksums) == len(self.names), "not every tensor was written"
+        assert self.written == len(self.names), "not every tensor was written"
         if self.file.closed:
             return
         self.header["__metadata__"]["checksum"] = combine_checksums(self.checksums)
@@ -198,10 +234,13 @@ def list_cached_weights(root: Path) -> list[CachedWeights]:
             stat = path.stat()
         except (ModelLoadError, OSError):
             continue
-        dtypes = {t.dtype for t in header.tensors.values()}
+        quantized = header.metadata.get("quantized", "")
+        dtypes = {t.dtype for name, t in header.tensors.items()
+                  if name.rpartition(".")[2] not in _QUANTIZED_PARTS}
         entries.append(CachedWeights(path, header.metadata.get("source", "?"),
                                      header.metadata.get("architecture", "?"),
-                                     ",".join(sorted(dtypes)), stat.st_size, stat.st_mtime))
+                                     ",".join(sorted(dtypes)), stat.st_size, stat.st_mtime,
+                                     quantized))
     return sorted(entries, key=lambda e: e.last_used, reverse=True)
 
 

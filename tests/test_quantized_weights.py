@@ -1,0 +1,228 @@
+"""GGUF weights kept quantized (engine/models/quant/): every format's layout and kernels
+against `gguf.quants.dequantize` then a float64 matmul, the torch fallback, the bf16 path,
+a tiny GGUF loaded quantized end to end (and from the converted-weights cache), the
+`weights` setting, and greedy tokens of the default model against the dequantize path."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import test_loader
+import torch
+import torch.nn.functional as F
+from test_loader import tiny_gguf
+from test_model import PagedSequence
+
+from paged_chat.engine import Engine, EngineConfig, SamplingParams
+from paged_chat.engine.models.loader import load_model, load_model_source
+from paged_chat.engine.models.quant import BLOCK_FORMATS, kernels
+from paged_chat.engine.models.quant.layout import QuantizedWeight
+from paged_chat.engine.models.quant.linear import QuantizedEmbedding, QuantizedLinear
+from paged_chat.engine.models.weight_cache import list_cached_weights
+
+ROWS = (1, 3, 17, 32)
+OUT_FEATURES = 72  # not a multiple of 64, nor of the kernel's 4-row tiles' 64-byte lines
+Q = gguf.GGMLQuantizationType
+
+
+def raw_rows(name: str, out_features: int, in_features: int, seed: int) -> np.ndarray:
+    """GGUF bytes of a random [out_features, in_features] tensor in format `name`: quantized
+    by gguf where it can, else random blocks with every field valid (finite fp16 scales)."""
+    rng = np.random.default_rng(seed)
+    qtype = Q[name]
+    try:
+        return gguf.quants.quantize(rng.standard_normal((out_features, in_features),
+                                                        dtype=np.float32), qtype)
+    except NotImplementedError:
+        block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        blocks = rng.integers(0, 256, (out_features, in_features // block, type_size),
+                              dtype=np.uint8)
+        fp16 = lambda values: np.asarray(values, np.float16).view(np.uint8)
+        scales = rng.uniform(0.005, 0.05, blocks.shape[:2] + (1,))
+        if name == "Q6_K":  # ql, qh, int8 scales, then d
+            blocks[..., 208:210] = fp16(scales).reshape(*blocks.shape[:2], 2)
+        else:  # d, dmin, then the packed 6-bit scales and mins
+            blocks[..., 0:2] = fp16(scales).reshape(*blocks.shape[:2], 2)
+            blocks[..., 2:4] = fp16(scales / 4).reshape(*blocks.shape[:2], 2)
+        return blocks.reshape(out_features, -1)
+
+
+def quantized(name: str, in_features: int, seed: int = 0) -> tuple[QuantizedWeight, np.ndarray]:
+    """A QuantizedWeight of random rows in format `name`, and gguf's float64 dequantization."""
+    raw = raw_rows(name, OUT_FEATURES, in_features, seed)
+    fmt = BLOCK_FORMATS[name]
+    weight = QuantizedWeight.empty(fmt, OUT_FEATURES, in_features)
+    weight.fill(*fmt.decode(raw))
+    return weight, gguf.quants.dequantize(raw, Q[name]).astype(np.float64)
+
+
+def relative_error(got: torch.Tensor, expected: np.ndarray) -> float:
+    return float(np.abs(got.double().numpy() - expected).max() / np.abs(expected).max())
+
+
+def in_features_of(name: str) -> int:
+    return 512 if name.endswith("_K") else 96  # K-quants come in blocks of 256
+
+
+@pytest.mark.parametrize("name", sorted(BLOCK_FORMATS))
+def test_the_layout_dequantizes_exactly_as_gguf(name):
+    weight, expected = quantized(name, in_features_of(name))
+    assert np.array_equal(weight.dequantize().numpy(), expected.astype(np.float32))
+    assert torch.equal(kernels.dequantize(weight), weight.dequantize())
+
+
+# The C kernels as built for this machine, the same source without AVX2 (its portable
+# loops, what other CPUs run), and none (the torch fallback).
+KERNEL_BUILDS = {"native": lambda: kernels.library(),
+                 "portable": lambda: kernels.build((["-O3", "-mno-avx2", "-fopenmp"],)),
+                 "torch-fallback": lambda: None}
+
+
+@pytest.mark.parametrize("build", KERNEL_BUILDS)
+@pytest.mark.parametrize("name", sorted(BLOCK_FORMATS))
+def test_float32_matmul_matches_a_float64_product_of_gguf_weights(name, build, monkeypatch):
+    if build == "portable" and platform.machine() != "x86_64":
+        pytest.skip("-mno-avx2 is an x86 flag")
+    if build != "torch-fallback" and not (os.environ.get("CC") or shutil.which("cc")
+                                          or shutil.which("gcc")):
+        pytest.skip("no C compiler: every shape runs the torch fallback")
+    library = KERNEL_BUILDS[build]()
+    assert (library is None) == (build == "torch-fallback"), "the C kernels did not build"
+    monkeypatch.setattr(kernels, "library", lambda: library)
+    in_features = in_features_of(name)
+    weight, dense = quantized(name, in_features)
+    layer = QuantizedLinear([weight])
+    generator = torch.Generator().manual_seed(1)
+    for rows in ROWS:
+        x = torch.randn(rows, in_features, generator=generator)
+        expected = x.double().numpy() @ dense.T
+        assert relative_error(layer(x), expected) < 1e-5, (name, rows)
+
+
+@pytest.mark.parametrize("name", sorted(BLOCK_FORMATS))
+def test_bfloat16_activations_lose_no_more_than_a_bfloat16_f_linear(name):
+    in_features = in_features_of(name)
+    weight, dense = quantized(name, in_features)
+    layer = QuantizedLinear([weight])
+    dense_bf16 = torch.from_numpy(dense).to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(2)
+    for rows in ROWS:
+        x = torch.randn(rows, in_features, generator=generator).to(torch.bfloat16)
+        expected = x.double().numpy() @ dense.T
+        ours = layer(x)
+        assert ours.dtype == torch.bfloat16
+        baseline = relative_error(F.linear(x, dense_bf16), expected)
+        assert relative_error(ours, expected) <= 1.5 * baseline, (name, rows)
+
+
+def test_a_fused_layer_of_two_formats_runs_each_part_into_its_rows():
+    """A Q4_K_M file's Q/K (Q4_K) and V (Q6_K) share one fused projection."""
+    q4k, dense_q = quantized("Q4_K", 512, seed=3)
+    q6k, dense_v = quantized("Q6_K", 512, seed=4)
+    layer = QuantizedLinear([q4k, q6k])
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(5))
+    expected = x.double().numpy() @ np.concatenate([dense_q, dense_v]).T
+    assert layer.formats == ["Q4_K", "Q6_K"] and layer.out_features == 2 * OUT_FEATURES
+    assert relative_error(layer(x), expected) < 1e-5
+    assert torch.equal(layer.rows(OUT_FEATURES, 8).low, q6k.low[:8])
+
+
+def test_an_embedding_gathers_dequantized_rows_and_ties_the_output_projection():
+    weight, dense = quantized("Q8_0", 96)
+    embedding = QuantizedEmbedding(weight, torch.float32)
+    ids = torch.tensor([[3, 0], [71, 3]])
+    rows = embedding(ids)
+    assert rows.shape == (2, 2, 96)
+    assert np.array_equal(rows.numpy(), dense[ids.numpy()].astype(np.float32))
+    assert embedding.as_linear().parts[0] is weight
+
+
+def quantized_tiny_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A tiny llama GGUF whose matrices (embedding and output projection too) are Q4_0,
+    Q4_1 and Q8_0 in turn (hidden 64: too narrow for the 256-wide K-quants), written with
+    gguf's GGUFWriter."""
+    formats = iter([Q.Q4_0, Q.Q4_1, Q.Q8_0] * 8)
+    monkeypatch.setattr(test_loader, "storage_type", lambda name, array, quantize: (
+        next(formats) if array.ndim == 2 else Q.F32))
+    path, _, _ = tiny_gguf(tmp_path)
+    return path
+
+
+def test_a_tiny_gguf_loads_quantized_end_to_end_and_from_the_cache(tmp_path, monkeypatch):
+    path = quantized_tiny_gguf(tmp_path, monkeypatch)
+    cache = tmp_path / "cache"
+    source = load_model_source(str(path), cache_dir=cache)
+    cpu = torch.device("cpu")
+    model = load_model(source, torch.float32, cpu, cache, 1 << 30)
+    dense = load_model(source, torch.float32, cpu, weights="dequantize")
+    layers = model.quantized_layers()
+    assert {f for layer in layers.values() for f in layer.formats} == {"Q4_0", "Q4_1", "Q8_0"}
+    assert not any(isinstance(m, QuantizedLinear) for m in dense.modules())
+    assert model.num_weights() == dense.num_weights()
+    assert model.weight_bytes() < dense.weight_bytes() / 2
+    [entry] = list_cached_weights(cache / "weights")
+    assert entry.quantized == "+".join(model.quantized_formats()) and entry.dtype == "F32"
+    cached = load_model(source, torch.float32, cpu, cache, 1 << 30)
+    for name, tensor in model.weight_tensors().items():
+        assert torch.equal(cached.weight_tensors()[name], tensor), name
+    prompt = [1, 5, 9, 2, 7, 3]
+    for decoder in (cached, dense):
+        decoder.build_rope_tables(16)
+    ours, reference = PagedSequence(cached, 16), PagedSequence(dense, 16)
+    torch.testing.assert_close(ours.feed(prompt), reference.feed(prompt), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(ours.feed([4]), reference.feed([4]), rtol=1e-4, atol=1e-4)
+
+
+def test_the_weights_setting_names_its_choices():
+    with pytest.raises(ValueError, match=r"EngineConfig.weights='int4' is invalid: expected one "
+                                         r"of 'quantized', 'dequantize'"):
+        EngineConfig(weights="int4")
+
+
+PROMPTS = ["The history of the Roman Empire", "def fibonacci(n):",
+           "Once upon a time, in a small village,", "The three primary colors are"]
+
+
+@pytest.mark.slow
+def test_greedy_tokens_of_the_default_model_equal_the_dequantize_path(smollm2_source):
+    """Teacher-forced: the dequantized model's argmax after every prefix of the quantized
+    engine's output is its next token; a flip is reported with the dequantized logits'
+    margin at that step."""
+    engine = Engine(EngineConfig(device="cpu", dtype="float32", num_blocks=128),
+                    source=smollm2_source)
+    assert engine.info.weights.startswith("Q4_1+Q8_0, ")
+    outputs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32,
+                                                      ignore_eos=True))
+    dense = load_model(smollm2_source, torch.float32, torch.device("cpu"), weights="dequantize")
+    dense.build_rope_tables(256)
+    for prompt, output in zip(PROMPTS, outputs):
+        ids = engine.tokenizer.encode(prompt)
+        logits = PagedSequence(dense, len(ids) + 32).feed(ids + output.token_ids)
+        logits = logits[len(ids) - 1:-1]
+        expected = logits.argmax(-1).tolist()
+        flips = [(step, float(logits[step, expected[step]] - logits[step, token]))
+                 for step, token in enumerate(output.token_ids) if token != expected[step]]
+        assert not flips, f"{prompt!r}: flipped at (step, dequantized margin) {flips}"
+
+
+def test_what_is_held_is_counted_and_fingerprinted_as_held(tmp_path, monkeypatch):
+    """The header-only estimate `paged-chat models` shows is the bytes a load holds, and
+    the KV tier's fingerprint sees the quantized weights (a cache of KV computed with them
+    is not the dequantized model's)."""
+    from paged_chat.engine.kv_tier import model_fingerprint
+    from paged_chat.engine.models.quant import held_nbytes
+
+    source = load_model_source(str(quantized_tiny_gguf(tmp_path, monkeypatch)))
+    model = load_model(source, torch.float32, torch.device("cpu"))
+    dense = load_model(source, torch.float32, torch.device("cpu"), weights="dequantize")
+    estimate = sum(held_nbytes(t.dtype, t.shape) or 0 for t in source.checkpoint.tensors.values())
+    assert estimate == sum(layer.nbytes for layer in model.quantized_layers().values())
+    assert model_fingerprint(model.weight_tensors()) != model_fingerprint(dense.weight_tensors())
+    assert sorted(model.held_formats().split("+")) == ["Q4_0", "Q4_1", "Q8_0"]
+    assert dense.held_formats() == "float32"
