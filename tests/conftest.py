@@ -25,4 +25,4 @@ if not torch.cuda.is_available():
     # kernel (its own helpers included), so it is set before anything imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest_plugins = ["engine_fixtures", "tui_helpers"]
+pytest_plugins = ["engine_fixtures", "tui_helpers", "server_fixtures", "cli_fixtures"]

@@ -12,7 +12,7 @@ import pytest
 import transformers
 
 from paged_chat.engine import Engine, EngineConfig
-from engine_helpers import assert_no_leaks
+from helpers import assert_no_leaks
 from tiny_models import build_tiny_model
 
 

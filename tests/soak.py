@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 from paged_chat.engine import AsyncEngine, Engine, EngineConfig, RequestOutput, SamplingParams
 from paged_chat.engine.models.loader import ModelSource, load_model_source
-from engine_helpers import engine_thread_idle, phase_of
+from helpers import engine_thread_idle, phase_of
 from paged_chat.engine.request import Request
 
 _NUM_SYSTEM_PROMPTS = 4

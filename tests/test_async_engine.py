@@ -10,6 +10,7 @@ import pytest
 
 from paged_chat.engine import AsyncEngine, EngineDeadError, SamplingParams
 from paged_chat.engine.async_engine import GIL_SWITCH_INTERVAL_S
+from helpers import wait_until
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -139,10 +140,3 @@ def test_a_builders_error_is_raised_to_the_caller():
 
     with pytest.raises(FileNotFoundError, match="no model at /nowhere"):
         AsyncEngine(build)
-
-
-async def wait_until(condition, timeout_s: float = 30.0) -> None:
-    async def poll():
-        while not condition():
-            await asyncio.sleep(0.02)
-    await asyncio.wait_for(poll(), timeout_s)

@@ -16,8 +16,7 @@ import torch
 
 from paged_chat.engine import AsyncEngine, Engine, EngineDeadError, PagedChatError, SamplingParams
 from paged_chat.engine.runner import ModelRunner
-from engine_helpers import engine_thread_idle, generate, phase_of
-from test_engine import GREEDY, random_prompts
+from helpers import GREEDY, engine_thread_idle, generate, phase_of, random_prompts, wait_until
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -165,10 +164,7 @@ def storm_engine(make_engine):
 
 async def wait_idle(engine: AsyncEngine, timeout_s: float = 60) -> None:
     """Until every cancellation is applied; then nothing may be held."""
-    async def poll():
-        while not engine_thread_idle(engine):
-            await asyncio.sleep(0.01)
-    await asyncio.wait_for(poll(), timeout_s)
+    await wait_until(lambda: engine_thread_idle(engine), timeout_s)
     assert not engine.engine.requests and engine.engine.stats().blocks_in_use == 0
     engine.engine.kv_cache.check_invariants()
 

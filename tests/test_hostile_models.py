@@ -22,7 +22,7 @@ import torch
 
 from paged_chat.engine.errors import ModelLoadError, PagedChatError
 from paged_chat.engine.models.loader import load_model_source
-from test_loader import hf_folder, tiny_gguf
+from tiny_models import hf_folder, tiny_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMORY_LIMIT = 6 << 30  # address space: torch's own mappings fit, a hostile allocation not

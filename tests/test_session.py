@@ -13,8 +13,7 @@ import pytest
 from paged_chat.engine import AsyncEngine, Engine, SamplingParams
 from paged_chat.session import ChatSession, Turn, chat_title
 from paged_chat.store import ChatMovedOn, ChatStore
-from engine_helpers import assert_no_leaks
-from tui_helpers import engine_config
+from helpers import assert_no_leaks, engine_config
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

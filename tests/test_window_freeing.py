@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from engine_fixtures import MISTRAL_WINDOW
-from engine_helpers import assert_no_leaks, blocks_owned
+from helpers import assert_no_leaks, blocks_owned
 from paged_chat.cli import CliState, app
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.block_pool import NULL_BLOCK
