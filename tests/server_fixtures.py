@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 
-from paged_chat.engine import AsyncEngine, Engine, EngineConfig
+from paged_chat.engine import AsyncEngine, EngineConfig
 from paged_chat.server import ApiServer
 from helpers import engine_config, wait_for
 
@@ -66,9 +66,9 @@ def chat_engine_config(model_dir, **overrides) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def served(chat_model_dir) -> Iterator[Served]:
+def served(chat_model_dir, new_engine) -> Iterator[Served]:
     """One engine and server for a module's tests; each test must leave no block in use."""
-    client = AsyncEngine(Engine(chat_engine_config(chat_model_dir)))
+    client = AsyncEngine(new_engine(chat_engine_config(chat_model_dir)))
     running = start_server(client, model_names=[str(chat_model_dir)])
     yield running
     running.stop()

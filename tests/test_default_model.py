@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from paged_chat.chat import Conversation
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
-from paged_chat.engine.models.loader import MODEL_ALIASES, resolve_alias_path
+from paged_chat.engine.models.loader import MODEL_ALIASES
 from paged_chat.engine.models.weight_cache import list_cached_weights
 
 pytestmark = pytest.mark.slow
@@ -30,13 +29,11 @@ def engine(smollm2_source) -> Engine:
     return Engine(EngineConfig(device="cpu", dtype="float32", num_blocks=256), source=smollm2_source)
 
 
-def test_greedy_tokens_match_transformers_on_the_gguf(engine):
+def test_greedy_tokens_match_transformers_on_the_gguf(engine, smollm2_reference):
     """Teacher-forced: transformers' argmax after every prefix of our output is our next
     token, which is exactly "its greedy generation equals ours" (and 30x faster to check
     than its token-by-token generate on this CPU)."""
-    path = resolve_alias_path("smollm2-135m")
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                     dtype=torch.float32).eval()
+    reference = smollm2_reference
     outputs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     for prompt, output in zip(PROMPTS, outputs):
         ids = engine.tokenizer.encode(prompt)

@@ -368,9 +368,10 @@ def test_alias_table() -> None:
     assert resolve_alias_path("smollm2-135m").name == alias.filename
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> ModelSource:
-    return load_model_source("smollm2-135m")
+@pytest.fixture
+def smollm2(smollm2_source) -> ModelSource:
+    """The session's default model source (loaded once for every module that reads it)."""
+    return smollm2_source
 
 
 @pytest.mark.slow
@@ -394,11 +395,9 @@ def test_alias_config_tokenizer_and_template(smollm2: ModelSource) -> None:
 
 
 @pytest.mark.slow
-def test_alias_weights_match_transformers_gguf_loader(smollm2: ModelSource) -> None:
+def test_alias_weights_match_transformers_gguf_loader(smollm2: ModelSource, smollm2_reference) -> None:
     """transformers un-permutes q/k itself: equal weights validate ours on real data."""
-    path = resolve_alias_path("smollm2-135m")
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                     dtype=torch.float32).state_dict()
+    reference = smollm2_reference.state_dict()
     weights = read_weights(smollm2)
     assert set(weights) == set(reference) - {"lm_head.weight"}
     for name, tensor in weights.items():

@@ -19,8 +19,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture
-def client(chat_model_dir):
-    engine = AsyncEngine(Engine(engine_config(chat_model_dir)))
+def client(chat_model_dir, new_engine):
+    engine = AsyncEngine(new_engine(engine_config(chat_model_dir)))
     yield engine
     engine.shutdown()
     assert_no_leaks(engine.engine)

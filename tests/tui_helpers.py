@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from textual import events
 
-from paged_chat.engine import AsyncEngine, Engine
+from paged_chat.engine import AsyncEngine
 from paged_chat.settings import ChatSettings, Settings, TuiSettings
 from paged_chat.store import ChatStore
 from paged_chat.tui.app import PagedChatApp
@@ -25,11 +25,11 @@ SYSTEM = ("You are a careful assistant. You answer in short sentences, you check
 
 
 @pytest.fixture
-def make_async_engine(chat_model_dir):
+def make_async_engine(chat_model_dir, new_engine):
     engines: list[AsyncEngine] = []
 
     def make(**overrides) -> AsyncEngine:
-        engine = AsyncEngine(Engine(engine_config(chat_model_dir, **overrides)))
+        engine = AsyncEngine(new_engine(engine_config(chat_model_dir, **overrides)))
         engines.append(engine)
         return engine
 
