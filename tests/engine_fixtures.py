@@ -8,6 +8,7 @@ use, and the pool's invariants hold.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -24,11 +25,12 @@ NewEngine = Callable[..., Engine]
 
 
 @pytest.fixture(scope="session")
-def smollm2_source():
+def smollm2_source() -> ModelSource:
     """The default model's source (config, tokenizer, GGUF checkpoint), loaded once: the
-    tokenizer's conversion from the GGUF alone takes seconds. Engines do not modify it."""
-    from paged_chat.engine.models.loader import load_model_source
-    return load_model_source("smollm2-135m")
+    tokenizer's conversion from the GGUF alone takes seconds. Engines do not modify it. The
+    converted tokenizer goes to the session's cache dir (conftest.py), where the commands
+    the tests run in subprocesses on the default model find it."""
+    return load_model_source("smollm2-135m", cache_dir=os.environ["PAGED_CHAT_CACHE_DIR"])
 
 
 @pytest.fixture(scope="session")
