@@ -9,6 +9,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import sqlite3
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -154,7 +155,17 @@ def scripted(monkeypatch, script: list[int]) -> None:
     monkeypatch.setattr(ModelRunner, "_sample", sample)
 
 
-# ---- the command line and the model stores ----------------------------------------------------
+# ---- the command line, the chat store and the model stores ----------------------------------------------------
+
+
+def sqlite(path: Path, statement: str) -> list[tuple]:
+    """Run one statement on a chat store's database file over a connection of its own."""
+    connection = sqlite3.connect(path)
+    try:
+        return connection.execute(statement).fetchall()
+    finally:
+        connection.commit()
+        connection.close()
 
 
 def one_line(text: str) -> str:

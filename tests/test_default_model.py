@@ -15,10 +15,10 @@ from paged_chat.chat import Conversation
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.models.loader import MODEL_ALIASES
 from paged_chat.engine.models.weight_cache import list_cached_weights
+from helpers import REPO
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 LOAD_ALLOWANCE = 128 << 20
 PROMPTS = ["The history of the Roman Empire", "def fibonacci(n):",
            "Once upon a time, in a small village,", "The three primary colors are"]
@@ -74,8 +74,8 @@ def test_alias_table_names_the_install_command():
 
 def probe_load(cache_dir: Path) -> dict:
     """tests/load_probe.py on the default model in bf16, in a fresh process."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "load_probe.py"), "smollm2-135m",
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "load_probe.py"), "smollm2-135m",
                              str(cache_dir), "bfloat16"], capture_output=True, text=True,
                             timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
