@@ -83,10 +83,9 @@ async def test_a_reply_streamed_while_its_tab_was_hidden_shows_all_its_words(cha
     switch back with Alt+Right: the paragraph that streamed meanwhile keeps its first lines."""
     engine = Engine(EngineConfig(model=str(chat_model_dir), device="cpu", dtype="float32",
                                  num_blocks=64, block_size=16))
-    app = PagedChatApp(Settings(chat=ChatSettings(temperature=0.0)), engine=None,
+    client = FedClient(engine)
+    app = PagedChatApp(Settings(chat=ChatSettings(temperature=0.0)), engine=client,
                        store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
-    client = app.engine = FedClient(engine)
-    app._owns_engine = False
     async with app.run_test(size=(120, 40)) as pilot:
         await press(pilot, "ctrl+n")
         await wait_until(lambda: len(app.chat_tabs) == 2 and app.focused is app.chat_tabs[1].prompt)
