@@ -414,7 +414,7 @@ async def test_regenerate_copy_and_broadcast(engine, tmp_path):
         stored = app.store.get_chat(tab.chat_id).messages
         assert [m.role for m in stored] == ["user", "assistant"] and stored[1].content == reply.text
         await press(pilot, "alt+c")
-        assert app.clipboard == reply.text
+        await wait_until(lambda: app.clipboard == reply.text)   # the key is handled in its turn
         # Broadcast the typed prompt to every tab.
         await new_tab(pilot)
         await press(pilot, *"both", "ctrl+b")
