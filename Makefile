@@ -24,8 +24,11 @@ $(VENV)/.installed: pyproject.toml
 run: setup
 	$(BIN)/paged-chat $(ARGS)
 
+# Two workers, each taking a whole test file at a time (a module's shared engine or server
+# is built once): alone the suite keeps about one core busy (Python, a child process's
+# start-up, waits on a subprocess), so on 2 cores the second worker uses the idle one.
 test: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

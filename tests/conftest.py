@@ -17,6 +17,8 @@ atexit.register(shutil.rmtree, _TEST_HOME, ignore_errors=True)
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["PAGED_CHAT_CACHE_DIR"] = str(_TEST_HOME / "cache")
+# Private from the start, as the app makes it: fixtures write to it too (engine_fixtures.py).
+(_TEST_HOME / "cache").mkdir(mode=0o700)
 os.environ["PAGED_CHAT_DATA_DIR"] = str(_TEST_HOME / "data")
 os.environ["PAGED_CHAT_CONFIG"] = str(_TEST_HOME / "config" / "config.toml")
 
@@ -25,4 +27,4 @@ if not torch.cuda.is_available():
     # kernel (its own helpers included), so it is set before anything imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest_plugins = ["engine_fixtures", "tui_helpers"]
+pytest_plugins = ["engine_fixtures", "tui_helpers", "server_fixtures", "cli_fixtures"]

@@ -1,25 +1,46 @@
-"""Fixtures for engine tests: a tiny random llama with the default model's tokenizer.
+"""Fixtures for engine tests: the default model's source and transformers' model of it,
+loaded once; tiny random models with its tokenizer, built once; and `new_engine`, which
+every fixture that builds an engine on them goes through.
 
-Every engine a test makes is checked at teardown: no request left means no block in use,
-and the pool's invariants hold.
+Every engine `make_engine` makes is checked at teardown: no request left means no block in
+use, and the pool's invariants hold.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 from paged_chat.engine import Engine, EngineConfig
-from engine_helpers import assert_no_leaks
+from paged_chat.engine.models.loader import ModelSource, load_model_source
+from helpers import assert_no_leaks
 from tiny_models import build_tiny_model
+
+NewEngine = Callable[..., Engine]
 
 
 @pytest.fixture(scope="session")
-def smollm2_source():
-    from paged_chat.engine.models.loader import load_model_source
-    return load_model_source("smollm2-135m")
+def smollm2_source() -> ModelSource:
+    """The default model's source (config, tokenizer, GGUF checkpoint), loaded once: the
+    tokenizer's conversion from the GGUF alone takes seconds. Engines do not modify it. The
+    converted tokenizer goes to the session's cache dir (conftest.py), where the commands
+    the tests run in subprocesses on the default model find it."""
+    return load_model_source("smollm2-135m", cache_dir=os.environ["PAGED_CHAT_CACHE_DIR"])
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference() -> transformers.PreTrainedModel:
+    """transformers' own fp32 model from the default model's GGUF (its loader dequantizes and
+    un-permutes the weights itself), loaded once; tests only read it."""
+    from paged_chat.engine.models.loader import resolve_alias_path
+    path = resolve_alias_path("smollm2-135m")
+    return transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
+                                                             dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")
@@ -63,14 +84,37 @@ def tiny_reference(tiny_model_dir) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype="float32").eval()
 
 
+class SharedSources:
+    """`Engine(config, ...)`, with the source of each of the session's tiny model folders
+    read once (its full-vocabulary tokenizer alone takes a third of a second to load, more
+    than the rest of a tiny engine). Engines keep only the source's tokenizer and config and
+    change neither, so they can share it; any other model loads as the engine loads it."""
+
+    def __init__(self, folders: Iterable[Path]) -> None:
+        self._sources: dict[str, ModelSource | None] = {str(folder): None for folder in folders}
+
+    def __call__(self, config: EngineConfig, **options) -> Engine:
+        if config.model in self._sources and "source" not in options:
+            if self._sources[config.model] is None:
+                self._sources[config.model] = load_model_source(config.model)
+            options["source"] = self._sources[config.model]
+        return Engine(config, **options)
+
+
+@pytest.fixture(scope="session")
+def new_engine(tiny_model_dir, chat_model_dir, mistral_dir) -> NewEngine:
+    """The one place the tests' fixtures build an Engine on a tiny model."""
+    return SharedSources([tiny_model_dir, chat_model_dir, mistral_dir])
+
+
 @pytest.fixture
-def make_engine(tiny_model_dir):
+def make_engine(tiny_model_dir, new_engine):
     engines: list[Engine] = []
 
     def make(**overrides) -> Engine:
         settings = dict(model=str(tiny_model_dir), device="cpu", dtype="float32", num_blocks=256,
                         block_size=16, max_num_seqs=32, max_num_batched_tokens=512)
-        engine = Engine(EngineConfig(**{**settings, **overrides}))
+        engine = new_engine(EngineConfig(**{**settings, **overrides}))
         engines.append(engine)
         return engine
 

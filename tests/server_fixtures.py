@@ -1,21 +1,21 @@
 """A `paged-chat serve` in the test process: the tiny chat model on a thread client, the API
 on a free loopback port, served by uvicorn on a thread of its own (so a test's own event
-loop, a Pilot's included, can be a client)."""
+loop, a Pilot's included, can be a client). Loaded as a pytest plugin (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
 import pytest
 
-from paged_chat.engine import ClientSpec, Engine, EngineConfig, LocalClient, make_client
+from paged_chat.engine import ClientSpec, EngineConfig, LocalClient, make_client
 from paged_chat.server import ApiServer
+from helpers import engine_config, wait_for
 
 
 def free_port() -> int:
@@ -31,14 +31,6 @@ def answers_health(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 60.0, what: str = "the condition") -> None:
-    """Poll `condition` until it holds; fail after `timeout` seconds (a busy machine is slow)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 @dataclass
@@ -69,15 +61,14 @@ def start_server(client: LocalClient, **options) -> Served:
 
 
 def chat_engine_config(model_dir, **overrides) -> EngineConfig:
-    values = dict(model=str(model_dir), device="cpu", dtype="float32", num_blocks=512,
-                  block_size=16, max_num_seqs=64, max_num_batched_tokens=1024)
-    return EngineConfig(**{**values, **overrides})
+    """engine_config with room for the many streams a server's tests open at once."""
+    return engine_config(model_dir, **{"max_num_seqs": 64, "max_num_batched_tokens": 1024, **overrides})
 
 
 @pytest.fixture(scope="module")
-def served(chat_model_dir) -> Iterator[Served]:
+def served(chat_model_dir, new_engine) -> Iterator[Served]:
     """One engine and server for a module's tests; each test must leave no block in use."""
-    client = make_client(ClientSpec(engine=Engine(chat_engine_config(chat_model_dir))))
+    client = make_client(ClientSpec(engine=new_engine(chat_engine_config(chat_model_dir))))
     running = start_server(client, model_names=[str(chat_model_dir)])
     yield running
     running.stop()

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from paged_chat.engine import (ClientSpec, Engine, EngineConfig, LocalClient, make_client,
                                RequestOutput, SamplingParams)
 from paged_chat.engine.models.loader import ModelSource, load_model_source
-from engine_helpers import engine_thread_idle, phase_of, step_as_a_client
+from helpers import engine_thread_idle, phase_of, step_as_a_client
 from paged_chat.engine.request import Request
 
 _NUM_SYSTEM_PROMPTS = 4

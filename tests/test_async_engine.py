@@ -9,8 +9,9 @@ import threading
 
 import pytest
 
-from paged_chat.engine import ClientSpec, EngineDeadError, LocalClient, make_client, SamplingParams
+from paged_chat.engine import ClientSpec, EngineDeadError, LocalClient, SamplingParams, make_client
 from paged_chat.engine.clients.thread_transport import GIL_SWITCH_INTERVAL_S
+from helpers import wait_until
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -140,10 +141,3 @@ def test_a_builders_error_is_raised_to_the_caller():
 
     with pytest.raises(FileNotFoundError, match="no model at /nowhere"):
         make_client(ClientSpec(engine=build))
-
-
-async def wait_until(condition, timeout_s: float = 30.0) -> None:
-    async def poll():
-        while not condition():
-            await asyncio.sleep(0.02)
-    await asyncio.wait_for(poll(), timeout_s)

@@ -19,26 +19,14 @@ from hypothesis import strategies as st
 from paged_chat.conversation import ChatTemplateError, Conversation
 from paged_chat.engine import ClientSpec, make_client, SamplingParams
 from paged_chat.engine.detokenizer import IncrementalDetokenizer
-from paged_chat.engine.runner import ModelRunner
 from paged_chat.text import sanitize_for_terminal
-from engine_helpers import generate, step_as_a_client
-from test_engine import GREEDY
+from helpers import ESCAPE_IDS, ESCAPE_SOUP, GREEDY, generate, scripted, step_as_a_client
 
 pytestmark = pytest.mark.timeout(300)
 
-ESCAPE_IDS = [212, 75, 34, 58]  # "\x1b[2J" (clear the screen) in the default tokenizer
 SHORT = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 FUZZ = settings(max_examples=150, deadline=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-
-def scripted(monkeypatch, script: list[int]) -> None:
-    """Make every request generate `script` (then its last id forever), whatever the model
-    says: a way to put given bytes in the output."""
-    def sample(self, logits, samplers):
-        return [script[min(item.request.num_output_tokens, len(script) - 1)] for item in samplers]
-
-    monkeypatch.setattr(ModelRunner, "_sample", sample)
 
 
 def run(engine, prompt, params=SHORT):
@@ -250,12 +238,10 @@ def test_sanitize_examples(raw, clean):
 
 
 _CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-_ESCAPE_SOUP = st.text(st.sampled_from(list("\x1b\x9b\x9d\x9c\x07[]();0123456789mHJPX^_\\ab\n\t\r"))
-                       | st.characters(), max_size=60)
 
 
 @settings(max_examples=500, deadline=None)
-@given(text=_ESCAPE_SOUP)
+@given(text=ESCAPE_SOUP)
 def test_fuzz_sanitize(text):
     """Nothing a terminal acts on survives, a second pass changes nothing, and text with no
     control character in it is left exactly as it was."""

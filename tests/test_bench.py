@@ -19,7 +19,8 @@ from paged_chat.bench.own_thread import on_own_thread
 from paged_chat.bench.report import format_report, write_json
 from paged_chat.bench.systems import SYSTEMS
 from paged_chat.bench.workload import Workload
-from server_fixtures import free_port, served, wait_for  # noqa: F401 (a fixture)
+from helpers import wait_for
+from server_fixtures import free_port
 
 
 @pytest.fixture(scope="module")

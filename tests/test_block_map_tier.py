@@ -10,7 +10,7 @@ import numpy as np
 from paged_chat.engine.stats import BlockMap, KVTierStats
 from paged_chat.tui.block_map import CACHED, FREE, RESTORED, TAB0, block_codes
 from paged_chat.tui.engine_panel import describe_block, format_numbers
-from test_tui_snapshots import snapshot
+from helpers import snapshot
 
 
 def test_cached_blocks_read_back_from_the_tier_have_their_own_code():

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import tomllib
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings as hypothesis_settings, strategies as st
@@ -28,52 +27,7 @@ from paged_chat.chat_store import ChatStore
 from paged_chat.cli import CliState, app
 from paged_chat.engine import Engine
 from paged_chat.plain_terminal import UsageError
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-class Cli:
-    """Runs `paged-chat` in-process with this test's config file and chat store."""
-
-    def __init__(self, config: Path, model: Path) -> None:
-        self.config = config
-        self.model = model
-        self.engines: list[Engine] = []
-
-    def __call__(self, *args: str, input: str | None = None, obj: CliState | None = None):
-        return CliRunner().invoke(app, ["--config", str(self.config), *args], input=input,
-                                  obj=obj or CliState(engine_factory=self._engine))
-
-    def _engine(self, config) -> Engine:
-        self.engines.append(Engine(config))
-        return self.engines[-1]
-
-    def json(self, *args: str, input: str | None = None) -> dict:
-        result = self("ask", "--json", *args, input=input)
-        assert result.exit_code == 0, result.stderr
-        return json.loads(result.stdout)
-
-    def store(self) -> ChatStore:
-        return ChatStore()
-
-
-@pytest.fixture
-def cli(tmp_path, monkeypatch, chat_model_dir) -> Cli:
-    monkeypatch.setenv("PAGED_CHAT_DATA_DIR", str(tmp_path / "data"))
-    config = tmp_path / "config.toml"
-    config.write_text(f'[engine]\nmodel = "{chat_model_dir}"\ndevice = "cpu"\ndtype = "float32"\n'
-                      'num_blocks = 128\n\n[chat]\ntemperature = 0.0\nmax_tokens = 8\n')
-    cli = Cli(config, chat_model_dir)
-    yield cli
-    for engine in cli.engines:  # every path, Ctrl+C and errors included, frees its blocks
-        assert not engine.has_unfinished() and engine.stats().blocks_in_use == 0
-        engine.kv_cache.pool.check_invariants()
-
-
-def one_line(text: str) -> str:
-    lines = text.strip().splitlines()
-    assert len(lines) == 1, text
-    return lines[0]
+from helpers import REPO, one_line
 
 
 # ---- start-up, help, version ---------------------------------------------------------
@@ -181,7 +135,7 @@ def test_no_prompt_is_a_usage_error(cli):
 
 def test_stdin_that_is_not_utf8_is_a_usage_error(cli):
     result = CliRunner().invoke(app, ["--config", str(cli.config), "ask", "summarise"],
-                                input=b"caf\xe9 \xff\xfe binary", obj=CliState(engine_factory=cli._engine))
+                                input=b"caf\xe9 \xff\xfe binary", obj=CliState(engine_factory=cli.engine_factory))
     assert result.exit_code == 2 and result.stdout == ""
     assert one_line(result.stderr).startswith("Error: stdin is not UTF-8 text")
 
@@ -245,7 +199,7 @@ def test_stats_go_to_stderr(cli):
 
 
 def test_continue_reuses_the_exact_history_and_hits_the_prefix_cache(cli):
-    shared = CliState(engine_factory=lambda config: cli.engines[0] if cli.engines else cli._engine(config))
+    shared = CliState(engine_factory=lambda config: cli.engines[0] if cli.engines else cli.engine_factory(config))
     first = json.loads(cli("ask", "--json", "--max-tokens", "20", "Tell me about caches", obj=shared).stdout)
     continued = cli("ask", "--json", "-c", "And about pages?", obj=shared)
     assert continued.stderr == ""  # no "re-encoding" warning
@@ -295,7 +249,7 @@ def test_a_parallel_continue_that_lost_the_race_is_refused(cli):
         with ChatStore() as other:
             other.add_message(chat_id, "user", "from the other process", [5, 6])
             other.add_message(chat_id, "assistant", "its reply", [7], "stop")
-        return cli._engine(config)
+        return cli.engine_factory(config)
 
     result = cli("ask", "-c", "From this one", obj=CliState(engine_factory=engine_after_another_turn))
     assert result.exit_code == 1
@@ -380,7 +334,7 @@ def test_ctrl_c_sigterm_and_sighup_keep_the_partial_answer_and_stop_the_engine(c
     before = signal.getsignal(signum)
 
     def engine_signalled_after_3_steps(config) -> Engine:
-        engine = cli._engine(config)
+        engine = cli.engine_factory(config)
         step, steps = engine.step, []
 
         def step_then_signal():
@@ -407,7 +361,7 @@ def test_a_streaming_reply_is_saved_as_it_grows(cli, monkeypatch):
     seen = []
 
     def engine_watching_the_store(config) -> Engine:
-        engine = cli._engine(config)
+        engine = cli.engine_factory(config)
         step = engine.step
 
         def step_and_look():
@@ -650,7 +604,7 @@ def test_ask_builds_its_engine_on_the_engine_thread(cli):
 
     def engine_on(config):
         built_on.append(threading.current_thread().name)
-        return cli._engine(config)
+        return cli.engine_factory(config)
 
     result = cli("ask", "--max-tokens", "4", "Hi", obj=CliState(engine_factory=engine_on))
     assert result.exit_code == 0, result.stderr

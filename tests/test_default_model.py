@@ -10,16 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from paged_chat.conversation import Conversation
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
-from paged_chat.engine.models.loader import MODEL_ALIASES, resolve_alias_path
+from paged_chat.engine.models.loader import MODEL_ALIASES
 from paged_chat.engine.models.weight_cache import list_cached_weights
+from helpers import REPO
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
 LOAD_ALLOWANCE = 128 << 20
 PROMPTS = ["The history of the Roman Empire", "def fibonacci(n):",
            "Once upon a time, in a small village,", "The three primary colors are"]
@@ -30,13 +29,11 @@ def engine(smollm2_source) -> Engine:
     return Engine(EngineConfig(device="cpu", dtype="float32", num_blocks=256), source=smollm2_source)
 
 
-def test_greedy_tokens_match_transformers_on_the_gguf(engine):
+def test_greedy_tokens_match_transformers_on_the_gguf(engine, smollm2_reference):
     """Teacher-forced: transformers' argmax after every prefix of our output is our next
     token, which is exactly "its greedy generation equals ours" (and 30x faster to check
     than its token-by-token generate on this CPU)."""
-    path = resolve_alias_path("smollm2-135m")
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                     dtype=torch.float32).eval()
+    reference = smollm2_reference
     outputs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     for prompt, output in zip(PROMPTS, outputs):
         ids = engine.tokenizer.encode(prompt)
@@ -77,8 +74,8 @@ def test_alias_table_names_the_install_command():
 
 def probe_load(cache_dir: Path) -> dict:
     """tests/load_probe.py on the default model in bf16, in a fresh process."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(ROOT / "tests" / "load_probe.py"), "smollm2-135m",
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "load_probe.py"), "smollm2-135m",
                              str(cache_dir), "bfloat16"], capture_output=True, text=True,
                             timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -7,20 +7,13 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from engine_helpers import holders_of, owners_of
+from helpers import GREEDY, holders_of, owners_of, random_prompts
 from paged_chat.engine import EngineConfig, SamplingParams
 from paged_chat.engine.block_pool import NULL_BLOCK
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 # The reference's counterpart of ignore_eos: no end token at all (min_new_tokens would
 # instead mask the end token's logit and change which token wins).
 NO_EOS = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
-
-
-def random_prompts(count: int, seed: int, low: int = 3, high: int = 90) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(low, high, (count,), generator=generator).tolist()
-    return [torch.randint(3, 512, (n,), generator=generator).tolist() for n in lengths]
 
 
 def test_generate_contract(make_engine):

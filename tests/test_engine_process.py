@@ -9,13 +9,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from paged_chat.engine import (ClientSpec, Engine, EngineDeadError, LocalClient, ModelLoadError,
                                SamplingParams, make_client)
-from tui_helpers import engine_config
+from helpers import engine_config, wait_for, wait_until
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -39,13 +38,6 @@ def own_process_engine(chat_model_dir):
 
 async def collect(engine, prompt, params=SHORT, owner=None) -> list:
     return [out async for out in engine.stream(prompt, params, owner=owner)]
-
-
-async def wait_until(condition, timeout_s: float = 60.0) -> None:
-    async def poll():
-        while not condition():
-            await asyncio.sleep(0.02)
-    await asyncio.wait_for(poll(), timeout_s)
 
 
 def idle(engine: LocalClient) -> bool:
@@ -159,17 +151,14 @@ def test_the_child_exits_when_its_parent_is_killed(chat_model_dir):
     finally:
         parent.kill()
         parent.wait(30)
-    deadline = time.monotonic() + 60
-    while child_alive(child_pid):
-        assert time.monotonic() < deadline, "the engine process outlived its parent"
-        time.sleep(0.05)
+    wait_for(lambda: not child_alive(child_pid), what="the engine process to exit with its parent")
 
 
 PARENT_SCRIPT = """
 import sys
 import time
 from paged_chat.engine import ClientSpec, make_client
-from tui_helpers import engine_config
+from helpers import engine_config, wait_for, wait_until
 if __name__ == "__main__":
     engine = make_client(ClientSpec("process", engine_config(sys.argv[1])))
     print(engine.transport.pid, flush=True)

@@ -18,9 +18,8 @@ from paged_chat.engine import (ClientSpec, Engine, EngineDeadError, LocalClient,
                                PagedChatError, SamplingParams)
 from paged_chat.engine.kv_pool_sizing import KVCacheSpec
 from paged_chat.engine.runner import ModelRunner
-from engine_helpers import (client_processor, engine_thread_idle, generate, phase_of,
-                            step_as_a_client)
-from test_engine import GREEDY, random_prompts
+from helpers import (GREEDY, client_processor, engine_thread_idle, generate, phase_of,
+                     random_prompts, step_as_a_client, wait_until)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -168,10 +167,7 @@ def storm_engine(make_engine):
 
 async def wait_idle(engine: LocalClient, timeout_s: float = 60) -> None:
     """Until every cancellation is applied; then nothing may be held."""
-    async def poll():
-        while not engine_thread_idle(engine):
-            await asyncio.sleep(0.01)
-    await asyncio.wait_for(poll(), timeout_s)
+    await wait_until(lambda: engine_thread_idle(engine), timeout_s)
     assert not engine.transport.engine.requests and engine.transport.engine.stats().blocks_in_use == 0
     engine.transport.engine.kv_cache.check_invariants()
 

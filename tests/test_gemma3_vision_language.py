@@ -13,11 +13,9 @@ from transformers import Gemma3ForConditionalGeneration
 
 from paged_chat.engine.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.loader import load_model, load_model_source
-from test_loader import SYSTEM_CHATML, TINY, tiny_tokenizer
-from test_model import greedy_reference, run_paged
-from tiny_models import build_tiny_model
+from tiny_models import SYSTEM_CHATML, TINY, build_tiny_model, greedy_reference, run_paged, tiny_tokenizer
 
-WINDOW = 7  # not a multiple of test_model's block size
+WINDOW = 7  # not a multiple of tiny_models.PAGED_BLOCK_SIZE
 # Global layers scale RoPE linearly by 8 as the 4B/12B/27B do; a query scale that is not
 # head_dim's, as the 27B's.
 GLOBAL_ROPE = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0}

@@ -31,8 +31,7 @@ from paged_chat.engine import SamplingParams
 from paged_chat.plain_terminal import AskOptions, UsageError
 from paged_chat.settings import load_settings
 from paged_chat.text import StreamSanitizer, sanitize_for_terminal
-from test_bad_input import ESCAPE_IDS, _ESCAPE_SOUP, scripted
-from test_cli import REPO, cli, one_line  # noqa: F401 (cli is a fixture)
+from helpers import ESCAPE_IDS, ESCAPE_SOUP, REPO, one_line, scripted
 
 # A clipboard write (OSC 52), a screen clear and a window title, then some text.
 HOSTILE = "\x1b]52;c;SGVsbG8=\x07\x1b[2J\x1b]0;pwned\x07 hi"
@@ -117,7 +116,7 @@ def test_ask_sanitizes_a_streamed_reply_only_on_a_terminal(cli, monkeypatch, std
     scripted(monkeypatch, ESCAPE_IDS + [17] * 4)
     monkeypatch.setattr(sys, "stdout", stdout)
     options = AskOptions(prompt="Hi", save=False, sampling={"max_tokens": 8})
-    assert run_ask(options, load_settings(cli.config), cli._engine, None) == 0
+    assert run_ask(options, load_settings(cli.config), cli.engine_factory, None) == 0
     assert stdout.getvalue() == expected
 
 
@@ -132,7 +131,7 @@ def test_a_sequence_left_open_does_not_swallow_the_next_answer():
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=_ESCAPE_SOUP, cuts=st.lists(st.integers(0, 60), max_size=8))
+@given(text=ESCAPE_SOUP, cuts=st.lists(st.integers(0, 60), max_size=8))
 def test_fuzz_a_stream_is_sanitized_as_the_whole_text(text, cuts):
     """However the text is cut into deltas, the screen shows what sanitizing it whole does."""
     bounds = [0, *sorted(min(cut, len(text)) for cut in cuts), len(text)]
@@ -388,7 +387,7 @@ def test_a_latin1_prompt_file_is_a_usage_error_naming_it(cli, tmp_path):
     assert result.exit_code == 2 and cli.engines == []
     assert one_line(result.stderr) == f"Error: the prompt file {prompts} is not UTF-8 text (invalid continuation byte)"
     from_stdin = CliRunner().invoke(app, ["--config", str(cli.config), "ask", "--file", "-"],
-                                    input=prompts.read_bytes(), obj=CliState(engine_factory=cli._engine))
+                                    input=prompts.read_bytes(), obj=CliState(engine_factory=cli.engine_factory))
     assert from_stdin.exit_code == 2
     assert one_line(from_stdin.stderr) == "Error: stdin is not UTF-8 text (invalid continuation byte)"
 

@@ -22,9 +22,9 @@ import torch
 
 from paged_chat.engine.errors import ModelLoadError, PagedChatError
 from paged_chat.engine.models.loader import load_model_source
-from test_loader import hf_folder, tiny_gguf
+from helpers import REPO
+from tiny_models import hf_folder, tiny_gguf
 
-ROOT = Path(__file__).resolve().parents[1]
 MEMORY_LIMIT = 6 << 30  # address space: torch's own mappings fit, a hostile allocation not
 TIMEOUT_S = 60
 
@@ -45,7 +45,7 @@ else:
 
 def load_under_limit(path: Path) -> str:
     """Build an engine on `path` in a subprocess under MEMORY_LIMIT; its one line of output."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
         [sys.executable, "-c", _LOAD_UNDER_LIMIT.format(limit=MEMORY_LIMIT), str(path)],
         capture_output=True, text=True, timeout=TIMEOUT_S, env=env)

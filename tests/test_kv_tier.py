@@ -35,7 +35,7 @@ from paged_chat.engine.kv_tier import (
 from paged_chat.engine.request import RequestStatus
 from paged_chat.engine.runner import ModelRunner
 from paged_chat.engine.scheduler import Scheduler
-from engine_helpers import assert_no_leaks, step_as_a_client
+from helpers import assert_no_leaks, step_as_a_client
 from soak import run_soak, soak_config
 from tiny_models import build_tiny_model
 

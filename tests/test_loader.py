@@ -6,7 +6,7 @@ import importlib.util
 import json
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import gguf
 import jinja2
@@ -15,8 +15,7 @@ import pytest
 import torch
 from huggingface_hub import constants as hub_constants
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from paged_chat.engine.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.loader import (
@@ -26,38 +25,10 @@ from paged_chat.engine.models.loader import (
     load_model_source,
     resolve_alias_path,
 )
-from tiny_models import build_tiny_model
+from tiny_models import (BOS_ID, EOS_ID, SYSTEM_CHATML, TINY, VOCAB, PagedSequence, build_tiny_model,
+                         hf_folder, tiny_gguf, tiny_tokenizer, write_gguf)
 
-# A byte-level BPE vocabulary small enough to build in milliseconds, shaped like SmolLM2's.
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = [("h", "e"), ("l", "l"), ("he", "ll")]
-VOCAB = SPECIAL_TOKENS + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["he", "ll", "hell"]
-BOS_ID, EOS_ID = 1, 2  # build_tiny_model's ids too
 SAMPLE_TEXT = "hello <|im_start|>world\n"
-SYSTEM_CHATML = (
-    "{{ '<|im_start|>system\nBe brief.<|im_end|>\n' }}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-TINY = dict(vocab_size=len(VOCAB), num_heads=4, num_kv_heads=2, head_dim=16)
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """The VOCAB tokenizer, with no chat template."""
-    backend = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(VOCAB)}, merges=MERGES))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=VOCAB[BOS_ID],
-                                   eos_token=VOCAB[EOS_ID])
-
-
-def hf_folder(folder: Path, arch: str, **overrides: Any) -> dict[str, torch.Tensor]:
-    """A tiny random HF model folder with a template-less tokenizer; returns its state dict."""
-    model = build_tiny_model(arch, folder, **(TINY | overrides))
-    tiny_tokenizer().save_pretrained(folder)
-    return model.state_dict()
 
 
 def read_weights(src: ModelSource) -> dict[str, torch.Tensor]:
@@ -159,119 +130,6 @@ def test_cached_hub_id_loads_from_hf_cache(tmp_path: Path,
 
 # ---------------------------------------------------------------- GGUF files
 
-# HF module -> GGUF tensor name, as llama.cpp's convert_hf_to_gguf.py writes them.
-GGUF_BLOCK_NAMES = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm",
-}
-GGUF_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm",
-                  "lm_head": "output"}
-# Gemma 3's norms, as convert_hf_to_gguf.py names them.
-GEMMA3_BLOCK_NAMES = GGUF_BLOCK_NAMES | {
-    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-    "post_feedforward_layernorm": "post_ffw_norm"}
-Q = gguf.GGMLQuantizationType
-
-
-def gguf_name(hf_name: str, arch: str = "llama") -> str:
-    module, kind = hf_name.rsplit(".", 1)
-    if module in GGUF_TOP_NAMES:
-        return f"{GGUF_TOP_NAMES[module]}.{kind}"
-    _, _, layer, rest = module.split(".", 3)
-    names = GEMMA3_BLOCK_NAMES if arch == "gemma3" else GGUF_BLOCK_NAMES
-    return f"blk.{layer}.{names[rest]}.{kind}"
-
-
-def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
-    """convert_hf_to_gguf.py's LlamaModel.permute: llama.cpp's rope pairs rows differently."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape)
-
-
-def storage_type(hf_name: str, array: np.ndarray, quantize: bool) -> gguf.GGMLQuantizationType:
-    """A mix like real files: layer 1 matrices in Q8_0, the embedding in F16, the rest F32
-    (or all F32 when not `quantize`)."""
-    if not quantize:
-        return Q.F32
-    if hf_name == "model.embed_tokens.weight":
-        return Q.F16
-    if hf_name.startswith("model.layers.1.") and array.ndim == 2:
-        return Q.Q8_0
-    return Q.F32
-
-
-def write_gguf(path: Path, arch: str, state: dict[str, torch.Tensor], hf_cfg: Any, *,
-               permute: bool, tokenizer: bool = True, quantize: bool = True,
-               extra: Callable[[gguf.GGUFWriter], None] = lambda w: None,
-               after: Callable[[gguf.GGUFWriter], None] = lambda w: None,
-               ) -> dict[str, torch.Tensor]:
-    """Write `state` as llama.cpp would; return what a correct loader must read back.
-    `extra` adds metadata or tensors before the tokenizer's metadata, `after` after it.
-
-    The expected tensors are the originals after the same quantize/dequantize round trip,
-    so they stay in HF (un-permuted) row order.
-    """
-    writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(hf_cfg.num_hidden_layers)
-    writer.add_context_length(hf_cfg.max_position_embeddings)
-    writer.add_embedding_length(hf_cfg.hidden_size)
-    writer.add_feed_forward_length(hf_cfg.intermediate_size)
-    writer.add_head_count(hf_cfg.num_attention_heads)
-    writer.add_head_count_kv(hf_cfg.num_key_value_heads)
-    writer.add_key_length(hf_cfg.head_dim)
-    writer.add_rope_dimension_count(hf_cfg.head_dim)
-    rope = hf_cfg.rope_parameters
-    writer.add_rope_freq_base(rope.get("full_attention", rope)["rope_theta"])
-    writer.add_layer_norm_rms_eps(hf_cfg.rms_norm_eps)
-    if tokenizer:
-        writer.add_tokenizer_model("gpt2")
-        writer.add_tokenizer_pre("default")
-        writer.add_token_list(VOCAB)
-        writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t in VOCAB])
-        writer.add_token_merges([f"{a} {b}" for a, b in MERGES])
-        writer.add_bos_token_id(BOS_ID)
-        writer.add_eos_token_id(EOS_ID)
-    extra(writer)
-    if tokenizer:
-        writer.add_chat_template(SYSTEM_CHATML)
-    after(writer)
-    expected = {}
-    for name, tensor in state.items():
-        array = tensor.numpy()
-        qtype = storage_type(name, array, quantize)
-        stored = array + 1 if arch == "gemma3" and name.endswith("norm.weight") else array
-        if permute and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = hf_cfg.num_attention_heads if "q_proj" in name else hf_cfg.num_key_value_heads
-            stored = llama_cpp_permute(array, heads)
-        if qtype == Q.F32:
-            writer.add_tensor(gguf_name(name, arch), stored)
-        elif qtype == Q.F16:
-            writer.add_tensor(gguf_name(name, arch), stored.astype(np.float16))
-        else:
-            writer.add_tensor(gguf_name(name, arch), gguf.quants.quantize(stored, qtype),
-                              raw_dtype=qtype)
-        round_trip = array if qtype == Q.F32 else gguf.quants.dequantize(
-            gguf.quants.quantize(array, qtype), qtype)
-        expected[name] = torch.from_numpy(np.asarray(round_trip, dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return expected
-
-
-def tiny_gguf(tmp_path: Path, arch: str = "llama", **kwargs: Any) -> tuple[Path, dict, Any]:
-    """A tiny model of `arch` as a .gguf file: (path, expected HF weights, HF config)."""
-    model = build_tiny_model(arch, tmp_path / "hf", **TINY)
-    path = tmp_path / f"tiny-{arch}.gguf"
-    expected = write_gguf(path, arch, model.state_dict(), model.config,
-                          permute=arch == "llama", **kwargs)
-    return path, expected, model.config
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_gguf_round_trip_unpermutes_llama_qk(tmp_path: Path, arch: str) -> None:
     path, expected, hf_cfg = tiny_gguf(tmp_path, arch)
@@ -296,7 +154,6 @@ def test_gguf_round_trip_unpermutes_llama_qk(tmp_path: Path, arch: str) -> None:
 def test_gemma3_gguf_runs_like_the_hf_model_it_came_from(tmp_path: Path) -> None:
     """Norms stored plus one, Gemma's tensor names, five local layers then a global one."""
     from paged_chat.engine.models.loader import load_model
-    from test_model import PagedSequence
 
     model = build_tiny_model("gemma3_text", tmp_path / "hf", **TINY, num_layers=6,
                              sliding_window=7, query_pre_attn_scalar=16, tie_word_embeddings=True)
@@ -511,9 +368,10 @@ def test_alias_table() -> None:
     assert resolve_alias_path("smollm2-135m").name == alias.filename
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> ModelSource:
-    return load_model_source("smollm2-135m")
+@pytest.fixture
+def smollm2(smollm2_source) -> ModelSource:
+    """The session's default model source (loaded once for every module that reads it)."""
+    return smollm2_source
 
 
 @pytest.mark.slow
@@ -537,11 +395,9 @@ def test_alias_config_tokenizer_and_template(smollm2: ModelSource) -> None:
 
 
 @pytest.mark.slow
-def test_alias_weights_match_transformers_gguf_loader(smollm2: ModelSource) -> None:
+def test_alias_weights_match_transformers_gguf_loader(smollm2: ModelSource, smollm2_reference) -> None:
     """transformers un-permutes q/k itself: equal weights validate ours on real data."""
-    path = resolve_alias_path("smollm2-135m")
-    reference = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name,
-                                                     dtype=torch.float32).state_dict()
+    reference = smollm2_reference.state_dict()
     weights = read_weights(smollm2)
     assert set(weights) == set(reference) - {"lm_head.weight"}
     for name, tensor in weights.items():

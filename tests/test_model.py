@@ -4,59 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GenerationConfig
 
-from paged_chat.engine.attention.metadata import AttentionMetadata
-from paged_chat.engine.attention.torch_backend import TorchAttention
-from paged_chat.engine.models.llama import LlamaForCausalLM
-from tiny_models import ARCHITECTURES, build_tiny_model, load_decoder
-
-BLOCK_SIZE = 8
-
-
-class PagedSequence:
-    """One sequence run through the decoder with a shuffled (non-contiguous) block table."""
-
-    def __init__(self, model: LlamaForCausalLM, max_tokens: int) -> None:
-        config = model.config
-        num_blocks = 2 * -(-max_tokens // BLOCK_SIZE)
-        self.model = model
-        self.attention = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim,
-                                        config.attention_scale)
-        self.cache = torch.zeros(config.num_layers, 2,
-                                 *self.attention.kv_cache_shape(num_blocks, BLOCK_SIZE))
-        self.table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))
-        self.length = 0
-
-    @torch.inference_mode()
-    def feed(self, token_ids: list[int]) -> torch.Tensor:
-        """Append tokens; return the logits of every one of them."""
-        count = len(token_ids)
-        positions = torch.arange(self.length, self.length + count)
-        slots = self.table[positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
-        self.length += count
-        meta = AttentionMetadata.build([count], [self.length], self.table[None], BLOCK_SIZE,
-                                       torch.device("cpu"), slot_mapping=slots)
-        return self.model(torch.tensor(token_ids), positions, self.cache, meta, self.attention,
-                          torch.arange(count))
-
-
-def greedy_reference(reference, prompt: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' greedy continuation of `prompt` and its logits at every position."""
-    with torch.inference_mode():
-        expected = reference.generate(prompt[None], generation_config=GenerationConfig(
-            max_new_tokens=steps, do_sample=False, eos_token_id=None, pad_token_id=0))[0]
-        return expected, reference(expected[None]).logits[0]
-
-
-def run_paged(model: LlamaForCausalLM, expected: torch.Tensor,
-              prompt_chunks: list[torch.Tensor]) -> torch.Tensor:
-    """Our logits for `expected`: the prompt fed in chunks, then one token at a time."""
-    sequence = PagedSequence(model, len(expected))
-    num_prompt = sum(len(chunk) for chunk in prompt_chunks)
-    logits = [sequence.feed(chunk.tolist()) for chunk in prompt_chunks]
-    logits += [sequence.feed([token]) for token in expected[num_prompt:-1].tolist()]
-    return torch.cat(logits)
+from tiny_models import (ARCHITECTURES, PagedSequence, build_tiny_model, greedy_reference, load_decoder,
+                         run_paged)
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -95,7 +45,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path):
     assert (ours - expected).abs().max() / expected.abs().max() < 1e-4
 
 
-# Windows that are not multiples of BLOCK_SIZE, prompts several windows long.
+# Windows that are not multiples of PAGED_BLOCK_SIZE, prompts several windows long.
 WINDOWED = {
     "mistral": dict(sliding_window=13),
     "qwen2": dict(use_sliding_window=True, sliding_window=11, max_window_layers=1),

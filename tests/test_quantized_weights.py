@@ -13,11 +13,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-import test_loader
 import torch
 import torch.nn.functional as F
-from test_loader import tiny_gguf
-from test_model import PagedSequence
 
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.models.loader import load_model, load_model_source
@@ -25,6 +22,8 @@ from paged_chat.engine.models.quant import BLOCK_FORMATS, kernels
 from paged_chat.engine.models.quant.layout import QuantizedWeight
 from paged_chat.engine.models.quant.linear import QuantizedEmbedding, QuantizedLinear
 from paged_chat.engine.models.weight_cache import list_cached_weights
+import tiny_models
+from tiny_models import PagedSequence, tiny_gguf
 
 ROWS = (1, 3, 17, 32)
 OUT_FEATURES = 72  # not a multiple of 64, nor of the kernel's 4-row tiles' 64-byte lines
@@ -148,7 +147,7 @@ def quantized_tiny_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path
     Q4_1 and Q8_0 in turn (hidden 64: too narrow for the 256-wide K-quants), written with
     gguf's GGUFWriter."""
     formats = iter([Q.Q4_0, Q.Q4_1, Q.Q8_0] * 8)
-    monkeypatch.setattr(test_loader, "storage_type", lambda name, array, quantize: (
+    monkeypatch.setattr(tiny_models, "storage_type", lambda name, array, quantize: (
         next(formats) if array.ndim == 2 else Q.F32))
     path, _, _ = tiny_gguf(tmp_path)
     return path

@@ -22,9 +22,9 @@ from paged_chat.engine import (ClientSpec, Engine, EngineClient, EngineDeadError
                                RemoteEngineError, SamplingParams, make_client)
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.engine_panel import EnginePanel
-from server_fixtures import (answers_health, api, chat_engine_config, free_port,  # noqa: F401
-                             served, start_server, wait_for)
-from tui_helpers import make_settings, replies, text_of, type_prompt, wait_until
+from helpers import wait_for, wait_until
+from server_fixtures import answers_health, chat_engine_config, free_port, start_server
+from tui_helpers import make_settings, replies, text_of, type_prompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -144,15 +144,15 @@ async def test_tui_on_a_remote_engine(api, tmp_path):
     async with app.run_test(size=(120, 40)) as pilot:
         await type_prompt(pilot, "hello remote")
         tab = app.active_tab
-        await wait_until(pilot, lambda: tab.session.turn is not None and tab.session.turn.finished, timeout=60)
+        await wait_until(lambda: tab.session.turn is not None and tab.session.turn.finished, timeout=60)
         [reply] = replies(tab)
         assert tab.session.turn.finish_reason in ("stop", "length") and tab.session.turn.token_ids
         status = text_of(app.query_one("#status"))
         host = api.server.url.removeprefix("http://")
         assert f"{api.model} · remote at {host} · no block map · max " in status, status
         panel = app.query_one(EnginePanel)
-        await wait_until(pilot, lambda: "remote engine: no block map" in text_of(panel.query_one("#pool-title")))
-        await wait_until(pilot, lambda: "running" in text_of(panel.query_one("#numbers")))
+        await wait_until(lambda: "remote engine: no block map" in text_of(panel.query_one("#pool-title")))
+        await wait_until(lambda: "running" in text_of(panel.query_one("#numbers")))
 
 
 @pytest.mark.timeout(180)
@@ -162,7 +162,7 @@ async def test_tui_serves_its_engine_and_shows_api_owners(chat_model_dir, tmp_pa
                        session_path=tmp_path / "session.json", restore=False, serve_port=0)
     try:
         async with app.run_test(size=(120, 40)) as pilot:
-            await wait_until(pilot, lambda: app.api_server is not None and app.api_server.started)
+            await wait_until(lambda: app.api_server is not None and app.api_server.started)
             api_client = openai.AsyncOpenAI(base_url=app.api_server.url + "/v1", api_key="none", max_retries=0)
             stream = await api_client.completions.create(
                 model=client.info.name, prompt="an editor asks", max_tokens=5000, stream=True,
@@ -174,7 +174,7 @@ async def test_tui_serves_its_engine_and_shows_api_owners(chat_model_dir, tmp_pa
                         break
             assert panel.tabs["editor"].title == "editor"
             await api_client.close()
-            await wait_until(pilot, lambda: client.stats().blocks_in_use == 0 and not client.transport.engine.requests)
+            await wait_until(lambda: client.stats().blocks_in_use == 0 and not client.transport.engine.requests)
     finally:
         client.shutdown()
 

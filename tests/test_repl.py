@@ -18,8 +18,7 @@ import pytest
 
 from paged_chat.chat_command import Repl
 from paged_chat.chat_store import ChatStore
-from test_cli import REPO, cli  # noqa: F401 (the fixture)
-from test_model_stores import default_gguf, link, write_manifest
+from helpers import REPO, default_gguf, link, write_manifest
 
 
 def test_each_line_is_a_saved_turn_and_the_commands_work(cli):

@@ -17,7 +17,8 @@ import openai
 import pytest
 
 from paged_chat.engine import ClientSpec, Engine, EngineConfig, make_client
-from server_fixtures import Served, start_server, wait_for
+from helpers import wait_for
+from server_fixtures import Served, start_server
 
 CLIENTS = 64
 LEAVERS = 8

@@ -20,8 +20,8 @@ from typer.testing import CliRunner
 from paged_chat.cli import app as cli_app
 from paged_chat.engine import SamplingParams
 from paged_chat.server import UnsafeBindError, check_bind
-from server_fixtures import (answers_health, api, free_port, served,  # noqa: F401 (fixtures)
-                             start_server, wait_for)
+from helpers import wait_for
+from server_fixtures import answers_health, free_port, start_server
 
 SYSTEM = ("You are a careful assistant. You answer in short sentences, you check your facts, "
           "and you say when you do not know something. Keep every answer brief and friendly.")

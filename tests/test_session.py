@@ -13,15 +13,14 @@ import pytest
 from paged_chat.chat_session import ChatSession, Turn, chat_title
 from paged_chat.chat_store import ChatMovedOn, ChatStore
 from paged_chat.engine import ClientSpec, Engine, SamplingParams, make_client
-from engine_helpers import assert_no_leaks, step_as_a_client
-from tui_helpers import engine_config
+from helpers import assert_no_leaks, engine_config, step_as_a_client
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture
-def client(chat_model_dir):
-    engine = make_client(ClientSpec(engine=Engine(engine_config(chat_model_dir))))
+def client(chat_model_dir, new_engine):
+    engine = make_client(ClientSpec(engine=new_engine(engine_config(chat_model_dir))))
     yield engine
     engine.shutdown()
     assert_no_leaks(engine.transport.engine)

@@ -19,23 +19,13 @@ from hypothesis import strategies as st
 from paged_chat import chat_store as store_module
 from paged_chat.chat_store import ChatNotFound, ChatStore, MessageNotFound, StoreError
 from paged_chat.conversation import Conversation
-
-REPO = Path(__file__).resolve().parent.parent
+from helpers import REPO, sqlite
 
 
 @pytest.fixture
 def store(tmp_path):
     with ChatStore(tmp_path / "chats.db") as chat_store:
         yield chat_store
-
-
-def sqlite(path: Path, statement: str) -> list[tuple]:
-    connection = sqlite3.connect(path)
-    try:
-        return connection.execute(statement).fetchall()
-    finally:
-        connection.commit()
-        connection.close()
 
 
 def digest(path: Path) -> str:

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from paged_chat import chat_store as store_module
 from paged_chat.chat_store import ChatStore
+from helpers import sqlite
 
 SEARCH_VERSION = 1   # the schema version before the search index
 
@@ -51,7 +52,8 @@ def test_the_index_follows_updates_renames_forks_and_deletes(store):
     assert found(store, "final") == ["Fork"] and found(store, "renamed") == []
     store.delete_chat(fork.id)
     assert found(store, "final") == []
-    assert store._conn.execute("INSERT INTO message_search (message_search) VALUES ('integrity-check')")
+    # FTS5's own check of the index against its rows: it raises if they disagree.
+    sqlite(store.path, "INSERT INTO message_search (message_search) VALUES ('integrity-check')")
 
 
 @settings(max_examples=60, deadline=None)
@@ -80,10 +82,10 @@ def test_a_store_from_before_search_is_indexed_when_opened(tmp_path, monkeypatch
     with ChatStore(path) as old:
         chat = old.create_chat("Old chat about tides", "m")
         old.add_message(chat.id, "user", "How do the moon and tides relate?", [1, 2])
-        assert old._conn.execute("PRAGMA user_version").fetchone()[0] == SEARCH_VERSION
+        assert sqlite(path, "PRAGMA user_version") == [(SEARCH_VERSION,)]
     monkeypatch.undo()
     with ChatStore(path) as new:
-        assert new._conn.execute("PRAGMA user_version").fetchone()[0] == len(store_module.MIGRATIONS)
+        assert sqlite(path, "PRAGMA user_version") == [(len(store_module.MIGRATIONS),)]
         assert found(new, "tides") == ["Old chat about tides"]
         assert found(new, "moon") == ["Old chat about tides"]
         new.add_message(chat.id, "assistant", "Gravity pulls the oceans", [3])

@@ -28,11 +28,12 @@ from paged_chat.engine import EngineConfig
 from paged_chat.text import sanitize_for_terminal as clean
 from paged_chat.tui.actions import ACTIONS, StoredChats
 from paged_chat.tui.dialogs import ChatSettingsScreen, HelpScreen, TextPromptScreen
-from engine_helpers import blocks_owned
+from helpers import blocks_owned, engine_config, wait_until
 from paged_chat.tui.markdown_text import hard_line_breaks
 from paged_chat.tui.messages import ErrorMessage, UserMessage
-from tui_helpers import (TuiTestApp, Watcher, engine_config, idle, make_app, make_settings, new_tab,
-                         press, replies, text_of, type_prompt, wait_until)
+from tui_helpers import (TuiTestApp, Watcher, idle, make_app, make_settings, new_tab,
+                         press, replies, text_of, type_prompt)
+
 
 @pytest.mark.timeout(180)
 async def test_tabs_stream_concurrently_and_share_blocks(engine, tmp_path):
@@ -46,20 +47,20 @@ async def test_tabs_stream_concurrently_and_share_blocks(engine, tmp_path):
                 await new_tab(pilot)
             await type_prompt(pilot, f"hello from tab {index}")
         assert len(app.chat_tabs) == 4
-        await wait_until(pilot, lambda: idle(app), timeout=120)
+        await wait_until(lambda: idle(app), timeout=120)
         watcher.stop()
         assert watcher.max_batch > 1, "the engine never batched two tabs"
         assert len(watcher.tab_codes) >= 2, "the block map never showed blocks of two tabs"
         assert watcher.shared_seen, "the shared system-prompt blocks never showed"
         for tab in app.chat_tabs:   # each shown in turn: hidden replies render when shown
             app.tabs.active = tab.id
-            await wait_until(pilot, lambda: app.active_tab is tab and tab.display)
+            await wait_until(lambda: app.active_tab is tab and tab.display)
             await pilot.pause()
             [reply] = replies(tab)
             assert len(tab.session.turn.token_ids) == 300 and reply.text
             # Hidden tabs buffer while streaming; every reply ends fully rendered (once shown:
             # the tab renders what it kept back in its own time, a loaded machine's too).
-            await wait_until(pilot, lambda: "".join(chunk.source for chunk in reply._chunks)
+            await wait_until(lambda: "".join(chunk.source for chunk in reply._chunks)
                              == hard_line_breaks(clean(reply.text)))
             assert "ttft" in reply.footer and "t/s" in app.tabs.get_tab(tab.id).label.plain
         assert engine.stats().prefix_cache_hit_tokens > 0
@@ -70,7 +71,7 @@ async def test_fork_shares_every_full_block(engine, tmp_path):
     app = make_app(engine, tmp_path, make_settings(max_tokens=40))
     async with app.run_test(size=(120, 40)) as pilot:
         await type_prompt(pilot, "tell me about paging")
-        await wait_until(pilot, lambda: idle(app))
+        await wait_until(lambda: idle(app))
         original = app.active_tab
         history = len(original.session.conversation.token_ids)
         fork = await new_tab(pilot, "ctrl+f")
@@ -91,11 +92,11 @@ async def test_fork_shares_every_full_block(engine, tmp_path):
         watching = asyncio.get_running_loop().create_task(watch())
         await type_prompt(pilot, "and segmentation?")
         # The keys are events: switch tabs only once the fork has taken them all.
-        await wait_until(pilot, lambda: fork.streaming)
+        await wait_until(lambda: fork.streaming)
         app.tabs.active = original.id
-        await wait_until(pilot, lambda: app.focused is original.prompt)
+        await wait_until(lambda: app.focused is original.prompt)
         await type_prompt(pilot, "and segmentation?")
-        await wait_until(pilot, lambda: idle(app), timeout=120)
+        await wait_until(lambda: idle(app), timeout=120)
         watching.cancel()
         assert max(shared) >= history // 16
         assert fork.session.turn.num_cached_tokens >= history // 16 * 16
@@ -107,11 +108,11 @@ async def test_stop_frees_blocks(engine, tmp_path):
     async with app.run_test(size=(120, 40)) as pilot:
         await type_prompt(pilot, "go on forever")
         tab = app.active_tab
-        await wait_until(pilot, lambda: tab.session.turn is not None and len(tab.session.turn.token_ids) > 8)
+        await wait_until(lambda: tab.session.turn is not None and len(tab.session.turn.token_ids) > 8)
         assert engine.stats().blocks_in_use > 0
         await press(pilot, "escape")
-        await wait_until(pilot, lambda: idle(app))
-        await wait_until(pilot, lambda: engine.stats().blocks_in_use == 0, timeout=5)
+        await wait_until(lambda: idle(app))
+        await wait_until(lambda: engine.stats().blocks_in_use == 0, timeout=5)
         [reply] = replies(tab)
         assert reply.footer.endswith("stopped") and reply.text
         [stored] = [m for m in app.store.get_chat(tab.chat_id).messages if m.role == "assistant"]
@@ -119,7 +120,7 @@ async def test_stop_frees_blocks(engine, tmp_path):
         # The stopped reply is part of the context: the next turn reuses its blocks.
         tab.session.sampling = {"max_tokens": 4}
         await type_prompt(pilot, "short one")
-        await wait_until(pilot, lambda: idle(app))
+        await wait_until(lambda: idle(app))
         assert tab.session.turn.num_cached_tokens > 0
 
 
@@ -129,10 +130,10 @@ async def test_restart_restores_chats_lazily(engine, tmp_path):
     app = make_app(engine, tmp_path, settings)
     async with app.run_test(size=(120, 40)) as pilot:
         await type_prompt(pilot, "first chat")
-        await wait_until(pilot, lambda: idle(app))
+        await wait_until(lambda: idle(app))
         await new_tab(pilot)
         await type_prompt(pilot, "second chat")
-        await wait_until(pilot, lambda: idle(app))
+        await wait_until(lambda: idle(app))
         first, second = app.chat_tabs
         ids = [first.chat_id, second.chat_id]
         history = list(first.session.conversation.token_ids)
@@ -150,12 +151,12 @@ async def test_restart_restores_chats_lazily(engine, tmp_path):
         assert replies(tabs[1])[0].text == replies_before[1]
         await asyncio.sleep(0.3)   # the tab bar's own activation messages from the restore
         await press(pilot, "ctrl+pageup")
-        await wait_until(pilot, lambda: tabs[0]._loaded and replies(tabs[0])
+        await wait_until(lambda: tabs[0]._loaded and replies(tabs[0])
                          and app.focused is tabs[0].prompt)
         assert replies(tabs[0])[0].text == replies_before[0]
         # A follow-up prompt continues from the exact stored ids: the prefix cache hits.
         await type_prompt(pilot, "and again")
-        await wait_until(pilot, lambda: tabs[0].session.turn is not None and idle(app))
+        await wait_until(lambda: tabs[0].session.turn is not None and idle(app))
         assert tabs[0].session.conversation.token_ids[:len(history)] == history
         assert tabs[0].session.turn.num_cached_tokens >= len(history) // 16 * 16
 
@@ -175,7 +176,7 @@ async def test_long_chat_mounts_lazily(engine, tmp_path):
         assert len(tab.query(".message")) == 30
         assert tab.query_one(UserMessage).text == "question 85"
         tab.query_one(".earlier").press()
-        await wait_until(pilot, lambda: len(tab.query(".message")) == 60)
+        await wait_until(lambda: len(tab.query(".message")) == 60)
         assert tab.query_one(UserMessage).text == "question 70"
 
 
@@ -197,13 +198,13 @@ async def test_model_loads_in_a_worker_while_the_ui_is_open(chat_model_dir, tmp_
                   store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
-        await wait_until(pilot, lambda: "converting weights 3/10" in text_of(app.query_one("#status")))
+        await wait_until(lambda: "converting weights 3/10" in text_of(app.query_one("#status")))
         assert "loading" in text_of(app.query_one("#status"))
         await type_prompt(pilot, "typed before the model is ready")   # waits for the model
         assert app.engine is None
         loading_seen.set()
-        await wait_until(pilot, lambda: app.engine is not None, timeout=60)
-        await wait_until(pilot, lambda: idle(app))
+        await wait_until(lambda: app.engine is not None, timeout=60)
+        await wait_until(lambda: idle(app))
         assert "ready" in text_of(app.query_one("#status"))
         assert replies(app.active_tab)[0].text
         engine = app.engine
@@ -218,14 +219,14 @@ async def test_the_app_runs_its_engine_in_a_process_of_its_own(chat_model_dir, t
     app = TuiTestApp(make_settings(max_tokens=300), engine_config=engine_config(chat_model_dir),
                      store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.engine is not None, timeout=120)
+        await wait_until(lambda: app.engine is not None, timeout=120)
         engine = app.engine
         assert engine.capabilities.where.startswith("in a child process")
         assert engine.transport.pid != os.getpid()
         await type_prompt(pilot, "hello from the app")
-        await wait_until(pilot, lambda: engine.stats().blocks_in_use > 0, timeout=60)
+        await wait_until(lambda: engine.stats().blocks_in_use > 0, timeout=60)
         assert app.active_tab.chat_id in engine.stats().blocks.request_owners
-        await wait_until(pilot, lambda: idle(app), timeout=60)
+        await wait_until(lambda: idle(app), timeout=60)
         assert len(app.active_tab.session.turn.token_ids) == 300
         assert replies(app.active_tab)[0].text
     assert engine.transport._process.exitcode == 0 and not engine.running
@@ -236,10 +237,10 @@ async def test_model_load_failure_is_shown(tmp_path):
     app = TuiTestApp(make_settings(), engine_config=EngineConfig(model=str(tmp_path / "missing")),
                   store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: app.load_error is not None)
+        await wait_until(lambda: app.load_error is not None)
         assert "failed to load" in text_of(app.query_one("#status"))
         await type_prompt(pilot, "hello?")
-        await wait_until(pilot, lambda: idle(app))
+        await wait_until(lambda: idle(app))
         assert "failed to load" in text_of(app.active_tab.query_one(ErrorMessage))
 
 
@@ -259,11 +260,11 @@ async def test_engine_error_shows_in_the_tab_and_the_app_carries_on(engine, tmp_
     app = make_app(engine, tmp_path, make_settings(max_tokens=8))
     async with app.run_test(size=(120, 40)) as pilot:
         await type_prompt(pilot, "this one fails")
-        await wait_until(pilot, lambda: idle(app))
+        await wait_until(lambda: idle(app))
         tab = app.active_tab
         assert "simulated device fault" in text_of(tab.query_one(ErrorMessage))
         await type_prompt(pilot, "this one works")
-        await wait_until(pilot, lambda: idle(app))
+        await wait_until(lambda: idle(app))
         assert replies(tab)[-1].text and len(tab.session.turn.token_ids) == 8
 
 
@@ -275,12 +276,12 @@ async def test_a_one_megabyte_paste_gets_an_error_and_is_kept(engine, tmp_path):
         tab = app.active_tab
         tab.prompt.text = paste
         await press(pilot, "enter")
-        await wait_until(pilot, lambda: idle(app) and tab.query(ErrorMessage), timeout=150)
+        await wait_until(lambda: idle(app) and tab.query(ErrorMessage), timeout=150)
         assert "max_model_len" in text_of(tab.query_one(ErrorMessage))
         [user] = [m for m in app.store.get_chat(tab.chat_id).messages if m.role == "user"]
         assert user.content == paste, "what the user wrote is kept"
         await type_prompt(pilot, "still here")
-        await wait_until(pilot, lambda: idle(app))
+        await wait_until(lambda: idle(app))
         assert replies(tab)[-1].text
 
 
@@ -290,18 +291,18 @@ async def test_prompt_input_keys(engine, tmp_path):
     async with app.run_test(size=(120, 40)) as pilot:
         prompt = app.active_tab.prompt
         await press(pilot, "a", "ctrl+j", "b", "shift+enter", "c")
-        await wait_until(pilot, lambda: prompt.text == "a\nb\nc")
+        await wait_until(lambda: prompt.text == "a\nb\nc")
         await press(pilot, "enter")
-        await wait_until(pilot, lambda: prompt.text == "" and idle(app))
+        await wait_until(lambda: prompt.text == "" and idle(app))
         assert [m.text for m in app.active_tab.query(UserMessage)] == ["a\nb\nc"]
         await type_prompt(pilot, "second")
-        await wait_until(pilot, lambda: prompt.text == "" and idle(app))
+        await wait_until(lambda: prompt.text == "" and idle(app))
         await press(pilot, "x", "up")
-        await wait_until(pilot, lambda: prompt.text == "second")
+        await wait_until(lambda: prompt.text == "second")
         await press(pilot, "up")
-        await wait_until(pilot, lambda: prompt.text == "a\nb\nc")
+        await wait_until(lambda: prompt.text == "a\nb\nc")
         await press(pilot, "down", "down", "down")   # through the last line, back to the draft
-        await wait_until(pilot, lambda: prompt.text == "x")
+        await wait_until(lambda: prompt.text == "x")
 
 
 def terminal_keys(data: str) -> list[events.Key]:
@@ -322,14 +323,14 @@ async def test_alt_c_and_alt_x_in_the_focused_prompt_copy_and_type_nothing(engin
                      session_path=tmp_path / "session.json")
     async with app.run_test(size=(80, 24)) as pilot:
         prompt = app.active_tab.prompt
-        await wait_until(pilot, lambda: app.focused is prompt and app.active_tab.last_reply())
+        await wait_until(lambda: app.focused is prompt and app.active_tab.last_reply())
         await press(pilot, *"draft")
         for key in terminal_keys("\x1bc"):
             app.post_message(key)
-        await wait_until(pilot, lambda: app.clipboard == "Here:\n```python\nprint(1)\n```\n")
+        await wait_until(lambda: app.clipboard == "Here:\n```python\nprint(1)\n```\n")
         for key in terminal_keys("\x1bx"):
             app.post_message(key)
-        await wait_until(pilot, lambda: app.clipboard == "print(1)\n")
+        await wait_until(lambda: app.clipboard == "print(1)\n")
         assert prompt.text == "draft" and app.focused is prompt
 
 
@@ -339,25 +340,25 @@ async def test_an_80x24_terminal_gives_the_chat_the_width_until_it_grows(engine,
     async with app.run_test(size=(80, 24)) as pilot:
         tab = app.active_tab
         prompt = tab.prompt
-        await wait_until(pilot, lambda: prompt.size.width >= 60 and not app.panel.display)
+        await wait_until(lambda: prompt.size.width >= 60 and not app.panel.display)
         await pilot.resize_terminal(140, 44)
-        await wait_until(pilot, lambda: app.panel.display and prompt.size.width >= 60)
+        await wait_until(lambda: app.panel.display and prompt.size.width >= 60)
         await pilot.resize_terminal(80, 24)
-        await wait_until(pilot, lambda: not app.panel.display and prompt.size.width >= 60)
+        await wait_until(lambda: not app.panel.display and prompt.size.width >= 60)
         await press(pilot, "f8")                              # asked for: shown even here
-        await wait_until(pilot, lambda: app.panel.display)
+        await wait_until(lambda: app.panel.display)
         await press(pilot, "f8")
-        await wait_until(pilot, lambda: not app.panel.display)
+        await wait_until(lambda: not app.panel.display)
         # The sampling line wraps rather than stopping after `temperature 0.2,`.
         tab.apply_settings(tab.session.system_prompt, {"temperature": 0.2, "top_p": 0.9,
                                                        "repetition_penalty": 1.1, "seed": 7})
         info = tab.query_one(".chat-info")
-        await wait_until(pilot, lambda: info.size.height >= 2)
+        await wait_until(lambda: info.size.height >= 2)
         assert "seed 7" in text_of(info)
         # Chats are titled as `ask` titles them: the first line, up to TITLE_LENGTH.
         question = "Explain in detail how a paged KV cache shares the blocks of a prefix"
         await type_prompt(pilot, question)
-        await wait_until(pilot, lambda: idle(app) and app.store.get_chat(tab.chat_id).title != "Chat 1")
+        await wait_until(lambda: idle(app) and app.store.get_chat(tab.chat_id).title != "Chat 1")
         assert tab.title == app.store.get_chat(tab.chat_id).title == chat_title(question)
         assert len(tab.title) > 25
 
@@ -380,10 +381,10 @@ async def test_restored_tabs_show_the_active_label_and_new_chats_count_open_tabs
         return header.region.width > 0 and bar.region.contains_region(header.region)
 
     async with app.run_test(size=(80, 24)) as pilot:
-        await wait_until(pilot, lambda: app.active_tab.chat_id == chats[5].id and active_label_shown())
+        await wait_until(lambda: app.active_tab.chat_id == chats[5].id and active_label_shown())
         tab = await new_tab(pilot)
         assert tab.title == "Chat 3"
-        await wait_until(pilot, active_label_shown)
+        await wait_until(active_label_shown)
 
 
 @pytest.mark.timeout(120)
@@ -393,11 +394,11 @@ async def test_keys_typed_right_after_ctrl_n_or_alt_right_land_in_the_new_tab(en
     app = make_app(engine, tmp_path)
     async with app.run_test(size=(80, 24)) as pilot:
         first = app.active_tab
-        await wait_until(pilot, lambda: app.focused is first.prompt)
+        await wait_until(lambda: app.focused is first.prompt)
         await press(pilot, "ctrl+n", *"hi")
-        await wait_until(pilot, lambda: len(app.chat_tabs) == 2 and app.chat_tabs[1].prompt.text == "hi")
+        await wait_until(lambda: len(app.chat_tabs) == 2 and app.chat_tabs[1].prompt.text == "hi")
         await press(pilot, "alt+left", *"yo")
-        await wait_until(pilot, lambda: first.prompt.text == "yo")
+        await wait_until(lambda: first.prompt.text == "yo")
         assert first.prompt.text == "yo" and app.chat_tabs[1].prompt.text == "hi"
 
 
@@ -406,23 +407,23 @@ async def test_regenerate_copy_and_broadcast(engine, tmp_path):
     app = make_app(engine, tmp_path, make_settings(max_tokens=12))
     async with app.run_test(size=(120, 40)) as pilot:
         await type_prompt(pilot, "hi")
-        await wait_until(pilot, lambda: idle(app))
+        await wait_until(lambda: idle(app))
         tab = app.active_tab
         first = replies(tab)[0].text
         tab.session.sampling = {"temperature": 1.0, "seed": 7}
         await press(pilot, "ctrl+r")
-        await wait_until(pilot, lambda: idle(app))
+        await wait_until(lambda: idle(app))
         [reply] = replies(tab)
         assert reply.text != first
         stored = app.store.get_chat(tab.chat_id).messages
         assert [m.role for m in stored] == ["user", "assistant"] and stored[1].content == reply.text
         await press(pilot, "alt+c")
-        assert app.clipboard == reply.text
+        await wait_until(lambda: app.clipboard == reply.text)   # the key is handled in its turn
         # Broadcast the typed prompt to every tab.
         await new_tab(pilot)
         await press(pilot, *"both", "ctrl+b")
-        await wait_until(pilot, lambda: all(len(replies(t)) >= 1 for t in app.chat_tabs))
-        await wait_until(pilot, lambda: idle(app))
+        await wait_until(lambda: all(len(replies(t)) >= 1 for t in app.chat_tabs))
+        await wait_until(lambda: idle(app))
         assert [m.text for m in app.chat_tabs[0].query(UserMessage)][-1] == "both"
         assert [m.text for m in app.chat_tabs[1].query(UserMessage)] == ["both"]
 
@@ -433,38 +434,38 @@ async def test_dialogs_rename_settings_close(engine, tmp_path):
     async with app.run_test(size=(120, 40)) as pilot:
         tab = app.active_tab
         await press(pilot, "f2")
-        await wait_until(pilot, lambda: isinstance(app.screen, TextPromptScreen)
+        await wait_until(lambda: isinstance(app.screen, TextPromptScreen)
                          and app.screen.query("#text"))
         app.screen.query_one("#text").value = "Renamed"
         await press(pilot, "enter")
-        await wait_until(pilot, lambda: "Renamed" in app.tabs.get_tab(tab.id).label.plain)
+        await wait_until(lambda: "Renamed" in app.tabs.get_tab(tab.id).label.plain)
         assert tab.title == app.store.get_chat(tab.chat_id).title == "Renamed"
         await press(pilot, "f4")
-        await wait_until(pilot, lambda: isinstance(app.screen, ChatSettingsScreen)
+        await wait_until(lambda: isinstance(app.screen, ChatSettingsScreen)
                          and app.screen.query("#f-temperature"))
         app.screen.query_one("#system-prompt").text = "Be terse."
         app.screen.query_one("#f-temperature").value = "-1"
         await press(pilot, "ctrl+s")
-        await wait_until(pilot, lambda: "temperature" in text_of(app.screen.query_one("#settings-error")))
+        await wait_until(lambda: "temperature" in text_of(app.screen.query_one("#settings-error")))
         app.screen.query_one("#f-temperature").value = "0.5"
         await press(pilot, "ctrl+s")
-        await wait_until(pilot, lambda: not isinstance(app.screen, ChatSettingsScreen)
+        await wait_until(lambda: not isinstance(app.screen, ChatSettingsScreen)
                          and tab.session.system_prompt == "Be terse.")
         chat = app.store.get_chat(tab.chat_id)
         assert chat.system_prompt == "Be terse." and chat.sampling == {"temperature": 0.5}
         # Closing a streaming tab asks first.
         await type_prompt(pilot, "long reply")
-        await wait_until(pilot, lambda: tab.session.turn is not None and len(tab.session.turn.token_ids) > 2)
+        await wait_until(lambda: tab.session.turn is not None and len(tab.session.turn.token_ids) > 2)
         await press(pilot, "ctrl+w")
-        await wait_until(pilot, lambda: app.screen.__class__.__name__ == "ConfirmScreen")
+        await wait_until(lambda: app.screen.__class__.__name__ == "ConfirmScreen")
         await press(pilot, "n")
         assert tab.is_attached and tab.streaming
         await press(pilot, "ctrl+w")
-        await wait_until(pilot, lambda: app.screen.__class__.__name__ == "ConfirmScreen")
+        await wait_until(lambda: app.screen.__class__.__name__ == "ConfirmScreen")
         await press(pilot, "y")
-        await wait_until(pilot, lambda: not tab.is_attached)
+        await wait_until(lambda: not tab.is_attached)
         assert len(app.chat_tabs) == 1                           # a fresh tab replaced it
-        await wait_until(pilot, lambda: engine.stats().blocks_in_use == 0, timeout=5)
+        await wait_until(lambda: engine.stats().blocks_in_use == 0, timeout=5)
         stored = app.store.get_chat(tab.chat_id).messages
         assert stored[-1].finish_reason == "abort" and stored[-1].token_ids
         # The closed chat stays in the store; the palette's "Open chat" brings it back.
@@ -473,7 +474,7 @@ async def test_dialogs_rename_settings_close(engine, tmp_path):
         [hit] = [hit async for hit in provider.search("renamed")]
         assert "Open chat: Renamed" in str(hit.text)
         await hit.command()
-        await wait_until(pilot, lambda: app.active_tab.chat_id == tab.chat_id
+        await wait_until(lambda: app.active_tab.chat_id == tab.chat_id
                          and len(app.active_tab.query(UserMessage)) == 1)
         assert app.active_tab.title == "Renamed"
 
@@ -490,12 +491,12 @@ async def test_palette_help_keymap_and_theme(engine, tmp_path):
         assert not any(help.startswith("action:") for help in commands.values())
         await new_tab(pilot, "ctrl+t")
         await press(pilot, "f10")
-        await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen))
+        await wait_until(lambda: isinstance(app.screen, HelpScreen))
         assert ("^t", "New chat") in app.key_help()
         await press(pilot, "escape")
-        await wait_until(pilot, lambda: not isinstance(app.screen, HelpScreen))
+        await wait_until(lambda: not isinstance(app.screen, HelpScreen))
         await press(pilot, "f8")
-        await wait_until(pilot, lambda: app.panel.has_class("collapsed"))
+        await wait_until(lambda: app.panel.has_class("collapsed"))
 
 
 @pytest.mark.timeout(240)
@@ -523,8 +524,8 @@ async def test_keypress_echo_latency_while_eight_tabs_stream(engine, tmp_path):
     async with app.run_test(size=(140, 44)) as pilot:
         tab = app.active_tab
         app.tabs.pause_demo(tab)
-        await wait_until(pilot, lambda: not tab.streaming, timeout=120)
-        await wait_until(pilot, lambda: engine.stats().num_running >= 6, timeout=60)
+        await wait_until(lambda: not tab.streaming, timeout=120)
+        await wait_until(lambda: engine.stats().num_running >= 6, timeout=60)
         prompt = tab.prompt
         prompt.focus()
         samples, running = [], []

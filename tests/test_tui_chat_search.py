@@ -8,7 +8,8 @@ from textual.command import CommandPalette
 
 from paged_chat.chat_store import ChatStore
 from paged_chat.tui.chat_search import ChatSearch
-from tui_helpers import make_app, press, wait_until
+from helpers import wait_until
+from tui_helpers import make_app, press
 
 
 @pytest.mark.timeout(120)
@@ -20,19 +21,19 @@ async def test_palette_search_opens_the_chat_that_holds_the_words(engine, tmp_pa
         store.create_chat("Newest chat", "m")   # the one restored into a tab
     app = make_app(engine, tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(pilot, lambda: [tab.title for tab in app.chat_tabs] == ["Newest chat"])
+        await wait_until(lambda: [tab.title for tab in app.chat_tabs] == ["Newest chat"])
         assert [hit async for hit in ChatSearch(app.screen).search("nothing-like-it")] == []
         await press(pilot, "ctrl+p")
-        await wait_until(pilot, lambda: isinstance(app.screen, CommandPalette))
+        await wait_until(lambda: isinstance(app.screen, CommandPalette))
         await press(pilot, *"gravity")
-        await wait_until(pilot, lambda: "Found in chats: Tides" in str(
+        await wait_until(lambda: "Found in chats: Tides" in str(
             app.screen.query_one("CommandList").get_option_at_index(0).prompt)
             if app.screen.query("CommandList") and app.screen.query_one("CommandList").option_count
             else False)
         await press(pilot, "enter")
-        await wait_until(pilot, lambda: app.active_tab is not None and app.active_tab.chat_id == tides.id)
+        await wait_until(lambda: app.active_tab is not None and app.active_tab.chat_id == tides.id)
         [hit] = [hit async for hit in ChatSearch(app.screen).search("newest")]
         await hit.command()   # an open chat: its tab comes to the front
-        await wait_until(pilot, lambda: app.active_tab.title == "Newest chat")
+        await wait_until(lambda: app.active_tab.title == "Newest chat")
         assert len(app.chat_tabs) == 2
         await pilot.pause()   # the tab switch's messages are handled before the app closes

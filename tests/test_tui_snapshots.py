@@ -8,20 +8,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from paged_chat.chat_session import Turn
 from paged_chat.chat_store import ChatStore
 from paged_chat.engine import ClientCapabilities, ModelInfo
-from paged_chat.engine.stats import BlockMap, EngineStats
+from paged_chat.engine.stats import EngineStats
 from paged_chat.settings import Settings
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.prompt_input import PromptInput
+from helpers import SNAPSHOT_BLOCK_SIZE, SNAPSHOT_NUM_BLOCKS, snapshot
 
 SIZE = (140, 44)
-NUM_BLOCKS = 640
-BLOCK_SIZE = 16
 
 
 class FakeTokenizer:
@@ -39,8 +37,8 @@ class FakeEngine:
         self.last_error = None
         self.capabilities = ClientCapabilities(block_map=True, metrics=True, where="fake")
         self.info = ModelInfo(name="smollm2-135m", tokenizer=FakeTokenizer(), chat_template="",
-                              device="cuda", dtype="bfloat16", num_blocks=NUM_BLOCKS,
-                              block_size=BLOCK_SIZE, max_model_len=8192, num_parameters=0)
+                              device="cuda", dtype="bfloat16", num_blocks=SNAPSHOT_NUM_BLOCKS,
+                              block_size=SNAPSHOT_BLOCK_SIZE, max_model_len=8192, num_parameters=0)
 
     def stats(self) -> EngineStats:
         stats = self.series[min(self.calls, len(self.series) - 1)]
@@ -49,37 +47,6 @@ class FakeEngine:
 
     def abort(self, request_id: str) -> None:
         pass
-
-
-def snapshot(step: int, owners: list[str]) -> EngineStats:
-    """Three streaming tabs: the first two share a 3-block system prompt, the third is a
-    fork of the first (sharing its whole 6-block history); all grow with `step`."""
-    system = [0, 1, 2]
-    history = [3, 4, 5]
-    grow = lambda start, n: list(range(start, start + n))  # noqa: E731
-    tables = {
-        f"{owners[0]}/1": system + history + grow(10, 2 + step // 8),
-        f"{owners[1]}/1": system + grow(40, 4 + step // 6),
-        f"{owners[2]}/1": system + history + grow(80, 1 + step // 10),
-    }
-    ref = np.zeros(NUM_BLOCKS, dtype=np.int32)
-    for table in tables.values():
-        for block in table:
-            ref[block] += 1
-    cached = np.zeros(NUM_BLOCKS, dtype=bool)
-    cached[:6] = True
-    cached[200:260] = True          # an earlier chat's blocks, evictable
-    blocks = BlockMap.build(ref, cached, tables, {rid: rid.split("/")[0] for rid in tables})
-    in_use = int(np.count_nonzero(ref))
-    cached_free = int(np.count_nonzero(cached & (ref == 0)))
-    return EngineStats(
-        num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, blocks_in_use=in_use,
-        blocks_cached=cached_free, blocks_free=NUM_BLOCKS - in_use - cached_free,
-        num_running=3, num_waiting=1, num_preemptions=2, num_evictions=0,
-        batch_size=3 if step % 7 else 4, batch_tokens=3 if step % 7 else 260,
-        prompt_tokens_per_s=180.0 + step, generation_tokens_per_s=90.0 + (step % 13) * 5,
-        prefix_cache_queried_tokens=1200, prefix_cache_hit_tokens=780, kv_slots_wasted=20,
-        step_time_s=0.021, forward_time_s=0.019, blocks=blocks)
 
 
 def populated_store(path: Path) -> tuple[ChatStore, list[str]]:

@@ -11,11 +11,9 @@ ones, and the model's info and stats are a real (tiny) engine's.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
-from textual import events
 from textual.widgets.markdown import MarkdownBlock
 
 from paged_chat.chat_store import ChatStore
@@ -25,6 +23,8 @@ from paged_chat.settings import ChatSettings, Settings
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.block_map import TAB0, BlockMapView
 from paged_chat.tui.messages import AssistantMessage
+from helpers import wait_until
+from tui_helpers import press
 
 
 class FedClient:
@@ -72,21 +72,6 @@ class FedClient:
         pass
 
 
-async def wait_until(condition, timeout: float = 20.0, why=lambda: "") -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s: {why()}"
-        await asyncio.sleep(0.02)
-
-
-async def press(app: PagedChatApp, *keys: str) -> None:
-    """Keys as the terminal driver sends them (Pilot.press waits for the screen to settle)."""
-    for key in keys:
-        character = {"space": " ", "enter": "\r"}.get(key, key if len(key) == 1 else None)
-        app.post_message(events.Key(key, character))
-    await asyncio.sleep(0.05)
-
-
 def shown_words(reply: AssistantMessage) -> list[str]:
     """The words the reply's Markdown blocks show, in order."""
     return " ".join(block._content.plain for block in reply.query(MarkdownBlock)).split()
@@ -102,15 +87,14 @@ async def test_a_reply_streamed_while_its_tab_was_hidden_shows_all_its_words(cha
     switch back with Alt+Right: the paragraph that streamed meanwhile keeps its first lines."""
     engine = Engine(EngineConfig(model=str(chat_model_dir), device="cpu", dtype="float32",
                                  num_blocks=64, block_size=16))
-    app = PagedChatApp(Settings(chat=ChatSettings(temperature=0.0)), engine=None,
+    client = FedClient(engine)
+    app = PagedChatApp(Settings(chat=ChatSettings(temperature=0.0)), engine=client,
                        store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
-    client = app.engine = FedClient(engine)
-    app._owns_engine = False
-    async with app.run_test(size=(120, 40)):
-        await press(app, "ctrl+n")
+    async with app.run_test(size=(120, 40)) as pilot:
+        await press(pilot, "ctrl+n")
         await wait_until(lambda: len(app.chat_tabs) == 2 and app.focused is app.chat_tabs[1].prompt)
         tab = app.chat_tabs[1]
-        await press(app, *"moon", "enter")
+        await press(pilot, *"moon", "enter")
         await wait_until(lambda: tab.streaming and tab.session.turn is not None)
         reply = tab.query_one(AssistantMessage)
 
@@ -121,15 +105,15 @@ async def test_a_reply_streamed_while_its_tab_was_hidden_shows_all_its_words(cha
 
         await feed(POEM_START)
         await wait_until(lambda: shown_words(reply) == tab.session.turn.text.split())
-        await press(app, "alt+left")
+        await press(pilot, "alt+left")
         await wait_until(lambda: app.active_tab is app.chat_tabs[0])
         await feed(WHILE_HIDDEN)
-        await press(app, "alt+right")
+        await press(pilot, "alt+right")
         await wait_until(lambda: app.active_tab is tab)
         await feed(AFTER_RETURN)
         expected = "".join(POEM_START + WHILE_HIDDEN + AFTER_RETURN).split()
         await wait_until(lambda: shown_words(reply) == expected,
-                         why=lambda: f"the reply shows {shown_words(reply)}")
+                         what=lambda: f"the reply shows {shown_words(reply)}")
         client.pieces.put_nowait(None)
         await wait_until(lambda: not tab.streaming)
         stored = app.store.get_chat(tab.chat_id).messages[-1].content

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine_helpers import assert_no_leaks
+from helpers import assert_no_leaks, engine_config, wait_until
 from paged_chat.engine import ClientSpec, Engine, make_client
-from tui_helpers import engine_config, idle, make_app, make_settings, new_tab, type_prompt, wait_until
+from tui_helpers import idle, make_app, make_settings, new_tab, type_prompt
 
 LONG_SYSTEM = ("You are a meticulous assistant for a team of engineers. " * 12).strip()
 
@@ -24,7 +24,7 @@ async def test_chats_reopened_after_a_restart_prefill_from_the_kv_tier(chat_mode
             if index:
                 await new_tab(pilot)
             await type_prompt(pilot, f"chat number {index} tell me about caches")
-        await wait_until(pilot, lambda: len(app.chat_tabs) == 4 and idle(app), timeout=240)
+        await wait_until(lambda: len(app.chat_tabs) == 4 and idle(app), timeout=240)
         histories = [len(tab.session.conversation.token_ids) for tab in app.chat_tabs]
     app.store.close()
     first_engine.shutdown()   # waits for the tier's writes
@@ -39,9 +39,9 @@ async def test_chats_reopened_after_a_restart_prefill_from_the_kv_tier(chat_mode
             assert len(tabs) == 4
             for tab in tabs:
                 app.tabs.active = tab.id
-                await wait_until(pilot, lambda: app.active_tab is tab)
+                await wait_until(lambda: app.active_tab is tab)
                 assert tab.send("and again")
-                await wait_until(pilot, lambda: idle(app) and tab.session.turn is not None
+                await wait_until(lambda: idle(app) and tab.session.turn is not None
                                  and tab.session.turn.finished, timeout=120)
             block_size = engine.info.block_size
             for tab, history in zip(tabs, histories):

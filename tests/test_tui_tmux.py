@@ -9,12 +9,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from paged_chat.chat_store import ChatStore
+from helpers import wait_for
 
 
 _SERVERS = itertools.count()
@@ -69,14 +69,14 @@ class TmuxApp:
     def wait_for(self, predicate, timeout: float = 180.0) -> str:
         """The screen once `predicate` holds for it (a generous bound: the machine may be
         busy, and nothing here depends on time)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            text = self.screen()
-            if predicate(text):
-                return text
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out; the screen was:\n{text}")
-            time.sleep(0.1)
+        seen = {"screen": ""}
+
+        def shown() -> bool:
+            seen["screen"] = self.screen()
+            return predicate(seen["screen"])
+
+        wait_for(shown, timeout, what=lambda: f"the screen was:\n{seen['screen']}", every=0.1)
+        return seen["screen"]
 
     def kill_server(self) -> None:
         subprocess.run(["tmux", *self.socket, "kill-server"], capture_output=True)
@@ -146,10 +146,14 @@ def test_kill_9_while_two_tabs_stream_keeps_every_committed_message(chat_model_d
 
 def wait_for_store(path: Path, predicate, timeout: float = 240.0) -> None:
     """Wait until `predicate` holds for the titles of the chats with saved reply tokens."""
-    deadline = time.monotonic() + timeout
-    while not predicate(saved := _saved_replies(path)):
-        assert time.monotonic() < deadline, f"replies saved so far: {saved}"
-        time.sleep(0.2)
+    saved: set[str] = set()
+
+    def holds() -> bool:
+        saved.clear()
+        saved.update(_saved_replies(path))
+        return predicate(saved)
+
+    wait_for(holds, timeout, what=lambda: f"replies saved so far: {saved}", every=0.2)
 
 
 def _saved_replies(path: Path) -> set[str]:

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from engine_fixtures import MISTRAL_WINDOW
-from engine_helpers import assert_no_leaks, blocks_owned, step_as_a_client
+from helpers import assert_no_leaks, blocks_owned, step_as_a_client
 from paged_chat.cli import CliState, app
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.block_pool import NULL_BLOCK
@@ -38,10 +38,14 @@ def reference(mistral_dir):
     return AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32).eval()
 
 
-def make_engine(folder: Path, **overrides) -> Engine:
-    config = dict(model=str(folder), device="cpu", dtype="float32", num_blocks=64,
-                  block_size=BLOCK_SIZE, max_num_batched_tokens=CHUNK) | overrides
-    return Engine(EngineConfig(**config))
+@pytest.fixture
+def windowed_engine(new_engine):
+    """An engine on `folder` in small blocks, prefilling in chunks."""
+    def make(folder: Path, **overrides) -> Engine:
+        config = dict(model=str(folder), device="cpu", dtype="float32", num_blocks=64,
+                      block_size=BLOCK_SIZE, max_num_batched_tokens=CHUNK) | overrides
+        return new_engine(EngineConfig(**config))
+    return make
 
 
 def prompt_of(seed: int, length: int = 5 * WINDOW) -> list[int]:
@@ -73,8 +77,9 @@ def run(engine: Engine, prompts: list[list[int]], params: SamplingParams = GREED
     return [replies[rid] for rid in ids], most_in_use
 
 
-def test_a_long_context_holds_only_its_window_and_matches_transformers(mistral_dir, reference):
-    engine = make_engine(mistral_dir)
+def test_a_long_context_holds_only_its_window_and_matches_transformers(windowed_engine, mistral_dir,
+                                                                       reference):
+    engine = windowed_engine(mistral_dir)
     prompt = prompt_of(0)
     (reply,), most_in_use = run(engine, [prompt])
     assert reply == transformers_greedy(reference, prompt, reply)
@@ -88,8 +93,8 @@ def test_a_long_context_holds_only_its_window_and_matches_transformers(mistral_d
     assert f"window freed {freed} blocks behind it" in format_numbers(engine.stats()).plain
 
 
-def test_decode_holds_at_most_the_window_plus_two_blocks(mistral_dir):
-    engine = make_engine(mistral_dir)
+def test_decode_holds_at_most_the_window_plus_two_blocks(windowed_engine, mistral_dir):
+    engine = windowed_engine(mistral_dir)
     engine.add_request(prompt_of(1), GREEDY)
     decoding = []
     while engine.has_unfinished():
@@ -101,8 +106,8 @@ def test_decode_holds_at_most_the_window_plus_two_blocks(mistral_dir):
     assert max(decoding) <= DECODE_BLOCKS
 
 
-def test_the_block_map_holds_no_released_entry(mistral_dir):
-    engine = make_engine(mistral_dir)
+def test_the_block_map_holds_no_released_entry(windowed_engine, mistral_dir):
+    engine = windowed_engine(mistral_dir)
     engine.add_request(prompt_of(2), GREEDY, owner="tab")
     for _ in range(8):
         engine.step()
@@ -118,8 +123,9 @@ def test_the_block_map_holds_no_released_entry(mistral_dir):
     assert_no_leaks(engine)
 
 
-def test_a_second_request_hits_the_prefix_cache_past_released_blocks(mistral_dir, reference):
-    engine = make_engine(mistral_dir)
+def test_a_second_request_hits_the_prefix_cache_past_released_blocks(windowed_engine, mistral_dir,
+                                                                     reference):
+    engine = windowed_engine(mistral_dir)
     prompt = prompt_of(3)
     (first,), _ = run(engine, [prompt])
     freed = engine.stats().blocks_freed_by_window
@@ -140,11 +146,11 @@ def test_a_second_request_hits_the_prefix_cache_past_released_blocks(mistral_dir
     assert_no_leaks(engine)
 
 
-def test_a_history_whose_oldest_blocks_were_evicted_still_hits_its_window(mistral_dir,
+def test_a_history_whose_oldest_blocks_were_evicted_still_hits_its_window(windowed_engine, mistral_dir,
                                                                           reference):
     """Released blocks are the first the pool evicts; the next turn of a chat needs only
     the blocks within its window."""
-    engine = make_engine(mistral_dir, num_blocks=8)
+    engine = windowed_engine(mistral_dir, num_blocks=8)
     history = prompt_of(11)
     (reply,), _ = run(engine, [history])
     prompt = history + reply + prompt_of(12, 5)
@@ -155,10 +161,10 @@ def test_a_history_whose_oldest_blocks_were_evicted_still_hits_its_window(mistra
     assert_no_leaks(engine)
 
 
-def test_contexts_longer_than_the_pool_preempt_and_stay_exact(mistral_dir, reference):
+def test_contexts_longer_than_the_pool_preempt_and_stay_exact(windowed_engine, mistral_dir, reference):
     """A pool of 8 blocks (64 tokens) runs three 89-token sequences: each fits once its
     window has released what is behind it; they preempt each other and recompute."""
-    engine = make_engine(mistral_dir, num_blocks=8)
+    engine = windowed_engine(mistral_dir, num_blocks=8)
     assert engine.max_model_len > 8 * BLOCK_SIZE
     prompts = [prompt_of(seed) for seed in (4, 5, 6)]
     replies, most_in_use = run(engine, prompts)
@@ -168,10 +174,10 @@ def test_contexts_longer_than_the_pool_preempt_and_stay_exact(mistral_dir, refer
         assert reply == transformers_greedy(reference, prompt, reply)
 
 
-def test_the_host_tier_serves_a_history_from_its_window_alone(mistral_dir, reference):
+def test_the_host_tier_serves_a_history_from_its_window_alone(windowed_engine, mistral_dir, reference):
     """A host tier of 4 blocks keeps the newest blocks of a history; the next turn needs
     only those the window of its first new token sees, and reads no other."""
-    engine = make_engine(mistral_dir, kv_tier_host_bytes="16KiB", kv_tier_disk_bytes=0)
+    engine = windowed_engine(mistral_dir, kv_tier_host_bytes="16KiB", kv_tier_disk_bytes=0)
     assert engine.kv_cache.tier.host.capacity_blocks == 4
     history = prompt_of(7)
     (reply,), _ = run(engine, [history])
@@ -187,25 +193,25 @@ def test_the_host_tier_serves_a_history_from_its_window_alone(mistral_dir, refer
     assert engine.stats().tier.miss_blocks == misses
 
 
-def test_the_triton_kernels_read_past_released_entries(mistral_dir):
+def test_the_triton_kernels_read_past_released_entries(windowed_engine, mistral_dir):
     """Under the interpreter: decodes and chunked prefills whose tables start with released
     entries (block 0 stands in for them) give the torch backend's tokens."""
     pytest.importorskip("triton")
     # The first prompt's third chunk starts at 32, past two released blocks.
     prompts = [prompt_of(9, 2 * WINDOW + 9), prompt_of(10, 2 * WINDOW)]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    expected, _ = run(make_engine(mistral_dir), prompts, params)
-    engine = make_engine(mistral_dir, attention_backend="triton")
+    expected, _ = run(windowed_engine(mistral_dir), prompts, params)
+    engine = windowed_engine(mistral_dir, attention_backend="triton")
     replies, _ = run(engine, prompts, params)
     assert replies == expected
     assert engine.stats().blocks_freed_by_window > 0
 
 
-def test_a_model_with_a_global_layer_releases_nothing(tmp_path, smollm2_source):
+def test_a_model_with_a_global_layer_releases_nothing(windowed_engine, tmp_path, smollm2_source):
     build_tiny_model("qwen2", tmp_path, use_sliding_window=True, sliding_window=WINDOW,
                      max_window_layers=1)
     smollm2_source.tokenizer.save_pretrained(tmp_path)
-    engine = make_engine(tmp_path)
+    engine = windowed_engine(tmp_path)
     assert engine.model_config.layer_windows == (None, WINDOW)
     prompt = prompt_of(8)
     (reply,), most_in_use = run(engine, [prompt])

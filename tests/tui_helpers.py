@@ -1,11 +1,10 @@
-"""What the TUI tests share: a tiny engine for the app, the app with a throwaway store,
-keys sent the way a terminal sends them, and waits on conditions. Loaded as a pytest
-plugin (tests/conftest.py), so its fixtures serve every TUI test file."""
+"""What the TUI tests share: a tiny engine for the app, the app with a throwaway store, and
+keys sent the way a terminal sends them. Loaded as a pytest plugin (tests/conftest.py), so
+its fixtures serve every TUI test file."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from pathlib import Path
 
 import numpy as np
@@ -13,31 +12,24 @@ import pytest
 from textual import events
 
 from paged_chat.chat_store import ChatStore
-from paged_chat.engine import ClientSpec, Engine, EngineConfig, LocalClient, make_client
+from paged_chat.engine import ClientSpec, LocalClient, make_client
 from paged_chat.settings import ChatSettings, Settings, TuiSettings
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.block_map import SHARED, TAB0, BlockMapView
 from paged_chat.tui.chat_tab import ChatTab
-from engine_helpers import assert_no_leaks
 from paged_chat.tui.messages import AssistantMessage
-
+from helpers import assert_no_leaks, engine_config, wait_until
 
 SYSTEM = ("You are a careful assistant. You answer in short sentences, you check your facts, "
           "and you say when you do not know something. Keep every answer brief and friendly.")
 
 
-def engine_config(model_dir: Path, **overrides) -> EngineConfig:
-    values = dict(model=str(model_dir), device="cpu", dtype="float32", num_blocks=512,
-                  block_size=16, max_num_seqs=16, max_num_batched_tokens=512)
-    return EngineConfig(**{**values, **overrides})
-
-
 @pytest.fixture
-def make_async_engine(chat_model_dir):
+def make_async_engine(chat_model_dir, new_engine):
     engines: list[LocalClient] = []
 
     def make(**overrides) -> LocalClient:
-        engine = make_client(ClientSpec(engine=Engine(engine_config(chat_model_dir, **overrides))))
+        engine = make_client(ClientSpec(engine=new_engine(engine_config(chat_model_dir, **overrides))))
         engines.append(engine)
         return engine
 
@@ -71,17 +63,6 @@ def make_app(engine, tmp_path: Path, settings: Settings | None = None, **kwargs)
                    session_path=tmp_path / "session.json", **kwargs)
 
 
-async def wait_until(pilot, condition, timeout: float = 30.0, step: float = 0.02) -> None:
-    """Poll `condition` (plain sleeps: Pilot.pause waits for the screen to settle, which
-    takes seconds while replies stream)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for the condition on "
-                                 f"line {condition.__code__.co_firstlineno}")
-        await asyncio.sleep(step)
-
-
 async def press(pilot, *keys: str) -> None:
     """Send keys the way the terminal driver does (Pilot.press waits for the screen to
     settle, which takes seconds while replies stream)."""
@@ -101,7 +82,7 @@ async def new_tab(pilot, key: str = "ctrl+n") -> ChatTab:
     app = pilot.app
     count = len(app.chat_tabs)
     await press(pilot, key)
-    await wait_until(pilot, lambda: len(app.chat_tabs) == count + 1
+    await wait_until(lambda: len(app.chat_tabs) == count + 1
                      and app.active_tab is app.chat_tabs[-1]
                      and app.focused is app.chat_tabs[-1].prompt)
     return app.chat_tabs[-1]
