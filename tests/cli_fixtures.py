@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from paged_chat.chat_store import ChatStore
 from paged_chat.cli import CliState, app
 from paged_chat.engine import Engine
-from paged_chat.store import ChatStore
 
 
 class Cli:
