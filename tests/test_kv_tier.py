@@ -545,13 +545,31 @@ def overwrite_entries(directory: Path, layout: TierLayout, hashes: list[bytes]) 
 
 
 def test_kv_restored_from_the_tier_that_fails_a_request_is_dropped_and_recomputed(
-        tier_engine, make_engine, tmp_path):
+        tier_engine, make_engine, tmp_path, monkeypatch):
+    """The entries are deleted between steps (KVTransfer), never inside the scheduler."""
     writer = tier_engine()
     follow_up = first_turn(writer, history())
     writer.close()
     layout = writer.kv_cache.tier.layout
     hashes = block_hashes(follow_up)[:history_blocks(follow_up)]
     overwrite_entries(tier_dir(tmp_path), layout, hashes)
+    in_scheduler, drops = threading.local(), []
+    recompute, drop = Scheduler.recompute_after_fault, KVTier.drop
+
+    def watched_recompute(self: Scheduler, request) -> bool:
+        in_scheduler.now = True
+        try:
+            return recompute(self, request)
+        finally:
+            in_scheduler.now = False
+
+    def watched_drop(self: KVTier, block_hashes: list[bytes]) -> None:
+        assert not getattr(in_scheduler, "now", False), "the scheduler deleted tier entries"
+        drops.append(len(block_hashes))
+        drop(self, block_hashes)
+
+    monkeypatch.setattr(Scheduler, "recompute_after_fault", watched_recompute)
+    monkeypatch.setattr(KVTier, "drop", watched_drop)
 
     reader = tier_engine()
     out = reader.generate([follow_up], GREEDY)[0]
@@ -560,6 +578,7 @@ def test_kv_restored_from_the_tier_that_fails_a_request_is_dropped_and_recompute
     assert out.token_ids == expected_reply(make_engine, follow_up)
     assert stats.disk_hit_blocks == len(hashes) and stats.blocks_dropped >= len(hashes)
     assert out.num_tier_cached_tokens == 0  # recomputed
+    assert sum(drops) >= len(hashes)
     reader.close()  # the recomputed blocks went down: the tier holds sound KV again
 
     out = tier_engine().generate([follow_up], GREEDY)[0]

@@ -90,6 +90,8 @@ class KVCacheManager:
         self._num_hashed: dict[str, int] = {}
         # (block hash, block id) whose KV goes down to the tier before the next forward.
         self.offloads: list[tuple[bytes, int]] = []
+        # Prefix hashes whose tier entries the tier must forget before the next schedule.
+        self.tier_drops: list[bytes] = []
         self.tier_reads: dict[str, TierRead] = {}    # by request id, until it is admitted
         self.new_tier_reads: list[TierRead] = []     # issued, for the reader to start
 
@@ -191,13 +193,14 @@ class KVCacheManager:
         self._give_back(blocks)
 
     def drop_restored_kv(self, request: Request) -> bool:
-        """For a request that failed: when KV read back from the tier is in its blocks, have
-        the tier forget every block of its prefix and return True (the caller recomputes it
-        without them); False when none of its KV came from the tier."""
+        """For a request that failed: when KV read back from the tier is in its blocks, list
+        every block of its prefix for the tier to forget (`tier_drops`, done by KVTransfer
+        before the next schedule) and return True (the caller recomputes it without them);
+        False when none of its KV came from the tier."""
         table = self.tables.get(request.request_id, ())
         if self.tier is None or not any(block.from_tier for block in table):
             return False
-        self.tier.drop(request.block_hashes)
+        self.tier_drops += request.block_hashes
         return True
 
     def reset_prefix_cache(self) -> None:

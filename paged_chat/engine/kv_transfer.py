@@ -4,9 +4,11 @@ The KV manager only decides (see kv_cache_manager): which blocks' KV goes down t
 (`offloads`) and which tier reads a waiting request needs (`TierRead`). This does them,
 with the runner's block copies:
 
-- `offload()` copies the listed blocks out and hands them to the tier, whose writer thread
-  puts them on disk. It must run before the next forward (which may overwrite them): the
-  engine calls it after scheduling and at the end of a step.
+- `offload()` has the tier forget what the manager dropped (`tier_drops`: KV that made a
+  request fail), then copies the listed blocks out and hands them to the tier, whose writer
+  thread puts them on disk. It must run before the next forward (which may overwrite them)
+  and the next schedule (which must not find dropped entries): the engine calls it after
+  scheduling and at the end of a step.
 - `start_reads()` hands the reads just issued to a reader thread, so a read from disk runs
   beside the steps, never inside one.
 - `complete_reads()`, before scheduling, copies each finished read's KV into its blocks and
@@ -40,9 +42,13 @@ class KVTransfer:
                         if kv_cache.tier is not None else None)
 
     def offload(self) -> None:
-        """Copy out the KV of the blocks due to go down that the tier does not hold yet and
+        """Have the tier forget the blocks the manager dropped (KV that made a request fail),
+        then copy out the KV of the blocks due to go down that the tier does not hold yet and
         hand it over; what the tier has no room for now is dropped."""
         tier = self.kv_cache.tier
+        if self.kv_cache.tier_drops:
+            drops, self.kv_cache.tier_drops = self.kv_cache.tier_drops, []
+            tier.drop(drops)
         offloads = self.kv_cache.take_offloads()
         if tier is None or not offloads:
             return
