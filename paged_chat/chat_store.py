@@ -113,6 +113,7 @@ MIGRATIONS: list[tuple[str, ...]] = [
 ]
 
 _CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+_BUSY_TIMEOUT_S = 5.0   # how long a connection waits for another process's lock
 _CHAT_COLUMNS = "id, title, model, system_prompt, sampling, created, updated"
 _MESSAGE_COLUMNS = "id, chat_id, role, content, token_ids, finish_reason, created, timings"
 _FILE_SUFFIXES = ("", "-wal", "-shm")
@@ -430,8 +431,8 @@ class ChatStore:
         target, uri = self.path, False
         if self.read_only:
             target, uri = f"{self.path.resolve().as_uri()}?mode=ro&immutable=1", True
-        conn = sqlite3.connect(target, timeout=5.0, isolation_level=None, check_same_thread=False,
-                               uri=uri)
+        conn = sqlite3.connect(target, timeout=_BUSY_TIMEOUT_S, isolation_level=None,
+                               check_same_thread=False, uri=uri)
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version > len(MIGRATIONS):
@@ -447,7 +448,7 @@ class ChatStore:
                     raise StoreError(f"the chat store {self.path} is read-only and needs an "
                                      "upgrade (or is empty): make it writable once")
                 return conn
-            conn.execute("PRAGMA journal_mode = WAL")
+            _set_wal_mode(conn)
             conn.execute("PRAGMA synchronous = NORMAL")
             conn.execute("PRAGMA foreign_keys = ON")
             self._migrate(conn)
@@ -494,6 +495,21 @@ class ChatStore:
             if source.exists():
                 source.rename(target.with_name(target.name + suffix))
         return target
+
+
+def _set_wal_mode(conn: sqlite3.Connection) -> None:
+    """Switch to WAL, waiting for other processes as any statement does: the switch needs
+    the database to itself, and SQLite answers "database is locked" at once, without its
+    busy wait, while another process opening the same store holds a lock."""
+    give_up = time.monotonic() + _BUSY_TIMEOUT_S
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorname", None) != "SQLITE_BUSY" or time.monotonic() > give_up:
+                raise
+            time.sleep(0.02)
 
 
 def _new_id() -> str:

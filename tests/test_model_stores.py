@@ -74,9 +74,10 @@ def test_models_command_lists_them_ready(stores, tmp_path, monkeypatch):
     result = CliRunner().invoke(app, ["models"], obj=CliState())
     assert result.exit_code == 0, result.stderr
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[1:]}
+    # ... ARCH STATUS WEIGHTS, the last what the engine holds: the GGUF's formats, quantized
     assert rows["ollama:smollm2:latest"][1] == "ollama"
-    assert rows["ollama:smollm2:latest"][-2:] == ["llama", "ready"]
-    assert rows["lmstudio:pub/single"][1] == "lmstudio" and rows["lmstudio:pub/single"][-1] == "ready"
+    assert rows["ollama:smollm2:latest"][-5:] == ["llama", "ready", "Q4_1+Q8_0", "0.12", "GB"]
+    assert rows["lmstudio:pub/single"][1] == "lmstudio" and rows["lmstudio:pub/single"][-4] == "ready"
 
 
 def test_broken_entries_are_notes_not_failures(stores):
