@@ -21,9 +21,9 @@ def client_spec(config: EngineConfig | None, transport: Literal["thread", "proce
                 on_progress: ProgressHook | None = None, log_path: Path | None = None,
                 leave_cores: int = 0) -> ClientSpec:
     """A `server` URL wins (http:// when it names no scheme; its tokenizer from `model`
-    when given, the key `api_key`). An
-    injected `make_engine` (tests, CliState.engine_factory) runs on a thread whatever
-    `transport` says: the engine it builds cannot cross to a spawned process."""
+    when given, the key `api_key`). An injected `make_engine` (tests,
+    CliState.engine_factory) runs on a thread whatever `transport` says: the engine it
+    builds cannot cross to a spawned process."""
     if server:
         url = server if "://" in server else f"http://{server}"
         return ClientSpec(url, api_key=api_key, remote_model=model)
