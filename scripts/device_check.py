@@ -26,7 +26,8 @@ bugs before a lease is spent on them; its numbers mean nothing):
 Stages, in order; one that fails records its error and the others still run:
 
 - compile: every kernel variant the backend can launch (K/V store, decode and prefill
-  attention, split merge) at head dims 64/80/96/128/256 in bf16/fp16/fp32, compiled for
+  attention, split merge) at head dims 64/80/96/128/256 in bf16/fp16/fp32, and the
+  quantized linear layers' GEMV and dot kernels in both layouts per dtype, compiled for
   each architecture asked (the GPU's own on a GPU) through triton's own compiler, with the
   registers and spills ptxas reports and the shared memory against the architecture's;
   any spill or overflow fails the run. Launches are captured from the real wrappers, so
@@ -44,6 +45,12 @@ Stages, in order; one that fails records its error and the others still run:
   outside: decode at batch 32/128/256 x context 1k/2k/4k for 2, 3 and 8 KV heads (K/V
   bandwidth and its fraction of the copy's), prefill (TFLOP/s), the torch backend beside
   the first shape, and a sweep of keys per tile, warps, stages and split counts.
+- quantized: the quantized linear layers' Triton kernels over a 4096 x 4096 weight in both
+  layouts (4-bit codes in groups of 32, 8-bit in groups of 16) at 1/8/32/512 rows of bf16
+  activations: the error against the dequantized weights (fails past 1.5x that of a bf16
+  F.linear), the time beside F.linear on the dequantized bf16 weights, and the weight
+  bytes read per second against the copy's. (The loader keeps GGUF weights quantized on
+  the CPU only until these numbers say the GPU kernels win.)
 - engine: greedy tokens of the engine on both backends (fp32: should match; bf16: match
   rate), startup time, tokens/s at batch 1, 32 and 128 over 1k-token prompts, the decode
   step's wall time at batch 32 eager and with CUDA graphs, and the KV pool that
@@ -74,6 +81,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -84,6 +92,8 @@ from paged_chat.engine.attention.metadata import AttentionMetadata  # noqa: E402
 from paged_chat.engine.attention.torch_backend import TorchAttention  # noqa: E402
 from paged_chat.engine.attention.triton_backend import (  # noqa: E402
     SHARED_MEMORY_BYTES, TileConfig, TritonAttention, device_arch)
+from paged_chat.engine.models.quant import triton_kernels as quant_triton_kernels  # noqa: E402
+from paged_chat.engine.models.quant.layout import QuantizedWeight  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -130,6 +140,8 @@ class Plan:
     engine_batches: tuple[int, ...]
     engine_num_blocks: int
     throughput_prompt_len: int
+    quantized_matrix: tuple[int, int]                # weight rows, in_features
+    quantized_rows: tuple[int, ...]                  # rows of activations timed
 
 
 GPU_PLAN = Plan(
@@ -149,7 +161,7 @@ GPU_PLAN = Plan(
     big_pool_blocks=2**31 // (16 * 3 * 64) + 64,   # smollm2's blocks: 3 KV heads x 64 x 16
     copy_bytes=2**30, iters=20, engine_prompts=8, engine_prompt_lens=(20, 400),
     engine_max_tokens=32, engine_batches=(1, 32, 128), engine_num_blocks=16384,
-    throughput_prompt_len=1024)
+    throughput_prompt_len=1024, quantized_matrix=(4096, 4096), quantized_rows=(1, 8, 32, 512))
 DRY_PLAN = Plan(
     device=torch.device("cpu"), shapes=TINY_SHAPES,
     kernel_batches={"decode": [(37, 1), (15, 1), (0, 1)],
@@ -158,7 +170,8 @@ DRY_PLAN = Plan(
     sweep_cases={("tiny-d80-gqa3", "b2 ctx40")}, prefill_cases={"turn-5-after-33": [(33, 5)]},
     self_test_batch=[(70, 1), (45, 1)], big_pool_blocks=0,
     copy_bytes=2**24, iters=2, engine_prompts=2, engine_prompt_lens=(5, 20),
-    engine_max_tokens=3, engine_batches=(1, 2), engine_num_blocks=64, throughput_prompt_len=8)
+    engine_max_tokens=3, engine_batches=(1, 2), engine_num_blocks=64, throughput_prompt_len=8,
+    quantized_matrix=(72, 96), quantized_rows=(1, 17))
 
 
 # ---- batches -----------------------------------------------------------------------------
@@ -223,11 +236,15 @@ def backends(shape: Shape) -> tuple[TritonAttention, TorchAttention]:
 @contextmanager
 def captured_launches(forward: bool = False
                       ) -> Iterator[list[tuple[Any, dict[str, Any], dict[str, Any]]]]:
-    """Swap the module's kernels for recorders: (kernel, arguments by name, launch options)
-    per launch; `forward` also launches them (else nothing runs)."""
+    """Swap the kernels of the attention backend and of the quantized weights for
+    recorders: (kernel, arguments by name, launch options) per launch; `forward` also
+    launches them (else nothing runs)."""
     launches: list[tuple[Any, dict[str, Any], dict[str, Any]]] = []
-    names = ("_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel")
-    originals = {name: getattr(triton_kernels, name) for name in names}
+    kernels = {triton_kernels: ("_store_kv_kernel", "_paged_attention_kernel",
+                                "_merge_splits_kernel"),
+               quant_triton_kernels: ("_gemv_kernel", "_dot_kernel")}
+    originals = {(module, name): getattr(module, name)
+                 for module, names in kernels.items() for name in names}
 
     class Recorder:
         def __init__(self, kernel: Any) -> None:
@@ -243,13 +260,13 @@ def captured_launches(forward: bool = False
                     self.kernel[grid](*args, **kwargs)
             return record
 
-    for name, kernel in originals.items():
-        setattr(triton_kernels, name, Recorder(kernel))
+    for (module, name), kernel in originals.items():
+        setattr(module, name, Recorder(kernel))
     try:
         yield launches
     finally:
-        for name, kernel in originals.items():
-            setattr(triton_kernels, name, kernel)
+        for (module, name), kernel in originals.items():
+            setattr(module, name, kernel)
 
 
 def variant_key(kernel: Any, named: dict[str, Any], options: dict[str, Any]) -> tuple:
@@ -265,7 +282,7 @@ def variant_key(kernel: Any, named: dict[str, Any], options: dict[str, Any]) -> 
 
 
 _POINTER_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
-                  torch.int32: "i32", torch.int64: "i64"}
+                  torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8"}
 
 
 def specialise(kernel: Any, named: dict[str, Any]) -> tuple[dict, dict, dict]:
@@ -340,11 +357,43 @@ def variant_launches(shape: Shape, dtype: torch.dtype, arch: int
     return launches
 
 
+# The quantized weights' two layouts (layout.py): 4-bit codes in groups of 32 (Q4_0/Q4_1/
+# Q4_K and Q5_K's groups without their high bits) and 8-bit codes in groups of 16 (Q6_K;
+# Q8_0 is 8-bit in groups of 32, which the two cover between them).
+QUANT_LAYOUTS = {"4bit-g32": (32, False), "8bit-g16": (16, True)}
+
+
+def random_quantized(rows: int, in_features: int, layout: str, device: torch.device,
+                     generator: torch.Generator) -> QuantizedWeight:
+    """A QuantizedWeight of random codes, scales and offsets in one of QUANT_LAYOUTS."""
+    group, high = QUANT_LAYOUTS[layout]
+    planes = [torch.randint(0, 256, (rows, in_features // 2), dtype=torch.uint8,
+                            generator=generator).to(device) for _ in range(1 + high)]
+    scale = (torch.rand(rows, in_features // group, generator=generator) * 0.01).to(device)
+    offset = (torch.randn(rows, in_features // group, generator=generator) * 0.05).to(device)
+    return QuantizedWeight(layout, group, planes[0], planes[1] if high else None, scale, offset)
+
+
+def quantized_launches(dtype: torch.dtype) -> list[tuple[Any, dict[str, Any], dict[str, Any]]]:
+    """Every kernel launch the quantized linear layers make for activations of `dtype`: the
+    GEMV (decode) and the tl.dot kernel (prefill) in both layouts."""
+    generator = torch.Generator().manual_seed(0)
+    with captured_launches() as launches:
+        for layout in QUANT_LAYOUTS:
+            weight = random_quantized(64, 256, layout, torch.device("cpu"), generator)
+            for rows in (1, quant_triton_kernels.GEMV_MAX_ROWS + 1):
+                x = torch.zeros(rows, 256, dtype=dtype)
+                out = torch.empty(rows, 64, dtype=dtype)
+                quant_triton_kernels.matmul(x, weight, out)
+    return launches
+
+
 def compile_stage(archs: list[int], head_dims: list[int],
                   dtypes: list[str]) -> list[dict[str, Any]]:
     """Compile every variant for every (arch, head dim, dtype) with triton's own compiler
-    (no GPU needed), with the registers and spills ptxas reports and the shared memory the
-    launch needs against what the architecture has (`ok` is False past either)."""
+    (no GPU needed), and the quantized linear layers' kernels per (arch, dtype), with the
+    registers and spills ptxas reports and the shared memory the launch needs against what
+    the architecture has (`ok` is False past either)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -354,30 +403,32 @@ def compile_stage(archs: list[int], head_dims: list[int],
         ptx_arch = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
         shared_limit = SHARED_MEMORY_BYTES[arch]
         seen = set()
-        for head_dim in head_dims:
-            shape = COMPILE_SHAPES[head_dim]
-            for dtype_name in dtypes:
-                for kernel, named, options in variant_launches(shape, COMPILE_DTYPES[dtype_name],
-                                                               arch):
-                    key = variant_key(kernel, named, options)
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                    signature, constexprs, attrs = specialise(kernel, named)
-                    start = time.perf_counter()
-                    compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
-                                              target=target, options=options)
-                    entry = {"arch": arch, "kernel": kernel.fn.__name__, "head_dim": head_dim,
-                             "shape": shape.name, "dtype": dtype_name,
-                             "constexprs": {k: v for k, v in constexprs.items() if k.isupper()},
-                             "num_warps": options.get("num_warps", 4),
-                             "num_stages": options.get("num_stages"),
-                             "shared_bytes": compiled.metadata.shared,
-                             "shared_limit": shared_limit,
-                             "compile_s": round(time.perf_counter() - start, 2)}
-                    entry |= ptxas_usage(compiled.asm["ptx"], ptx_arch)
-                    entry["ok"] = entry["spill_bytes"] == 0 and entry["shared_bytes"] <= shared_limit
-                    results.append(entry)
+        cases = [(COMPILE_SHAPES[head_dim].name, head_dim, dtype_name,
+                  variant_launches(COMPILE_SHAPES[head_dim], COMPILE_DTYPES[dtype_name], arch))
+                 for head_dim in head_dims for dtype_name in dtypes]
+        cases += [("quantized-linear", None, dtype_name,
+                   quantized_launches(COMPILE_DTYPES[dtype_name])) for dtype_name in dtypes]
+        for shape_name, head_dim, dtype_name, launches in cases:
+            for kernel, named, options in launches:
+                key = variant_key(kernel, named, options)
+                if key in seen:
+                    continue
+                seen.add(key)
+                signature, constexprs, attrs = specialise(kernel, named)
+                start = time.perf_counter()
+                compiled = triton.compile(ASTSource(kernel, signature, constexprs, attrs),
+                                          target=target, options=options)
+                entry = {"arch": arch, "kernel": kernel.fn.__name__, "head_dim": head_dim,
+                         "shape": shape_name, "dtype": dtype_name,
+                         "constexprs": {k: v for k, v in constexprs.items() if k.isupper()},
+                         "num_warps": options.get("num_warps", 4),
+                         "num_stages": options.get("num_stages"),
+                         "shared_bytes": compiled.metadata.shared,
+                         "shared_limit": shared_limit,
+                         "compile_s": round(time.perf_counter() - start, 2)}
+                entry |= ptxas_usage(compiled.asm["ptx"], ptx_arch)
+                entry["ok"] = entry["spill_bytes"] == 0 and entry["shared_bytes"] <= shared_limit
+                results.append(entry)
     return results
 
 
@@ -662,6 +713,47 @@ class KernelRun:
         return results
 
 
+# ---- stage: quantized ---------------------------------------------------------------------
+
+
+def quantized_stage(plan: Plan, copy_gb_per_s: float | None) -> list[dict[str, Any]]:
+    """The quantized linear layers' kernels (quant/triton_kernels.py) in both layouts, bf16
+    activations, at each row count of the plan: the error against the dequantized weights
+    in fp32, the kernel's time against F.linear over the same weights dequantized to bf16,
+    and the weight bytes the kernel reads per second (its fraction of the copy's)."""
+    generator = torch.Generator().manual_seed(0)
+    rows_w, in_features = plan.quantized_matrix
+    results = []
+    for layout in QUANT_LAYOUTS:
+        weight = random_quantized(rows_w, in_features, layout, plan.device, generator)
+        dense = weight.dequantize()
+        dense_bf16 = dense.to(torch.bfloat16)
+        for rows in plan.quantized_rows:
+            x = torch.randn(rows, in_features, generator=generator).to(plan.device,
+                                                                        torch.bfloat16)
+            out = torch.empty(rows, rows_w, dtype=torch.bfloat16, device=plan.device)
+            quant_triton_kernels.matmul(x, weight, out)
+            reference = x.float() @ dense.T
+            error = float((out.float() - reference).abs().max() / reference.abs().max())
+            baseline = float((F.linear(x, dense_bf16).float() - reference).abs().max()
+                             / reference.abs().max())
+            kernel_ms = time_ms(lambda: quant_triton_kernels.matmul(x, weight, out),
+                                plan.device, plan.iters)
+            entry = {"layout": layout, "rows": rows, "matrix": f"{rows_w}x{in_features}",
+                     "max_rel_err": error, "f_linear_bf16_max_rel_err": baseline,
+                     "ok": error <= 1.5 * baseline + 1e-6,
+                     "kernel_ms": round(kernel_ms, 4),
+                     "f_linear_bf16_ms": round(time_ms(lambda: F.linear(x, dense_bf16),
+                                                       plan.device, plan.iters), 4),
+                     "weight_gb_per_s": round(weight.nbytes / kernel_ms / 1e6, 1)}
+            if copy_gb_per_s:
+                entry["fraction_of_copy"] = round(entry["weight_gb_per_s"] / copy_gb_per_s, 3)
+            results.append(entry)
+        del weight, dense, dense_bf16
+        release(plan.device)
+    return results
+
+
 # ---- stage: engine -----------------------------------------------------------------------
 
 
@@ -864,6 +956,11 @@ def table(summary: dict[str, Any]) -> str:
             timed = {k: v for k, v in t["sweep"].items() if isinstance(v, float)}
             best = min(timed, key=timed.get) if timed else None
             lines.append(f"        sweep: best {best} {timed.get(best)} ms of {len(t['sweep'])}")
+    for q in summary.get("quantized") or []:
+        lines.append(f"quantized {q['layout']:8s} {q['matrix']} x{q['rows']:<4d} ok={q['ok']!s:5s} "
+                     f"err {q['max_rel_err']:.2e} (bf16 F.linear {q['f_linear_bf16_max_rel_err']:.2e}); "
+                     f"{q['kernel_ms']:.4f} ms vs F.linear {q['f_linear_bf16_ms']:.4f} ms; "
+                     f"{q['weight_gb_per_s']} GB/s of weights = {q.get('fraction_of_copy')} of copy")
     engine = summary.get("engine") or {}
     for key, value in engine.items():
         lines.append(f"engine {key}: {value}")
@@ -909,6 +1006,8 @@ def main() -> int:
                    ("kernels", lambda: kernels_stage(plan)),
                    ("timings", lambda: timings_stage(
                        plan, (summary.get("bandwidth") or {}).get("copy_gb_per_s"))),
+                   ("quantized", lambda: quantized_stage(
+                       plan, (summary.get("bandwidth") or {}).get("copy_gb_per_s"))),
                    ("engine", lambda: engine_stage(plan))]
     for name, stage in stages:
         start = time.perf_counter()
@@ -922,7 +1021,8 @@ def main() -> int:
         out.write_text(json.dumps(summary, indent=1, default=str))
     print(table(summary))
     print(f"summary: {out}")
-    checks = [*(summary.get("compile") or []), *(summary.get("kernels") or [])]
+    checks = [*(summary.get("compile") or []), *(summary.get("kernels") or []),
+              *(summary.get("quantized") or [])]
     return 0 if not summary["errors"] and all(check["ok"] for check in checks) else 1
 
 

@@ -104,6 +104,64 @@ def test_float32_matmul_matches_a_float64_product_of_gguf_weights(name, build, m
         assert relative_error(layer(x), expected) < 1e-5, (name, rows)
 
 
+def poisoned_rows(weight: QuantizedWeight) -> QuantizedWeight:
+    """`weight` as rows [1, 1 + rows) of a weight whose first and last rows have NaN scales
+    and offsets: a kernel that reads a row its mask should have stopped returns NaN."""
+    rows, half = weight.low.shape
+    groups = weight.scale.shape[1]
+    nan_rows = lambda t, fill: torch.cat([torch.full((1, t.shape[1]), fill, dtype=t.dtype), t,
+                                          torch.full((1, t.shape[1]), fill, dtype=t.dtype)])
+    padded = QuantizedWeight(weight.format, weight.group, nan_rows(weight.low, 255),
+                             None if weight.high is None else nan_rows(weight.high, 255),
+                             nan_rows(weight.scale, float("nan")),
+                             nan_rows(weight.offset, float("nan")))
+    assert padded.scale.shape == (rows + 2, groups) and padded.low.shape == (rows + 2, half)
+    return padded.narrow(1, rows)
+
+
+def poisoned_activations(rows: int, in_features: int, dtype: torch.dtype,
+                         generator: torch.Generator) -> torch.Tensor:
+    """Random x [rows, in_features] in a view whose neighbours in memory are NaN."""
+    padded = torch.full((rows + 2, in_features + 2), float("nan"), dtype=dtype)
+    inner = padded[1:rows + 1, 1:in_features + 1]
+    inner.copy_(torch.randn(rows, in_features, generator=generator))
+    return inner
+
+
+@pytest.mark.parametrize("name", sorted(BLOCK_FORMATS))
+def test_triton_kernels_match_a_float64_product_of_gguf_weights(name):
+    """The GPU kernels (quant/triton_kernels.py), under TRITON_INTERPRET without a GPU:
+    the split-K GEMV at 1 and 3 rows, the tl.dot kernel at 17 and 32, against gguf's
+    weights and a float64 product, with tiles smaller than the shapes (N = 72 leaves a
+    partial tile of rows, K = 96 a partial tile of K of 64) and every input's neighbours NaN.
+    fp32 within 1e-5 relative; bf16 activations no worse than 1.5x a bf16 F.linear."""
+    triton_kernels = pytest.importorskip(
+        "paged_chat.engine.models.quant.triton_kernels",
+        reason="the GPU kernels need the triton package (extra 'gpu')")
+    in_features = in_features_of(name)
+    weight, dense = quantized(name, in_features)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    poisoned = poisoned_rows(weight)
+    poisoned = QuantizedWeight(poisoned.format, poisoned.group,
+                               *[None if t is None else t.to(device) for t in
+                                 (poisoned.low, poisoned.high, poisoned.scale, poisoned.offset)])
+    dense_bf16 = torch.from_numpy(dense).to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(2)
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in ROWS:
+            x = poisoned_activations(rows, in_features, dtype, generator)
+            expected = x.double().numpy() @ dense.T
+            out = torch.full((rows, OUT_FEATURES), float("nan"), dtype=dtype, device=device)
+            triton_kernels.matmul(x.to(device), poisoned, out, block_n=32,
+                                  block_k=64 if in_features < 256 else 256, block_m=16)
+            error = relative_error(out.cpu(), expected)
+            if dtype == torch.float32:
+                assert error < 1e-5, (name, rows)
+            else:
+                baseline = relative_error(F.linear(x.contiguous(), dense_bf16), expected)
+                assert error <= 1.5 * baseline, (name, rows, error, baseline)
+
+
 @pytest.mark.parametrize("name", sorted(BLOCK_FORMATS))
 def test_bfloat16_activations_lose_no_more_than_a_bfloat16_f_linear(name):
     in_features = in_features_of(name)

@@ -99,8 +99,13 @@ def _dequantize_into(lib: ctypes.CDLL, weight: QuantizedWeight, out: torch.Tenso
 
 def matmul(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor) -> None:
     """out (float32 [rows, weight.rows], a view with unit column stride) = x @ W.T, for
-    float32 x [rows, in_features], by the kernel measured fastest for the shape."""
-    if x.shape[0] <= STREAM_MAX_ROWS and library() is not None:
+    float32 x [rows, in_features], by the kernel measured fastest for the shape; on a GPU,
+    the Triton kernels (any activation dtype, out in x's)."""
+    if x.device.type == "cuda":
+        from paged_chat.engine.models.quant import triton_kernels
+
+        triton_kernels.matmul(x, weight, out)
+    elif x.shape[0] <= STREAM_MAX_ROWS and library() is not None:
         stream_matmul(x, weight, out)
     else:
         tile_matmul(x, weight, out)

@@ -2,8 +2,9 @@
 
 A QuantizedLinear's output rows are one or more `parts`, each a QuantizedWeight of one
 format (a fused Q/K/V projection of a Q4_K_M file is Q4_K for Q and K but Q6_K for V). Its
-forward runs the kernel kernels.py picks for the number of rows, part by part, into slices
-of one float32 output; other activation dtypes are converted around it. The quantized
+forward runs the kernel kernels.py picks for the device and the number of rows, part by
+part, into slices of one output: float32 on the CPU (other activation dtypes are converted
+around it), the activations' own dtype on a GPU (Triton, triton_kernels.py). The quantized
 tensors are registered as buffers, never parameters: nothing may train them, and the
 model counts its parameters by the shapes they stand for (`num_weights`).
 """
@@ -63,8 +64,11 @@ class QuantizedLinear(nn.Module):
         return sum(part.nbytes for part in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float().contiguous()
-        out = torch.empty(flat.shape[0], self.out_features)
+        flat = x.reshape(-1, self.in_features)
+        if flat.device.type == "cpu":  # the C kernels take float32 only
+            flat = flat.float()
+        flat = flat.contiguous()
+        out = torch.empty(flat.shape[0], self.out_features, dtype=flat.dtype, device=flat.device)
         start = 0
         for part in self.parts:
             kernels.matmul(flat, part, out[:, start:start + part.rows])
