@@ -106,7 +106,8 @@ def test_float32_matmul_matches_a_float64_product_of_gguf_weights(name, build, m
 
 def poisoned_rows(weight: QuantizedWeight) -> QuantizedWeight:
     """`weight` as rows [1, 1 + rows) of a weight whose first and last rows have NaN scales
-    and offsets: a kernel that reads a row its mask should have stopped returns NaN."""
+    and offsets: a kernel whose row offsets are off by one, or whose mask lets a neighbour
+    row into a result, returns NaN."""
     rows, half = weight.low.shape
     groups = weight.scale.shape[1]
     nan_rows = lambda t, fill: torch.cat([torch.full((1, t.shape[1]), fill, dtype=t.dtype), t,
