@@ -729,8 +729,8 @@ def quantized_stage(plan: Plan, copy_gb_per_s: float | None) -> list[dict[str, A
         dense = weight.dequantize()
         dense_bf16 = dense.to(torch.bfloat16)
         for rows in plan.quantized_rows:
-            x = torch.randn(rows, in_features, generator=generator).to(plan.device,
-                                                                        torch.bfloat16)
+            x = torch.randn(rows, in_features, generator=generator)
+            x = x.to(plan.device, torch.bfloat16)
             out = torch.empty(rows, rows_w, dtype=torch.bfloat16, device=plan.device)
             quant_triton_kernels.matmul(x, weight, out)
             reference = x.float() @ dense.T
@@ -957,10 +957,11 @@ def table(summary: dict[str, Any]) -> str:
             best = min(timed, key=timed.get) if timed else None
             lines.append(f"        sweep: best {best} {timed.get(best)} ms of {len(t['sweep'])}")
     for q in summary.get("quantized") or []:
-        lines.append(f"quantized {q['layout']:8s} {q['matrix']} x{q['rows']:<4d} ok={q['ok']!s:5s} "
-                     f"err {q['max_rel_err']:.2e} (bf16 F.linear {q['f_linear_bf16_max_rel_err']:.2e}); "
-                     f"{q['kernel_ms']:.4f} ms vs F.linear {q['f_linear_bf16_ms']:.4f} ms; "
-                     f"{q['weight_gb_per_s']} GB/s of weights = {q.get('fraction_of_copy')} of copy")
+        lines.append(f"quantized {q['layout']:8s} {q['matrix']} x{q['rows']:<4d} "
+                     f"ok={q['ok']!s:5s} err {q['max_rel_err']:.2e} (bf16 F.linear "
+                     f"{q['f_linear_bf16_max_rel_err']:.2e}); {q['kernel_ms']:.4f} ms vs "
+                     f"F.linear {q['f_linear_bf16_ms']:.4f} ms; {q['weight_gb_per_s']} GB/s "
+                     f"of weights = {q.get('fraction_of_copy')} of copy")
     engine = summary.get("engine") or {}
     for key, value in engine.items():
         lines.append(f"engine {key}: {value}")

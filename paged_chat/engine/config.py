@@ -29,7 +29,7 @@ class EngineConfig:
     `weight_cache_size` bounds the converted GGUF weights kept there (bytes or "4GiB";
     least recently used models go first).
 
-    `weights` is how a GGUF's weights are held: "quantized" keeps Q4_0/Q4_1/Q8_0/Q4_K/
+    `weights` is how a GGUF's weights are held: "quantized" keeps Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/
     Q5_K/Q6_K tensors in their format (CPU; engine/models/quant/), "dequantize" converts
     every weight to `dtype`. HF folders are always read in `dtype`.
 

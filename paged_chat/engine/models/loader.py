@@ -160,7 +160,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                weights: str = "quantized") -> LlamaForCausalLM:
     """The decoder with every parameter read from `source`, one tensor at a time.
 
-    `weights="quantized"` keeps a GGUF's Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights in their
+    `weights="quantized"` keeps a GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K weights in their
     format (re-laid out for the kernels, quant/), on the CPU; every other weight, and every
     weight with "dequantize", an HF folder or another device, is read into `dtype`. A GGUF
     is converted on its first load and kept in the converted-weights cache under

@@ -4,10 +4,10 @@ Every supported format stores weight w[n, k] of a row-major [rows, K] matrix, ex
 
     w = scale[n, k // G] * code[n, k] + offset[n, k // G],   code in 0..255,
 
-with G = 32 (Q4_0, Q4_1, Q8_0, the sub-blocks of Q4_K and Q5_K) or 16 (Q6_K). The products
-are exact in float32 (an fp16 scale, or one times a 6-bit sub-scale, times an 8-bit code
-fits in 24 bits), so dequantizing this layout gives `gguf.quants.dequantize`'s values bit
-for bit. A `QuantizedWeight` holds:
+with G = 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the sub-blocks of Q4_K and Q5_K) or 16 (Q6_K).
+The products are exact in float32 (an fp16 scale, or one times a 6-bit sub-scale, times an
+8-bit code fits in 24 bits), so dequantizing this layout gives `gguf.quants.dequantize`'s
+values bit for bit. A `QuantizedWeight` holds:
 
 - `low`: uint8 [rows, K/2], the code's low nibbles; in each group of G, byte i holds weight
   i in bits 0-3 and weight i + G/2 in bits 4-7 (kernels.c reads 16 bytes per 32 weights);
