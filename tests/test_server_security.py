@@ -259,7 +259,7 @@ def test_tokenizing_runs_off_the_event_loop(api):
     """A body under the limit that takes seconds to tokenize: /health answers all along."""
     roomy = start_server(api.client, max_body_bytes=16 * 2**20)
     try:
-        body = {"messages": [{"role": "user", "content": "word another thing, " * 40_000}]}
+        body = {"messages": [{"role": "user", "content": "word another thing, " * 100_000}]}
         with health_latencies(roomy.server.url) as latencies:
             started = time.monotonic()
             response = post(roomy.server.url, "/v1/chat/completions", body, JSON)
