@@ -365,14 +365,17 @@ def serve(ctx: typer.Context,
         import asyncio
 
         from paged_chat.server import ApiServer, check_bind
+        from paged_chat.server.guards import normalize_origin
 
         check_bind(host, api_key)
         settings = state.settings()
+        origins = [normalize_origin(origin) for origin in [*settings.server.allowed_origins,
+                                                           *(allowed_origin or [])]]
         config = settings.engine_config(model=model)
         client = state.server_engine(config)
         try:
             server = ApiServer(client, host, port, api_key, model_names=[config.model],
-                               allowed_origins=[*settings.server.allowed_origins, *(allowed_origin or [])])
+                               allowed_origins=origins)
             typer.echo(f"serving {client.info.name} on {server.url}/v1 (Ctrl+C stops)", err=True)
             asyncio.run(server.serve())
         finally:

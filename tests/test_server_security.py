@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,10 +23,13 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from paged_chat.cli import app as cli_app
 from paged_chat.engine import SamplingParams
 from paged_chat.engine.errors import PagedChatError
 from paged_chat.engine.sampler import SamplingBatch, apply_top_k_top_p
+from paged_chat.settings import SettingsError, load_settings
 from helpers import wait_for
 from server_fixtures import answers_health, free_port, start_server
 
@@ -113,6 +117,26 @@ def test_allowed_origins_get_cors_and_a_keyed_server_keeps_its_old_rules(api):
         keyed.stop()
     with pytest.raises(PagedChatError, match="is not an origin"):
         start_server(api.client, allowed_origins=["chat.example/path"])
+
+
+def test_server_settings_and_serve_options_check_each_origin(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text('[server]\nallowed_origins = ["HTTPS://Chat.Example:443", "http://localhost:3000"]\n'
+                    "share_cache_with_tui = true\n")
+    settings = load_settings(path)
+    assert settings.server.allowed_origins == ["https://chat.example", "http://localhost:3000"]
+    assert settings.server.share_cache_with_tui is True
+    for line, message in [('allowed_origins = "https://chat.example"', "expected a list of origins"),
+                          ('allowed_origins = ["chat.example/x"]', "'chat.example/x' is not an origin"),
+                          ('share_cache_with_tui = "yes"', "expected true or false")]:
+        path.write_text(f"[server]\n{line}\n")
+        with pytest.raises(SettingsError, match=rf"config.toml, line 2: .*{re.escape(message)}"):
+            load_settings(path)
+    result = CliRunner().invoke(cli_app, ["serve", "--allowed-origin", "https://chat.example/app"])
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == [
+        "Error: allowed origin 'https://chat.example/app' is not an origin: write it as http://host or "
+        "https://host:port (no path), or * for any"]
 
 
 def secret_chat(bank: str, pin: str) -> list[dict]:
