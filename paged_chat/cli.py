@@ -343,9 +343,16 @@ def serve(ctx: typer.Context,
           api_key: Annotated[str | None, typer.Option(
               "--api-key", envvar="PAGED_CHAT_API_KEY",
               help="Require `Authorization: Bearer KEY` on every request.")] = None,
+          allowed_origin: Annotated[list[str] | None, typer.Option(
+              "--allowed-origin", metavar="ORIGIN",
+              help="A web origin (https://host:port) whose pages may use a server without "
+                   "--api-key, besides loopback ones; repeatable, adds to [server] allowed_origins.")
+                                    ] = None,
           ) -> None:
     """Serve the engine as an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
-    /v1/models, /health, /metrics) until Ctrl+C.
+    /v1/models, /health, /metrics) until Ctrl+C, or until the engine stops (then exit 1).
+    Without --api-key it takes JSON bodies only, for a loopback Host, from no web page but
+    those of loopback and allowed origins.
 
     Example:
 
@@ -358,12 +365,17 @@ def serve(ctx: typer.Context,
         import asyncio
 
         from paged_chat.server import ApiServer, check_bind
+        from paged_chat.server.guards import normalize_origin
 
         check_bind(host, api_key)
-        config = state.settings().engine_config(model=model)
+        settings = state.settings()
+        origins = [normalize_origin(origin) for origin in [*settings.server.allowed_origins,
+                                                           *(allowed_origin or [])]]
+        config = settings.engine_config(model=model)
         client = state.server_engine(config)
         try:
-            server = ApiServer(client, host, port, api_key, model_names=[config.model])
+            server = ApiServer(client, host, port, api_key, model_names=[config.model],
+                               allowed_origins=origins)
             typer.echo(f"serving {client.info.name} on {server.url}/v1 (Ctrl+C stops)", err=True)
             asyncio.run(server.serve())
         finally:

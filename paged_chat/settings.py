@@ -176,10 +176,15 @@ class TuiSettings:
 class ServerSettings:
     """`[server]`: an OpenAI-compatible server to use instead of the in-process engine
     (`url`, e.g. "http://127.0.0.1:8000/v1"), and its API key; `--server` / `--api-key`
-    override them."""
+    override them. For the server paged-chat runs (`serve`, `--serve`): `allowed_origins`,
+    the web origins (e.g. "https://chat.example:8443") a keyless server takes besides
+    loopback ones, and `share_cache_with_tui`, whether API requests may hit the prefix
+    cache of the TUI's tabs under `--serve` (off: a caller could probe a chat's text)."""
 
     url: str | None = None
     api_key: str | None = None
+    allowed_origins: list[str] = field(default_factory=list)
+    share_cache_with_tui: bool = False
 
 
 @dataclass(slots=True)
@@ -277,6 +282,8 @@ class _Loader:
         for key, value in data.items():
             if table == "tui" and key == "keys":
                 values[key] = self._keys(value)
+            elif table == "server" and key == "allowed_origins":
+                values[key] = self._origins(value)
             else:
                 values[key] = self._typed(table, key, value, hints[key])
         return cls(**values)
@@ -289,6 +296,18 @@ class _Loader:
                 raise self._error("tui.keys", action, f"tui.keys.{action} = {_toml_value(key)} is "
                                                       "invalid: expected a key like \"ctrl+n\"")
         return dict(data)
+
+    def _origins(self, data: Any) -> list[str]:
+        from paged_chat.server.guards import OriginError, normalize_origin
+
+        if not isinstance(data, list) or not all(isinstance(origin, str) for origin in data):
+            raise self._error("server", "allowed_origins", "server.allowed_origins = "
+                              f"{_toml_value(data)} is invalid: expected a list of origins like "
+                              '["https://chat.example"]')
+        try:
+            return [normalize_origin(origin) for origin in data]
+        except OriginError as exc:
+            raise self._error("server", "allowed_origins", f"server.allowed_origins: {exc}") from exc
 
     def _typed(self, table: str, key: str, value: Any, hint: Any) -> Any:
         """The value if it fits the field's type (an int is a fine float), else an error."""

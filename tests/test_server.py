@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -173,8 +172,8 @@ def child_pids(pid: int) -> list[int]:
 
 def test_the_serve_command_steps_its_engine_in_a_process_of_its_own(tiny_model_dir):
     """`paged-chat serve` as deployed: the engine runs in a child process, so the HTTP event
-    loop and the engine share no GIL; it answers; /health turns 503 once that child died;
-    and Ctrl+C leaves no process behind."""
+    loop and the engine share no GIL; it answers; and Ctrl+C leaves no process behind.
+    (Once that child dies the server exits: test_server_security.py.)"""
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "paged_chat", "serve", "--model", str(tiny_model_dir),
@@ -188,11 +187,6 @@ def test_the_serve_command_steps_its_engine_in_a_process_of_its_own(tiny_model_d
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
             "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}).json()
         assert reply.get("usage", {}).get("completion_tokens") == 4, reply
-        os.kill(engine, signal.SIGKILL)
-        wait_for(lambda: not answers_health(port), timeout=60, what="/health to fail")
-        health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
-        assert health.status_code == 503
-        assert "engine process exited unexpectedly" in health.json()["error"]["message"]
         server.send_signal(signal.SIGINT)
         _, errors = server.communicate(timeout=60)
         assert server.returncode == 130 and b"Traceback" not in errors, errors.decode()

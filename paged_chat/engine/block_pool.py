@@ -19,7 +19,9 @@ recently used; eviction is lazy: a block loses its hash only when it is popped f
 
 `cached_blocks` maps a block hash to the block holding that content. A hash is chained
 over the parent block's hash and this block's token ids (128-bit BLAKE2b), so equal
-hashes mean equal whole prefixes, not just equal blocks. Only full blocks are hashed.
+hashes mean equal whole prefixes, not just equal blocks; a first block's parent is its
+request's cache salt (kv_cache_manager.salt_root), so prefixes of different salts never
+match. Only full blocks are hashed.
 
 With `track_evictions`, `allocate` lists each evicted block's (hash, block id) in
 `evicted`: its KV is intact until the next forward, so the owner of a KV tier can copy

@@ -51,6 +51,14 @@ def hash_block(parent_hash: bytes, token_ids: list[int]) -> bytes:
     return digest.digest()
 
 
+def salt_root(cache_salt: str | None) -> bytes:
+    """The parent hash of a request's first block: empty, or the digest of its cache salt
+    (personalised, so no salt's digest is a block's), which keeps each salt's chains apart."""
+    if cache_salt is None:
+        return b""
+    return hashlib.blake2b(cache_salt.encode(), digest_size=16, person=b"cache-salt").digest()
+
+
 class TierReadState(enum.Enum):
     IN_FLIGHT = "in flight"
     DONE = "done"           # every block read: the request's prefix is in place
@@ -335,5 +343,5 @@ class KVCacheManager:
     def _extend_hashes(self, request: Request, num_blocks: int) -> None:
         hashes, size, tokens = request.block_hashes, self.block_size, request.all_token_ids
         for index in range(len(hashes), num_blocks):
-            parent = hashes[-1] if hashes else b""
+            parent = hashes[-1] if hashes else salt_root(request.params.cache_salt)
             hashes.append(hash_block(parent, tokens[index * size:(index + 1) * size]))

@@ -13,6 +13,9 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 # Below this a temperature is greedy (as in vLLM): dividing logits by ~1e-38 overflows them
 # to inf, and the draw over the NaN probabilities that follow would leave the vocabulary.
 GREEDY_BELOW_TEMPERATURE = 1e-5
+# The penalty divides or multiplies float32 logits: outside this range a logit of a few
+# hundred overflows to inf (1e-300 is 0 in float32) and the draw over it is NaN.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass(slots=True)
@@ -36,6 +39,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,9 +50,10 @@ class SamplingParams:
         _check(_is_integer(self.top_k) and self.top_k >= 0,
                "top_k", self.top_k, "an integer >= 0 (0 disables it)")
         _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1]")
-        _check(_is_number(self.repetition_penalty) and math.isfinite(self.repetition_penalty)
-               and self.repetition_penalty > 0,
-               "repetition_penalty", self.repetition_penalty, "a number > 0 (1 disables it)")
+        low, high = REPETITION_PENALTY_RANGE
+        _check(_is_number(self.repetition_penalty) and low <= self.repetition_penalty <= high,
+               "repetition_penalty", self.repetition_penalty,
+               f"a number in [{low}, {high:g}] (1 disables it)")
         for name in ("frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             _check(_is_number(value) and math.isfinite(value) and -2 <= value <= 2,
@@ -61,6 +66,8 @@ class SamplingParams:
                "stop", self.stop, "a list of non-empty strings")
         _check(all(_is_integer(t) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
+        _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
+               "cache_salt", self.cache_salt, "a non-empty string or None")
 
     @property
     def greedy(self) -> bool:

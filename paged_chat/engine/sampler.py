@@ -206,7 +206,11 @@ def apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
         if k == vocab or bool((covered | ~batch.truncated).all()):
             break
         k = k * _GROWTH if k * _GROWTH <= vocab // 4 else vocab
-    values = values.masked_fill(mass - probs >= top_p[:, None], float("-inf"))
+    # The most probable token is always kept: a tiny top_p (1e-300 is 0 in float32) would
+    # drop every token, and the draw over no token is NaN.
+    outside_top_p = mass - probs >= top_p[:, None]
+    outside_top_p[:, 0] = False
+    values = values.masked_fill(outside_top_p, float("-inf"))
     dropped = torch.ones_like(logits, dtype=torch.bool).scatter_(-1, indices, values.isneginf())
     return logits.masked_fill(dropped & batch.truncated[:, None], float("-inf"))
 

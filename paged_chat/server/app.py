@@ -4,11 +4,18 @@
     GET  /v1/models             GET  /health              GET /metrics (Prometheus, vLLM names)
 
 Every refusal is an OpenAI error object with its status: 400 (malformed JSON, bad
-sampling values, a prompt past max_model_len), 401 (a missing or wrong API key), 404
-(an unknown model or path), 413 (a body over `max_body_bytes`). A surprise is a 500 with
+sampling values, a prompt past max_model_len), 401 (a missing or wrong API key), 403 (on
+a keyless server, a Host or Origin that is not this machine's: guards.py), 404 (an unknown
+model or path), 413 (a body over `max_body_bytes`, by default sized from the model's
+context), 415 (on a keyless server, a body that is not JSON). A surprise is a 500 with
 one line, never a traceback; no request can stop the engine. /health is 200 while the
 engine serves and 503, saying why, once it stopped (an engine process that died). With an
 API key, every path but /health needs `Authorization: Bearer KEY`, compared in constant time.
+
+The event loop only moves bytes: a body is refused by its size before it is parsed, and
+parsing, the chat template and tokenizing run on a worker thread, so one huge request
+never stalls /health or the streams of others. A client that hangs up before its body is
+in costs one log line.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import asyncio
 import hmac
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from typing import Any, TypeVar
 
@@ -27,25 +34,38 @@ from fastapi.sse import EventSourceResponse, format_sse_event
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from paged_chat.engine.clients.protocol import EngineClient
 from paged_chat.engine.errors import EngineDeadError, describe_error
 from paged_chat.engine.request import RequestOutput
+from paged_chat.server.guards import LocalOnlyGuard, normalize_origin
 from paged_chat.server.metrics import metrics_registry
 from paged_chat.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
-from paged_chat.server.serving import ApiError, Job, OpenAIServing
+from paged_chat.server.serving import ApiError, Job, OpenAIServing, cache_partition
 
-MAX_BODY_BYTES = 4 * 2**20
+# A body may hold this many bytes per token of the model's context (a token's JSON is ~4
+# characters, ~12 escaped: a wide margin), and 1 MiB whatever the context.
+BODY_BYTES_PER_TOKEN = 64
+MIN_BODY_BYTES = 2**20
 logger = logging.getLogger("paged_chat.server")
 Parsed = TypeVar("Parsed", bound=BaseModel)
 
 
 def build_app(client: EngineClient, model_names: Sequence[str] = (), api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int | None = None, allowed_origins: Sequence[str] = (),
+              share_cache_with_tui: bool = False) -> FastAPI:
     """The API for `client`'s model; requests may name it by its own name or by any of
-    `model_names` (e.g. the spec it was loaded from)."""
+    `model_names` (e.g. the spec it was loaded from). `allowed_origins`: web origins a
+    keyless server takes besides loopback ones (guards.py). `share_cache_with_tui`: API
+    requests may hit the cached prefixes of requests that do not come through the API (a
+    TUI's tabs under `--serve`); by default they never do (serving.cache_partition)."""
     names = list(dict.fromkeys([client.info.name, *model_names]))
-    serving = OpenAIServing(client, names)
+    serving = OpenAIServing(client, names, cache_partition(api_key, share_cache_with_tui))
+    context = client.info.max_model_len
+    limit = max_body_bytes or max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * context)
+    too_large = f"the request body is over this server's limit of {limit} bytes" + (
+        "" if max_body_bytes else f" (sized from the model's context of {context} tokens)")
     registry = metrics_registry(client, serving.model)
     expected = f"Bearer {api_key}".encode() if api_key else None
 
@@ -55,6 +75,8 @@ def build_app(client: EngineClient, model_names: Sequence[str] = (), api_key: st
             raise ApiError(401, "a valid API key is required: send `Authorization: Bearer KEY`")
 
     app = FastAPI(title="paged-chat", docs_url=None, redoc_url=None, openapi_url=None)
+    origins = [normalize_origin(origin) for origin in allowed_origins]  # a bad one fails here
+    app.add_middleware(LocalOnlyGuard, allowed_origins=origins, keyless=api_key is None)
     guarded = [Depends(authorize)]
 
     @app.get("/health")
@@ -78,28 +100,36 @@ def build_app(client: EngineClient, model_names: Sequence[str] = (), api_key: st
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:
-        body = await _parse(request, ChatCompletionRequest, max_body_bytes)
-        return await _respond(serving, request, serving.chat_job(body))
+        body = await _body(request, limit, too_large)
+        job = await _job_off_loop(serving.chat_job, ChatCompletionRequest, body)
+        return await _respond(serving, request, job)
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request) -> Response:
-        body = await _parse(request, CompletionRequest, max_body_bytes)
-        return await _respond(serving, request, serving.completion_job(body))
+        body = await _body(request, limit, too_large)
+        job = await _job_off_loop(serving.completion_job, CompletionRequest, body)
+        return await _respond(serving, request, job)
 
     _add_error_handlers(app)
     return app
 
 
-async def _parse(request: Request, model: type[Parsed], limit: int) -> Parsed:
+async def _body(request: Request, limit: int, too_large: str) -> bytes:
+    """The request's body, refused (413) once it is declared or read past `limit` bytes."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"the request body is over the limit of {limit} bytes")
+        raise ApiError(413, too_large)
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > limit:
-            raise ApiError(413, f"the request body is over the limit of {limit} bytes")
-    return model.model_validate_json(bytes(body))
+            raise ApiError(413, too_large)
+    return bytes(body)
+
+
+async def _job_off_loop(make_job: Callable[[Parsed], Job], model: type[Parsed], body: bytes) -> Job:
+    """The body parsed as `model` and made a Job (chat template, tokenizer) on a worker thread."""
+    return await asyncio.to_thread(lambda: make_job(model.model_validate_json(body)))
 
 
 async def _respond(serving: OpenAIServing, request: Request, job: Job) -> Response:
@@ -191,7 +221,13 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(error_body(str(error.detail), error.status_code),
                             status_code=error.status_code)
 
+    async def client_gone(request: Request, error: ClientDisconnect) -> Response:
+        logger.warning("a client hung up before its request body was in: %s %s",
+                       request.method, request.url.path)
+        return Response(status_code=400)  # nobody reads it
+
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(ClientDisconnect, client_gone)
     for kind in (ApiError, ValueError, EngineDeadError):
         app.add_exception_handler(kind, api_error)
     app.add_exception_handler(Exception, api_error)

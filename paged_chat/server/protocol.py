@@ -1,9 +1,11 @@
 """The OpenAI API's request and response bodies, as far as paged-chat serves them.
 
 Requests take OpenAI's sampling names plus vLLM's extras (`top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `return_token_ids`); fields neither knows are ignored,
-as OpenAI-compatible servers do. Type errors are pydantic's; range errors are
-SamplingParams' (a ValueError naming the field); both become a 400.
+`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `return_token_ids`, `cache_salt`); fields
+neither knows are ignored, as OpenAI-compatible servers do. Types are strict, as OpenAI's
+are ("2" is no integer, "yes" no boolean, true no token id; an integer is a fine float).
+Type errors are pydantic's; range errors are SamplingParams' (a ValueError naming the
+field); both become a 400.
 """
 
 from __future__ import annotations
@@ -17,14 +19,20 @@ from pydantic import BaseModel, ConfigDict, Field
 from paged_chat.engine.request import SamplingParams
 
 
+# Every request model's config: unknown fields ignored, no coercion between JSON types.
+STRICT = ConfigDict(extra="ignore", strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool = False
 
 
 class SamplingRequest(BaseModel):
     """What chat and text completions share: the model, the sampling, streaming."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     model: str | None = None
     n: int = Field(1, ge=1, le=128)
@@ -44,6 +52,7 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     return_token_ids: bool = False   # vLLM's: each choice carries its token ids too
+    cache_salt: str | None = Field(None, min_length=1)  # vLLM's: a prefix-cache partition
 
     @property
     def include_usage(self) -> bool:
@@ -68,12 +77,14 @@ class SamplingRequest(BaseModel):
 
 
 class TextPart(BaseModel):
+    model_config = STRICT
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
@@ -138,5 +149,6 @@ def envelope(object_name: str, request_id: str, model: str, choices: list[dict[s
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
     """OpenAI's error object."""
     kind = {400: "invalid_request_error", 401: "authentication_error",
-            404: "not_found_error", 413: "invalid_request_error"}.get(status, "server_error")
+            403: "permission_error", 404: "not_found_error", 413: "invalid_request_error",
+            415: "invalid_request_error"}.get(status, "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}

@@ -1,25 +1,38 @@
 """Serving the API: the bind rules, and uvicorn on a socket of our own.
 
 `paged-chat serve` runs the server as the program (uvicorn handles Ctrl+C and SIGTERM:
-open requests are aborted, then it exits). The TUI runs it as one more task on its own
-event loop (`embedded=True`): the app, not uvicorn, owns the signals there.
+open requests are aborted, then it exits); once its engine stops (a dead engine process)
+it exits too, with EngineDeadError, so that a supervisor restarts it (as vLLM's API server
+does) instead of it answering 503 forever. The TUI runs it as one more task on its own
+event loop (`embedded=True`): the app, not uvicorn, owns the signals and the engine there.
+
+Connections are bounded: at most MAX_CONNECTIONS at once (uvicorn answers 503 past them),
+idle keep-alive ones close after KEEP_ALIVE_S, and one whose request headers are not all
+in within `header_timeout_s` is closed (uvicorn itself never times out a request's headers).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import ipaddress
 import socket
 from collections.abc import Sequence
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from paged_chat.engine.clients.protocol import EngineClient
-from paged_chat.engine.errors import PagedChatError
+from paged_chat.engine.errors import EngineDeadError, PagedChatError
 from paged_chat.server.app import build_app
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+MAX_CONNECTIONS = 1024
+KEEP_ALIVE_S = 5
+HEADER_TIMEOUT_S = 10.0
+ENGINE_WATCH_S = 0.5   # how often a server that is the program checks its engine still runs
 
 
 class UnsafeBindError(PagedChatError):
@@ -49,16 +62,58 @@ class _EmbeddedServer(uvicorn.Server):
         return contextlib.nullcontext()
 
 
+class _HeaderTimeoutH11(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose request headers are not all in
+    within `header_timeout_s` of its opening or of its last response. (uvicorn's keep-alive
+    timer starts only after a response, and any byte cancels it.)"""
+
+    def __init__(self, *args, header_timeout_s: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout_s = header_timeout_s
+        self.header_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._await_headers()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._await_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.header_deadline is not None:
+            self.header_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _await_headers(self) -> None:
+        if self.header_deadline is not None:
+            self.header_deadline.cancel()
+        self.header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_late, self.cycle)
+
+    def _headers_late(self, cycle: object) -> None:
+        """Close the connection if no request began since the deadline was set and none runs."""
+        idle = self.cycle is cycle and (cycle is None or self.cycle.response_complete)
+        if idle and not self.transport.is_closing():
+            self.transport.close()
+
+
 class ApiServer:
-    """The API for one EngineClient on a bound socket (port 0 picks a free one: `port`)."""
+    """The API for one EngineClient on a bound socket (port 0 picks a free one: `port`).
+    The options past `embedded` are build_app's and `header_timeout_s` (module docstring)."""
 
     def __init__(self, client: EngineClient, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                  api_key: str | None = None, model_names: Sequence[str] = (),
-                 embedded: bool = False) -> None:
+                 embedded: bool = False, allowed_origins: Sequence[str] = (),
+                 share_cache_with_tui: bool = False, max_body_bytes: int | None = None,
+                 header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
         check_bind(host, api_key)
-        app = build_app(client, model_names, api_key)
+        self.client, self.embedded = client, embedded
+        self.engine_stopped: str | None = None
+        app = build_app(client, model_names, api_key, max_body_bytes, allowed_origins, share_cache_with_tui)
+        protocol = functools.partial(_HeaderTimeoutH11, header_timeout_s=header_timeout_s)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5)
+                                timeout_graceful_shutdown=5, http=protocol,
+                                limit_concurrency=MAX_CONNECTIONS, timeout_keep_alive=KEEP_ALIVE_S)
         self.server = (_EmbeddedServer if embedded else uvicorn.Server)(config)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
@@ -80,11 +135,24 @@ class ApiServer:
         return self.server.started
 
     async def serve(self) -> None:
-        """Serve until `stop()` (or, not embedded, Ctrl+C / SIGTERM)."""
+        """Serve until `stop()` (or, not embedded, Ctrl+C / SIGTERM, or the engine stopping:
+        then it raises EngineDeadError once the open requests are answered)."""
+        watch = None if self.embedded else asyncio.create_task(self._stop_with_the_engine())
         try:
             await self.server.serve(sockets=[self.socket])
         finally:
             self.socket.close()
+            if watch is not None:
+                watch.cancel()
+        if self.engine_stopped is not None:
+            raise EngineDeadError(f"the engine stopped ({self.engine_stopped}), so the server "
+                                  "did too")
+
+    async def _stop_with_the_engine(self) -> None:
+        while self.client.running:
+            await asyncio.sleep(ENGINE_WATCH_S)
+        self.engine_stopped = self.client.last_error or "it was shut down"
+        self.server.should_exit = True
 
     def stop(self) -> None:
         self.server.should_exit = True

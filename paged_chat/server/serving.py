@@ -5,6 +5,12 @@ later ones hit the prefix cache on the prompt's full blocks (shared, not copied)
 engine request is tagged with the API caller's owner (`user`, else "api"), so the block
 map shows API traffic as its own owner next to the TUI's tabs.
 
+API requests run under a cache salt (SamplingParams.cache_salt): the server's partition
+(`cache_partition`), refined by the request's own `cache_salt` (vLLM's field). So their
+prefixes never hit the blocks of requests that did not come through the API (a TUI's
+tabs under `--serve`), and `cached_tokens` tells a caller nothing of another key's
+prompts; callers of one key still share their prefixes (a system prompt, n choices).
+
 Errors before the first token (a bad prompt, a dead engine) are raised before any byte
 is sent, so a streaming request gets a proper HTTP status too. A stream the caller stops
 reading (the client went away) closes its engine streams, which aborts their requests and
@@ -14,6 +20,8 @@ frees their blocks at once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -64,13 +72,25 @@ class Job:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-class OpenAIServing:
-    """Turns API requests into engine streams for one served model."""
+def cache_partition(api_key: str | None, share_cache_with_tui: bool) -> str | None:
+    """The cache salt of a server's API requests: one per API key (its hash: the engine
+    never sees the key), one for a keyless server, or none when the user shares the cache
+    of the requests that do not come through the API with the API's callers."""
+    if share_cache_with_tui:
+        return None
+    return "api" if api_key is None else "api-key:" + hashlib.sha256(api_key.encode()).hexdigest()
 
-    def __init__(self, client: EngineClient, model_names: Sequence[str]) -> None:
+
+class OpenAIServing:
+    """Turns API requests into engine streams for one served model; `cache_partition` is
+    the salt of its requests (see the module docstring)."""
+
+    def __init__(self, client: EngineClient, model_names: Sequence[str],
+                 cache_partition: str | None = None) -> None:
         assert model_names, "a server serves at least its model's own name"
         self.client = client
         self.model_names = tuple(model_names)
+        self.cache_partition = cache_partition
 
     @property
     def model(self) -> str:
@@ -111,8 +131,16 @@ class OpenAIServing:
                                 "together", "messages" if kind == "chat.completion" else "prompt")
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         return Job(kind, completion_id(prefix), request.user or DEFAULT_OWNER, prompt_ids,
-                   request.sampling_params(room), request.stream, request.include_usage,
-                   request.return_token_ids)
+                   self._salted(request.sampling_params(room), request.cache_salt),
+                   request.stream, request.include_usage, request.return_token_ids)
+
+    def _salted(self, params: list[SamplingParams], requested: str | None) -> list[SamplingParams]:
+        """`params` under the server's partition and the request's own `cache_salt`."""
+        parts = [part for part in (self.cache_partition, requested) if part is not None]
+        if not parts:
+            return params
+        salt = "/".join(parts)  # a partition has no "/": the pair reads back one way only
+        return [dataclasses.replace(choice, cache_salt=salt) for choice in params]
 
     # ---- running jobs -----------------------------------------------------------------
 

@@ -211,7 +211,9 @@ class PagedChatApp(ChatActions, App):
         from paged_chat.server import ApiServer
 
         try:
-            self.api_server = ApiServer(engine, port=self.serve_port, embedded=True)
+            self.api_server = ApiServer(engine, port=self.serve_port, embedded=True,
+                                        allowed_origins=self.settings.server.allowed_origins,
+                                        share_cache_with_tui=self.settings.server.share_cache_with_tui)
         except PagedChatError as error:
             self.notify(f"--serve: {error}", severity="error", timeout=30, markup=False)
             return
