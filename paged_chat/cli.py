@@ -39,6 +39,7 @@ from paged_chat.text import sanitize_for_terminal
 if TYPE_CHECKING:
     from paged_chat.chat_store import ChatStore, StoredChat
     from paged_chat.engine import Engine, EngineClient, EngineConfig
+    from paged_chat.settings import TuiVocabulary
 
 def _without_flag_types(params: list[click.Parameter]) -> list[click.Parameter]:
     for param in params:
@@ -102,10 +103,12 @@ class CliState:
     engine_factory: Callable[[EngineConfig], Engine] | None = None
     _settings: Settings | None = None
 
-    def settings(self) -> Settings:
-        """config.toml (from --config, $PAGED_CHAT_CONFIG or the user config dir), read once."""
+    def settings(self, check_tui: bool = False) -> Settings:
+        """config.toml (from --config, $PAGED_CHAT_CONFIG or the user config dir), read once;
+        `check_tui` checks `[tui]` against the TUI's actions, themes and key names too (it
+        imports Textual: only the TUI and `config` pay for that)."""
         if self._settings is None:
-            self._settings = load_settings(self.config)
+            self._settings = load_settings(self.config, _tui_vocabulary() if check_tui else None)
         return self._settings
 
     def make_engine(self, config: EngineConfig) -> Engine:
@@ -128,6 +131,20 @@ class CliState:
         injected = self.make_engine if self.engine_factory is not None else None
         return make_client(client_spec(config, "process", make_engine=injected, leave_cores=1,
                                        on_progress=_load_progress()))
+
+
+def _tui_vocabulary() -> TuiVocabulary:
+    """The TUI's action names, its themes and the key names Textual binds."""
+    from textual.keys import KEY_NAME_REPLACEMENTS, KEY_TO_UNICODE_NAME, Keys
+    from textual.theme import BUILTIN_THEMES
+
+    from paged_chat.settings import TuiVocabulary
+    from paged_chat.tui.actions import ACTIONS
+
+    names = {key.value for key in Keys if key.value.isidentifier() or key.value.isalnum()}
+    names |= {name for name in (*KEY_TO_UNICODE_NAME, *KEY_NAME_REPLACEMENTS.values())}
+    return TuiVocabulary(actions=frozenset(action for action, *_ in ACTIONS),
+                         themes=frozenset(BUILTIN_THEMES), key_names=frozenset(names))
 
 
 def _load_progress() -> Callable[[str, int, int], None] | None:
@@ -225,7 +242,7 @@ def root(ctx: typer.Context,
     with _reported(ctx):
         from paged_chat.tui.app import run_app
 
-        settings = state.settings()
+        settings = state.settings(check_tui=True)
         if serve is not None and (server or settings.server.url):
             raise typer.BadParameter("--serve serves the local engine; it cannot with --server",
                                      param_hint="--serve")
@@ -397,7 +414,7 @@ def show_config(ctx: typer.Context,
         typer.echo(str(path))
         return
     with _reported(ctx):
-        settings = state.settings()
+        settings = state.settings(check_tui=True)
         store, cache = data_dir() / "chats.db", cache_dir()
     where = "" if settings.path is not None else " (not found: defaults)"
     typer.echo(f"# config: {path}{where}\n# chats:  {store}\n# cache:  {cache}\n")
