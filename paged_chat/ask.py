@@ -20,15 +20,18 @@ chat to continue, stop signals, stderr) is in paged_chat.plain_terminal.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
 import sys
 import time
-from collections.abc import Callable
-from contextlib import ExitStack, aclosing
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, aclosing, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from paged_chat.chat_session import ChatSession, Turn, chat_title
+from paged_chat.engine.regular_files import NotARegularFileError, open_regular
 from paged_chat.plain_terminal import (STOP_SIGNALS, AskOptions, EngineFactory, UsageError,
                                        chat_to_continue, configure, load_client, model_spec,
                                        say, stop_signals, turn_stats_line, warn,
@@ -59,10 +62,26 @@ def read_prompt(argument: str | None, stdin: TextIO | None) -> str:
     piped = ""
     if stdin is not None and not stdin.isatty():
         try:
-            piped = stdin.read()
+            piped = _valid_text(stdin.read(), "stdin")  # surrogates: a surrogateescape stdin
         except UnicodeDecodeError as exc:
             raise UsageError(f"stdin is not UTF-8 text ({exc.reason})") from exc
     return "\n\n".join(part for part in (piped.strip(), argument.strip()) if part)
+
+
+@contextmanager
+def open_prompt_file(name: str) -> Iterator[TextIO]:
+    """The --file `name` to read prompts from: stdin for "-", else a regular file (a FIFO
+    or a device is a usage error, never opened in a way that could wait), closed after."""
+    if name == "-":
+        yield sys.stdin
+        return
+    try:
+        raw = open_regular(Path(name).expanduser())
+    except OSError as exc:
+        reason = str(exc) if isinstance(exc, NotARegularFileError) else f"{name}: {exc.strerror}"
+        raise UsageError(f"cannot read the prompt file: {reason}") from None
+    with io.TextIOWrapper(raw, encoding="utf-8") as file:
+        yield file
 
 
 def read_prompt_file(file: TextIO) -> list[FilePrompt]:
@@ -70,7 +89,7 @@ def read_prompt_file(file: TextIO) -> list[FilePrompt]:
     UTF-8 is a usage error naming it, as non-UTF-8 stdin is."""
     name = "stdin" if file.name in ("-", "<stdin>") else f"the prompt file {file.name}"
     try:
-        text = file.read()
+        text = _valid_text(file.read(), name)
     except UnicodeDecodeError as exc:
         raise UsageError(f"{name} is not UTF-8 text ({exc.reason})") from exc
     return parse_prompt_file(text)

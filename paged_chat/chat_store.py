@@ -59,6 +59,10 @@ from paged_chat.settings import data_dir, make_private
 
 ROLES = ("system", "user", "assistant")
 INTERRUPTED = "interrupted"
+# A search looks for at most this many different words: each is a subquery, and SQLite's
+# expression tree has a depth limit (2,000 words fail), while a few dozen words already
+# name one chat.
+MAX_SEARCH_WORDS = 64
 
 
 
@@ -227,7 +231,8 @@ class ChatStore:
         """The chats that hold every word of `text` in their title or messages (as a word
         or the start of one, case and accents ignored), most recently updated first,
         without messages. Each word is quoted, so FTS5's syntax characters are searched
-        for as text, never parsed."""
+        for as text, never parsed; a word given twice is searched once, and only the first
+        MAX_SEARCH_WORDS different words are searched."""
         terms = _search_terms(text)
         if not terms:
             return []
@@ -517,11 +522,21 @@ def _new_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
+def search_words(text: str) -> list[str]:
+    """The words of `text` a search looks for, in order: each once (case ignored, as the
+    index ignores it), without those that hold no letter or digit (there is nothing in
+    them to find)."""
+    words: dict[str, str] = {}
+    for word in text.split():
+        if any(char.isalnum() for char in word):
+            words.setdefault(word.casefold(), word)
+    return list(words.values())
+
+
 def _search_terms(text: str) -> list[str]:
-    """Every word of `text` as a quoted FTS5 prefix query ("word"*); words without a
-    letter or digit are left out (there is nothing in them to find)."""
-    return ['"' + word.replace('"', '""') + '"*' for word in text.split()
-            if any(char.isalnum() for char in word)]
+    """The first MAX_SEARCH_WORDS search words of `text`, each a quoted FTS5 prefix query
+    ("word"*)."""
+    return ['"' + word.replace('"', '""') + '"*' for word in search_words(text)[:MAX_SEARCH_WORDS]]
 
 
 def _chat(row: tuple) -> StoredChat:

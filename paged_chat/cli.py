@@ -22,7 +22,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -282,8 +282,8 @@ def ask(ctx: typer.Context,
         chat: Annotated[str | None, typer.Option(
             "--chat", help="Continue this chat (an id or its first characters).")] = None,
         no_save: Annotated[bool, typer.Option("--no-save", help="Do not save this turn.")] = False,
-        file: Annotated[typer.FileText | None, typer.Option(
-            "--file", "-f", encoding="utf-8", metavar="<file>", help="Answer every prompt of this file at once (one per line, or JSONL "
+        file: Annotated[str | None, typer.Option(
+            "--file", "-f", metavar="<file>", help="Answer every prompt of this file at once (one per line, or JSONL "
                                  'with {"prompt": ...}); "-" reads stdin. Not saved.')] = None,
         server: Annotated[str | None, typer.Option(
             "--server", help="Ask this OpenAI-compatible server (URL) instead of the local engine; "
@@ -303,18 +303,20 @@ def ask(ctx: typer.Context,
 
         paged-chat ask --file prompts.txt --json
     """
-    from paged_chat.ask import check_text_options, run_ask
+    from paged_chat.ask import check_text_options, open_prompt_file, run_ask
     from paged_chat.plain_terminal import AskOptions
 
     state = _state(ctx)
     options = AskOptions(
         prompt=prompt if prompt and prompt.strip() else None, system=system, stats=stats,
-        json=json_output, continue_chat=continue_chat, chat_id=chat, save=not no_save, file=file,
+        json=json_output, continue_chat=continue_chat, chat_id=chat, save=not no_save,
         engine={"model": model, "device": device, "dtype": dtype},
         sampling={"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                   "top_k": top_k, "seed": seed})
-    with _reported(ctx):
+    with _reported(ctx), ExitStack() as cleanup:
         check_text_options(options)
+        if file is not None:
+            options.file = cleanup.enter_context(open_prompt_file(file))
         settings = state.settings()
         options.server = server or settings.server.url
         options.api_key = api_key or settings.server.api_key
@@ -509,12 +511,17 @@ def list_chats(ctx: typer.Context,
                                           "word of this text (or words starting with it).")] = None,
                ) -> None:
     """List saved chats, most recent first."""
+    from paged_chat.chat_store import MAX_SEARCH_WORDS, search_words
+
+    if search is not None and len(search_words(search)) > MAX_SEARCH_WORDS:
+        typer.echo(f"Warning: the search has {len(search_words(search)):,} different words: "
+                   f"the first {MAX_SEARCH_WORDS} are searched", err=True)
     with _open_store(ctx) as store:
         found = store.list_chats() if search is None else store.search_chats(search)
         rows = [[chat.id, _local_time(chat.updated), chat.model, chat.title] for chat in found]
     if not rows:
         typer.echo('no chats yet: `paged-chat ask "..."` starts one' if search is None
-                   else f"no chat holds {search!r}", err=True)
+                   else f"no chat holds {_shortened(search)!r}", err=True)
         return
     _print_table(["ID", "UPDATED", "MODEL", "TITLE"], rows)
 
@@ -614,6 +621,10 @@ def _echo_stored(text: str, nl: bool = True) -> None:
     """Print stored text on stdout: sanitized on a terminal, exact in a pipe (color=True:
     click would otherwise strip what looks like a color code from piped output)."""
     typer.echo(sanitize_for_terminal(text) if sys.stdout.isatty() else text, nl=nl, color=True)
+
+
+def _shortened(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
 
 
 def _local_time(timestamp: float) -> str:

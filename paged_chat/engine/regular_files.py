@@ -63,10 +63,12 @@ def open_regular(path: str | Path, *, dir_fd: int | None = None, follow_links: b
         if not stat.S_ISREG(mode):
             raise NotARegularFileError(errno.EINVAL, f"{file_kind(mode)}, not a regular file",
                                        str(path))
-        return open(fd, "rb", buffering=-1 if buffered else 0)
+        file = open(fd, "rb", buffering=-1 if buffered else 0)
     except BaseException:
         os.close(fd)
         raise
+    (file.raw if buffered else file).name = str(path)  # messages name the path, not the fd
+    return file
 
 
 def read_regular(path: str | Path, max_bytes: int) -> bytes:
