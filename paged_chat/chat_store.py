@@ -131,6 +131,19 @@ class StoreError(PagedChatError):
     """The chat store cannot be opened or written (newer schema, unwritable file)."""
 
 
+class StoreWriteError(StoreError):
+    """SQLite could not write to the store (an I/O error, a file system gone read-only):
+    nothing of that write was kept. `path` is the store's file."""
+
+    def __init__(self, message: str, path: Path) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class StoreFullError(StoreWriteError):
+    """The disk (or quota) holding the store is full: nothing of that write was kept."""
+
+
 class ChatNotFound(StoreError, KeyError):
     """No chat has this id (or, for `resolve_id`, this id prefix)."""
 
@@ -376,13 +389,27 @@ class ChatStore:
             raise StoreError(f"cannot save to the chat store {self.path}: it is read-only (no "
                              "write permission, or a read-only file system)")
         with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
             try:
-                yield self._conn
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+                self._conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+                try:
+                    yield self._conn
+                    self._conn.execute("COMMIT")
+                except BaseException:
+                    if self._conn.in_transaction:  # SQLite may have rolled back already
+                        self._conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.OperationalError as exc:
+                if not write:
+                    raise
+                raise self._write_error(exc) from exc
+
+    def _write_error(self, exc: sqlite3.OperationalError) -> StoreWriteError:
+        """The precise error for a write SQLite refused (the disk full, an I/O error)."""
+        name = getattr(exc, "sqlite_errorname", None)
+        if name == "SQLITE_FULL":
+            return StoreFullError(f"the disk holding the chat store {self.path} is full",
+                                  self.path)
+        return StoreWriteError(f"cannot write to the chat store {self.path}: {exc}", self.path)
 
     def _prepare_files(self) -> list[str]:
         """Check the path, create a missing database file private, and make existing ones

@@ -15,26 +15,40 @@ anything a prompt or a model put in it, escape sequences included. Piped, it is 
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import sys
-import time
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
-from enum import Enum
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+import signal
+import threading
 
-import click
-import typer
-from typer.core import TyperGroup
+# Ctrl+C while the modules below import (up to a second on a busy machine) would print a
+# KeyboardInterrupt traceback, before any command can catch it: until they are in, SIGINT
+# ends the process as its default action does (status 130, nothing printed).
+_QUIET_INTERRUPT = (threading.current_thread() is threading.main_thread()
+                    and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+if _QUIET_INTERRUPT:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
-from paged_chat.finish_labels import finish_label
-from paged_chat.settings import Settings, config_path, load_settings
-from paged_chat.text import sanitize_for_terminal
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from contextlib import ExitStack, contextmanager, suppress  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from enum import Enum  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING, Annotated, NoReturn  # noqa: E402
+
+import click  # noqa: E402
+import typer  # noqa: E402
+from typer.core import TyperGroup  # noqa: E402
+
+from paged_chat.finish_labels import finish_label  # noqa: E402
+from paged_chat.settings import Settings, config_path, load_settings  # noqa: E402
+from paged_chat.text import sanitize_for_terminal  # noqa: E402
+
+if _QUIET_INTERRUPT:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if TYPE_CHECKING:
     from paged_chat.chat_store import ChatStore, StoredChat
@@ -640,5 +654,31 @@ def _print_table(header: list[str], rows: list[list[str]]) -> None:
         typer.echo("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip(), color=True)
 
 
-def main() -> None:
-    app(prog_name="paged-chat")
+def main() -> NoReturn:
+    """The console script: run the command, then end the process with its status."""
+    try:
+        app(prog_name="paged-chat")
+        code: int | str | None = 0
+    except SystemExit as done:
+        code = done.code
+    _end_process(code)
+
+
+def _end_process(code: int | str | None) -> NoReturn:
+    """Exit with `code`. An engine thread still alive here is in native code that does not
+    return in time: a model load that Ctrl+C cut short goes on on its thread, or a step is
+    stuck. Finalizing the interpreter under it kills the process: CPython ends a daemon
+    thread that takes the GIL during finalization with pthread_exit, whose unwinding through
+    torch's C++ frames calls std::terminate ("terminate called without an active
+    exception", status 134), and torch's atexit hooks run while it still uses torch (a
+    traceback). So then, and only then, the process ends at once, once its output is
+    flushed; every store was closed on the way here."""
+    transport = sys.modules.get("paged_chat.engine.clients.thread_transport")
+    engine_name = getattr(transport, "ENGINE_THREAD_NAME", None)
+    if engine_name and any(thread.name == engine_name and thread.is_alive()
+                           for thread in threading.enumerate()):
+        for stream in (sys.stdout, sys.stderr):
+            with suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+    sys.exit(code)
