@@ -16,20 +16,23 @@ anything a prompt or a model put in it, escape sequences included. Piped, it is 
 from __future__ import annotations
 
 import signal
-import threading
 
 # Ctrl+C while the modules below import (up to a second on a busy machine) would print a
 # KeyboardInterrupt traceback, before any command can catch it: until they are in, SIGINT
-# ends the process as its default action does (status 130, nothing printed).
-_QUIET_INTERRUPT = (threading.current_thread() is threading.main_thread()
-                    and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
-if _QUIET_INTERRUPT:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# ends the process as its default action does (status 130, nothing printed). First of
+# all, before any other import; only the main thread may set a handler.
+_QUIET_INTERRUPT = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+try:
+    if _QUIET_INTERRUPT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+except ValueError:  # imported on another thread
+    _QUIET_INTERRUPT = False
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
 from collections.abc import Callable, Iterator  # noqa: E402
