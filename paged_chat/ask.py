@@ -10,7 +10,8 @@ ones are held until their turn.
 Ctrl+C, SIGTERM (`timeout`, `kill`) and SIGHUP (the terminal went away) stop the replies
 between steps (their blocks freed): the partial answers stay on stdout and are saved with
 finish_reason "abort", and the exit code is 128 + the signal's number (130, 143, 129), as a
-shell reports a process that signal ended. A second signal cancels at once.
+shell reports a process that signal ended. A second signal cancels at once, as does
+STOP_GRACE_S without the replies ending (an engine stuck in a step is not waited for).
 
 On a terminal, stdout shows the model's text sanitized (no escape sequences, no control
 characters); piped, it is exact. What `ask` shares with `chat` (options, loading, the
@@ -20,18 +21,22 @@ chat to continue, stop signals, stderr) is in paged_chat.plain_terminal.
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import os
 import sys
 import time
-from collections.abc import Callable
-from contextlib import ExitStack, aclosing
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, aclosing, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from paged_chat.chat_session import ChatSession, Turn, chat_title
-from paged_chat.plain_terminal import (STOP_SIGNALS, AskOptions, EngineFactory, UsageError,
-                                       chat_to_continue, configure, load_client, model_spec,
-                                       say, stop_signals, turn_stats_line, warn,
+from paged_chat.engine.regular_files import NotARegularFileError, open_regular
+from paged_chat.plain_terminal import (STOP_SIGNALS, AskOptions, EngineFactory, ReceivedSignals,
+                                       UsageError, chat_to_continue, configure, load_client,
+                                       model_spec, say, stop_signals, turn_stats_line, warn,
                                        warnings_to_stderr)
 from paged_chat.settings import chat_sampling
 from paged_chat.text import StreamSanitizer, check_text
@@ -39,6 +44,10 @@ from paged_chat.text import StreamSanitizer, check_text
 if TYPE_CHECKING:
     from paged_chat.engine import EngineClient, SamplingParams
     from paged_chat.settings import Settings
+
+
+# Under the cache dir: turns the chat store refused, one Markdown file each.
+UNSAVED_DIR = "unsaved"
 
 
 @dataclass(slots=True)
@@ -59,10 +68,26 @@ def read_prompt(argument: str | None, stdin: TextIO | None) -> str:
     piped = ""
     if stdin is not None and not stdin.isatty():
         try:
-            piped = stdin.read()
+            piped = _valid_text(stdin.read(), "stdin")  # surrogates: a surrogateescape stdin
         except UnicodeDecodeError as exc:
             raise UsageError(f"stdin is not UTF-8 text ({exc.reason})") from exc
     return "\n\n".join(part for part in (piped.strip(), argument.strip()) if part)
+
+
+@contextmanager
+def open_prompt_file(name: str) -> Iterator[TextIO]:
+    """The --file `name` to read prompts from: stdin for "-", else a regular file (a FIFO
+    or a device is a usage error, never opened in a way that could wait), closed after."""
+    if name == "-":
+        yield sys.stdin
+        return
+    try:
+        raw = open_regular(Path(name).expanduser())
+    except OSError as exc:
+        reason = str(exc) if isinstance(exc, NotARegularFileError) else f"{name}: {exc.strerror}"
+        raise UsageError(f"cannot read the prompt file: {reason}") from None
+    with io.TextIOWrapper(raw, encoding="utf-8") as file:
+        yield file
 
 
 def read_prompt_file(file: TextIO) -> list[FilePrompt]:
@@ -70,7 +95,7 @@ def read_prompt_file(file: TextIO) -> list[FilePrompt]:
     UTF-8 is a usage error naming it, as non-UTF-8 stdin is."""
     name = "stdin" if file.name in ("-", "<stdin>") else f"the prompt file {file.name}"
     try:
-        text = file.read()
+        text = _valid_text(file.read(), name)
     except UnicodeDecodeError as exc:
         raise UsageError(f"{name} is not UTF-8 text ({exc.reason})") from exc
     return parse_prompt_file(text)
@@ -248,7 +273,35 @@ def _run_turn(options: AskOptions, settings: Settings, make_engine: EngineFactor
                             if chat is not None else None)
             session = ChatSession(system_prompt=system, conversation=conversation)
         meta = {"model": config.model, "chat_id": session.chat_id}
-        return _answer(client, [Answer(0, session, user_text, params, meta)], options, load_s)
+        answer = Answer(0, session, user_text, params, meta)
+        code = _answer(client, [answer], options, load_s)
+        if session.unsaved is not None:
+            say(f"Error: {unsaved_reply_line(answer, session.unsaved)}")
+            return code or 1
+        return code
+
+
+def unsaved_reply_line(answer: Answer, error: Exception) -> str:
+    """Keep a reply the store refused (a full disk) in a recovery file in the cache dir (often
+    another file system; the chat store's own directory is full), the prompt with it; the
+    line that says why it is not in the chat and where it is."""
+    from paged_chat.engine.errors import describe_error
+    from paged_chat.settings import cache_dir
+
+    turn = answer.turn
+    text = (f"# Unsaved turn of chat {answer.session.chat_id} ({answer.session.title})\n\n"
+            f"## User\n\n{turn.user_text}\n\n## Assistant\n\n{turn.text}\n")
+    why = f"the reply was not saved to the chat ({describe_error(error)})"
+    try:
+        folder = cache_dir() / UNSAVED_DIR
+        folder.mkdir(mode=0o700, exist_ok=True)
+        path = folder / f"{answer.session.chat_id}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.md"
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w",
+                  encoding="utf-8") as file:
+            file.write(text)
+    except OSError as exc:
+        return f"{why}, nor to a recovery file ({exc.strerror}): it is only in the output above"
+    return f"{why}: it is kept in {path}"
 
 
 def _run_batch(options: AskOptions, settings: Settings, make_engine: EngineFactory) -> int:
@@ -270,11 +323,13 @@ def _run_batch(options: AskOptions, settings: Settings, make_engine: EngineFacto
 def _answer(client: EngineClient, answers: list[Answer], options: AskOptions, load_s: float) -> int:
     """Stream every answer through the engine together; the exit status."""
     output = OrderedOutput(len(answers), options.json, sys.stdout)
+    signals = ReceivedSignals()
     try:
         signals = asyncio.run(_stream_all(client, answers, output, load_s))
         stats = client.stats()
     finally:
-        client.shutdown()
+        if not signals.overdue:  # else the engine is stuck in a step: the CLI exits past it
+            client.shutdown()
     if options.stats:
         _print_stats(answers, load_s, stats.num_preemptions, client.info.weights)
         if stats.blocks_freed_by_window:
@@ -286,7 +341,7 @@ def _answer(client: EngineClient, answers: list[Answer], options: AskOptions, lo
 
 
 async def _stream_all(client: EngineClient, answers: list[Answer], output: OrderedOutput,
-                      load_s: float) -> list[int]:
+                      load_s: float) -> ReceivedSignals:
     """Run the answers' turns at once; the stop signals received meanwhile."""
 
     async def answer_one(answer: Answer) -> None:

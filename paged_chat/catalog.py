@@ -13,6 +13,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from paged_chat.engine.regular_files import read_regular
+
+# A model's config.json is a few KiB.
+_MAX_CONFIG_JSON_BYTES = 1 << 20
+
 _SAFETENSORS_SUFFIX = ".safetensors"
 # A real header (the vocabulary included) is a few MB; more is not read.
 _GGUF_HEADER_BYTES = 64 << 20
@@ -145,7 +150,8 @@ def _gguf_summary(path: Path) -> tuple[str, str]:
 
 def _model_type(config_file: Path) -> str:
     try:
-        return str(json.loads(config_file.read_text(encoding="utf-8")).get("model_type", "unknown"))
+        text = read_regular(config_file, _MAX_CONFIG_JSON_BYTES).decode("utf-8")
+        return str(json.loads(text).get("model_type", "unknown"))
     except (OSError, ValueError, AttributeError):
         return "unreadable"
 

@@ -145,6 +145,10 @@ class ChatSession:
         self._turn_base: Conversation | None = None   # the conversation before the last turn
         self._turns = 0
         self._save_failed = False   # this turn's store trouble was reported (once a turn)
+        # Why the reply is not in the store as it stands (its last save failed: a full disk,
+        # a read-only store); None when its last save succeeded. After a turn, non-None
+        # means the front end holds the only copy of the reply.
+        self.unsaved: Exception | None = None
         self._loaded = loaded
         self._last_message_id = chat.messages[-1].id if chat is not None and chat.messages else 0
 
@@ -261,6 +265,7 @@ class ChatSession:
         self._turn_base = base
         self._client = client
         self._save_failed = False
+        self.unsaved = None
         saved_at = time.monotonic()
         try:
             async with aclosing(client.stream(prompt_ids, params, request_id=request_id,
@@ -313,7 +318,9 @@ class ChatSession:
             self.store.update_message(self._reply_id, turn.text, turn.token_ids,
                                       turn.finish_reason if final else None,
                                       timings if final else None)
+            self.unsaved = None
         except (StoreError, sqlite3.Error) as error:
+            self.unsaved = error
             if not self._save_failed:
                 self._save_failed = True
                 self.on_warning(f"the reply could not be saved ({error})"

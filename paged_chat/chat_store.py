@@ -59,6 +59,10 @@ from paged_chat.settings import data_dir, make_private
 
 ROLES = ("system", "user", "assistant")
 INTERRUPTED = "interrupted"
+# A search looks for at most this many different words: each is a subquery, and SQLite's
+# expression tree has a depth limit (2,000 words fail), while a few dozen words already
+# name one chat.
+MAX_SEARCH_WORDS = 64
 
 
 
@@ -125,6 +129,19 @@ _CHAT_HOLDS = ("(rowid IN (SELECT rowid FROM chat_search WHERE chat_search MATCH
 
 class StoreError(PagedChatError):
     """The chat store cannot be opened or written (newer schema, unwritable file)."""
+
+
+class StoreWriteError(StoreError):
+    """SQLite could not write to the store (an I/O error, a file system gone read-only):
+    nothing of that write was kept. `path` is the store's file."""
+
+    def __init__(self, message: str, path: Path) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class StoreFullError(StoreWriteError):
+    """The disk (or quota) holding the store is full: nothing of that write was kept."""
 
 
 class ChatNotFound(StoreError, KeyError):
@@ -227,7 +244,8 @@ class ChatStore:
         """The chats that hold every word of `text` in their title or messages (as a word
         or the start of one, case and accents ignored), most recently updated first,
         without messages. Each word is quoted, so FTS5's syntax characters are searched
-        for as text, never parsed."""
+        for as text, never parsed; a word given twice is searched once, and only the first
+        MAX_SEARCH_WORDS different words are searched."""
         terms = _search_terms(text)
         if not terms:
             return []
@@ -371,13 +389,27 @@ class ChatStore:
             raise StoreError(f"cannot save to the chat store {self.path}: it is read-only (no "
                              "write permission, or a read-only file system)")
         with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
             try:
-                yield self._conn
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            self._conn.execute("COMMIT")
+                self._conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+                try:
+                    yield self._conn
+                    self._conn.execute("COMMIT")
+                except BaseException:
+                    if self._conn.in_transaction:  # SQLite may have rolled back already
+                        self._conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.OperationalError as exc:
+                if not write:
+                    raise
+                raise self._write_error(exc) from exc
+
+    def _write_error(self, exc: sqlite3.OperationalError) -> StoreWriteError:
+        """The precise error for a write SQLite refused (the disk full, an I/O error)."""
+        name = getattr(exc, "sqlite_errorname", None)
+        if name == "SQLITE_FULL":
+            return StoreFullError(f"the disk holding the chat store {self.path} is full",
+                                  self.path)
+        return StoreWriteError(f"cannot write to the chat store {self.path}: {exc}", self.path)
 
     def _prepare_files(self) -> list[str]:
         """Check the path, create a missing database file private, and make existing ones
@@ -517,11 +549,21 @@ def _new_id() -> str:
     return uuid.uuid4().hex[:12]
 
 
+def search_words(text: str) -> list[str]:
+    """The words of `text` a search looks for, in order: each once (case ignored, as the
+    index ignores it), without those that hold no letter or digit (there is nothing in
+    them to find)."""
+    words: dict[str, str] = {}
+    for word in text.split():
+        if any(char.isalnum() for char in word):
+            words.setdefault(word.casefold(), word)
+    return list(words.values())
+
+
 def _search_terms(text: str) -> list[str]:
-    """Every word of `text` as a quoted FTS5 prefix query ("word"*); words without a
-    letter or digit are left out (there is nothing in them to find)."""
-    return ['"' + word.replace('"', '""') + '"*' for word in text.split()
-            if any(char.isalnum() for char in word)]
+    """The first MAX_SEARCH_WORDS search words of `text`, each a quoted FTS5 prefix query
+    ("word"*)."""
+    return ['"' + word.replace('"', '""') + '"*' for word in search_words(text)[:MAX_SEARCH_WORDS]]
 
 
 def _chat(row: tuple) -> StoredChat:

@@ -15,30 +15,48 @@ anything a prompt or a model put in it, escape sequences included. Piped, it is 
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
-import sys
-import time
-import warnings
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
-from enum import Enum
-from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+import signal
 
-import click
-import typer
-from typer.core import TyperGroup
+# Ctrl+C while the modules below import (up to a second on a busy machine) would print a
+# KeyboardInterrupt traceback, before any command can catch it: until they are in, SIGINT
+# ends the process as its default action does (status 130, nothing printed). First of
+# all, before any other import; only the main thread may set a handler.
+_QUIET_INTERRUPT = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+try:
+    if _QUIET_INTERRUPT:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+except ValueError:  # imported on another thread
+    _QUIET_INTERRUPT = False
 
-from paged_chat.finish_labels import finish_label
-from paged_chat.settings import Settings, config_path, load_settings
-from paged_chat.text import sanitize_for_terminal
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import warnings  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
+from contextlib import ExitStack, contextmanager, suppress  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from enum import Enum  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING, Annotated, NoReturn  # noqa: E402
+
+import click  # noqa: E402
+import typer  # noqa: E402
+from typer.core import TyperGroup  # noqa: E402
+
+from paged_chat.finish_labels import finish_label  # noqa: E402
+from paged_chat.settings import Settings, config_path, load_settings  # noqa: E402
+from paged_chat.text import sanitize_for_terminal  # noqa: E402
+
+if _QUIET_INTERRUPT:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 if TYPE_CHECKING:
     from paged_chat.chat_store import ChatStore, StoredChat
     from paged_chat.engine import Engine, EngineClient, EngineConfig
+    from paged_chat.settings import TuiVocabulary
 
 def _without_flag_types(params: list[click.Parameter]) -> list[click.Parameter]:
     for param in params:
@@ -102,10 +120,12 @@ class CliState:
     engine_factory: Callable[[EngineConfig], Engine] | None = None
     _settings: Settings | None = None
 
-    def settings(self) -> Settings:
-        """config.toml (from --config, $PAGED_CHAT_CONFIG or the user config dir), read once."""
+    def settings(self, check_tui: bool = False) -> Settings:
+        """config.toml (from --config, $PAGED_CHAT_CONFIG or the user config dir), read once;
+        `check_tui` checks `[tui]` against the TUI's actions, themes and key names too (it
+        imports Textual: only the TUI and `config` pay for that)."""
         if self._settings is None:
-            self._settings = load_settings(self.config)
+            self._settings = load_settings(self.config, _tui_vocabulary() if check_tui else None)
         return self._settings
 
     def make_engine(self, config: EngineConfig) -> Engine:
@@ -128,6 +148,20 @@ class CliState:
         injected = self.make_engine if self.engine_factory is not None else None
         return make_client(client_spec(config, "process", make_engine=injected, leave_cores=1,
                                        on_progress=_load_progress()))
+
+
+def _tui_vocabulary() -> TuiVocabulary:
+    """The TUI's action names, its themes and the key names Textual binds."""
+    from textual.keys import KEY_NAME_REPLACEMENTS, KEY_TO_UNICODE_NAME, Keys
+    from textual.theme import BUILTIN_THEMES
+
+    from paged_chat.settings import TuiVocabulary
+    from paged_chat.tui.actions import ACTIONS
+
+    names = {key.value for key in Keys if key.value.isidentifier() or key.value.isalnum()}
+    names |= {name for name in (*KEY_TO_UNICODE_NAME, *KEY_NAME_REPLACEMENTS.values())}
+    return TuiVocabulary(actions=frozenset(action for action, *_ in ACTIONS),
+                         themes=frozenset(BUILTIN_THEMES), key_names=frozenset(names))
 
 
 def _load_progress() -> Callable[[str, int, int], None] | None:
@@ -225,7 +259,7 @@ def root(ctx: typer.Context,
     with _reported(ctx):
         from paged_chat.tui.app import run_app
 
-        settings = state.settings()
+        settings = state.settings(check_tui=True)
         if serve is not None and (server or settings.server.url):
             raise typer.BadParameter("--serve serves the local engine; it cannot with --server",
                                      param_hint="--serve")
@@ -265,8 +299,8 @@ def ask(ctx: typer.Context,
         chat: Annotated[str | None, typer.Option(
             "--chat", help="Continue this chat (an id or its first characters).")] = None,
         no_save: Annotated[bool, typer.Option("--no-save", help="Do not save this turn.")] = False,
-        file: Annotated[typer.FileText | None, typer.Option(
-            "--file", "-f", encoding="utf-8", metavar="<file>", help="Answer every prompt of this file at once (one per line, or JSONL "
+        file: Annotated[str | None, typer.Option(
+            "--file", "-f", metavar="<file>", help="Answer every prompt of this file at once (one per line, or JSONL "
                                  'with {"prompt": ...}); "-" reads stdin. Not saved.')] = None,
         server: Annotated[str | None, typer.Option(
             "--server", help="Ask this OpenAI-compatible server (URL) instead of the local engine; "
@@ -286,18 +320,20 @@ def ask(ctx: typer.Context,
 
         paged-chat ask --file prompts.txt --json
     """
-    from paged_chat.ask import check_text_options, run_ask
+    from paged_chat.ask import check_text_options, open_prompt_file, run_ask
     from paged_chat.plain_terminal import AskOptions
 
     state = _state(ctx)
     options = AskOptions(
         prompt=prompt if prompt and prompt.strip() else None, system=system, stats=stats,
-        json=json_output, continue_chat=continue_chat, chat_id=chat, save=not no_save, file=file,
+        json=json_output, continue_chat=continue_chat, chat_id=chat, save=not no_save,
         engine={"model": model, "device": device, "dtype": dtype},
         sampling={"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                   "top_k": top_k, "seed": seed})
-    with _reported(ctx):
+    with _reported(ctx), ExitStack() as cleanup:
         check_text_options(options)
+        if file is not None:
+            options.file = cleanup.enter_context(open_prompt_file(file))
         settings = state.settings()
         options.server = server or settings.server.url
         options.api_key = api_key or settings.server.api_key
@@ -409,7 +445,7 @@ def show_config(ctx: typer.Context,
         typer.echo(str(path))
         return
     with _reported(ctx):
-        settings = state.settings()
+        settings = state.settings(check_tui=True)
         store, cache = data_dir() / "chats.db", cache_dir()
     where = "" if settings.path is not None else " (not found: defaults)"
     typer.echo(f"# config: {path}{where}\n# chats:  {store}\n# cache:  {cache}\n")
@@ -504,12 +540,17 @@ def list_chats(ctx: typer.Context,
                                           "word of this text (or words starting with it).")] = None,
                ) -> None:
     """List saved chats, most recent first."""
+    from paged_chat.chat_store import MAX_SEARCH_WORDS, search_words
+
+    if search is not None and len(search_words(search)) > MAX_SEARCH_WORDS:
+        typer.echo(f"Warning: the search has {len(search_words(search)):,} different words: "
+                   f"the first {MAX_SEARCH_WORDS} are searched", err=True)
     with _open_store(ctx) as store:
         found = store.list_chats() if search is None else store.search_chats(search)
         rows = [[chat.id, _local_time(chat.updated), chat.model, chat.title] for chat in found]
     if not rows:
         typer.echo('no chats yet: `paged-chat ask "..."` starts one' if search is None
-                   else f"no chat holds {search!r}", err=True)
+                   else f"no chat holds {_shortened(search)!r}", err=True)
         return
     _print_table(["ID", "UPDATED", "MODEL", "TITLE"], rows)
 
@@ -611,6 +652,10 @@ def _echo_stored(text: str, nl: bool = True) -> None:
     typer.echo(sanitize_for_terminal(text) if sys.stdout.isatty() else text, nl=nl, color=True)
 
 
+def _shortened(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def _local_time(timestamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp))
 
@@ -624,5 +669,31 @@ def _print_table(header: list[str], rows: list[list[str]]) -> None:
         typer.echo("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip(), color=True)
 
 
-def main() -> None:
-    app(prog_name="paged-chat")
+def main() -> NoReturn:
+    """The console script: run the command, then end the process with its status."""
+    try:
+        app(prog_name="paged-chat")
+        code: int | str | None = 0
+    except SystemExit as done:
+        code = done.code
+    _end_process(code)
+
+
+def _end_process(code: int | str | None) -> NoReturn:
+    """Exit with `code`. An engine thread still alive here is in native code that does not
+    return in time: a model load that Ctrl+C cut short goes on on its thread, or a step is
+    stuck. Finalizing the interpreter under it kills the process: CPython ends a daemon
+    thread that takes the GIL during finalization with pthread_exit, whose unwinding through
+    torch's C++ frames calls std::terminate ("terminate called without an active
+    exception", status 134), and torch's atexit hooks run while it still uses torch (a
+    traceback). So then, and only then, the process ends at once, once its output is
+    flushed; every store was closed on the way here."""
+    transport = sys.modules.get("paged_chat.engine.clients.thread_transport")
+    engine_name = getattr(transport, "ENGINE_THREAD_NAME", None)
+    if engine_name and any(thread.name == engine_name and thread.is_alive()
+                           for thread in threading.enumerate()):
+        for stream in (sys.stdout, sys.stderr):
+            with suppress(OSError, ValueError):
+                stream.flush()
+        os._exit(code if isinstance(code, int) else 0 if code is None else 1)
+    sys.exit(code)

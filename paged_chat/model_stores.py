@@ -3,7 +3,8 @@
 `--model ollama:NAME[:TAG]` and `--model lmstudio:PUBLISHER/REPO[/FILE]` name them; this
 module turns such a spec into the GGUF file's path before an EngineConfig is built, so
 the engine only ever sees a path (it never imports this module). The files are read in
-place, never copied or written.
+place, never copied or written; what is not a regular file (a FIFO, a device) is a note,
+never opened in a way that could block.
 
 Ollama (`$OLLAMA_MODELS`, else `~/.ollama/models`): a model is a JSON manifest at
 `manifests/HOST/NAMESPACE/NAME/TAG`; its layer with media type
@@ -30,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paged_chat.engine.errors import ModelLoadError
+from paged_chat.engine.regular_files import NotARegularFileError, open_regular, read_regular
 
 OLLAMA = "ollama:"
 LMSTUDIO = "lmstudio:"
@@ -40,6 +42,8 @@ DEFAULT_TAG = "latest"
 
 _DIGEST = re.compile(r"sha256[:-]([0-9a-f]{64})")
 _NAME_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+# An Ollama manifest is a few hundred bytes of JSON.
+_MAX_MANIFEST_BYTES = 1 << 20
 
 
 class ModelStoreError(ModelLoadError):
@@ -90,7 +94,7 @@ def resolve_ollama(name: str) -> Path:
                               "ollama:NAME[:TAG], e.g. ollama:llama3.2 or ollama:qwen2.5:0.5b")
     folder = root.joinpath("manifests", *[OLLAMA_REGISTRY, OLLAMA_LIBRARY][:3 - len(parts)], *parts)
     spec = f"{OLLAMA}{repository}:{tag}"
-    if not (folder / tag).is_file():
+    if not (folder / tag).exists():
         tags = sorted(path.name for path in folder.iterdir()) if folder.is_dir() else []
         have = f" (it has {', '.join(tags)})" if tags else ""
         raise ModelStoreError(f"no Ollama model {spec} in {root}{have}: `ollama pull` it, or "
@@ -101,17 +105,23 @@ def resolve_ollama(name: str) -> Path:
 def _ollama_blob(root: Path, manifest: Path, spec: str) -> Path:
     """The model layer's blob that `manifest` names, checked to exist."""
     try:
-        layers = json.loads(manifest.read_text(encoding="utf-8")).get("layers")
+        layers = json.loads(read_regular(manifest, _MAX_MANIFEST_BYTES).decode("utf-8")).get("layers")
         digests = [layer.get("digest") for layer in layers
                    if layer.get("mediaType") == OLLAMA_MODEL_LAYER]
+    except NotARegularFileError as exc:
+        raise ModelStoreError(f"the manifest of {spec} ({manifest}) is {exc.strerror}") from None
     except (OSError, UnicodeDecodeError, ValueError, RecursionError, AttributeError, TypeError) as exc:
         raise ModelStoreError(f"the manifest of {spec} ({manifest}) is unreadable: {exc}") from None
     if len(digests) != 1 or not isinstance(digests[0], str) or not _DIGEST.fullmatch(digests[0]):
         raise ModelStoreError(f"the manifest of {spec} ({manifest}) names no model blob "
                               f"(one layer of type {OLLAMA_MODEL_LAYER} with a sha256 digest)")
     blob = root / "blobs" / f"sha256-{_DIGEST.fullmatch(digests[0]).group(1)}"
-    if not blob.is_file():
-        raise ModelStoreError(f"the model blob of {spec} is missing: {blob} (`ollama pull` it again)")
+    try:
+        open_regular(blob).close()
+    except NotARegularFileError as exc:
+        raise ModelStoreError(f"the model blob of {spec} ({blob}) is {exc.strerror}") from None
+    except OSError:
+        raise ModelStoreError(f"the model blob of {spec} is missing: {blob} (`ollama pull` it again)") from None
     return blob
 
 

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 EngineFactory = Callable[["EngineConfig"], "Engine"]
 
 STOP_SIGNALS = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
+# How long replies get to end after a stop signal (one step, on any machine) before they
+# are cancelled without the engine.
+STOP_GRACE_S = 3.0
 
 
 class UsageError(ValueError):
@@ -124,19 +127,34 @@ def turn_stats_line(turn: Turn, load_s: float) -> str:
             f"{timings['tokens_per_s']:.1f} tokens/s, model loaded in {load_s:.1f} s")
 
 
+class ReceivedSignals(list[int]):
+    """The stop signals received, in order; `overdue` once the replies did not end within
+    STOP_GRACE_S of the first (the engine is stuck in a step: waiting on it is pointless)."""
+
+    overdue: bool = False
+
+
 @contextmanager
-def stop_signals(stop: Callable[[], None]) -> Iterator[list[int]]:
+def stop_signals(stop: Callable[[], None]) -> Iterator[ReceivedSignals]:
     """While inside, Ctrl+C, SIGTERM and SIGHUP call `stop` (the replies end between steps,
-    their partial text kept); a second one cancels the running task at once. Yields the
-    signals received. Outside the main thread signals cannot be caught: they act as usual."""
+    their partial text kept); a second one, or STOP_GRACE_S without the replies ending,
+    cancels the running task at once, so a signal ends the process whatever the engine is
+    blocked on. Yields the signals received. Outside the main thread signals cannot be
+    caught: they act as usual."""
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
-    received: list[int] = []
+    received = ReceivedSignals()
+    overdue: list[asyncio.TimerHandle] = []
+
+    def give_up() -> None:
+        received.overdue = True
+        task.cancel()
 
     def on_signal(signum: int) -> None:
         received.append(signum)
         if len(received) == 1:
             stop()
+            overdue.append(loop.call_later(STOP_GRACE_S, give_up))
         else:
             task.cancel()
 
@@ -150,6 +168,8 @@ def stop_signals(stop: Callable[[], None]) -> Iterator[list[int]]:
     try:
         yield received
     finally:
+        for handle in overdue:
+            handle.cancel()
         for signum in installed:
             loop.remove_signal_handler(signum)
 

@@ -32,6 +32,7 @@ import re
 import stat
 import tomllib
 import typing
+import urllib.parse
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,9 +41,12 @@ from typing import Any
 import platformdirs
 
 from paged_chat.engine.config import EngineConfig
+from paged_chat.engine.regular_files import NotARegularFileError, read_regular
 from paged_chat.engine.request import SamplingParams
 
 APP_NAME = "paged-chat"
+# A config file is a few hundred bytes; anything near this is not one (or is /dev/zero).
+MAX_CONFIG_BYTES = 1 << 20
 
 
 def _ensure(path: Path, variable: str, mode: int = 0o777) -> Path:
@@ -172,6 +176,21 @@ class TuiSettings:
     keys: dict[str, str] = field(default_factory=dict)
 
 
+@dataclass(slots=True, frozen=True)
+class TuiVocabulary:
+    """What the TUI knows, to check `[tui]` against before it starts (settings never imports
+    the TUI: its front end passes this in): its action names, its themes, and the key names
+    a binding may use besides a single character (e.g. "f1", "pagedown", "question_mark")."""
+
+    actions: frozenset[str]
+    themes: frozenset[str]
+    key_names: frozenset[str]
+
+
+# The modifiers a `[tui.keys]` key may have, as in "ctrl+shift+up".
+KEY_MODIFIERS = ("ctrl", "shift", "alt", "meta", "super", "hyper")
+
+
 @dataclass(slots=True)
 class ServerSettings:
     """`[server]`: an OpenAI-compatible server to use instead of the in-process engine
@@ -234,24 +253,30 @@ class Settings:
         return "\n".join(lines) + "\n"
 
 
-def load_settings(path: Path | None = None) -> Settings:
+def load_settings(path: Path | None = None, tui: TuiVocabulary | None = None) -> Settings:
     """Read config.toml (`path`, or `config_path()`); a missing file means defaults.
 
-    Raises SettingsError for an unreadable file, a TOML syntax error (its message has the
-    line and column), an unknown table or key, or a value of the wrong type or range.
+    Raises SettingsError for an unreadable file (what is not a regular file, or more than
+    MAX_CONFIG_BYTES, is refused unread), a TOML syntax error (its message has the line and
+    column), an unknown table or key, or a value of the wrong type or range. With `tui`,
+    `[tui]`'s theme and `[tui.keys]` are checked against what the TUI knows too.
     """
     path = path or config_path()
     try:
-        text = path.read_bytes().decode("utf-8-sig")  # a BOM (Notepad writes one) is fine
+        text = read_regular(path, MAX_CONFIG_BYTES).decode("utf-8-sig")  # a BOM (Notepad's) is fine
     except FileNotFoundError:
         return Settings()
+    except NotARegularFileError as exc:
+        raise SettingsError(f"cannot read the config file: {exc}") from exc
     except (OSError, UnicodeDecodeError) as exc:
         raise SettingsError(f"{path}: cannot read the config file ({exc})") from exc
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"{path}: invalid TOML: {exc}") from exc
-    return _Loader(path, text).settings(data)
+    except RecursionError:
+        raise SettingsError(f"{path}: invalid TOML: its arrays or tables nest too deeply") from None
+    return _Loader(path, text, tui).settings(data)
 
 
 _SECTIONS = {"engine": EngineSettings, "chat": ChatSettings, "tui": TuiSettings,
@@ -261,9 +286,10 @@ _SECTIONS = {"engine": EngineSettings, "chat": ChatSettings, "tui": TuiSettings,
 class _Loader:
     """Checks parsed TOML against the settings dataclasses, locating errors in the text."""
 
-    def __init__(self, path: Path, text: str) -> None:
+    def __init__(self, path: Path, text: str, tui: TuiVocabulary | None = None) -> None:
         self.path = path
         self.lines = text.splitlines()
+        self.tui = tui
 
     def settings(self, data: dict[str, Any]) -> Settings:
         self._known(data, _SECTIONS, table=None)
@@ -271,6 +297,8 @@ class _Loader:
                     for name, cls in _SECTIONS.items()}
         settings = Settings(**sections, path=self.path)
         self._check_with_engine(settings)
+        self._check_server_url(settings.server.url)
+        self._check_theme(settings.tui.theme)
         return settings
 
     def _section(self, table: str, cls: type, data: Any) -> Any:
@@ -292,9 +320,15 @@ class _Loader:
         if not isinstance(data, dict):
             raise self._error("tui", "keys", "tui.keys must be a table: write [tui.keys]")
         for action, key in data.items():
-            if not isinstance(key, str) or not key.strip():
+            if self.tui is not None and action not in self.tui.actions:
+                near = difflib.get_close_matches(action, list(self.tui.actions), n=1)
+                hint = f"did you mean {near[0]!r}? " if near else ""
+                raise self._error("tui.keys", action, f"unknown action {_dotted('tui.keys', action)!r}: "
+                                                      f"{hint}actions: {', '.join(sorted(self.tui.actions))}")
+            problem = self._key_problem(key)
+            if problem:
                 raise self._error("tui.keys", action, f"tui.keys.{action} = {_toml_value(key)} is "
-                                                      "invalid: expected a key like \"ctrl+n\"")
+                                                      f"invalid: {problem}")
         return dict(data)
 
     def _origins(self, data: Any) -> list[str]:
@@ -308,6 +342,45 @@ class _Loader:
             return [normalize_origin(origin) for origin in data]
         except OriginError as exc:
             raise self._error("server", "allowed_origins", f"server.allowed_origins: {exc}") from exc
+
+    def _key_problem(self, keys: Any) -> str | None:
+        """What is wrong with a `[tui.keys]` value ("ctrl+n", or several: "f2,ctrl+e"), None
+        when nothing is. Modifiers are always checked, key names only against the TUI's."""
+        expected = 'expected a key like "ctrl+n" (several: "f2,ctrl+e")'
+        if not isinstance(keys, str) or not keys.strip():
+            return expected
+        for key in keys.split(","):
+            *modifiers, name = key.strip().split("+")
+            unknown = [modifier for modifier in modifiers if modifier not in KEY_MODIFIERS]
+            if unknown:
+                return (f"{unknown[0]!r} is not a modifier (modifiers: {', '.join(KEY_MODIFIERS)}); "
+                        f"{expected}")
+            if len(set(modifiers)) < len(modifiers):
+                return f"{key.strip()!r} repeats a modifier; {expected}"
+            known_name = len(name) == 1 and name.isprintable() and not name.isspace()
+            if not known_name and (not name or self.tui is not None and name not in self.tui.key_names):
+                return f"{name!r} is not a key name; {expected}"
+        return None
+
+    def _check_theme(self, theme: str) -> None:
+        if self.tui is not None and theme not in self.tui.themes:
+            raise self._error("tui", "theme", f"tui.theme = {_toml_value(theme)} is invalid: no "
+                                              f"such theme; themes: {', '.join(sorted(self.tui.themes))}")
+
+    def _check_server_url(self, url: str | None) -> None:
+        """`[server] url` must be an http(s) URL with a host (and a port that is a number)."""
+        if url is None:
+            return
+        try:
+            parts = urllib.parse.urlsplit(url)
+            parts.port  # noqa: B018 -- parsing the port raises for one that is not a number
+            problem = None if parts.scheme in ("http", "https") and parts.hostname else (
+                "expected an http:// or https:// URL with a host")
+        except ValueError as exc:
+            problem = str(exc)
+        if problem:
+            raise self._error("server", "url", f"server.url = {_toml_value(url)} is invalid: "
+                                               f"{problem}, e.g. \"http://127.0.0.1:8000/v1\"")
 
     def _typed(self, table: str, key: str, value: Any, hint: Any) -> Any:
         """The value if it fits the field's type (an int is a fine float), else an error."""

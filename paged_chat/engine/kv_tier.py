@@ -13,8 +13,8 @@ KV depends on (the model's weights, the dtype, the block size, the cache layout)
   a bad checksum is deleted, never loaded. An entry is sized by its header, not its
   st_size (a sparse file claims any size it likes).
 - Only regular files are entries, and no link is followed: the directory is opened with
-  O_NOFOLLOW and every entry relative to it, with O_NOFOLLOW | O_NONBLOCK (a FIFO opens at
-  once and is refused by its fstat). What is not a regular file is skipped and counted,
+  O_NOFOLLOW and every entry relative to it through `regular_files.open_regular` (no link
+  followed, and a FIFO opens at once and is refused by its fstat). What is not a regular file is skipped and counted,
   never deleted, and never turns the tier off.
 - Only finite KV is stored: a block with a NaN or inf (a forward that overflowed) is
   dropped before it is written; `drop` forgets blocks whose KV led a request to fail.
@@ -54,6 +54,7 @@ import torch
 
 from paged_chat.engine.config import EngineConfig
 from paged_chat.engine.errors import KVTierWarning
+from paged_chat.engine.regular_files import NotARegularFileError, open_regular
 from paged_chat.engine.stats import KVTierStats
 
 TIER_DIR = "kv-tier"
@@ -70,8 +71,6 @@ _MAX_PENDING_BYTES = 256 * 2**20
 # A temp file older than this belongs to a process that died mid-write.
 _STALE_TEMP_S = 600.0
 _DEFAULT_CUDA_HOST_BYTES = 2 * 2**30
-# Every entry is opened so: a link is never followed, a FIFO never blocks the open.
-_OPEN_ENTRY = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
 
 
 def model_fingerprint(weights: dict[str, torch.Tensor]) -> bytes:
@@ -254,16 +253,12 @@ class DiskTier:
             self.index.move_to_end(name)
         data = bytearray(self.layout.entry_nbytes + 1)  # one byte more tells a longer file
         try:
-            fd = os.open(name, _OPEN_ENTRY, dir_fd=self._dir_fd)
-        except OSError as error:  # evicted by another process, the directory gone, or a link
-            self.entries_skipped += error.errno == errno.ELOOP
+            file = open_regular(name, dir_fd=self._dir_fd, follow_links=False)
+        except OSError as error:  # evicted by another process, the directory gone, a link, a FIFO
+            self.entries_skipped += isinstance(error, NotARegularFileError)
             self._forget(name)
             return None
-        with open(fd, "rb") as file:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                self.entries_skipped += 1
-                self._forget(name)
-                return None
+        with file:
             try:
                 del data[file.readinto(data):]
             except OSError:
@@ -272,7 +267,7 @@ class DiskTier:
             kv = self.layout.decode(block_hash, data)
             if kv is not None:
                 with contextlib.suppress(OSError):  # a read-only directory keeps what it has
-                    os.utime(fd)  # the recency the next process's scan sees
+                    os.utime(file.fileno())  # the recency the next process's scan sees
         if kv is None:
             self.entries_rejected += 1
             self._forget(name)
@@ -359,7 +354,7 @@ class DiskTier:
         """The size an entry's header declares (any layout's), None when it has no header
         or is not that size."""
         try:
-            with open(os.open(name, _OPEN_ENTRY, dir_fd=self._dir_fd), "rb") as file:
+            with open_regular(name, dir_fd=self._dir_fd, follow_links=False) as file:
                 header = file.read(_HEADER.size)
         except OSError:     # gone meanwhile, or unreadable
             return None

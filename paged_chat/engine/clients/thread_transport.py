@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 EngineBuilder = Callable[[], Engine]
+# The engine thread's name: a front end that exits while it still runs (a load cut short
+# by Ctrl+C goes on there) must end the process without finalizing under it.
+ENGINE_THREAD_NAME = "paged-chat-engine"
 
 
 class ThreadTransport:
@@ -99,9 +102,13 @@ class ThreadTransport:
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(engine, built),
-                                        name="paged-chat-engine", daemon=True)
+                                        name=ENGINE_THREAD_NAME, daemon=True)
         self._thread.start()
-        built.result()  # the builder's error, if any, is raised here
+        try:
+            built.result()  # the builder's error, if any, is raised here
+        except BaseException:  # Ctrl+C while it builds: the engine it finishes stops at once
+            self._commands.put(Shutdown("the engine was not wanted any more"))
+            raise
 
     # ---- the engine thread ----------------------------------------------------------
 

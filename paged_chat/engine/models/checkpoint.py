@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from paged_chat.engine.errors import ModelLoadError
+from paged_chat.engine.regular_files import open_regular
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -43,7 +44,7 @@ class StoredTensor:
 
 def read_exact(file: Path, offset: int, out: memoryview) -> None:
     """Fill `out` with the bytes of `file` from `offset` (a short file is a ModelLoadError)."""
-    with open(file, "rb", buffering=0) as f:
+    with open_regular(file, buffered=False) as f:
         f.seek(offset)
         filled = 0
         while filled < len(out):
@@ -65,7 +66,7 @@ class SafetensorsFile:
     def __init__(self, file: Path) -> None:
         self.file = file
         size = file.stat().st_size
-        with open(file, "rb") as f:
+        with open_regular(file) as f:
             prefix = f.read(8)
             (header_len,) = struct.unpack("<Q", prefix) if len(prefix) == 8 else (size,)
             if header_len > min(size - 8, _MAX_HEADER_BYTES):

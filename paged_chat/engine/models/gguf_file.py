@@ -30,6 +30,7 @@ from paged_chat.engine.models.model_config import SUPPORTED_ARCHITECTURES
 from paged_chat.engine.models.quant import BLOCK_FORMATS
 from paged_chat.engine.models.quant.layout import QuantizedWeight
 from paged_chat.engine.models.tensor_names import gguf_to_hf_name
+from paged_chat.engine.regular_files import open_regular
 
 # GGUF architecture -> HF model_type. llama.cpp stores Mistral models as "llama".
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -362,7 +363,7 @@ def _header_digest(path: Path, data_offset: int) -> str:
     """sha256 of everything before the tensor data (metadata and tensor infos: small) and
     of the data's size."""
     digest = hashlib.sha256()
-    with path.open("rb") as f:
+    with open_regular(path) as f:
         digest.update(f.read(data_offset))
     digest.update(str(path.stat().st_size - data_offset).encode())
     return digest.hexdigest()

@@ -20,6 +20,7 @@ from typing import Any
 import gguf
 
 from paged_chat.engine.errors import ModelLoadError
+from paged_chat.engine.regular_files import open_regular
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
@@ -121,7 +122,7 @@ def read_gguf_header(path: Path, max_bytes: int | None = None) -> GGUFHeader:
     """Parse the header of `path`, reading at most `max_bytes` of it (None: whole file),
     checking every count against the bytes present; ModelLoadError if it is not sound."""
     try:
-        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        with open_regular(path) as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
             size = len(mapped)
             view = memoryview(mapped)[:max_bytes] if max_bytes is not None else memoryview(mapped)
             try:

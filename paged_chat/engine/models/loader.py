@@ -44,6 +44,7 @@ from paged_chat.engine.models.weight_cache import (
     combine_checksums,
     entry_tensors,
 )
+from paged_chat.engine.regular_files import open_regular
 
 # on_progress(stage, done, total): called as a slow load advances (one call per tensor).
 ProgressHook = Callable[[str, int, int], None]
@@ -276,7 +277,7 @@ def _resolve(spec: str) -> tuple[str, Path]:
 def _has_gguf_magic(path: Path) -> bool:
     """A GGUF file by its first bytes, whatever its name (Ollama names its blobs by digest)."""
     try:
-        with path.open("rb") as file:
+        with open_regular(path) as file:
             return file.read(len(_GGUF_MAGIC)) == _GGUF_MAGIC
     except OSError:
         return False
@@ -309,7 +310,8 @@ def _first_line(exc: BaseException) -> str:
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        with open_regular(path) as file:
+            return json.loads(file.read().decode("utf-8"))
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path} is not readable JSON ({exc}): download it again") from exc
 
