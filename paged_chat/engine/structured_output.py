@@ -65,11 +65,10 @@ class StructuredOutputManager:
             return compiled
         kind, value = spec
         try:
-            if kind == "json_schema":
+            if kind in ("json_schema", "json_object"):  # an object, as OpenAI's json_object
                 # compact separators: a small model given free whitespace may emit it forever
-                compiled = self._compiler.compile_json_schema(value, any_whitespace=False)
-            elif kind == "json_object":
-                compiled = self._compiler.compile_builtin_json_grammar()
+                compiled = self._compiler.compile_json_schema(value or '{"type": "object"}',
+                                                              any_whitespace=False)
             elif kind == "regex":
                 compiled = self._compiler.compile_regex(value)
             else:
