@@ -273,6 +273,11 @@ def ask(ctx: typer.Context,
                              "--model then names a local copy of its tokenizer.")] = None,
         api_key: Annotated[str | None, typer.Option(
             "--api-key", envvar="PAGED_CHAT_API_KEY", help="The --server's API key.")] = None,
+        json_schema: Annotated[typer.FileText | None, typer.Option(
+            "--json-schema", encoding="utf-8", metavar="<file>",
+            help="Answer with JSON that this JSON schema (a file) accepts.")] = None,
+        choice: Annotated[str | None, typer.Option(
+            "--choice", metavar="a,b,c", help="Answer with exactly one of these strings.")] = None,
         ) -> None:
     """Answer a prompt, streaming the reply to stdout. Saved as a chat unless --no-save.
 
@@ -285,8 +290,10 @@ def ask(ctx: typer.Context,
         paged-chat ask -c "And in one sentence?"
 
         paged-chat ask --file prompts.txt --json
+
+        paged-chat ask --json-schema person.json "Describe a baker"
     """
-    from paged_chat.ask import check_text_options, run_ask
+    from paged_chat.ask import check_text_options, run_ask, structured_output_options
     from paged_chat.plain_terminal import AskOptions
 
     state = _state(ctx)
@@ -298,6 +305,7 @@ def ask(ctx: typer.Context,
                   "top_k": top_k, "seed": seed})
     with _reported(ctx):
         check_text_options(options)
+        options.sampling |= structured_output_options(json_schema, choice)
         settings = state.settings()
         options.server = server or settings.server.url
         options.api_key = api_key or settings.server.api_key
