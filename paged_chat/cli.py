@@ -368,10 +368,12 @@ def serve(ctx: typer.Context,
         from paged_chat.server import ApiServer, check_bind
 
         check_bind(host, api_key)
-        config = state.settings().engine_config(model=model)
+        settings = state.settings()
+        config = settings.engine_config(model=model)
         client = state.server_engine(config)
         try:
-            server = ApiServer(client, host, port, api_key, model_names=[config.model])
+            server = ApiServer(client, host, port, api_key, model_names=[config.model],
+                               defaults=settings.request_defaults())
             typer.echo(f"serving {client.info.name} on {server.url}/v1 (Ctrl+C stops)", err=True)
             asyncio.run(server.serve())
         finally:

@@ -41,11 +41,14 @@ Parsed = TypeVar("Parsed", bound=BaseModel)
 
 
 def build_app(client: EngineClient, model_names: Sequence[str] = (), api_key: str | None = None,
-              max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+              max_body_bytes: int = MAX_BODY_BYTES, defaults: dict[str, Any] | None = None
+              ) -> FastAPI:
     """The API for `client`'s model; requests may name it by its own name or by any of
-    `model_names` (e.g. the spec it was loaded from)."""
+    `model_names` (e.g. the spec it was loaded from). `defaults` are the sampling values a
+    request that omits them gets (`serve`: the `[chat]` settings, as `ask`'s), listed per
+    model in /v1/models as `sampling_defaults`."""
     names = list(dict.fromkeys([client.info.name, *model_names]))
-    serving = OpenAIServing(client, names)
+    serving = OpenAIServing(client, names, defaults)
     registry = metrics_registry(client, serving.model)
     expected = f"Bearer {api_key}".encode() if api_key else None
 
@@ -74,7 +77,8 @@ def build_app(client: EngineClient, model_names: Sequence[str] = (), api_key: st
         info = client.info
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "paged-chat",
-             "root": info.name, "max_model_len": info.max_model_len} for name in names]}
+             "root": info.name, "max_model_len": info.max_model_len,
+             "sampling_defaults": serving.defaults} for name in names]}
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:

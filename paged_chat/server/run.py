@@ -11,6 +11,7 @@ import contextlib
 import ipaddress
 import socket
 from collections.abc import Sequence
+from typing import Any
 
 import uvicorn
 
@@ -54,9 +55,10 @@ class ApiServer:
 
     def __init__(self, client: EngineClient, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
                  api_key: str | None = None, model_names: Sequence[str] = (),
-                 embedded: bool = False) -> None:
+                 embedded: bool = False, defaults: dict[str, Any] | None = None) -> None:
+        """`defaults`: the sampling values requests that omit them get (build_app)."""
         check_bind(host, api_key)
-        app = build_app(client, model_names, api_key)
+        app = build_app(client, model_names, api_key, defaults=defaults)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5)
         self.server = (_EmbeddedServer if embedded else uvicorn.Server)(config)
