@@ -353,7 +353,8 @@ def serve(ctx: typer.Context,
               help="Require `Authorization: Bearer KEY` on every request.")] = None,
           ) -> None:
     """Serve the engine as an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
-    /v1/models, /health, /metrics) until Ctrl+C.
+    /v1/models, /health, /metrics) until Ctrl+C. Sampling fields a request omits take the
+    model's generation_config.json values, else [chat]'s (listed in /v1/models).
 
     Example:
 
@@ -373,7 +374,7 @@ def serve(ctx: typer.Context,
         client = state.server_engine(config)
         try:
             server = ApiServer(client, host, port, api_key, model_names=[config.model],
-                               defaults=settings.request_defaults())
+                               defaults=settings.request_defaults(client.info.generation_defaults))
             typer.echo(f"serving {client.info.name} on {server.url}/v1 (Ctrl+C stops)", err=True)
             asyncio.run(server.serve())
         finally:

@@ -29,7 +29,8 @@ from paged_chat.engine.errors import out_of_memory
 from paged_chat.engine.kv_cache_manager import KVCacheManager
 from paged_chat.engine.kv_tier import build_kv_tier, model_fingerprint
 from paged_chat.engine.kv_transfer import KVTransfer
-from paged_chat.engine.models.loader import ModelSource, ProgressHook, load_model, load_model_source
+from paged_chat.engine.models.loader import (ModelSource, ProgressHook, generation_defaults,
+                                             load_model, load_model_source)
 from paged_chat.engine.output_processor import OutputProcessor
 from paged_chat.engine.prompt import prompt_token_ids
 from paged_chat.engine.request import (EngineCoreOutput, FinishReason, Request, RequestOutput,
@@ -95,7 +96,8 @@ class Engine:
             name=self.model_name, tokenizer=self.tokenizer, chat_template=self.chat_template,
             device=self.device.type, dtype=dtype_name(self.dtype), num_blocks=self.num_blocks,
             block_size=self.block_size, max_model_len=self.max_model_len,
-            num_parameters=num_parameters, weights=weights, weight_bytes=weight_bytes)
+            num_parameters=num_parameters, weights=weights, weight_bytes=weight_bytes,
+            generation_defaults=generation_defaults(source))
 
     # ---- requests -------------------------------------------------------------------
 
