@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from paged_chat.server.tool_calls import ToolCallParser
+from helpers import wait_for
 from server_fixtures import CHAT_DEFAULTS
 
 WEATHER = {"type": "function", "function": {
@@ -54,7 +55,7 @@ def test_a_bare_json_reply_is_a_call_and_prose_is_content():
 @pytest.fixture
 def client(default_api):
     yield openai.OpenAI(base_url=default_api.url, api_key="unused", max_retries=0)
-    assert default_api.client.stats().num_running == 0
+    wait_for(lambda: default_api.client.stats().blocks_in_use == 0, what="every block back")
 
 
 @pytest.mark.slow
@@ -123,9 +124,10 @@ def test_a_refused_schema_is_a_400_naming_the_problem(client):
 
 @pytest.mark.slow
 def test_top_logprobs_sum_to_at_most_one_and_stream_with_their_tokens(client):
-    request = dict(model="smollm2-135m", messages=[{"role": "user", "content": "Name a colour."}],
-                   max_tokens=12, logprobs=True, top_logprobs=5, seed=1)
+    request = dict(model="smollm2-135m", max_tokens=32, logprobs=True, top_logprobs=5, temperature=0,
+                   messages=[{"role": "user", "content": "What is the capital of France?"}])
     reply = client.chat.completions.create(**request).choices[0]
+    assert reply.finish_reason == "stop"  # its end-of-turn token is no token of the content
     content = reply.logprobs.content
     assert "".join(item.token for item in content) == reply.message.content
     for item in content:

@@ -130,10 +130,10 @@ class OpenAIServing:
 
         if not tools:
             return render(messages, None)
-        as_dicts = [tool.model_dump(exclude_none=True) for tool in tools]
-        plain = with_tools_in_system(messages, tools)
-        with_section = render(messages, as_dicts)
-        return with_section if with_section != render(messages, None) else render(plain, None)
+        with_section = render(messages, [tool.model_dump(exclude_none=True) for tool in tools])
+        if with_section != render(messages, None):
+            return with_section
+        return render(with_tools_in_system(messages, tools), None)
 
     def completion_job(self, request: CompletionRequest) -> Job:
         self._check_model(request)

@@ -97,6 +97,14 @@ def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else _NO_CHANCE
 
 
+def _shown(tokenizer: Any, token_ids: list[int], logprobs: list[TokenLogprob]
+           ) -> list[tuple[int, TokenLogprob]]:
+    """The tokens the reply's text shows, with their logprobs: an end-of-turn or other
+    special token the text leaves out is left out here too."""
+    special = set(tokenizer.all_special_ids)
+    return [(token_id, item) for token_id, item in zip(token_ids, logprobs) if token_id not in special]
+
+
 def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[TokenLogprob],
                   num_top: int) -> dict[str, Any]:
     """OpenAI's chat `logprobs` object for these tokens: per token its text, logprob, UTF-8
@@ -110,14 +118,16 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[TokenLogp
         entry(token_id, item.logprob) | {"top_logprobs": [
             entry(top_id, top) for top_id, top in zip(item.top_token_ids[:num_top],
                                                       item.top_logprobs[:num_top])]}
-        for token_id, item in zip(token_ids, logprobs)]}
+        for token_id, item in _shown(tokenizer, token_ids, logprobs)]}
 
 
 def completion_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[TokenLogprob],
                         num_top: int, text_offset: int) -> dict[str, Any]:
     """The completions API's `logprobs` object (tokens, token_logprobs, top_logprobs as
     token -> logprob, text_offset from `text_offset`, where these tokens' text starts)."""
-    tokens = [tokenizer.decode([token_id]) for token_id in token_ids]
+    shown = _shown(tokenizer, token_ids, logprobs)
+    logprobs = [item for _, item in shown]
+    tokens = [tokenizer.decode([token_id]) for token_id, _ in shown]
     offsets, position = [], text_offset
     for token in tokens:
         offsets.append(position)
