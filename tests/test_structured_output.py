@@ -15,7 +15,8 @@ import xgrammar as xgr
 from paged_chat.conversation import Conversation
 from paged_chat.engine import SamplingParams
 from paged_chat.engine.sampler import SamplingBatch, apply_token_bitmask, sample
-from paged_chat.engine.structured_output import GrammarError, StructuredOutputManager
+from paged_chat.engine import GrammarError
+from paged_chat.engine.structured_output import StructuredOutputManager
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
           "properties": {"name": {"type": "string", "maxLength": 24},
@@ -116,7 +117,7 @@ def test_choice_regex_and_json_object_on_the_default_model(smollm2_engine) -> No
     choice, regex, any_json = engine.generate([prompt] * 3, [
         SamplingParams(temperature=0.8, seed=3, max_tokens=16, choice=["red", "blue", "green"]),
         SamplingParams(temperature=0.8, seed=4, max_tokens=16, regex=r"[A-Z]{3}-[0-9]{4}"),
-        SamplingParams(temperature=0, max_tokens=96, json_object=True)])
+        SamplingParams(temperature=0, max_tokens=48, json_object=True)])
     assert choice.text in ("red", "blue", "green") and choice.finish_reason == "stop"
     assert re.fullmatch(r"[A-Z]{3}-[0-9]{4}", regex.text) and regex.finish_reason == "stop"
     if any_json.finish_reason == "stop":
