@@ -148,6 +148,28 @@ def _json_prompt(number: int, line: str) -> FilePrompt:
                       None if system is None else _valid_text(system, f'{where}: "system"'))
 
 
+def structured_output_options(json_schema: TextIO | None, choice: str | None) -> dict[str, Any]:
+    """The SamplingParams fields of --json-schema FILE and --choice a,b,c (a UsageError names
+    a file that is no JSON object, an empty choice, or both options)."""
+    if json_schema is not None and choice is not None:
+        raise UsageError("give --json-schema or --choice, not both")
+    if choice is not None:
+        choices = [item.strip() for item in choice.split(",")]
+        if not all(choices):
+            raise UsageError(f"--choice {choice!r}: expected comma-separated non-empty strings")
+        return {"choice": choices}
+    if json_schema is None:
+        return {}
+    try:
+        schema = json.loads(json_schema.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UsageError(f"--json-schema {json_schema.name}: not JSON: {error}") from error
+    if not isinstance(schema, dict):
+        raise UsageError(f"--json-schema {json_schema.name}: a JSON schema is an object, "
+                         f"not {type(schema).__name__}")
+    return {"json_schema": schema}
+
+
 def check_text_options(options: AskOptions) -> None:
     """The options that reach the tokenizer or the store hold text: a UsageError names
     the one that does not (undecodable bytes in argv), before anything loads."""

@@ -307,6 +307,11 @@ def ask(ctx: typer.Context,
                              "--model then names a local copy of its tokenizer.")] = None,
         api_key: Annotated[str | None, typer.Option(
             "--api-key", envvar="PAGED_CHAT_API_KEY", help="The --server's API key.")] = None,
+        json_schema: Annotated[typer.FileText | None, typer.Option(
+            "--json-schema", encoding="utf-8", metavar="<file>",
+            help="Answer with JSON that this JSON schema (a file) accepts.")] = None,
+        choice: Annotated[str | None, typer.Option(
+            "--choice", metavar="a,b,c", help="Answer with exactly one of these strings.")] = None,
         ) -> None:
     """Answer a prompt, streaming the reply to stdout. Saved as a chat unless --no-save.
 
@@ -319,8 +324,11 @@ def ask(ctx: typer.Context,
         paged-chat ask -c "And in one sentence?"
 
         paged-chat ask --file prompts.txt --json
+
+        paged-chat ask --json-schema person.json "Describe a baker"
     """
-    from paged_chat.ask import check_text_options, open_prompt_file, run_ask
+    from paged_chat.ask import (check_text_options, open_prompt_file, run_ask,
+                                structured_output_options)
     from paged_chat.plain_terminal import AskOptions
 
     state = _state(ctx)
@@ -334,6 +342,7 @@ def ask(ctx: typer.Context,
         check_text_options(options)
         if file is not None:
             options.file = cleanup.enter_context(open_prompt_file(file))
+        options.sampling |= structured_output_options(json_schema, choice)
         settings = state.settings()
         options.server = server or settings.server.url
         options.api_key = api_key or settings.server.api_key
@@ -388,7 +397,8 @@ def serve(ctx: typer.Context,
     """Serve the engine as an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics) until Ctrl+C, or until the engine stops (then exit 1).
     Without --api-key it takes JSON bodies only, for a loopback Host, from no web page but
-    those of loopback and allowed origins.
+    those of loopback and allowed origins. Sampling fields a request omits take the model's
+    generation_config.json values, else [chat]'s (listed in /v1/models).
 
     Example:
 
@@ -411,7 +421,8 @@ def serve(ctx: typer.Context,
         client = state.server_engine(config)
         try:
             server = ApiServer(client, host, port, api_key, model_names=[config.model],
-                               allowed_origins=origins)
+                               allowed_origins=origins,
+                               defaults=settings.request_defaults(client.info.generation_defaults))
             typer.echo(f"serving {client.info.name} on {server.url}/v1 (Ctrl+C stops)", err=True)
             asyncio.run(server.serve())
         finally:

@@ -234,6 +234,14 @@ class Settings:
         SamplingParams field; None values are ignored)."""
         return SamplingParams(**{**self.chat.sampling(), **_given(overrides)})
 
+    def request_defaults(self, generation_defaults: dict[str, Any]) -> dict[str, Any]:
+        """What `serve` gives an API request for the sampling fields it omits: the model's
+        generation config's values where it sets them, else `[chat]`'s (max_tokens and
+        seed stay the request's own)."""
+        chat = {name: value for name, value in self.chat.sampling().items()
+                if name not in ("max_tokens", "seed") and value is not None}
+        return chat | generation_defaults
+
     def to_toml(self) -> str:
         """These settings as config.toml text, engine defaults filled in; values that stay
         unset (the engine sizes or picks them) appear commented out."""

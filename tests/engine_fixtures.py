@@ -121,3 +121,11 @@ def make_engine(tiny_model_dir, new_engine):
     yield make
     for engine in engines:
         assert_no_leaks(engine)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine(smollm2_source) -> Engine:
+    """An engine on the default model, fp32 on the CPU, shared by the session's tests that
+    only run requests to completion on it (each leaves it without a request)."""
+    return Engine(EngineConfig(device="cpu", dtype="float32", num_blocks=512, max_num_seqs=32),
+                  source=smollm2_source)

@@ -79,3 +79,21 @@ def served(chat_model_dir, new_engine) -> Iterator[Served]:
 def api(served) -> Iterator[Served]:
     yield served
     wait_for(lambda: served.client.stats().blocks_in_use == 0, what="every block back")
+
+
+# What `serve` gives requests that omit them, with the default settings (Settings.request_defaults).
+CHAT_DEFAULTS = {"temperature": 0.2, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+@pytest.fixture(scope="session")
+def default_api(smollm2_source) -> Iterator[Served]:
+    """The default model served with `serve`'s request defaults, for the session's tests of
+    what real clients (openai, llm) get from it; each test leaves no request running."""
+    from paged_chat.engine import Engine
+
+    config = EngineConfig(device="cpu", dtype="float32", num_blocks=512, max_num_seqs=32)
+    client = make_client(ClientSpec(engine=Engine(config, source=smollm2_source)))
+    running = start_server(client, model_names=["smollm2-135m"], defaults=CHAT_DEFAULTS)
+    yield running
+    running.stop()
+    client.shutdown()

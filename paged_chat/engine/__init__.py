@@ -20,6 +20,7 @@ _EXPORTS = {
     "EngineCoreOutput": "paged_chat.engine.request",
     "EngineDeadError": "paged_chat.engine.errors",
     "EngineStats": "paged_chat.engine.stats",
+    "GrammarError": "paged_chat.engine.structured_output",
     "KVTierStats": "paged_chat.engine.stats",
     "KVTierWarning": "paged_chat.engine.errors",
     "LocalClient": "paged_chat.engine.clients.local",
@@ -31,6 +32,7 @@ _EXPORTS = {
     "RemoteEngineError": "paged_chat.engine.clients.remote",
     "RequestOutput": "paged_chat.engine.request",
     "SamplingParams": "paged_chat.engine.request",
+    "TokenLogprob": "paged_chat.engine.request",
     "make_client": "paged_chat.engine.clients.factory",
 }
 __all__ = sorted(_EXPORTS)
@@ -45,8 +47,10 @@ if TYPE_CHECKING:
     from paged_chat.engine.errors import (EngineDeadError, KVTierWarning, ModelLoadError,
                                           PagedChatError)
     from paged_chat.engine.output_processor import OutputProcessor
-    from paged_chat.engine.request import EngineCoreOutput, RequestOutput, SamplingParams
+    from paged_chat.engine.request import (EngineCoreOutput, RequestOutput, SamplingParams,
+                                           TokenLogprob)
     from paged_chat.engine.stats import BlockMap, EngineStats, KVTierStats
+    from paged_chat.engine.structured_output import GrammarError
 
 
 def __getattr__(name: str):

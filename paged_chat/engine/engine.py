@@ -29,14 +29,16 @@ from paged_chat.engine.errors import out_of_memory
 from paged_chat.engine.kv_cache_manager import KVCacheManager
 from paged_chat.engine.kv_tier import build_kv_tier, model_fingerprint
 from paged_chat.engine.kv_transfer import KVTransfer
-from paged_chat.engine.models.loader import ModelSource, ProgressHook, load_model, load_model_source
+from paged_chat.engine.models.loader import (ModelSource, ProgressHook, generation_defaults,
+                                             load_model, load_model_source)
 from paged_chat.engine.output_processor import OutputProcessor
 from paged_chat.engine.prompt import prompt_token_ids
 from paged_chat.engine.request import (EngineCoreOutput, FinishReason, Request, RequestOutput,
-                                       SamplingParams)
+                                       SamplingParams, TokenLogprob)
 from paged_chat.engine.runner import ModelRunner
 from paged_chat.engine.scheduler import Scheduler
 from paged_chat.engine.stats import EngineStats, KVTierStats, StepMetrics
+from paged_chat.engine.structured_output import StructuredOutputManager
 from paged_chat.engine.threads import StepThreads
 
 
@@ -85,6 +87,7 @@ class Engine:
         self.eos_token_ids = frozenset(source.config.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.requests: dict[str, Request] = {}
+        self._structured_output: StructuredOutputManager | None = None  # on first use
         self.metrics = StepMetrics()
         self._pending: list[EngineCoreOutput] = []
         self._ids = itertools.count()
@@ -93,7 +96,8 @@ class Engine:
             name=self.model_name, tokenizer=self.tokenizer, chat_template=self.chat_template,
             device=self.device.type, dtype=dtype_name(self.dtype), num_blocks=self.num_blocks,
             block_size=self.block_size, max_model_len=self.max_model_len,
-            num_parameters=num_parameters, weights=weights, weight_bytes=weight_bytes)
+            num_parameters=num_parameters, weights=weights, weight_bytes=weight_bytes,
+            generation_defaults=generation_defaults(source))
 
     # ---- requests -------------------------------------------------------------------
 
@@ -104,7 +108,8 @@ class Engine:
         `request_id`, when given, is a non-empty string not in use; when not, the engine
         picks one (`req-N`) that no request in flight has, a caller's included.
         A prompt that can never fit (max_model_len, the pool) is accepted and finishes on
-        the next step with finish_reason "error", so callers see one uniform stream.
+        the next step with finish_reason "error", so callers see one uniform stream. A
+        schema, regex or choice the grammar library refuses raises GrammarError (a ValueError).
         """
         params = params or SamplingParams()
         if request_id is not None and not (isinstance(request_id, str) and request_id):
@@ -114,11 +119,14 @@ class Engine:
             request_id = next(free for free in (f"req-{n}" for n in self._ids) if free not in self.requests)
         elif request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        grammar = (self.structured_output.new_matcher(params)
+                   if params.structured_spec is not None else None)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(request_id, token_ids, params, seed, time.monotonic(), owner=owner,
                           stop_token_ids=frozenset(params.stop_token_ids) | (
                               frozenset() if params.ignore_eos else self.eos_token_ids),
-                          max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len))
+                          max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len),
+                          grammar=grammar)
         self.requests[request_id] = request
         if len(token_ids) >= self.max_model_len:
             self._pending.append(self._finish(request, "error", (
@@ -128,6 +136,14 @@ class Engine:
         else:
             self.scheduler.add(request)
         return request_id
+
+    @property
+    def structured_output(self) -> StructuredOutputManager:
+        """The grammar compiler for this model's tokenizer, made on first use (~0.3 s)."""
+        if self._structured_output is None:
+            self._structured_output = StructuredOutputManager(
+                self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        return self._structured_output
 
     def abort(self, request_id: str) -> None:
         """Stop a request now and free its blocks; unknown or finished ids are ignored."""
@@ -221,11 +237,12 @@ class Engine:
             raise
         prompt_tokens = self.scheduler.update(schedule)
         now = time.monotonic()
-        for item, token in zip(samplers, sampled):
+        logprobs = self.runner.last_logprobs or itertools.repeat(None)
+        for item, token, logprob in zip(samplers, sampled, logprobs):
             try:  # one request's fault (its sampling) must not take the batch down
                 if isinstance(token, Exception):
                     raise token
-                outputs.append(self._append_token(item.request, token, now))
+                outputs.append(self._append_token(item.request, token, now, logprob))
             except Exception as error:
                 # Logits that are not finite may come of KV the tier restored: recompute once.
                 if isinstance(token, Exception) and self.scheduler.recompute_after_fault(item.request):
@@ -238,13 +255,19 @@ class Engine:
         self.kv_transfer.offload()  # finished requests' blocks go down now, not a step later
         return outputs
 
-    def _append_token(self, request: Request, token_id: int, now: float) -> EngineCoreOutput:
+    def _append_token(self, request: Request, token_id: int, now: float,
+                      logprob: TokenLogprob | None) -> EngineCoreOutput:
         if request.first_token_time is None:
             request.first_token_time = now
             self.metrics.prompt_tokens_total += request.num_prompt_tokens
         request.all_token_ids.append(token_id)
         request.output_token_ids.append(token_id)
-        if token_id in request.stop_token_ids:
+        new_logprobs = None if logprob is None else [logprob]
+        grammar = request.grammar
+        if grammar is not None and not grammar.accept_token(token_id):
+            return self._finish(request, "error", f"the grammar refused the sampled token {token_id}",
+                                [token_id], new_logprobs)
+        if token_id in request.stop_token_ids or (grammar is not None and grammar.is_terminated()):
             reason: FinishReason = "stop"
         elif len(request.all_token_ids) >= request.max_num_tokens:
             reason = "length"
@@ -252,18 +275,19 @@ class Engine:
             # EngineCoreOutput's fields in order: one per running request (its docstring)
             return EngineCoreOutput(request.request_id, [token_id], False, None,
                                     len(request.prompt_token_ids), request.num_cached_prompt_tokens,
-                                    request.num_tier_cached_tokens)
-        return self._finish(request, reason, new_token_ids=[token_id])
+                                    request.num_tier_cached_tokens, None, new_logprobs)
+        return self._finish(request, reason, None, [token_id], new_logprobs)
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None,
-                new_token_ids: list[int] | None = None) -> EngineCoreOutput:
+                new_token_ids: list[int] | None = None,
+                new_logprobs: list[TokenLogprob] | None = None) -> EngineCoreOutput:
         request.finish_reason = reason
         request.error = error
         self.scheduler.finish(request)
         del self.requests[request.request_id]
         return EngineCoreOutput(request.request_id, new_token_ids or [], True, reason,
                                 request.num_prompt_tokens, request.num_cached_prompt_tokens,
-                                request.num_tier_cached_tokens, error)
+                                request.num_tier_cached_tokens, error, new_logprobs)
 
     # ---- stats ----------------------------------------------------------------------
 

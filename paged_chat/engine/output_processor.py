@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from paged_chat.engine.detokenizer import IncrementalDetokenizer
-from paged_chat.engine.request import EngineCoreOutput, RequestOutput, SamplingParams
+from paged_chat.engine.request import EngineCoreOutput, RequestOutput, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -31,6 +31,7 @@ class _RequestState:
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)  # the reply so far, every delta's list
     text: str = ""  # the reply so far where it comes as text (process_text); else the detokenizer's
+    logprobs: list[TokenLogprob] | None = None  # per token of the reply, when the request asks
 
 
 @dataclass(slots=True)
@@ -60,6 +61,8 @@ class OutputProcessor:
         """Track a request the caller is adding to the core under `request_id`."""
         stop = params.stop if params is not None else []
         state = _RequestState(IncrementalDetokenizer(self.tokenizer, stop))
+        if params is not None and params.wants_logprobs:
+            state.logprobs = []
         assert request_id not in self._states, f"request {request_id!r} is already open"
         if request_id in self._draining:
             self._draining[request_id] = state
@@ -99,6 +102,8 @@ class OutputProcessor:
             finished, reason, error = core.finished, core.finish_reason, core.error
             detokenizer = state.detokenizer
             state.token_ids += core.new_token_ids
+            if state.logprobs is not None and core.new_logprobs:
+                state.logprobs += core.new_logprobs
             try:
                 new_text, stopped = (detokenizer.add_token(core.new_token_ids[0])
                                      if len(core.new_token_ids) == 1
@@ -123,7 +128,7 @@ class OutputProcessor:
             outputs.append(RequestOutput(
                 request_id, core.new_token_ids, new_text, state.token_ids, detokenizer.text,
                 finished, reason, core.num_prompt_tokens, core.num_cached_tokens, error,
-                core.num_tier_cached_tokens))
+                core.num_tier_cached_tokens, core.new_logprobs, state.logprobs))
         return ProcessedOutputs(outputs, to_abort)
 
     def process_text(self, core: EngineCoreOutput, new_text: str) -> RequestOutput | None:

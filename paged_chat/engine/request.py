@@ -4,12 +4,21 @@ client-side RequestOutput the output processor builds from them."""
 from __future__ import annotations
 
 import enum
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from xgrammar import GrammarMatcher
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+# What constrains a request's output: ("json_schema", schema text), ("json_object", ""),
+# ("regex", pattern) or ("choice", a JSON list of the strings); hashable, the grammar cache's key.
+StructuredSpec = tuple[str, str]
+# The most top logprobs a request may ask for per token (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
 # Below this a temperature is greedy (as in vLLM): dividing logits by ~1e-38 overflows them
 # to inf, and the draw over the NaN probabilities that follow would leave the vocabulary.
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -25,6 +34,11 @@ class SamplingParams:
     Every field is validated on construction; a bad value (of the wrong type too: a bool
     is no number here, nor "1") is a `ValueError` that names the field. `top_k=0` and
     `top_p=1` disable those filters; `min_p=0` disables min-p.
+
+    Structured output: at most one of `json_schema` (a JSON schema, as text or a dict),
+    `json_object` (any JSON object), `regex`, `choice` (the output is one of these
+    strings). `logprobs` asks for each sampled token's log-probability; `top_logprobs` (0
+    to 20) for that many likeliest tokens too, both from the logits the sampler used.
     """
 
     temperature: float = 1.0
@@ -40,6 +54,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     cache_salt: str | None = None
+    json_schema: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +88,43 @@ class SamplingParams:
                "stop_token_ids", self.stop_token_ids, "a list of token ids >= 0")
         _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and self.cache_salt),
                "cache_salt", self.cache_salt, "a non-empty string or None")
+        self._check_structured_output()
+
+    def _check_structured_output(self) -> None:
+        if isinstance(self.json_schema, dict):  # as text: the grammar cache keys on it
+            self.json_schema = json.dumps(self.json_schema)
+        _check(self.json_schema is None or isinstance(self.json_schema, str),
+               "json_schema", self.json_schema, "a JSON schema (text or a dict)")
+        _check(isinstance(self.json_object, bool), "json_object", self.json_object, "a bool")
+        _check(self.regex is None or (isinstance(self.regex, str) and self.regex),
+               "regex", self.regex, "a non-empty pattern")
+        _check(self.choice is None or (isinstance(self.choice, list) and self.choice and
+                                       all(isinstance(c, str) and c for c in self.choice)),
+               "choice", self.choice, "a non-empty list of non-empty strings")
+        given = [name for name in ("json_schema", "regex", "choice") if getattr(self, name)]
+        given += ["json_object"] if self.json_object else []
+        _check(len(given) <= 1, "structured output", given,
+               "at most one of json_schema, json_object, regex, choice")
+        _check(isinstance(self.logprobs, bool), "logprobs", self.logprobs, "a bool")
+        _check(_is_integer(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+               "top_logprobs", self.top_logprobs, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+
+    @property
+    def structured_spec(self) -> StructuredSpec | None:
+        """What constrains the output, as the grammar cache's key; None when nothing does."""
+        if self.json_schema is not None:
+            return "json_schema", self.json_schema
+        if self.json_object:
+            return "json_object", ""
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        return None
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs or self.top_logprobs > 0
 
     @property
     def greedy(self) -> bool:
@@ -131,6 +188,8 @@ class Request:
     # and the model's EOS unless ignore_eos; max_tokens or max_model_len, prompt included.
     stop_token_ids: frozenset[int] = frozenset()
     max_num_tokens: int = 0
+    # Its structured output's matcher, as far as output_token_ids (structured_output.py).
+    grammar: GrammarMatcher | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:
@@ -163,6 +222,7 @@ class EngineCoreOutput:
 
     `num_cached_tokens` prompt tokens were not prefilled (prefix cache hits);
     `num_tier_cached_tokens` of them were read back from a KV tier (host RAM or disk).
+    `new_logprobs`, for a request that asks for them, has one entry per new token.
     """
 
     request_id: str
@@ -173,6 +233,18 @@ class EngineCoreOutput:
     num_cached_tokens: int
     num_tier_cached_tokens: int
     error: str | None = None
+    new_logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One sampled token's log-probability under the distribution it was drawn from (the
+    logits after penalties, the grammar mask, temperature and top-k/top-p; greedy rows'
+    before temperature), and the `top_logprobs` likeliest tokens there, best first."""
+
+    logprob: float
+    top_token_ids: list[int]
+    top_logprobs: list[float]
 
 
 @dataclass(slots=True)
@@ -199,3 +271,5 @@ class RequestOutput:
     num_cached_tokens: int
     error: str | None = None
     num_tier_cached_tokens: int = 0
+    new_logprobs: list[TokenLogprob] | None = None  # per new token, when the request asks
+    logprobs: list[TokenLogprob] | None = None      # per token so far (extended like token_ids)

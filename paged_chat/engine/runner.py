@@ -44,8 +44,10 @@ from paged_chat.engine.kv_pool_sizing import (
 from paged_chat.engine.models.llama import LlamaForCausalLM
 from paged_chat.engine.models.loader import ProgressHook
 from paged_chat.engine.models.model_config import ModelConfig
+from paged_chat.engine.request import Request, SamplingParams, TokenLogprob
 from paged_chat.engine.sampler import SamplingBatch, sample
 from paged_chat.engine.scheduler import ScheduledRequest
+from paged_chat.engine.structured_output import fill_token_bitmask
 
 
 # Batch sizes a decode step's CUDA graph is captured for (plus max_num_seqs); a step runs in
@@ -98,6 +100,9 @@ class ModelRunner:
         # The stepping thread's CPU time in the sampler's math last step (on a GPU, its
         # launches): what `bench --host-overhead` takes away to leave the host's own work.
         self.last_sample_cpu_s = 0.0
+        # The last step's TokenLogprobs per sampled item (as `execute` returns tokens), None
+        # for one that asked for none; None when none did.
+        self.last_logprobs: list[TokenLogprob | None] | None = None
         # Every request's block table as ids, written by the KV manager as tables change.
         self.block_id_rows = BlockIdRows()
         self._staging = StagingBuffer(self.device)
@@ -122,6 +127,7 @@ class ModelRunner:
         samplers = [item for item in scheduled if item.samples]
         block_tables = self.block_id_rows.array([item.request.request_id for item in scheduled])
         self.last_sample_cpu_s = 0.0
+        self.last_logprobs = None
         started = time.perf_counter()
         graph_batch = self._graph_batch(scheduled)
         if graph_batch is None:
@@ -137,8 +143,7 @@ class ModelRunner:
         try:
             return self._sample(logits, samplers)
         except Exception:  # find the rows at fault; the others keep their tokens
-            return [self._sample_row(logits[row:row + 1], item)
-                    for row, item in enumerate(samplers)]
+            return self._sample_rows(logits, samplers)
 
     @torch.inference_mode()
     def run_dummy_step(self, query_lens: list[int], seq_lens: list[int]) -> None:
@@ -258,11 +263,20 @@ class ModelRunner:
         blocks = self.kv_cache.movedim(_BLOCK_AXIS, 0)
         blocks.index_copy_(0, index, kv.to(self.device, self.kv_cache.dtype))
 
-    def _sample_row(self, logits: torch.Tensor, item: ScheduledRequest) -> int | Exception:
-        try:
-            return self._sample(logits, [item])[0]
-        except Exception as error:
-            return error
+    def _sample_rows(self, logits: torch.Tensor, samplers: list[ScheduledRequest]
+                     ) -> list[int | Exception]:
+        """Sample row by row, each row's fault in its place; logprobs as `_sample`'s."""
+        tokens: list[int | Exception] = []
+        logprobs: list[TokenLogprob | None] = []
+        for row, item in enumerate(samplers):
+            self.last_logprobs = None
+            try:
+                tokens.append(self._sample(logits[row:row + 1], [item])[0])
+            except Exception as error:
+                tokens.append(error)
+            logprobs.append(self.last_logprobs[0] if self.last_logprobs else None)
+        self.last_logprobs = logprobs if any(logprobs) else None
+        return tokens
 
     def _sample(self, logits: torch.Tensor, samplers: list[ScheduledRequest]
                 ) -> list[int | Exception]:
@@ -277,6 +291,10 @@ class ModelRunner:
         started = time.thread_time()
         tokens = sample(logits, batch)
         self.last_sample_cpu_s = time.thread_time() - started
+        if batch.logprobs is not None:
+            self.last_logprobs = [None] * len(samplers)
+            for row, logprob in zip(batch.logprob_rows.tolist(), batch.logprobs):
+                self.last_logprobs[row] = logprob
         chosen = logits.gather(1, tokens.clamp(max=vocab_size - 1)[:, None]).squeeze(1)
         bad = (tokens >= vocab_size) | ~torch.isfinite(chosen)
         if not bad.any():
@@ -305,6 +323,20 @@ class ModelRunner:
     def _sampling_batch(self, samplers: list[ScheduledRequest], vocab_size: int) -> SamplingBatch:
         requests = [item.request for item in samplers]
         params = [request.params for request in requests]
+        batch = self._base_sampling_batch(requests, params, vocab_size)
+        constrained = [row for row, request in enumerate(requests) if request.grammar is not None]
+        if constrained:
+            batch.bitmask_rows = torch.tensor(constrained, device=self.device)
+            batch.token_bitmask = fill_token_bitmask([requests[row].grammar for row in constrained],
+                                                     vocab_size, self.device)
+        wanting = [row for row, p in enumerate(params) if p.wants_logprobs]
+        if wanting:
+            batch.logprob_rows = torch.tensor(wanting, device=self.device)
+            batch.num_top_logprobs = max(params[row].top_logprobs for row in wanting)
+        return batch
+
+    def _base_sampling_batch(self, requests: list[Request], params: list[SamplingParams],
+                             vocab_size: int) -> SamplingBatch:
         if (greedy_only := SamplingBatch.greedy_only(params)) is not None:
             return greedy_only  # the other columns are not read: do not gather them
         penalised = any(p.uses_penalties for p in params)

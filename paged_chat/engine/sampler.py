@@ -1,7 +1,9 @@
 """Batched token sampling: penalties, greedy, temperature, min-p / top-k / top-p, seeded draws.
 
 One pass of torch ops over the whole batch, no Python loop over requests in `sample`. The
-order follows vLLM: penalties -> greedy argmax -> temperature -> min-p, top-k, top-p -> draw.
+order follows vLLM: penalties -> grammar bitmask (constrained rows) -> greedy argmax ->
+temperature -> min-p, top-k, top-p -> draw; then, for the rows that ask, the logprobs of
+the distribution each token was drawn from.
 
 Randomness is counter-based: a row's draw is a splitmix64 hash of (seed, output_index), so a
 request's tokens depend only on its own seed and position, never on which other requests
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from paged_chat.engine.request import SamplingParams
+from paged_chat.engine.request import SamplingParams, TokenLogprob
 
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's stream increment
 _MUL1 = 0xBF58476D1CE4E5B9
@@ -79,6 +81,15 @@ class SamplingBatch:
     presence_penalty: torch.Tensor | None  # float32 [n]
     seen: torch.Tensor | None  # bool [n, vocab]: token occurs in prompt or output
     output_counts: torch.Tensor | None  # float32 [n, vocab]: occurrences in the output
+    # The constrained rows (int64 [m]) and their grammars' bitmask (int32 [m, ceil(vocab/32)],
+    # structured_output.fill_token_bitmask); None when no row is constrained.
+    bitmask_rows: torch.Tensor | None = None
+    token_bitmask: torch.Tensor | None = None
+    # The rows that want logprobs (int64 [r]) and how many top tokens the most demanding asks
+    # for; `sample` leaves their TokenLogprobs, in that order, in `logprobs`.
+    logprob_rows: torch.Tensor | None = None
+    num_top_logprobs: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
     @classmethod
     def greedy_only(cls, params: list[SamplingParams]) -> SamplingBatch | None:
@@ -215,6 +226,31 @@ def apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
     return logits.masked_fill(dropped & batch.truncated[:, None], float("-inf"))
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
+                        ) -> torch.Tensor:
+    """Set to -inf, in place, the logits of `rows` that their bitmask disallows (bit j of word
+    w clear: token 32 * w + j is not allowed); returns `logits`. A sampled token is always an
+    allowed one, so masking in place leaves nothing the caller reads of it wrong."""
+    vocab = logits.shape[-1]
+    assert bitmask.shape == (len(rows), (vocab + 31) // 32), (bitmask.shape, len(rows), vocab)
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> list[TokenLogprob]:
+    """Each row's chosen token's log-probability under `logits` and its `num_top` likeliest
+    tokens: `logits` [r, vocab] as the draw saw them, `tokens` int64 [r]."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+    if num_top == 0:
+        return [TokenLogprob(lp, [], []) for lp in chosen]
+    top = logprobs.topk(num_top, dim=-1)
+    return [TokenLogprob(lp, ids, values) for lp, ids, values
+            in zip(chosen, top.indices.tolist(), top.values.tolist())]
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax as int64: the first maximum, or the first NaN (torch's rule too).
 
@@ -235,14 +271,27 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     a step of the CDF, so filtered tokens are never picked. The CDF is summed in float32, in
     place: a float64 copy of [32, 49152] costs more than the rest of sampling (fresh pages),
     and float32 moves < 1e-3 of the probability mass, far below bf16 logits' own error.
+    The constrained rows' logits are masked in place (`apply_token_bitmask`); the logprob
+    rows' TokenLogprobs are left in `batch.logprobs`.
     """
     logits = apply_penalties(logits.float(), batch)
+    if batch.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
     if batch.all_greedy:
-        return greedy_tokens(logits)
-    scaled = apply_min_p(logits / batch.temperature[:, None], batch)
-    cdf = apply_top_k_top_p(scaled, batch).softmax(dim=-1).cumsum_(dim=-1)
-    targets = (batch.uniforms * cdf[:, -1]).to(cdf.dtype)
-    sampled = torch.searchsorted(cdf, targets[:, None]).squeeze(1)
-    if batch.greedy is not None:
-        sampled = torch.where(batch.greedy, greedy_tokens(logits), sampled)
+        sampled = greedy_tokens(logits)
+        drawn_from = logits
+    else:
+        drawn_from = apply_top_k_top_p(apply_min_p(logits / batch.temperature[:, None], batch), batch)
+        cdf = drawn_from.softmax(dim=-1).cumsum_(dim=-1)
+        targets = (batch.uniforms * cdf[:, -1]).to(cdf.dtype)
+        sampled = torch.searchsorted(cdf, targets[:, None]).squeeze(1)
+        if batch.greedy is not None:
+            sampled = torch.where(batch.greedy, greedy_tokens(logits), sampled)
+    if batch.logprob_rows is not None:
+        rows = batch.logprob_rows
+        seen = drawn_from[rows]
+        if batch.greedy is not None:
+            seen = torch.where(batch.greedy[rows, None], logits[rows], seen)
+        batch.logprobs = token_logprobs(seen, sampled[rows].clamp(max=logits.shape[-1] - 1),
+                                        batch.num_top_logprobs)
     return sampled

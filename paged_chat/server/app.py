@@ -54,14 +54,19 @@ Parsed = TypeVar("Parsed", bound=BaseModel)
 
 def build_app(client: EngineClient, model_names: Sequence[str] = (), api_key: str | None = None,
               max_body_bytes: int | None = None, allowed_origins: Sequence[str] = (),
-              share_cache_with_tui: bool = False) -> FastAPI:
+              share_cache_with_tui: bool = False, defaults: dict[str, Any] | None = None
+              ) -> FastAPI:
     """The API for `client`'s model; requests may name it by its own name or by any of
     `model_names` (e.g. the spec it was loaded from). `allowed_origins`: web origins a
     keyless server takes besides loopback ones (guards.py). `share_cache_with_tui`: API
     requests may hit the cached prefixes of requests that do not come through the API (a
-    TUI's tabs under `--serve`); by default they never do (serving.cache_partition)."""
+    TUI's tabs under `--serve`); by default they never do (serving.cache_partition).
+    `defaults` are the sampling values a request that omits them gets (`serve`: the model's
+    generation config, else the `[chat]` settings, as `ask`'s), listed per model in
+    /v1/models as `sampling_defaults`."""
     names = list(dict.fromkeys([client.info.name, *model_names]))
-    serving = OpenAIServing(client, names, cache_partition(api_key, share_cache_with_tui))
+    serving = OpenAIServing(client, names, cache_partition(api_key, share_cache_with_tui),
+                            defaults)
     context = client.info.max_model_len
     limit = max_body_bytes or max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * context)
     too_large = f"the request body is over this server's limit of {limit} bytes" + (
@@ -96,7 +101,8 @@ def build_app(client: EngineClient, model_names: Sequence[str] = (), api_key: st
         info = client.info
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "paged-chat",
-             "root": info.name, "max_model_len": info.max_model_len} for name in names]}
+             "root": info.name, "max_model_len": info.max_model_len,
+             "sampling_defaults": serving.defaults} for name in names]}
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:

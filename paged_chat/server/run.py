@@ -19,6 +19,7 @@ import functools
 import ipaddress
 import socket
 from collections.abc import Sequence
+from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -105,11 +106,14 @@ class ApiServer:
                  api_key: str | None = None, model_names: Sequence[str] = (),
                  embedded: bool = False, allowed_origins: Sequence[str] = (),
                  share_cache_with_tui: bool = False, max_body_bytes: int | None = None,
-                 header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
+                 header_timeout_s: float = HEADER_TIMEOUT_S,
+                 defaults: dict[str, Any] | None = None) -> None:
+        """`defaults`: the sampling values requests that omit them get (build_app)."""
         check_bind(host, api_key)
         self.client, self.embedded = client, embedded
         self.engine_stopped: str | None = None
-        app = build_app(client, model_names, api_key, max_body_bytes, allowed_origins, share_cache_with_tui)
+        app = build_app(client, model_names, api_key, max_body_bytes, allowed_origins,
+                        share_cache_with_tui, defaults)
         protocol = functools.partial(_HeaderTimeoutH11, header_timeout_s=header_timeout_s)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, http=protocol,

@@ -34,6 +34,9 @@ from paged_chat.engine.request import RequestOutput, SamplingParams
 from paged_chat.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                         PromptTokensDetails, SamplingRequest, Usage,
                                         completion_id, envelope)
+from paged_chat.server.structured_request import chat_logprobs, completion_logprobs
+from paged_chat.server.tool_calls import (ToolCallParser, forced_call_schema, tool_call_deltas,
+                                          with_tools_in_system)
 
 DEFAULT_OWNER = "api"
 
@@ -59,6 +62,16 @@ class Job:
     include_usage: bool
     return_token_ids: bool
     finals: dict[int, RequestOutput] = field(default_factory=dict)
+    tool_names: set[str] | None = None     # the tools whose calls the reply may hold
+    forced_tool_call: bool = False         # a grammar makes the reply one call
+    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per streamed choice
+    text_offsets: dict[int, int] = field(default_factory=dict)  # completions' logprobs, per choice
+
+    def tool_parser(self, index: int) -> ToolCallParser | None:
+        """The choice's stream parser, where the reply may hold tool calls."""
+        if self.tool_names is None:
+            return None
+        return self.parsers.setdefault(index, ToolCallParser(self.tool_names, self.forced_tool_call))
 
     @property
     def chat(self) -> bool:
@@ -83,14 +96,17 @@ def cache_partition(api_key: str | None, share_cache_with_tui: bool) -> str | No
 
 class OpenAIServing:
     """Turns API requests into engine streams for one served model; `cache_partition` is
-    the salt of its requests (see the module docstring)."""
+    the salt of its requests (see the module docstring), `defaults` the sampling values a
+    request that omits them gets."""
 
     def __init__(self, client: EngineClient, model_names: Sequence[str],
-                 cache_partition: str | None = None) -> None:
+                 cache_partition: str | None = None,
+                 defaults: dict[str, Any] | None = None) -> None:
         assert model_names, "a server serves at least its model's own name"
         self.client = client
         self.model_names = tuple(model_names)
         self.cache_partition = cache_partition
+        self.defaults = dict(defaults or {})
 
     @property
     def model(self) -> str:
@@ -100,30 +116,59 @@ class OpenAIServing:
 
     def chat_job(self, request: ChatCompletionRequest) -> Job:
         self._check_model(request)
-        info = self.client.info
         messages = [message.template_message() for message in request.messages]
+        choice = request.effective_tool_choice
+        tools = request.tools if request.tools and choice != "none" else None
         try:
-            text = info.tokenizer.apply_chat_template(messages, chat_template=info.chat_template,
-                                                      tokenize=False, add_generation_prompt=True)
-        except jinja2.TemplateError as error:
-            raise ApiError(400, f"the model's chat template refused the messages: {error}",
-                           "messages") from error
-        prompt_ids = info.tokenizer.encode(text, add_special_tokens=False)
-        return self._job("chat.completion", request, prompt_ids)
+            forced = forced_call_schema(tools, choice) if tools else None
+        except ValueError as error:
+            raise ApiError(400, str(error), "tool_choice") from error
+        prompt_ids = self.client.info.tokenizer.encode(self._render_chat(messages, tools),
+                                                       add_special_tokens=False)
+        output = request.output_fields()
+        if forced is not None:  # the call's grammar replaces any response_format
+            output = {**{k: v for k, v in output.items() if "logprobs" in k}, "json_schema": forced}
+        job = self._job("chat.completion", request, prompt_ids, output)
+        if tools:
+            job.tool_names = {tool.function.name for tool in tools}
+            job.forced_tool_call = forced is not None
+        return job
+
+    def _render_chat(self, messages: list[dict[str, Any]], tools: list | None) -> str:
+        """The prompt text: the tools through the template's tool section, or in the system
+        message where the template has none (tool_calls.py)."""
+        info = self.client.info
+
+        def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+            try:
+                return info.tokenizer.apply_chat_template(
+                    messages, chat_template=info.chat_template, tools=tools, tokenize=False,
+                    add_generation_prompt=True)
+            except (jinja2.TemplateError, TypeError) as error:
+                raise ApiError(400, f"the model's chat template refused the messages: {error}",
+                               "messages") from error
+
+        if not tools:
+            return render(messages, None)
+        with_section = render(messages, [tool.model_dump(exclude_none=True) for tool in tools])
+        if with_section != render(messages, None):
+            return with_section
+        return render(with_tools_in_system(messages, tools), None)
 
     def completion_job(self, request: CompletionRequest) -> Job:
         self._check_model(request)
         prompt = request.single_prompt()
         prompt_ids = (self.client.info.tokenizer.encode(prompt, add_special_tokens=True)
                       if isinstance(prompt, str) else list(prompt))
-        return self._job("text_completion", request, prompt_ids)
+        return self._job("text_completion", request, prompt_ids, request.output_fields())
 
     def _check_model(self, request: SamplingRequest) -> None:
         if request.model is not None and request.model not in self.model_names:
             raise ApiError(404, f"The model `{request.model}` does not exist; this server "
                                 f"serves `{self.model}`.", "model")
 
-    def _job(self, kind: str, request: SamplingRequest, prompt_ids: list[int]) -> Job:
+    def _job(self, kind: str, request: SamplingRequest, prompt_ids: list[int],
+             output: dict[str, Any]) -> Job:
         room = self.client.info.max_model_len - len(prompt_ids)
         if room <= 0:
             raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; this model takes at "
@@ -131,7 +176,8 @@ class OpenAIServing:
                                 "together", "messages" if kind == "chat.completion" else "prompt")
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         return Job(kind, completion_id(prefix), request.user or DEFAULT_OWNER, prompt_ids,
-                   self._salted(request.sampling_params(room), request.cache_salt),
+                   self._salted(request.sampling_params(room, self.defaults, output),
+                                request.cache_salt),
                    request.stream, request.include_usage, request.return_token_ids)
 
     def _salted(self, params: list[SamplingParams], requested: str | None) -> list[SamplingParams]:
@@ -202,17 +248,52 @@ class OpenAIServing:
         if job.include_usage:
             yield envelope(kind, job.request_id, self.model, [], job.usage())
 
-    @staticmethod
-    def _choice(job: Job, index: int, text: str, output: RequestOutput, final: bool
+    def _choice(self, job: Job, index: int, text: str, output: RequestOutput, final: bool
                 ) -> dict[str, Any]:
         reason = output.finish_reason if output.finished else None
         if job.chat:
-            content = {"role": "assistant", "content": text} if final else {"content": text}
-            choice = {"index": index, ("message" if final else "delta"): content}
+            message, called = self._chat_content(job, index, text, output, final)
+            reason = "tool_calls" if called and output.finished else reason
+            choice = {"index": index, ("message" if final else "delta"): message}
         else:
             choice = {"index": index, "text": text}
-        choice |= {"logprobs": None, "finish_reason": reason}
+        choice |= {"logprobs": self._logprobs(job, index, text, output, final),
+                   "finish_reason": reason}
         if job.return_token_ids:
             choice["token_ids"] = output.token_ids if final else output.new_token_ids
         return choice
+
+    @staticmethod
+    def _chat_content(job: Job, index: int, text: str, output: RequestOutput, final: bool
+                      ) -> tuple[dict[str, Any], bool]:
+        """A chat message (final) or delta, its tool calls parsed out; whether it holds any."""
+        parser = ToolCallParser(job.tool_names, job.forced_tool_call) if final and \
+            job.tool_names is not None else job.tool_parser(index)
+        if parser is None:
+            return ({"role": "assistant", "content": text} if final else {"content": text}), False
+        content, calls = parser.feed(text, final=output.finished)
+        if final:
+            message = {"role": "assistant", "content": content or None}
+            if calls:
+                message["tool_calls"] = [call.model_dump() for call in calls]
+            return message, bool(calls)
+        delta: dict[str, Any] = {"content": content}
+        if calls:
+            delta["tool_calls"] = tool_call_deltas(calls, len(parser.calls) - len(calls))
+        return delta, bool(parser.calls)
+
+    def _logprobs(self, job: Job, index: int, text: str, output: RequestOutput, final: bool
+                  ) -> dict[str, Any] | None:
+        """The choice's logprobs object (of all its tokens, or of this delta's)."""
+        if output.logprobs is None:
+            return None
+        params = job.params[index]
+        token_ids = output.token_ids if final else output.new_token_ids
+        logprobs = output.logprobs if final else output.new_logprobs or []
+        tokenizer = self.client.info.tokenizer
+        if job.chat:
+            return chat_logprobs(tokenizer, token_ids, logprobs, params.top_logprobs)
+        offset = 0 if final else job.text_offsets.get(index, 0)
+        job.text_offsets[index] = offset + len(text)
+        return completion_logprobs(tokenizer, token_ids, logprobs, params.top_logprobs, offset)
 

@@ -11,7 +11,7 @@ may use beyond the common part is stated in `capabilities`, never guessed from s
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from paged_chat.engine.request import RequestOutput, SamplingParams
@@ -24,7 +24,8 @@ class ModelInfo:
     `chat_template` build prompts; the pool's size (`num_blocks`, `block_size`) means
     something only where the client's capabilities say `block_map`. `weights` says what
     the weights are held as ("Q4_1+Q8_0, 0.12 GB of weights"; "" where unknown),
-    `weight_bytes` the bytes they take (0 where unknown)."""
+    `weight_bytes` the bytes they take (0 where unknown). `generation_defaults`: the
+    sampling values the model's generation_config.json recommends (SamplingParams names)."""
 
     name: str
     tokenizer: Any
@@ -37,6 +38,7 @@ class ModelInfo:
     num_parameters: int
     weights: str = ""
     weight_bytes: int = 0
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True, frozen=True)

@@ -300,6 +300,12 @@ class RemoteClient:
                  "repetition_penalty": params.repetition_penalty, "ignore_eos": params.ignore_eos,
                  "stop_token_ids": params.stop_token_ids, "return_token_ids": True
                  } if self._vllm_extras else {}
+        if (spec := params.structured_spec) is not None:  # vLLM's name, which serve takes too
+            kind, value = spec
+            extra["structured_outputs"] = {"json": json.loads(value or '{"type": "object"}')
+                                           if kind.startswith("json") else None,
+                                           "regex": value if kind == "regex" else None,
+                                           "choice": json.loads(value) if kind == "choice" else None}
         return await self._openai().completions.create(
             model=self.model, prompt=prompt, stream=True, max_tokens=params.max_tokens,
             temperature=params.temperature, top_p=params.top_p, seed=params.seed,

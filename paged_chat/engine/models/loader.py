@@ -337,6 +337,23 @@ def _read_hf_config(folder: Path) -> dict[str, Any]:
     return hf_config
 
 
+# generation_config.json's sampling keys that SamplingParams takes under the same name.
+_GENERATION_SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_defaults(source: ModelSource) -> dict[str, Any]:
+    """The sampling values the model's generation_config.json sets (none for a GGUF file or
+    a folder without one); a greedy config (`do_sample: false`) is temperature 0."""
+    generation_file = source.path / "generation_config.json"
+    if not (source.path.is_dir() and generation_file.is_file()):
+        return {}
+    config = _read_json_object(generation_file)
+    if config.get("do_sample") is False:
+        return {"temperature": 0.0}
+    return {key: config[key] for key in _GENERATION_SAMPLING_KEYS
+            if isinstance(config.get(key), (int, float)) and not isinstance(config.get(key), bool)}
+
+
 def _read_json_object(path: Path) -> dict[str, Any]:
     value = _read_json(path)
     if not isinstance(value, dict):

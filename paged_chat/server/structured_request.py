@@ -1,0 +1,139 @@
+"""The request fields that shape the output rather than the sampling: OpenAI's
+`response_format` (json_object, json_schema) and vLLM's `structured_outputs` (json, regex,
+choice), and logprobs in the chat (`logprobs` + `top_logprobs`) and completions
+(`logprobs: N`) forms. Each turns into SamplingParams fields here; a schema the grammar
+library refuses is refused by the engine when the request is added (a 400 naming it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from paged_chat.engine.request import MAX_TOP_LOGPROBS, TokenLogprob
+
+# What a logprob of -inf (a token the grammar or top-k ruled out) is in JSON, as vLLM sends it.
+_NO_CHANCE = -9999.0
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = "response"
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a "json_schema" object with its "schema"')
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one of a JSON schema, a regex, a list of choices."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _supported(self) -> StructuredOutputs:
+        if self.grammar is not None:
+            raise ValueError("grammar: EBNF grammars are not supported here; use json, regex or choice")
+        return self
+
+
+def structured_output_fields(response_format: ResponseFormat | None,
+                             structured: StructuredOutputs | None) -> dict[str, Any]:
+    """The SamplingParams fields of `response_format` and `structured_outputs` (the latter
+    wins where both are given)."""
+    if structured is not None and (structured.json_ is not None or structured.regex is not None
+                                   or structured.choice is not None):
+        if structured.json_ is not None:
+            return {"json_schema": structured.json_}
+        return {"regex": structured.regex} if structured.regex is not None else {"choice": structured.choice}
+    if response_format is None or response_format.type == "text":
+        return {}
+    if response_format.type == "json_object":
+        return {"json_object": True}
+    return {"json_schema": response_format.json_schema.schema_ or {"type": "object"}}
+
+
+class ChatLogprobsFields(BaseModel):
+    """Chat: `logprobs: true` for the sampled tokens', `top_logprobs: N` for N alternatives."""
+
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprob_fields(self) -> dict[str, Any]:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs: true")
+        return {"logprobs": self.logprobs, "top_logprobs": self.top_logprobs or 0}
+
+
+class CompletionLogprobsFields(BaseModel):
+    """Completions: `logprobs: N` asks for the sampled tokens' and N alternatives each."""
+
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    def logprob_fields(self) -> dict[str, Any]:
+        return {"logprobs": self.logprobs is not None, "top_logprobs": self.logprobs or 0}
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _NO_CHANCE
+
+
+def _shown(tokenizer: Any, token_ids: list[int], logprobs: list[TokenLogprob]
+           ) -> list[tuple[int, TokenLogprob]]:
+    """The tokens the reply's text shows, with their logprobs: an end-of-turn or other
+    special token the text leaves out is left out here too."""
+    special = set(tokenizer.all_special_ids)
+    return [(token_id, item) for token_id, item in zip(token_ids, logprobs) if token_id not in special]
+
+
+def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[TokenLogprob],
+                  num_top: int) -> dict[str, Any]:
+    """OpenAI's chat `logprobs` object for these tokens: per token its text, logprob, UTF-8
+    bytes and its `num_top` likeliest alternatives."""
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+
+    return {"content": [
+        entry(token_id, item.logprob) | {"top_logprobs": [
+            entry(top_id, top) for top_id, top in zip(item.top_token_ids[:num_top],
+                                                      item.top_logprobs[:num_top])]}
+        for token_id, item in _shown(tokenizer, token_ids, logprobs)]}
+
+
+def completion_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[TokenLogprob],
+                        num_top: int, text_offset: int) -> dict[str, Any]:
+    """The completions API's `logprobs` object (tokens, token_logprobs, top_logprobs as
+    token -> logprob, text_offset from `text_offset`, where these tokens' text starts)."""
+    shown = _shown(tokenizer, token_ids, logprobs)
+    logprobs = [item for _, item in shown]
+    tokens = [tokenizer.decode([token_id]) for token_id, _ in shown]
+    offsets, position = [], text_offset
+    for token in tokens:
+        offsets.append(position)
+        position += len(token)
+    return {"tokens": tokens, "token_logprobs": [_finite(item.logprob) for item in logprobs],
+            "top_logprobs": [{tokenizer.decode([top_id]): _finite(top) for top_id, top
+                              in zip(item.top_token_ids[:num_top], item.top_logprobs[:num_top])}
+                             for item in logprobs],
+            "text_offset": offsets}

@@ -1,0 +1,194 @@
+"""Tool calling on chat completions: the tools into the prompt, the grammar that forces a
+call, and the calls out of the model's text (whole, or as a stream's deltas).
+
+Prompt: the tools go through the model's own chat template (`tools=`; the templates of
+Qwen2.5/3, Llama 3.x, Mistral and SmolLM3 have a tool section). A template without one
+(it renders the same with and without tools, e.g. SmolLM2's) gets them in the system
+message instead, with the call format this module parses.
+
+Calls: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` blocks (the Hermes format
+Qwen and SmolLM3 write), or a whole reply that is one such JSON object (Llama 3's, with
+"parameters" for "arguments"). `tool_choice` "required" or a named function compiles a JSON
+schema of the call (the tools' names and parameter schemas) that the engine enforces, so
+the reply is exactly one call's JSON; "auto" lets the model choose; "none" leaves the tools
+out of the prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def template_tool_call(call: ToolCall) -> dict[str, Any]:
+    """An assistant message's tool call as chat templates take it (arguments as a dict)."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = call.function.arguments
+    return {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def call_text(call: dict[str, Any]) -> str:
+    """A tool call (template form) as this module's format writes it into a prompt."""
+    function = call["function"]
+    return f"{OPEN}\n{json.dumps({'name': function['name'], 'arguments': function['arguments']})}\n{CLOSE}"
+
+
+def tools_system_text(tools: list[Tool]) -> str:
+    """The tool section for a template without one: the functions and the call format."""
+    listed = "\n".join(json.dumps(tool.model_dump(exclude_none=True)) for tool in tools)
+    return ("You can call these functions (JSON signatures):\n" + listed + "\n\nTo call one, "
+            f"answer with {OPEN}\n{{\"name\": \"<function name>\", \"arguments\": "
+            f"{{<arguments as JSON>}}}}\n{CLOSE} and nothing else.")
+
+
+def with_tools_in_system(messages: list[dict[str, Any]], tools: list[Tool]) -> list[dict[str, Any]]:
+    """The messages for a template without a tool section: the tools' text joins the system
+    message (or opens the chat as one); calls and tool results become text."""
+    section = tools_system_text(tools)
+    plain = [{"role": m["role"], "content": (m.get("content") or "") + "".join(
+        ("\n" if m.get("content") else "") + call_text(call) for call in m.get("tool_calls") or ())}
+        for m in messages]
+    if plain and plain[0]["role"] == "system":
+        return [{"role": "system", "content": plain[0]["content"] + "\n\n" + section}, *plain[1:]]
+    return [{"role": "system", "content": section}, *plain]
+
+
+def forced_call_schema(tools: list[Tool], choice: ToolChoice) -> dict[str, Any] | None:
+    """The JSON schema one call must follow under `choice`; None where nothing is forced."""
+    if isinstance(choice, NamedToolChoice):
+        chosen = [tool for tool in tools if tool.function.name == choice.function.name]
+        if not chosen:
+            raise ValueError(f"tool_choice: no tool is named {choice.function.name!r}")
+    elif choice == "required":
+        chosen = tools
+    else:
+        return None
+    calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+              "properties": {"name": {"const": tool.function.name},
+                             "arguments": tool.function.parameters}} for tool in chosen]
+    return calls[0] if len(calls) == 1 else {"anyOf": calls}
+
+
+def _parse_call(text: str, names: set[str]) -> ToolCall | None:
+    """The call a JSON text holds, or None where it holds none of the tools'."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or value.get("name") not in names:
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(
+        name=value["name"], arguments=arguments if isinstance(arguments, str) else json.dumps(arguments)))
+
+
+@dataclass(slots=True)
+class ToolCallParser:
+    """Splits a reply, as it streams, into content and tool calls.
+
+    `feed` returns the content that can be shown now and the calls completed so far; text
+    that may begin a call (a `<tool_call>` or a prefix of it at the end, a reply that
+    opens with "{") is held until it resolves, and given back as content if it is none.
+    With `forced` (a grammar makes the reply one call's JSON), everything waits for the end.
+    """
+
+    names: set[str]
+    forced: bool = False
+    held: str = ""
+    shown_content: bool = False
+    calls: list[ToolCall] = field(default_factory=list)
+
+    def feed(self, text: str, final: bool) -> tuple[str, list[ToolCall]]:
+        self.held += text
+        content, calls = "", []
+        while not self.forced:
+            start = self.held.find(OPEN)
+            if start < 0:
+                keep = self._undecided_tail()
+                content += self.held[:len(self.held) - keep]
+                self.held = self.held[len(self.held) - keep:]
+                break
+            end = self.held.find(CLOSE, start)
+            if end < 0:
+                content += self.held[:start]
+                self.held = self.held[start:]
+                break
+            call = _parse_call(self.held[start + len(OPEN):end], self.names)
+            content += self.held[:start] if call is not None else self.held[:end + len(CLOSE)]
+            calls += [call] if call is not None else []
+            self.held = self.held[end + len(CLOSE):]
+        if final:
+            rest, self.held = self.held, ""
+            body = rest.strip().removeprefix(OPEN).removesuffix(CLOSE)
+            call = _parse_call(body, self.names) if rest.strip() else None
+            if call is not None:
+                calls.append(call)
+            else:
+                content += rest
+        self.shown_content = self.shown_content or bool(content.strip())
+        self.calls += calls
+        return content, calls
+
+    def _undecided_tail(self) -> int:
+        """How much of the held text's end may still begin a call."""
+        if not self.shown_content and not self.calls and self.held.lstrip()[:1] in ("", "{"):
+            return len(self.held)  # nothing but maybe a bare JSON call so far
+        for size in range(min(len(OPEN) - 1, len(self.held)), 0, -1):
+            if OPEN.startswith(self.held[-size:]):
+                return size
+        return 0
+
+
+def tool_call_deltas(calls: list[ToolCall], first_index: int) -> list[dict[str, Any]]:
+    """Stream deltas for completed calls: per call its id and name, then its arguments (the
+    OpenAI client joins a call's deltas by index)."""
+    deltas = []
+    for index, call in enumerate(calls, first_index):
+        deltas.append({"index": index, "id": call.id, "type": "function",
+                       "function": {"name": call.function.name, "arguments": ""}})
+        deltas.append({"index": index, "function": {"arguments": call.function.arguments}})
+    return deltas
