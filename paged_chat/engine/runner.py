@@ -78,7 +78,7 @@ class ModelRunner:
         sequence, which the model and the pool both bound."""
         self.model = model
         self.block_size = config.block_size
-        self.attention = select_attention(config.attention_backend, model_config, device)
+        self.attention = select_attention(config.attention_backend, model_config, device, dtype)
         self.device = device
         self.max_num_batched_tokens = config.max_num_batched_tokens
         spec = KVCacheSpec(model_config.num_layers, self.block_size, self.attention, dtype, device)

@@ -1,0 +1,146 @@
+/* Paged attention on the CPU, float32, over the head-major cache of attention/backend.py:
+ * each layer's key (value) cache is [kv_heads, num_blocks, block_size, dim], so one KV
+ * head's rows of a block are one contiguous run of block_size * dim floats.
+ *
+ * pa_attention first stores the step's new K/V in their slots (slot -1: nothing stored),
+ * then attends: one work item per (sequence, KV head, tile of up to QUERY_TILE query
+ * tokens), spread over OpenMP threads. An item walks the blocks its queries can see once,
+ * in table order, reading each K/V block in place (no gather), and keeps for each of its
+ * rows (query token x query head of the KV head's group) a running max, a running sum and
+ * an unnormalised output: the online softmax, rescaled when the max grows. A row reads
+ * only the keys it sees (causal, inside its sliding window), so table entries behind every
+ * window (released blocks, pointing at the null block 0) and keys past a sequence's end
+ * are never read, let alone multiplied by a zero probability.
+ *
+ * Query token j of a sequence of seq_len tokens with n new ones sits at position
+ * seq_len - n + j and sees the keys k with p - window < k <= p (window 0: all k <= p). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QUERY_TILE 16
+
+static void store(const float *new_rows, int64_t token_stride, float *cache,
+                  const int64_t *slots, int64_t num_tokens, int64_t kv_heads,
+                  int64_t head_stride, int64_t dim) {
+    for (int64_t t = 0; t < num_tokens; t++) {
+        if (slots[t] < 0) continue;
+        for (int64_t h = 0; h < kv_heads; h++)
+            memcpy(cache + h * head_stride + slots[t] * dim, new_rows + t * token_stride + h * dim,
+                   (size_t)dim * sizeof(float));
+    }
+}
+
+static inline float dot(const float *a, const float *b, int64_t dim) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t d = 0; d < dim; d++) sum += a[d] * b[d];
+    return sum;
+}
+
+/* One row's update by the keys [first, last] of one block (offsets in it). */
+static inline void attend_block(const float *q, const float *keys, const float *values,
+                                int64_t first, int64_t last, int64_t dim, float scale,
+                                float *scores, float *max, float *sum, float *acc) {
+    float top = *max;
+    for (int64_t o = first; o <= last; o++) {
+        scores[o] = dot(q, keys + o * dim, dim) * scale;
+        if (scores[o] > top) top = scores[o];
+    }
+    if (top > *max) {  /* rescale what was summed under the old max (exp(-inf) = 0) */
+        const float alpha = expf(*max - top);
+        *sum *= alpha;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) acc[d] *= alpha;
+        *max = top;
+    }
+    for (int64_t o = first; o <= last; o++) {
+        const float p = expf(scores[o] - top);
+        const float *v = values + o * dim;
+        *sum += p;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) acc[d] += p * v[d];
+    }
+}
+
+/* query [T, heads, dim] (token stride q_stride), key/value [T, kv_heads, dim] (token
+ * strides k_stride, v_stride), out [T, heads, dim] contiguous. */
+void pa_attention(const float *query, int64_t q_stride, const float *key, int64_t k_stride,
+                  const float *value, int64_t v_stride, float *key_cache, float *value_cache,
+                  int64_t num_blocks, int64_t block_size, const int64_t *slot_mapping,
+                  int64_t num_tokens, const int32_t *query_start, const int32_t *seq_lens,
+                  const int32_t *block_tables, int64_t table_width, int64_t num_seqs,
+                  int64_t heads, int64_t kv_heads, int64_t dim, float scale, int64_t window,
+                  float *out, int threads) {
+    const int64_t head_stride = num_blocks * block_size * dim, group = heads / kv_heads;
+    store(key, k_stride, key_cache, slot_mapping, num_tokens, kv_heads, head_stride, dim);
+    store(value, v_stride, value_cache, slot_mapping, num_tokens, kv_heads, head_stride, dim);
+    int64_t *first_item = malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
+    first_item[0] = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t new_tokens = query_start[s + 1] - query_start[s];
+        first_item[s + 1] = first_item[s] + (new_tokens + QUERY_TILE - 1) / QUERY_TILE * kv_heads;
+    }
+    const int64_t items = first_item[num_seqs];
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t rows = QUERY_TILE * group;
+        float *acc = malloc((size_t)(rows * dim + 2 * rows + block_size) * sizeof(float));
+        float *max = acc + rows * dim, *sum = max + rows, *scores = sum + rows;
+        int64_t s = 0;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; item++) {
+            while (first_item[s + 1] <= item) s++;
+            while (first_item[s] > item) s--;
+            const int64_t local = item - first_item[s];
+            const int64_t tile = local / kv_heads, h = local % kv_heads;
+            const int64_t new_tokens = query_start[s + 1] - query_start[s];
+            const int64_t seq_len = seq_lens[s];
+            const int64_t first_token = tile * QUERY_TILE;
+            const int64_t count = new_tokens - first_token < QUERY_TILE
+                                  ? new_tokens - first_token : QUERY_TILE;
+            const int64_t first_pos = seq_len - new_tokens + first_token;
+            const int64_t last_pos = first_pos + count - 1;
+            const int64_t lowest = window > 0 && first_pos - window + 1 > 0
+                                   ? first_pos - window + 1 : 0;
+            const int32_t *table = block_tables + s * table_width;
+            for (int64_t r = 0; r < count * group; r++) {
+                max[r] = -INFINITY;
+                sum[r] = 0.0f;
+                memset(acc + r * dim, 0, (size_t)dim * sizeof(float));
+            }
+            for (int64_t b = lowest / block_size; b <= last_pos / block_size; b++) {
+                const int64_t at = (h * num_blocks + table[b]) * block_size * dim;
+                const float *keys = key_cache + at, *values = value_cache + at;
+                const int64_t base = b * block_size;
+                for (int64_t j = 0; j < count; j++) {
+                    const int64_t pos = first_pos + j;
+                    const int64_t low = window > 0 && pos - window + 1 > base
+                                        ? pos - window + 1 : base;
+                    const int64_t high = pos < base + block_size - 1 ? pos : base + block_size - 1;
+                    if (low > high) continue;
+                    const int64_t token = query_start[s] + first_token + j;
+                    for (int64_t g = 0; g < group; g++) {
+                        const int64_t r = j * group + g;
+                        attend_block(query + token * q_stride + (h * group + g) * dim, keys,
+                                     values, low - base, high - base, dim, scale, scores,
+                                     max + r, sum + r, acc + r * dim);
+                    }
+                }
+            }
+            for (int64_t j = 0; j < count; j++) {
+                const int64_t token = query_start[s] + first_token + j;
+                for (int64_t g = 0; g < group; g++) {
+                    const int64_t r = j * group + g;
+                    const float inverse = 1.0f / sum[r];
+                    float *o = out + (token * heads + h * group + g) * dim;
+#pragma omp simd
+                    for (int64_t d = 0; d < dim; d++) o[d] = acc[r * dim + d] * inverse;
+                }
+            }
+        }
+        free(acc);
+    }
+    free(first_item);
+}
