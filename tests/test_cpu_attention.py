@@ -19,15 +19,16 @@ BLOCK = 4
 NUM_BLOCKS = 160
 
 
-def random_step(generator, heads, kv_heads, dim, seq_lens, new_tokens, shared_blocks=0):
+def random_step(generator, heads, kv_heads, dim, seq_lens, new_tokens, shared_blocks=0,
+                block=BLOCK):
     """Caches of random K/V, tables of distinct random blocks (block 0 never used), and the
     step's new q/k/v and metadata."""
-    shape = (kv_heads, NUM_BLOCKS, BLOCK, dim)
+    shape = (kv_heads, NUM_BLOCKS, block, dim)
     key_cache = torch.randn(shape, generator=generator)
     value_cache = torch.randn(shape, generator=generator)
     free = (torch.randperm(NUM_BLOCKS - 1, generator=generator) + 1).tolist()
     shared = [free.pop() for _ in range(shared_blocks)]
-    tables = [shared + [free.pop() for _ in range(-(-length // BLOCK) - shared_blocks)]
+    tables = [shared + [free.pop() for _ in range(-(-length // block) - shared_blocks)]
               for length in seq_lens]
     total = sum(new_tokens)
     query = torch.randn(total, heads, dim, generator=generator)
@@ -35,17 +36,17 @@ def random_step(generator, heads, kv_heads, dim, seq_lens, new_tokens, shared_bl
     fused = torch.randn(total, 2 * kv_heads * dim + 3, generator=generator)
     key = fused[:, :kv_heads * dim].view(total, kv_heads, dim)
     value = fused[:, kv_heads * dim:2 * kv_heads * dim].view(total, kv_heads, dim)
-    meta = AttentionMetadata.build(new_tokens, seq_lens, tables, BLOCK, torch.device("cpu"))
+    meta = AttentionMetadata.build(new_tokens, seq_lens, tables, block, torch.device("cpu"))
     return query, key, value, key_cache, value_cache, meta
 
 
-def run_both(step, heads, kv_heads, dim, window):
+def run_both(step, heads, kv_heads, dim, window, prefill_in_kernel=True):
     query, key, value, key_cache, value_cache, meta = step
     reference_caches = key_cache.clone(), value_cache.clone()
     scale = dim ** -0.5
     expected = TorchAttention(heads, kv_heads, dim, scale)(
         query, key, value, *reference_caches, meta, sliding_window=window)
-    got = CpuAttention(heads, kv_heads, dim, scale)(
+    got = CpuAttention(heads, kv_heads, dim, scale, prefill_in_kernel)(
         query, key, value, key_cache, value_cache, meta, sliding_window=window)
     assert torch.equal(key_cache, reference_caches[0]), "K stored in the same slots"
     assert torch.equal(value_cache, reference_caches[1]), "V stored in the same slots"
@@ -62,16 +63,21 @@ STEPS = {
 }
 
 
+@pytest.mark.parametrize("prefill_in_kernel", [True, False])
+@pytest.mark.parametrize("block", [BLOCK, 16])
 @pytest.mark.parametrize("step", STEPS)
 @pytest.mark.parametrize("window", [None, 7, 64])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 8), (9, 3, 64), (4, 4, 16)])
-def test_cpu_attention_matches_torch_reference(step, window, heads, kv_heads, dim):
+@pytest.mark.parametrize("heads,kv_heads,dim", [(6, 2, 8), (9, 3, 64), (4, 4, 16), (8, 2, 32)])
+def test_cpu_attention_matches_torch_reference(prefill_in_kernel, block, step, window, heads,
+                                               kv_heads, dim):
+    """Block size 16 (the default) takes the kernel's register-tiled paths; prefill chunks
+    in the kernel or by the reference's path beside the kernel's decodes."""
     generator = torch.Generator().manual_seed(len(step) * 7 + (window or 0) + heads)
     decodes, prefills = STEPS[step]
     seq_lens = [*decodes, *(length for length, _ in prefills)]
     new_tokens = [*[1] * len(decodes), *(count for _, count in prefills)]
-    got, expected = run_both(random_step(generator, heads, kv_heads, dim, seq_lens, new_tokens),
-                             heads, kv_heads, dim, window)
+    step = random_step(generator, heads, kv_heads, dim, seq_lens, new_tokens, block=block)
+    got, expected = run_both(step, heads, kv_heads, dim, window, prefill_in_kernel)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
@@ -91,6 +97,7 @@ def test_released_blocks_are_never_read():
     seq_lens, new_tokens = [50, 33, 61], [1, 1, 20]
     query, key, value, key_cache, value_cache, meta = random_step(
         generator, heads, kv_heads, dim, seq_lens, new_tokens)
+    attention = CpuAttention(heads, kv_heads, dim, dim ** -0.5, prefill_in_kernel=True)
     expected = TorchAttention(heads, kv_heads, dim, dim ** -0.5)(
         query, key, value, key_cache.clone(), value_cache.clone(), meta, sliding_window=window)
     tables = meta.block_tables.clone()
@@ -100,8 +107,7 @@ def test_released_blocks_are_never_read():
     key_cache[:, 0], value_cache[:, 0] = float("nan"), float("nan")
     released = AttentionMetadata.build(new_tokens, seq_lens, tables, BLOCK, torch.device("cpu"))
     assert (released.block_tables == 0).sum() >= 8
-    got = CpuAttention(heads, kv_heads, dim, dim ** -0.5)(
-        query, key, value, key_cache, value_cache, released, sliding_window=window)
+    got = attention(query, key, value, key_cache, value_cache, released, sliding_window=window)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

@@ -19,7 +19,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
 #define QUERY_TILE 16
+/* Rows of an item from which its blocks' keys are transposed first (prefill tiles). */
+#define TRANSPOSE_MIN_ROWS 8
 
 static void store(const float *new_rows, int64_t token_stride, float *cache,
                   const int64_t *slots, int64_t num_tokens, int64_t kv_heads,
@@ -39,15 +45,89 @@ static inline float dot(const float *a, const float *b, int64_t dim) {
     return sum;
 }
 
-/* One row's update by the keys [first, last] of one block (offsets in it). */
-static inline void attend_block(const float *q, const float *keys, const float *values,
-                                int64_t first, int64_t last, int64_t dim, float scale,
+#ifdef __AVX2__
+/* exp of eight floats <= 0: Cephes' expf (x = n ln 2 + r, a degree-5 polynomial in r),
+ * within 2 ulp of expf; what softmax spends most of its time in, eight at a time. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                                     _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i exponent = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+}
+#endif
+
+/* scores[o] = exp(scores[o] - top) for o in [first, last]; returns their sum. */
+static inline float exponentiate(float *scores, int64_t first, int64_t last, float top) {
+    float sum = 0.0f;
+    int64_t o = first;
+#ifdef __AVX2__
+    __m256 total = _mm256_setzero_ps();
+    for (; o + 8 <= last + 1; o += 8) {
+        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + o), _mm256_set1_ps(top)));
+        _mm256_storeu_ps(scores + o, p);
+        total = _mm256_add_ps(total, p);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, total);
+    for (int i = 0; i < 8; i++) sum += lanes[i];
+#endif
+    for (; o <= last; o++) {
+        scores[o] = expf(scores[o] - top);
+        sum += scores[o];
+    }
+    return sum;
+}
+
+/* One row's scores against the keys [first, last] of a block (offsets in it): dot products
+ * for a few rows, or, where `transposed` holds the block's keys as [dim, block_size], one
+ * broadcast FMA per dimension over all the block's keys (no horizontal sums). */
+static inline void score_block(const float *q, const float *keys, const float *transposed,
+                               int64_t block_size, int64_t first, int64_t last, int64_t dim,
+                               float scale, float *scores) {
+    if (transposed == NULL) {
+        for (int64_t o = first; o <= last; o++) scores[o] = dot(q, keys + o * dim, dim) * scale;
+        return;
+    }
+#ifdef __AVX2__
+    if (block_size == 16) {  /* the default: the block's scores stay in two registers */
+        __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
+        for (int64_t d = 0; d < dim; d++) {
+            const __m256 qd = _mm256_set1_ps(q[d] * scale);
+            low = _mm256_fmadd_ps(qd, _mm256_loadu_ps(transposed + d * 16), low);
+            high = _mm256_fmadd_ps(qd, _mm256_loadu_ps(transposed + d * 16 + 8), high);
+        }
+        _mm256_storeu_ps(scores, low);
+        _mm256_storeu_ps(scores + 8, high);
+        return;
+    }
+#endif
+#pragma omp simd
+    for (int64_t o = 0; o < block_size; o++) scores[o] = 0.0f;
+    for (int64_t d = 0; d < dim; d++) {
+        const float qd = q[d] * scale;
+        const float *column = transposed + d * block_size;
+#pragma omp simd
+        for (int64_t o = 0; o < block_size; o++) scores[o] += qd * column[o];
+    }
+}
+
+/* One row's online-softmax update by its `scores` of the keys [first, last] of a block. */
+static inline void attend_block(const float *values, int64_t first, int64_t last, int64_t dim,
                                 float *scores, float *max, float *sum, float *acc) {
     float top = *max;
-    for (int64_t o = first; o <= last; o++) {
-        scores[o] = dot(q, keys + o * dim, dim) * scale;
+    for (int64_t o = first; o <= last; o++)
         if (scores[o] > top) top = scores[o];
-    }
     if (top > *max) {  /* rescale what was summed under the old max (exp(-inf) = 0) */
         const float alpha = expf(*max - top);
         *sum *= alpha;
@@ -55,10 +135,31 @@ static inline void attend_block(const float *q, const float *keys, const float *
         for (int64_t d = 0; d < dim; d++) acc[d] *= alpha;
         *max = top;
     }
+    *sum += exponentiate(scores, first, last, top);
+#ifdef __AVX2__
+    if (dim % 32 == 0) {  /* 32 of the row's outputs in registers over the block's keys */
+        for (int64_t d = 0; d < dim; d += 32) {
+            __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
+            __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
+            for (int64_t o = first; o <= last; o++) {
+                const __m256 p = _mm256_set1_ps(scores[o]);
+                const float *v = values + o * dim + d;
+                a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v), a0);
+                a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8), a1);
+                a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 16), a2);
+                a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 24), a3);
+            }
+            _mm256_storeu_ps(acc + d, a0);
+            _mm256_storeu_ps(acc + d + 8, a1);
+            _mm256_storeu_ps(acc + d + 16, a2);
+            _mm256_storeu_ps(acc + d + 24, a3);
+        }
+        return;
+    }
+#endif
     for (int64_t o = first; o <= last; o++) {
-        const float p = expf(scores[o] - top);
+        const float p = scores[o];
         const float *v = values + o * dim;
-        *sum += p;
 #pragma omp simd
         for (int64_t d = 0; d < dim; d++) acc[d] += p * v[d];
     }
@@ -86,8 +187,10 @@ void pa_attention(const float *query, int64_t q_stride, const float *key, int64_
 #pragma omp parallel num_threads(threads)
     {
         const int64_t rows = QUERY_TILE * group;
-        float *acc = malloc((size_t)(rows * dim + 2 * rows + block_size) * sizeof(float));
+        float *acc = malloc((size_t)(rows * dim + 2 * rows + (1 + dim) * block_size)
+                            * sizeof(float));
         float *max = acc + rows * dim, *sum = max + rows, *scores = sum + rows;
+        float *transposed = scores + block_size;
         int64_t s = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++) {
@@ -114,6 +217,13 @@ void pa_attention(const float *query, int64_t q_stride, const float *key, int64_
                 const int64_t at = (h * num_blocks + table[b]) * block_size * dim;
                 const float *keys = key_cache + at, *values = value_cache + at;
                 const int64_t base = b * block_size;
+                const float *keys_t = NULL;
+                if (count * group >= TRANSPOSE_MIN_ROWS) {
+                    for (int64_t o = 0; o < block_size; o++)
+                        for (int64_t d = 0; d < dim; d++)
+                            transposed[d * block_size + o] = keys[o * dim + d];
+                    keys_t = transposed;
+                }
                 for (int64_t j = 0; j < count; j++) {
                     const int64_t pos = first_pos + j;
                     const int64_t low = window > 0 && pos - window + 1 > base
@@ -123,9 +233,11 @@ void pa_attention(const float *query, int64_t q_stride, const float *key, int64_
                     const int64_t token = query_start[s] + first_token + j;
                     for (int64_t g = 0; g < group; g++) {
                         const int64_t r = j * group + g;
-                        attend_block(query + token * q_stride + (h * group + g) * dim, keys,
-                                     values, low - base, high - base, dim, scale, scores,
-                                     max + r, sum + r, acc + r * dim);
+                        score_block(query + token * q_stride + (h * group + g) * dim, keys,
+                                    keys_t, block_size, low - base, high - base, dim, scale,
+                                    scores);
+                        attend_block(values, low - base, high - base, dim, scores, max + r,
+                                     sum + r, acc + r * dim);
                     }
                 }
             }
