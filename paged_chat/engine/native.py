@@ -4,7 +4,8 @@ releases the GIL for each call).
 A library is built into a per-user folder under the temp dir, named by a hash of its
 source, compiler and flags, with -march=native: a binary never moves between machines.
 Its OpenMP runtime is torch's own (same soname, already loaded), so thread counts and the
-thread pool are shared with torch's ops.
+thread pool are shared with torch's ops. The headers in this folder (vector_exp.h) are on
+every build's include path and in every build's hash.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+_HEADERS = Path(__file__).parent
 NATIVE_FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"])
 
 
@@ -29,7 +31,7 @@ def compile_library(source: Path, flag_sets: tuple[list[str], ...] = NATIVE_FLAG
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    text = source.read_bytes()
+    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(_HEADERS.glob("*.h")))
     folder = Path(tempfile.gettempdir()) / f"paged-chat-kernels-{os.getuid()}"
     for flags in flag_sets:
         digest = hashlib.sha256(text + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
@@ -37,8 +39,9 @@ def compile_library(source: Path, flag_sets: tuple[list[str], ...] = NATIVE_FLAG
         if not target.is_file():
             folder.mkdir(parents=True, exist_ok=True)
             partial = folder / f".partial-{os.getpid()}-{target.name}"
-            result = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(partial),
-                                     str(source), "-lm"], capture_output=True, check=False)
+            result = subprocess.run([compiler, *flags, f"-I{_HEADERS}", "-shared", "-fPIC",
+                                     "-o", str(partial), str(source), "-lm"],
+                                    capture_output=True, check=False)
             if result.returncode != 0:
                 partial.unlink(missing_ok=True)
                 continue
