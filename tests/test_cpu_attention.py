@@ -126,3 +126,12 @@ def test_engine_greedy_tokens_match_torch_backend(make_engine):
     expected = make_engine(attention_backend="torch").generate(prompts, params)
     got = make_engine(attention_backend="cpu").generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+
+
+@pytest.mark.parametrize("window", [None, 300])
+def test_long_contexts_on_threads_match(window):
+    """Enough keys for the kernel to split its work over threads (PARALLEL_MIN_KEYS)."""
+    generator = torch.Generator().manual_seed(11)
+    step = random_step(generator, 8, 4, 16, [1500, 900, 37], [1, 1, 20], block=16)
+    got, expected = run_both(step, 8, 4, 16, window)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -28,6 +28,8 @@
 #define QUERY_TILE 16
 /* Rows of an item from which its blocks' keys are transposed first (prefill tiles). */
 #define TRANSPOSE_MIN_ROWS 8
+/* Key rows a call reads (over sequences and KV heads) from which it runs on threads. */
+#define PARALLEL_MIN_KEYS 8192
 
 static void store(const float *new_rows, int64_t token_stride, float *cache,
                   const int64_t *slots, int64_t num_tokens, int64_t kv_heads,
@@ -164,7 +166,11 @@ void pa_attention(const float *query, int64_t q_stride, const float *key, int64_
         first_item[s + 1] = first_item[s] + (new_tokens + QUERY_TILE - 1) / QUERY_TILE * kv_heads;
     }
     const int64_t items = first_item[num_seqs];
-#pragma omp parallel num_threads(threads)
+    int64_t keys_read = 0;  /* the work, roughly: key rows read over every item */
+    for (int64_t s = 0; s < num_seqs; s++) keys_read += (int64_t)seq_lens[s] * kv_heads;
+    /* A fork/join costs more than a small step's attention saves; on a loaded machine a
+     * region also waits for a descheduled thread. */
+#pragma omp parallel num_threads(threads) if (items > 1 && keys_read >= PARALLEL_MIN_KEYS)
     {
         const int64_t rows = QUERY_TILE * group;
         float *acc = malloc((size_t)(rows * dim + 2 * rows + (1 + dim) * block_size)
