@@ -80,13 +80,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--layers", type=int, default=30)
-    parser.add_argument("--backend", default="torch", choices=("torch", "triton"))
+    parser.add_argument("--backend", default="auto", choices=("auto", "torch", "triton", "cpu"))
+    parser.add_argument("--no-fused-ops", dest="fused_ops", action="store_false",
+                        help="the torch reference ops instead of the fused C ops")
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="step-ops-"))
     build_tiny_model("llama", folder, num_layers=args.layers)
     load_model_source("smollm2-135m").tokenizer.save_pretrained(folder)
     engine = Engine(EngineConfig(model=str(folder), device="cpu", dtype="float32",
-                                 num_blocks=256, attention_backend=args.backend))
+                                 num_blocks=256, attention_backend=args.backend,
+                                 fused_ops=args.fused_ops))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for i in range(args.batch):
         engine.add_request(list(range(3 + i, 40 + i)), params)
@@ -111,6 +114,8 @@ def main() -> None:
     work = sum(n for op, n in everything.counts.items() if op not in VIEW_OPS)
     prepared_work = sum(n for op, n in prepare.counts.items() if op not in VIEW_OPS)
     print(json.dumps({"batch": args.batch, "layers": args.layers, "backend": args.backend,
+                      "attention": type(engine.runner.attention).__name__,
+                      "fused_ops": args.fused_ops,
                       "torch_ops_step": total, "torch_ops_prepare": prepared,
                       "torch_ops_per_layer": round((total - prepared) / args.layers, 1),
                       "non_view_ops_step": work, "non_view_ops_prepare": prepared_work,

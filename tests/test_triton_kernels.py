@@ -26,6 +26,7 @@ import triton.language as tl  # noqa: E402
 
 from paged_chat.engine import PagedChatError, SamplingParams
 from paged_chat.engine.attention.metadata import AttentionMetadata
+from paged_chat.engine.attention.cpu_backend import CpuAttention, cpu_kernels_available
 from paged_chat.engine.attention.torch_backend import TorchAttention
 from paged_chat.engine.attention import triton_backend  # noqa: E402
 from paged_chat.engine.attention.triton_backend import SHARED_MEMORY_BYTES, TritonAttention
@@ -280,8 +281,9 @@ def test_kernels_compile_clean_on_the_archs_with_least_room(tmp_path):
 
 
 def test_engine_picks_the_backend(make_engine, monkeypatch):
+    on_cpu = CpuAttention if cpu_kernels_available() else TorchAttention
     assert isinstance(make_engine(attention_backend="auto").runner.attention,
-                      TritonAttention if DEVICE.type == "cuda" else TorchAttention)
+                      TritonAttention if DEVICE.type == "cuda" else on_cpu)
     if DEVICE.type == "cpu":
         monkeypatch.delenv("TRITON_INTERPRET")
         with pytest.raises(PagedChatError, match="runs on CUDA"):

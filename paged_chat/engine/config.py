@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 WEIGHTS = ("quantized", "dequantize")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
 _MEMORY_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20,
@@ -43,6 +43,10 @@ class EngineConfig:
     the cores this process may use and adapts when other processes compete for them
     (engine/threads.py).
 
+    `fused_ops` runs the decoder's pointwise work on the CPU in float32 as fused C kernels
+    (residual add + RMSNorm, RoPE in place, SiLU-and-mul: engine/models/fused_ops.py)
+    where a C compiler builds them; False keeps the torch ops (the reference).
+
     `enforce_eager=False` captures CUDA graphs of decode steps (per batch-size bucket, Triton
     backend on CUDA only). It stays True by default until the capture path has run on a GPU.
     """
@@ -62,6 +66,7 @@ class EngineConfig:
     seed: int = 0
     cache_dir: str | None = None
     enforce_eager: bool = True
+    fused_ops: bool = True
     weight_cache_size: int | str = "4GiB"
     weights: str = "quantized"
     kv_tier_disk_bytes: int | str = 4 * 2**30
@@ -103,6 +108,9 @@ class EngineConfig:
             raise ValueError("EngineConfig.model is empty: expected an alias, a path or a hub id")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"EngineConfig.enforce_eager={self.enforce_eager!r} is invalid: "
+                             "expected true or false")
+        if not isinstance(self.fused_ops, bool):
+            raise ValueError(f"EngineConfig.fused_ops={self.fused_ops!r} is invalid: "
                              "expected true or false")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"EngineConfig.seed={self.seed!r} is invalid: expected an integer >= 0")

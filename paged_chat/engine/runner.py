@@ -4,7 +4,8 @@ tensors, runs the model, samples; copies whole blocks in and out for the KV tier
 Set-up, in nano-vllm's ModelRunner order: size the pool (on CUDA by profiling the largest
 step: the warm-up that measures what a step takes), allocate it, then, for a backend whose
 kernels compile (Triton on CUDA), compile every variant and capture the decode graphs; on
-the CPU, pack the weights for oneDNN.
+the CPU, pack the weights for oneDNN and switch the model to its fused C ops
+(`EngineConfig.fused_ops`).
 
 The KV cache is one preallocated tensor `[layers, 2, *attention.kv_cache_shape(...)]`
 (keys and values of every layer, in the attention backend's layout) of `num_blocks + 1`
@@ -80,7 +81,7 @@ class ModelRunner:
         sequence, which the model and the pool both bound."""
         self.model = model
         self.block_size = config.block_size
-        self.attention = select_attention(config.attention_backend, model_config, device)
+        self.attention = select_attention(config.attention_backend, model_config, device, dtype)
         self.device = device
         self.max_num_batched_tokens = config.max_num_batched_tokens
         spec = KVCacheSpec(model_config.num_layers, self.block_size, self.attention, dtype, device)
@@ -115,6 +116,8 @@ class ModelRunner:
                 self.capture_decode_graphs(config.max_num_seqs, on_progress or _no_progress)
         if device.type == "cpu":
             model.pack_for_cpu()    # last: nothing reads a packed weight
+            if config.fused_ops:
+                model.use_fused_ops()
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> list[int | Exception]:

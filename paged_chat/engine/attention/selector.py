@@ -7,13 +7,16 @@ import os
 import torch
 
 from paged_chat.engine.attention.backend import AttentionBackend
+from paged_chat.engine.attention.cpu_backend import CpuAttention, cpu_kernels_available
 from paged_chat.engine.attention.torch_backend import TorchAttention
 from paged_chat.engine.errors import PagedChatError
 from paged_chat.engine.models.model_config import ModelConfig
 
 
-def select_attention(backend: str, model: ModelConfig, device: torch.device) -> AttentionBackend:
-    """Triton kernels on CUDA when triton imports ("auto"), else the torch reference.
+def select_attention(backend: str, model: ModelConfig, device: torch.device,
+                     dtype: torch.dtype) -> AttentionBackend:
+    """"auto": Triton kernels on CUDA when triton imports; on the CPU in float32 the C
+    kernel (cpu_backend.py) where it builds; else the torch reference.
 
     The Triton backend is imported here, not at module level: triton is an optional extra,
     and TRITON_INTERPRET (the CPU interpreter the tests use) is read when kernels are
@@ -21,6 +24,16 @@ def select_attention(backend: str, model: ModelConfig, device: torch.device) -> 
     """
     args = (model.num_heads, model.num_kv_heads, model.head_dim)
     scale = model.attention_scale
+    if backend == "cpu":
+        if device.type != "cpu" or dtype != torch.float32 or not cpu_kernels_available():
+            raise PagedChatError("attention_backend='cpu' runs float32 on the CPU and needs a "
+                                 "C compiler (cc): use dtype='float32', device='cpu', or "
+                                 "attention_backend='torch'")
+        return CpuAttention(*args, scale=scale)
+    if backend == "auto" and device.type == "cpu":
+        if dtype == torch.float32 and cpu_kernels_available():
+            return CpuAttention(*args, scale=scale)
+        return TorchAttention(*args, scale=scale)
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return TorchAttention(*args, scale=scale)
     try:

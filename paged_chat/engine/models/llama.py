@@ -26,6 +26,7 @@ from torch import nn
 from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.errors import UnsupportedModelError
+from paged_chat.engine.models import fused_ops
 from paged_chat.engine.models.model_config import ModelConfig
 from paged_chat.engine.models.packed_linear import PackedLinear, pack_linears, packs
 from paged_chat.engine.models.quant import BLOCK_FORMATS
@@ -38,15 +39,27 @@ _LOGITS_SLICE = 1024  # vocabulary rows per output-projection matmul on the CPU
 
 
 class RMSNorm(nn.Module):
-    """Llama's `weight * norm(x).to(dtype)`, or Gemma's `(norm(x) * (1 + weight)).to(dtype)`."""
+    """Llama's `weight * norm(x).to(dtype)`, or Gemma's `(norm(x) * (1 + weight)).to(dtype)`.
+    `fused`: one C call (fused_ops.py) instead of the torch ops."""
 
     def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(size))
         self.eps = eps
         self.unit_offset = unit_offset
+        self.fused = False
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with `residual`, (norm(x + residual), x + residual): the sum is the new
+        residual stream (fused, written into `residual` in place)."""
+        if self.fused:
+            if residual is None:
+                return fused_ops.add_rms_norm(None, x, self.weight, self.eps)
+            return fused_ops.add_rms_norm(x, residual, self.weight, self.eps), residual
+        if residual is not None:
+            residual = x + residual
+            return self(residual), residual
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -100,19 +113,24 @@ class Attention(nn.Module):
         norm = lambda: RMSNorm(self.head_dim, config.rms_norm_eps, config.gemma)  # noqa: E731
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm else None
+        self.fused_rope = False  # RoPE in place in the QKV output, one C call (fused_ops.py)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
                 attention: AttentionBackend) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        qkv = self.qkv_proj(x)
+        if self.fused_rope:
+            fused_ops.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin)
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        if not self.fused_rope:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
         out = attention(q, k, v, key_cache, value_cache, meta, sliding_window=self.window)
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -123,15 +141,20 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.gelu = config.gemma
+        self.fused = False  # SiLU-and-mul in one C call (fused_ops.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         gate = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
         return self.down_proj(gate * up)
 
 
 class DecoderLayer(nn.Module):
-    """Llama's layer: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Llama's layer: x + attn(norm(x)), then x + mlp(norm(x)); as in vLLM, a layer takes
+    and returns its output apart from the residual stream (None before the first layer),
+    so each residual add happens inside the next norm (one fused op)."""
 
     def __init__(self, config: ModelConfig, window: int | None) -> None:
         super().__init__()
@@ -142,30 +165,37 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
         self.local_rope = window is not None and config.local_rope_theta is not None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                attention: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, key_cache, value_cache, meta,
-                               attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                meta: AttentionMetadata, attention: AttentionBackend
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, key_cache, value_cache, meta, attention)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class GemmaDecoderLayer(DecoderLayer):
     """Gemma 3's layer: norms before and after both attention and the MLP
-    (post_attention_layernorm normalises the attention output here)."""
+    (post_attention_layernorm normalises the attention output here). It returns the whole
+    stream, residual None (nothing of it is fused)."""
 
     def __init__(self, config: ModelConfig, window: int | None) -> None:
         super().__init__(config, window)
         self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, True)
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, residual: None, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
-                attention: AttentionBackend) -> torch.Tensor:
+                attention: AttentionBackend) -> tuple[torch.Tensor, None]:
         attended = self.self_attn(self.input_layernorm(x), cos, sin, key_cache, value_cache,
                                   meta, attention)
         x = x + self.post_attention_layernorm(attended)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        mlp = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + mlp, None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -349,6 +379,21 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = PackedLinear(self.embed_tokens.weight)
         pack_linears(self)
 
+    def use_fused_ops(self) -> bool:
+        """Run the pointwise work as fused C ops (fused_ops.py) where they apply: float32 on
+        the CPU, the llama layer (Gemma 3 keeps the torch ops), RoPE where no q/k norm
+        comes before it. Returns whether they are on."""
+        weight = self.norm.weight
+        if (self.config.gemma or weight.dtype != torch.float32 or weight.device.type != "cpu"
+                or not fused_ops.available()):
+            return False
+        self.norm.fused = True
+        for layer in self.layers:
+            layer.input_layernorm.fused = layer.post_attention_layernorm.fused = True
+            layer.self_attn.fused_rope = layer.self_attn.q_norm is None
+            layer.mlp.fused = True
+        return True
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, attention: AttentionBackend,
                 logits_indices: torch.Tensor) -> torch.Tensor:
@@ -359,13 +404,15 @@ class LlamaForCausalLM(nn.Module):
         if self.config.local_rope_theta is not None:
             local = (self.local_rope_cos[positions].unsqueeze(1),
                      self.local_rope_sin[positions].unsqueeze(1))
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         if self.config.gemma:
             x = x * self.embed_scale
         for layer, layer_cache in zip(self.layers, kv_cache):
             cos, sin = local if layer.local_rope else rope
-            x = layer(x, cos, sin, layer_cache[0], layer_cache[1], meta, attention)
-        return self._logits(self.norm(x[logits_indices])).float()
+            x, residual = layer(x, residual, cos, sin, layer_cache[0], layer_cache[1], meta,
+                                attention)
+        x = x[logits_indices] if residual is None else x[logits_indices] + residual[logits_indices]
+        return self._logits(self.norm(x)).float()
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.lm_head, (PackedLinear, QuantizedLinear)):

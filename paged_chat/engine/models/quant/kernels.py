@@ -9,72 +9,45 @@ product is compute-bound, tiles of weight rows are dequantized into a reused flo
 buffer that stays in cache and multiplied by MKL's GEMM. Without a compiler (or on a
 failed build) every shape takes the tile path, dequantized in torch ops.
 
-The library is built into a per-user folder under the temp dir, named by a hash of the
-source and flags, with -march=native: a binary never moves between machines.
+The library is built by engine/native.py (once per machine, -march=native).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
 from paged_chat.engine.models.quant.layout import QuantizedWeight
+from paged_chat.engine.native import NativeLibrary
 
 STREAM_MAX_ROWS = 8
 # Weight rows per dequantized tile: about 1 MiB of float32, L2-sized on the CPUs measured.
 _TILE_BYTES = 1 << 20
 _SOURCE = Path(__file__).with_name("kernels.c")
-_FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"])
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
-_library: ctypes.CDLL | None = None
-_loaded = False
-_lock = threading.Lock()
 _scratch = threading.local()
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.pc_matmul.argtypes = [_P, _I, _P, _P, _P, _P, _I, _I, _I, _P, _I, ctypes.c_int]
+    lib.pc_dequantize.argtypes = [_P, _P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
+
+
+_native = NativeLibrary(_SOURCE, _declare)
 
 
 def library() -> ctypes.CDLL | None:
     """The built kernels, or None where no C compiler builds them."""
-    global _library, _loaded
-    with _lock:
-        if not _loaded:
-            _library = build(_FLAG_SETS)
-            _loaded = True
-    return _library
+    return _native.load()
 
 
 def build(flag_sets: tuple[list[str], ...]) -> ctypes.CDLL | None:
     """kernels.c built with the first of `flag_sets` the compiler takes, or None."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None
-    source = _SOURCE.read_bytes()
-    folder = Path(tempfile.gettempdir()) / f"paged-chat-kernels-{os.getuid()}"
-    for flags in flag_sets:
-        digest = hashlib.sha256(source + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
-        target = folder / f"quant-{digest}.so"
-        if not target.is_file():
-            folder.mkdir(parents=True, exist_ok=True)
-            partial = folder / f".partial-{os.getpid()}-{target.name}"
-            result = subprocess.run([compiler, *flags, "-shared", "-fPIC", "-o", str(partial),
-                                     str(_SOURCE)], capture_output=True, check=False)
-            if result.returncode != 0:
-                partial.unlink(missing_ok=True)
-                continue
-            os.replace(partial, target)
-        lib = ctypes.CDLL(str(target))
-        lib.pc_matmul.argtypes = [_P, _I, _P, _P, _P, _P, _I, _I, _I, _P, _I, ctypes.c_int]
-        lib.pc_dequantize.argtypes = [_P, _P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
-        return lib
-    return None
+    return _native.build(flag_sets)
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
