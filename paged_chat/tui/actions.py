@@ -40,6 +40,7 @@ ACTIONS: list[tuple[str, str, str, str, bool]] = [
     ("copy_code", "alt+x", "Copy code", "Copy the last code block", False),
     ("broadcast", "ctrl+b", "Broadcast", "Broadcast the prompt to every tab", True),
     ("toggle_panel", "f8", "Panel", "Show or hide the engine panel", False),
+    ("restart_engine", "f5", "Restart engine", "Restart the engine (the model loads again)", False),
     ("help", "f1", "Help", "Help and keys", False),
 ]
 # The footer's actions, most needed first: a narrow terminal shows only the first few.
@@ -188,6 +189,9 @@ class ChatActions:
         self.panel.set_class(shown, "collapsed")
         self.panel.set_class(not shown, "expanded")
 
+    def action_restart_engine(self) -> None:
+        self.restart_engine()
+
     def action_help(self) -> None:
         if isinstance(self.screen, HelpScreen):
             return
@@ -205,13 +209,15 @@ class ChatActions:
         await self.tabs.close_tab(tab)
         self.store.delete_chat(chat_id)
 
+    def keys_of(self, action: str) -> str:
+        """The keys bound to `action` now (keymap applied), as the footer shows them."""
+        bound = self.keymap.get(action, next(keys for name, keys, *_ in ACTIONS if name == action))
+        return ", ".join(self.get_key_display(Binding(key.strip(), action))
+                         for key in bound.split(","))
+
     def key_help(self) -> list[tuple[str, str]]:
         """(keys, description) per action, as currently bound (keymap applied)."""
-        rows = []
-        for action, keys, _, description, _ in ACTIONS:
-            bound = self.keymap.get(action, keys)
-            shown = (self.get_key_display(Binding(key.strip(), action)) for key in bound.split(","))
-            rows.append((", ".join(shown), description))
+        rows = [(self.keys_of(action), description) for action, _, _, description, _ in ACTIONS]
         rows += [("enter", "Send the prompt"), ("shift+enter, ctrl+j", "New line in the prompt"),
                  ("up / down", "Earlier prompts (on the first / last line)"),
                  ("ctrl+p", "Command palette (every action)"), ("ctrl+q", "Quit")]

@@ -230,6 +230,13 @@ class EnginePanel(Vertical):
         if self.focus_block is not None:
             self._describe()
 
+    def show_trouble(self, trouble: str) -> None:
+        """The engine stopped or does not respond: its last snapshot (a request running,
+        blocks in use) no longer holds, so the numbers say what is wrong instead."""
+        self.stats = None
+        self._update_static("#pool-title", Text("KV cache: the engine is not serving", style="bold red"))
+        self._update_static("#numbers", Text(trouble, style="red"))
+
     def _update_static(self, selector: str, text: Text) -> None:
         if self._shown_text.get(selector) != text:
             self._shown_text[selector] = text
