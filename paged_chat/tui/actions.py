@@ -17,7 +17,7 @@ from textual import work
 from textual.app import SystemCommand
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
-from textual.screen import Screen
+from textual.screen import ModalScreen, Screen
 
 from paged_chat.tui.dialogs import ChatSettingsScreen, ConfirmScreen, HelpScreen, TextPromptScreen
 
@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 # (action, default keys, footer label, description, priority): every action also has a
 # palette entry. The action name is the binding id: `[tui.keys] new_chat = "ctrl+t"`.
+# A dialog's key has priority: the app takes it before the keys typed after it, which then
+# reach the dialog, not the prompt behind it (a binding found by bubbling runs only after
+# the focused prompt got them).
 ACTIONS: list[tuple[str, str, str, str, bool]] = [
     ("new_chat", "ctrl+n", "New", "New chat", True),
     ("close_chat", "ctrl+w", "Close", "Close chat", True),
@@ -33,7 +36,7 @@ ACTIONS: list[tuple[str, str, str, str, bool]] = [
     ("prev_chat", "ctrl+pageup,alt+left", "Prev", "Previous chat", True),
     ("rename_chat", "f2", "Rename", "Rename chat", False),
     ("fork_chat", "ctrl+f", "Fork", "Fork chat (shares its KV blocks)", True),
-    ("chat_settings", "f4", "Settings", "System prompt and sampling", False),
+    ("chat_settings", "f4", "Settings", "System prompt and sampling", True),
     ("stop", "escape", "Stop", "Stop the reply", False),
     ("regenerate", "ctrl+r", "Regenerate", "Regenerate the last reply", True),
     ("copy_reply", "alt+c", "Copy", "Copy the last reply", False),
@@ -126,17 +129,22 @@ class ChatActions:
         self.notify(f"forked {tab.title!r}: the fork shares every full KV block of its history",
                     markup=False)
 
-    @work(group="dialog")
-    async def action_chat_settings(self) -> None:
+    def action_chat_settings(self) -> None:
+        """Pushed at once, not from a worker: keys typed right after F4 go to the dialog."""
+        if isinstance(self.screen, ModalScreen):   # a priority key: not over another dialog
+            return
         tab = self._need_tab()
         if tab is None:
             return
-        await tab.ensure_loaded()
-        result = await self.push_screen_wait(ChatSettingsScreen(
-            tab.title, tab.session.system_prompt, tab.session.sampling,
-            self.settings.chat.sampling()))
-        if result is not None:
-            tab.apply_settings(*result)
+        tab.session.load()   # a restored tab's settings as stored
+
+        def apply(result: tuple[str | None, dict] | None) -> None:
+            if result is not None:
+                tab.apply_settings(*result)
+
+        self.push_screen(ChatSettingsScreen(tab.title, tab.session.system_prompt,
+                                            tab.session.sampling, self.settings.chat.sampling()),
+                         apply)
 
     def action_stop(self) -> None:
         tab = self.active_tab
