@@ -19,6 +19,7 @@ from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 from textual.screen import ModalScreen, Screen
 
+from paged_chat.tui.chat_search import open_chat_label
 from paged_chat.tui.dialogs import ChatSettingsScreen, ConfirmScreen, HelpScreen, TextPromptScreen
 
 if TYPE_CHECKING:
@@ -67,7 +68,7 @@ class StoredChats(Provider):
         tabs = self.app.tabs
         matcher = self.matcher(query)
         for chat in tabs.closed_chats():
-            text = f"Open chat: {chat.title}"
+            text = open_chat_label(chat.title)
             score = matcher.match(text)
             if score > 0:
                 yield Hit(score, matcher.highlight(text), partial(tabs.open_stored_chat, chat.id),
@@ -76,7 +77,7 @@ class StoredChats(Provider):
     async def discover(self) -> Hits:
         tabs = self.app.tabs
         for chat in tabs.closed_chats()[:20]:
-            yield DiscoveryHit(f"Open chat: {chat.title}", partial(tabs.open_stored_chat, chat.id))
+            yield DiscoveryHit(open_chat_label(chat.title), partial(tabs.open_stored_chat, chat.id))
 
 
 class ChatActions:

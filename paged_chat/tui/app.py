@@ -26,7 +26,7 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.containers import Horizontal
 from textual.css.query import NoMatches
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
 from paged_chat.chat_store import ChatStore
 from paged_chat.engine.errors import PagedChatError, describe_error
@@ -34,6 +34,8 @@ from paged_chat.settings import Settings, cache_dir, data_dir
 from paged_chat.tui.actions import ACTIONS, ChatActions, StoredChats, make_bindings
 from paged_chat.tui.chat_search import ChatSearch
 from paged_chat.tui.engine_panel import EnginePanel, with_request_owners
+from paged_chat.tui.fit import SEPARATOR, fit_parts
+from paged_chat.tui.key_footer import KeyFooter
 from paged_chat.tui.open_tabs import OpenTabs
 from paged_chat.tui.tabs import ChatTabs
 
@@ -110,7 +112,7 @@ class PagedChatApp(ChatActions, App):
                            engine_trouble=self.engine_trouble, id="tabs")
             yield EnginePanel(id="engine-panel")
         yield Static(id="status")
-        yield Footer()
+        yield KeyFooter()
 
     @property
     def tabs(self) -> ChatTabs:
@@ -336,41 +338,49 @@ class PagedChatApp(ChatActions, App):
             self._last_engine_error = error
             self.notify(f"engine step failed: {error}", severity="error", timeout=10, markup=False)
 
+    def on_resize(self) -> None:
+        self._update_status()   # its parts are fitted to the width
+
     def _update_status(self) -> None:
+        """The status line: its parts, the least needed left out first on a narrow terminal."""
         status = self.query_one("#status", Static)
-        text = Text(no_wrap=True, overflow="ellipsis")
+        parts: list[Text] = []
+        ranks: list[int] = []
+
+        def part(text: Text | str, rank: int, style: str = "") -> None:
+            parts.append(text if isinstance(text, Text) else Text(text, style=style))
+            ranks.append(rank)
+
         trouble = self.engine_trouble()
         if self._restarting:
-            text.append("◌ ", style="yellow")
-            text.append(f"restarting the engine (the model loads again) … "
-                        f"{time.monotonic() - self._load_started:.0f} s", style="yellow")
+            part(f"◌ restarting the engine (the model loads again) … "
+                 f"{time.monotonic() - self._load_started:.0f} s", 0, "yellow")
         elif trouble is not None:
-            text.append("✖ ", style="red")
-            text.append(trouble, style="bold red")
+            for rank, piece in enumerate(trouble.split(SEPARATOR)):
+                part(("✖ " if not rank else "") + piece, rank, "bold red")
         elif self.engine is not None:
             info = self.engine.info
-            text.append("● ", style="green")
-            text.append(info.name, style="bold")
-            text.append(f" · {describe_where(self.engine.capabilities, info)}")
+            part(Text.assemble(("● ", "green"), (info.name, "bold")), 0)
+            for rank, piece in zip((2, 4, 5, 6), describe_where(self.engine.capabilities, info)
+                                   .split(SEPARATOR)):
+                part(piece, rank)
             if info.weights:
-                text.append(f" · {info.weights}")
-            text.append(f" · max {info.max_model_len:,} tokens/seq")
+                part(info.weights, 8)
+            part(f"max {info.max_model_len:,} tokens/seq", 7)
             if self.load_seconds:
-                text.append(f" · ready (loaded in {self.load_seconds:.1f} s)", style="dim")
+                part(f"ready (loaded in {self.load_seconds:.1f} s)", 1, "dim")
         elif self.load_error is not None:
-            text.append("✖ ", style="red")
-            text.append(f"model failed to load: {self.load_error}", style="red")
+            part(f"✖ model failed to load: {self.load_error}", 0, "red")
         else:
             config = self.engine_config
             elapsed = time.monotonic() - self._load_started
-            text.append("◌ ", style="yellow")
             doing = f" · {self._load_progress}" if self._load_progress else ""
-            text.append(f"loading {config.model} ({config.device}, {config.dtype}){doing} … "
-                        f"{elapsed:.0f} s — you can type already", style="yellow")
+            part(f"◌ loading {config.model} ({config.device}, {config.dtype}){doing} … "
+                 f"{elapsed:.0f} s — you can type already", 0, "yellow")
         if self.demo:
-            text.append(f" · demo: {self.demo} tabs chat by themselves (Esc pauses one)",
-                        style="italic")
-        status.update(text, layout=False)
+            part(f"demo: {self.demo} tabs chat by themselves (Esc pauses one)", 3, "italic")
+        width = status.content_size.width or self.size.width - 2
+        status.update(fit_parts(parts, width, ranks), layout=False)
 
     # ---- shutdown -------------------------------------------------------------------
 

@@ -120,9 +120,10 @@ class ChatTab(TabPane):
         text.append("█ ", style=TAB_COLOURS[self.colour % len(TAB_COLOURS)])
         system = clean((self.session.system_prompt or "").replace("\n", " "))
         text.append(f"system: {system[:60] + '…' if len(system) > 60 else system or '(none)'}")
-        if self.session.sampling:
-            text.append("  ·  " + ", ".join(f"{k} {v}" for k, v in sorted(self.session.sampling.items())),
-                        style="dim")
+        # name=value, no space: a wrap falls between two settings; unset (None) ones are defaults
+        overrides = [f"{k}={v}" for k, v in sorted(self.session.sampling.items()) if v is not None]
+        if overrides:
+            text.append("  ·  " + ", ".join(overrides), style="dim")
         return text
 
     def refresh_info(self) -> None:

@@ -128,13 +128,18 @@ class ChatTabs(TabbedContent):
         return [chat for chat in self.store.list_chats() if chat.id not in open_ids]
 
     async def restore(self) -> None:
-        """Reopen the tabs of the last run (their messages load when first shown)."""
+        """Reopen the tabs of the last run (their messages load when first shown). With
+        none to reopen (a first start), the latest chat (an `ask`'s, say) opens beside a
+        new empty tab, which is the one shown."""
         chats = {chat.id: chat for chat in self.store.list_chats()}
         open_ids, active = self.open_tabs.read()
         ids = [chat_id for chat_id in open_ids if chat_id in chats]
         if not ids and chats:
             latest = self.store.latest_chat()
-            ids = [latest.id] if latest is not None else []
+            if latest is not None:
+                await self.open_chat_tab(latest, activate=False)
+            await self.open_new_chat()
+            return
         for chat_id in ids:
             await self.open_chat_tab(chats[chat_id], activate=False)
         for tab in self.chat_tabs:

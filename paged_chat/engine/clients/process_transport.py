@@ -335,6 +335,12 @@ def _child_main(conn: Connection, beats: Connection, config: EngineConfig,
         conn.send(_Stopped(reason, error))
     except OSError:
         pass
+    # Done: the KV tier is flushed and the parent told. The interpreter's teardown (torch's
+    # included) took longer than a quitting app gives the child, so it is skipped.
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    os._exit(0)
 
 
 def _beat(beats: Connection) -> None:
