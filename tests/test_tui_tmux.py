@@ -195,10 +195,18 @@ def test_at_80x24_a_first_start_shows_a_fresh_tab_and_only_whole_words(chat_mode
         screen = app.wait_for(lambda s: "Rome began" in s)
         assert "None" not in screen and "seed" not in screen, screen
         assert "max_tokens=300, temperature=0.7" in screen, screen
-        app.keys("F8")       # the panel over a narrow chat: the reply's footer fits its bubble
-        screen = app.wait_for(lambda s: "KV cache" in s and "Rome began" in s)
-        [bottom] = [line for line in screen.split("\n") if "╰" in line and "stopped" in line]
-        assert "…" not in bottom, screen
+        # The panel over a narrow chat: a reply's footer fits its bubble, in whole parts.
+        app.keys("F8")
+        app.keys("M-Right")
+        app.wait_for(lambda s: "KV cache" in s and "Rome began" not in s)
+        app.send("hi")
+        def reply_bottoms(screen: str) -> list[str]:
+            chat_column = [line.split("▏")[0] for line in screen.split("\n")]
+            return [line for line in chat_column if "╰" in line and "max tokens" in line]
+
+        screen = app.wait_for(lambda s: reply_bottoms(s))
+        [bottom] = reply_bottoms(screen)
+        assert "…" not in bottom and "ttft" in bottom, screen
         app.keys("C-q")
         app.wait_for(lambda s: "KV cache" not in s)
     finally:

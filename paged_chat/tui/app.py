@@ -243,13 +243,13 @@ class PagedChatApp(ChatActions, App):
     def engine_trouble(self) -> str | None:
         """Why the engine cannot take a turn now (stopped, not responding, restarting);
         None while it serves or still loads (a turn then waits for it)."""
-        from paged_chat.engine.clients.local import LocalClient
-
         engine = self.engine
         if self._restarting:
             return "the engine is restarting"
         if engine is None:
             return None
+        from paged_chat.engine.clients.local import LocalClient   # loaded with the engine: free
+
         restart = f"{self.keys_of('restart_engine')} restarts it"   # first: a narrow line keeps it
         if not engine.running:
             return f"the engine has stopped · {restart} · {engine.last_error or 'it was shut down'}"

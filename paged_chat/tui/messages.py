@@ -25,7 +25,7 @@ from paged_chat.tui.markdown_text import hard_line_breaks
 
 CHUNK_CHARS = 2000   # start a new Markdown widget at the next paragraph break past this
 RENDER_EVERY_S = 0.1  # a streaming reply's frame: the deltas within one render together
-BORDER_CELLS = 6      # of a bubble's width, what its bottom border's corners and ends keep
+BORDER_CELLS = 4      # of a bubble's width, what its bottom border's corners and ends keep
 _FENCE = re.compile(r"^ {0,3}(```|~~~)", re.MULTILINE)
 _CODE_BLOCK = re.compile(r"^ {0,3}(```|~~~)[^\n]*\n(.*?)^ {0,3}\1", re.MULTILINE | re.DOTALL)
 

@@ -63,12 +63,12 @@ from paged_chat.engine.clients.engine_loop import Command, Shutdown
 from paged_chat.engine.clients.protocol import ModelInfo
 from paged_chat.engine.config import EngineConfig
 from paged_chat.engine.errors import EngineDeadError, PagedChatError, describe_error
-from paged_chat.engine.models.loader import ProgressHook
 from paged_chat.engine.request import EngineCoreOutput
 from paged_chat.engine.stats import EngineStats
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # the parent never imports torch: the Engine and its loader are the child's
     from paged_chat.engine.clients.local import TransportEvents
+    from paged_chat.engine.models.loader import ProgressHook
 
 HEARTBEAT_S = 0.2        # how often the child says it is alive
 NOT_RESPONDING_S = 3.0   # no heartbeat for this long: the child is stopped or hung
@@ -163,6 +163,8 @@ class ProcessTransport:
             self._process.start()
         child_conn.close()  # the child's ends live in the child: EOF here once it exits
         child_beats.close()
+        # While the child loads, on the other core: what unpickling its ModelInfo needs.
+        import transformers.tokenization_utils_fast  # noqa: F401
         try:
             self._info, stats = self._wait_until_ready()
         except BaseException:
