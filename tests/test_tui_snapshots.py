@@ -100,6 +100,7 @@ def settle_then_press(key: str, then=None):
         await settle(pilot)
         await pilot.press(key)
         await pilot.pause()
+        await pilot.pause()   # a dialog's first focus lands on its screen's resume
         if then is not None:
             then(pilot.app)
     return run_before

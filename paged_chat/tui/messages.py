@@ -25,7 +25,7 @@ from paged_chat.tui.markdown_text import hard_line_breaks
 
 CHUNK_CHARS = 2000   # start a new Markdown widget at the next paragraph break past this
 RENDER_EVERY_S = 0.1  # a streaming reply's frame: the deltas within one render together
-BORDER_CELLS = 4      # of a bubble's width, what its bottom border's corners and ends keep
+BORDER_CELLS = 6      # of a bubble's outer width, what its bottom border keeps (corners, ends, spaces)
 _FENCE = re.compile(r"^ {0,3}(```|~~~)", re.MULTILINE)
 _CODE_BLOCK = re.compile(r"^ {0,3}(```|~~~)[^\n]*\n(.*?)^ {0,3}\1", re.MULTILINE | re.DOTALL)
 
@@ -100,7 +100,7 @@ class AssistantMessage(Vertical):
         longest, the ones before the last go first."""
         parts = self._footer.split(SEPARATOR) if self._footer else []
         ranks = [0 if index == len(parts) - 1 else index + 1 for index in range(len(parts))]
-        width = self.size.width - BORDER_CELLS if self.size.width else len(self._footer)
+        width = self.outer_size.width - BORDER_CELLS if self.outer_size.width else len(self._footer)
         self.border_subtitle = fit_parts(parts, width, ranks).plain
 
     async def write(self, fragment: str, render: bool = True) -> None:
