@@ -169,6 +169,7 @@ async def test_long_chat_mounts_lazily(engine, tmp_path):
         store.add_message(chat.id, "user", f"question {index}", [1])
         store.add_message(chat.id, "assistant", f"answer {index}", [2], "stop")
     store.close()
+    (tmp_path / "session.json").write_text(json.dumps({"open": [chat.id], "active": chat.id}))
     app = make_app(engine, tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.pause()
@@ -354,7 +355,7 @@ async def test_an_80x24_terminal_gives_the_chat_the_width_until_it_grows(engine,
                                                        "repetition_penalty": 1.1, "seed": 7})
         info = tab.query_one(".chat-info")
         await wait_until(lambda: info.size.height >= 2)
-        assert "seed 7" in text_of(info)
+        assert "seed=7" in text_of(info)
         # Chats are titled as `ask` titles them: the first line, up to TITLE_LENGTH.
         question = "Explain in detail how a paged KV cache shares the blocks of a prefix"
         await type_prompt(pilot, question)

@@ -9,7 +9,8 @@ import pytest
 from paged_chat.engine.stats import BlockMap
 from paged_chat.tui.block_map import (CACHED, FREE, SHARED, TAB0, Layout, block_codes, cell_grid,
                                      downsample)
-from paged_chat.tui.engine_panel import TabInfo, describe_block, format_legend
+from paged_chat.tui.engine_panel import TabInfo, describe_block
+from paged_chat.tui.legend import format_legend
 from paged_chat.tui.markdown_text import hard_line_breaks
 from paged_chat.tui.messages import AssistantMessage, code_blocks
 
@@ -64,7 +65,7 @@ def test_block_detail_shows_tokens_of_the_block():
 @pytest.mark.timeout(30)
 def test_legend_lists_the_chats_holding_blocks_first():
     tabs = {f"tab-{n}": TabInfo(f"Tab {n}", n, lambda rid: None) for n in range(8)}
-    plain = format_legend(tabs, holders=["tab-6", "gone", "tab-2"]).plain.replace("\u00a0", " ")
+    plain = format_legend(tabs, holders=["tab-6", "gone", "tab-2"]).plain
     assert plain.startswith("█ Tab 6  █ Tab 2  █ Tab 0  █ Tab 1  █ Tab 3")
     assert plain.count("Tab 6") == 1
 

@@ -7,6 +7,7 @@ import pytest
 from textual.command import CommandPalette
 
 from paged_chat.chat_store import ChatStore
+from paged_chat.tui.actions import StoredChats
 from paged_chat.tui.chat_search import ChatSearch
 from helpers import wait_until
 from tui_helpers import make_app, press
@@ -21,7 +22,7 @@ async def test_palette_search_opens_the_chat_that_holds_the_words(engine, tmp_pa
         store.create_chat("Newest chat", "m")   # the one restored into a tab
     app = make_app(engine, tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
-        await wait_until(lambda: [tab.title for tab in app.chat_tabs] == ["Newest chat"])
+        await wait_until(lambda: [tab.title for tab in app.chat_tabs] == ["Newest chat", "Chat 2"])
         assert [hit async for hit in ChatSearch(app.screen).search("nothing-like-it")] == []
         await press(pilot, "ctrl+p")
         await wait_until(lambda: isinstance(app.screen, CommandPalette))
@@ -35,5 +36,25 @@ async def test_palette_search_opens_the_chat_that_holds_the_words(engine, tmp_pa
         [hit] = [hit async for hit in ChatSearch(app.screen).search("newest")]
         await hit.command()   # an open chat: its tab comes to the front
         await wait_until(lambda: app.active_tab.title == "Newest chat")
-        assert len(app.chat_tabs) == 2
+        assert len(app.chat_tabs) == 3
         await pilot.pause()   # the tab switch's messages are handled before the app closes
+
+
+@pytest.mark.timeout(120)
+async def test_palette_search_lists_each_chat_once(engine, tmp_path):
+    """Issue 32, item 9: a closed chat whose title matches came twice, as "Open chat: ..."
+    and "Found in chats: ..."; one whose words only match comes once, found."""
+    with ChatStore(tmp_path / "chats.db") as store:
+        paging = store.create_chat("Paging explained", "m")
+        store.add_message(paging.id, "user", "How does paging work?", [1])
+        other = store.create_chat("Other", "m")
+        store.add_message(other.id, "user", "Tell me about paging in old machines", [1])
+    app = make_app(engine, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(lambda: len(app.chat_tabs) == 2)
+        await app.tabs.close_tab(next(t for t in app.chat_tabs if t.chat_id == other.id))
+        await pilot.pause()
+        hits = [hit async for hit in StoredChats(app.screen).search("paging")]
+        hits += [hit async for hit in ChatSearch(app.screen).search("paging")]
+        listed = [hit.command.args[0] for hit in hits]
+        assert sorted(listed) == sorted([paging.id, other.id]), [str(hit.text) for hit in hits]

@@ -35,6 +35,7 @@ class FakeEngine:
         self.series = series
         self.calls = 0
         self.last_error = None
+        self.running = True
         self.capabilities = ClientCapabilities(block_map=True, metrics=True, where="fake")
         self.info = ModelInfo(name="smollm2-135m", tokenizer=FakeTokenizer(), chat_template="",
                               device="cuda", dtype="bfloat16", num_blocks=SNAPSHOT_NUM_BLOCKS,
@@ -99,6 +100,7 @@ def settle_then_press(key: str, then=None):
         await settle(pilot)
         await pilot.press(key)
         await pilot.pause()
+        await pilot.pause()   # a dialog's first focus lands on its screen's resume
         if then is not None:
             then(pilot.app)
     return run_before

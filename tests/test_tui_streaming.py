@@ -35,6 +35,7 @@ class FedClient:
         self.engine = engine
         self.pieces: asyncio.Queue[str | None] = asyncio.Queue()
         self.last_error: str | None = None
+        self.running = True
 
     @property
     def info(self):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from paged_chat.chat_store import ChatStore
+from paged_chat.tui.actions import ACTIONS
 from helpers import wait_for
 
 
@@ -25,10 +27,11 @@ def _tmux(*args: str) -> str:
 
 
 class TmuxApp:
-    """The real `paged-chat` (python -m paged_chat) in a 120x40 tmux pane, with its own
-    config and chat store under `tmp_path`."""
+    """The real `paged-chat` (python -m paged_chat) in a tmux pane (120x40 unless `size`
+    says otherwise), with its own config and chat store under `tmp_path`."""
 
-    def __init__(self, model_dir: Path, tmp_path: Path, max_tokens: int) -> None:
+    def __init__(self, model_dir: Path, tmp_path: Path, max_tokens: int,
+                 size: tuple[int, int] = (120, 40)) -> None:
         config = tmp_path / "config.toml"
         config.write_text(f'[engine]\nmodel = "{model_dir}"\ndevice = "cpu"\ndtype = "float32"\n'
                           f'num_blocks = 512\n\n[chat]\ntemperature = 0.0\nmax_tokens = {max_tokens}\n')
@@ -41,7 +44,7 @@ class TmuxApp:
         self.session = f"paged-chat-test-{os.getpid()}-{next(_SERVERS)}"
         self.socket = ["-L", self.session]
         started = subprocess.run(
-            ["tmux", *self.socket, "new-session", "-d", "-s", self.session, "-x", "120", "-y", "40",
+            ["tmux", *self.socket, "new-session", "-d", "-s", self.session, "-x", str(size[0]), "-y", str(size[1]),
              *[arg for key in ("PAGED_CHAT_CONFIG", "PAGED_CHAT_DATA_DIR",
                                "PAGED_CHAT_CACHE_DIR", "HF_HUB_OFFLINE", "TERM")
                for arg in ("-e", f"{key}={env[key]}")],
@@ -163,3 +166,48 @@ def _saved_replies(path: Path) -> set[str]:
     with ChatStore(path) as store:
         return {chat.title for chat in store.list_chats()
                 if any(m.role == "assistant" and m.token_ids for m in store.get_chat(chat.id).messages)}
+
+
+@pytest.mark.timeout(600)
+@needs_tmux
+def test_at_80x24_a_first_start_shows_a_fresh_tab_and_only_whole_words(chat_model_dir, tmp_path):
+    """Issue 32, items 8 and 14, as the user met them: a first start at 80x24 with an `ask`
+    chat in the store (its sampling as `ask` keeps it, seed None; its reply stopped)."""
+    with ChatStore(tmp_path / "data" / "chats.db") as store:
+        essay = "Write a long essay about the history of Rome."
+        chat = store.create_chat(essay, "smollm2-135m", None,
+                                 {"max_tokens": 300, "seed": None, "temperature": 0.7})
+        store.add_message(chat.id, "user", essay, [1])
+        store.add_message(chat.id, "assistant", "Rome began as a small town on the Tiber.",
+                          [2], "abort", {"ttft_s": 0.27, "tokens_per_s": 12.3})
+    app = TmuxApp(chat_model_dir, tmp_path, max_tokens=8, size=(80, 24))
+    try:
+        screen = app.wait_for(lambda s: "ready" in s)
+        # Item 14: the latest chat comes back in a tab beside a new, empty one, which is shown.
+        assert "Chat 2" in screen and "Rome began" not in screen, screen
+        *_, status, footer = screen.rstrip("\n").split("\n")
+        # Item 8: the status line and the footer show whole parts and whole labels.
+        assert not status.rstrip().endswith("·"), status
+        words = {word for _, keys, label, _, _ in ACTIONS for word in re.findall(r"[A-Za-z]+", label)}
+        shown = {word for word in re.findall(r"[A-Za-z]+", footer) if len(word) > 1}   # not ^n's n
+        assert shown <= words | {"esc", "palette"}, footer
+        app.keys("M-Left")   # the chat `ask` left
+        screen = app.wait_for(lambda s: "Rome began" in s)
+        assert "None" not in screen and "seed" not in screen, screen
+        assert "max_tokens=300, temperature=0.7" in screen, screen
+        # The panel over a narrow chat: a reply's footer fits its bubble, in whole parts.
+        app.keys("F8")
+        app.keys("M-Right")
+        app.wait_for(lambda s: "KV cache" in s and "Rome began" not in s)
+        app.send("hi")
+        def reply_bottoms(screen: str) -> list[str]:
+            chat_column = [line.split("▏")[0] for line in screen.split("\n")]
+            return [line for line in chat_column if "╰" in line and "max tokens" in line]
+
+        screen = app.wait_for(lambda s: reply_bottoms(s))
+        [bottom] = reply_bottoms(screen)
+        assert "…" not in bottom, screen
+        app.keys("C-q")
+        app.wait_for(lambda s: "KV cache" not in s)
+    finally:
+        app.kill_server()

@@ -17,8 +17,9 @@ from textual import work
 from textual.app import SystemCommand
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
-from textual.screen import Screen
+from textual.screen import ModalScreen, Screen
 
+from paged_chat.tui.chat_search import open_chat_label
 from paged_chat.tui.dialogs import ChatSettingsScreen, ConfirmScreen, HelpScreen, TextPromptScreen
 
 if TYPE_CHECKING:
@@ -26,6 +27,9 @@ if TYPE_CHECKING:
 
 # (action, default keys, footer label, description, priority): every action also has a
 # palette entry. The action name is the binding id: `[tui.keys] new_chat = "ctrl+t"`.
+# A dialog's key has priority: the app takes it before the keys typed after it, which then
+# reach the dialog, not the prompt behind it (a binding found by bubbling runs only after
+# the focused prompt got them).
 ACTIONS: list[tuple[str, str, str, str, bool]] = [
     ("new_chat", "ctrl+n", "New", "New chat", True),
     ("close_chat", "ctrl+w", "Close", "Close chat", True),
@@ -33,13 +37,14 @@ ACTIONS: list[tuple[str, str, str, str, bool]] = [
     ("prev_chat", "ctrl+pageup,alt+left", "Prev", "Previous chat", True),
     ("rename_chat", "f2", "Rename", "Rename chat", False),
     ("fork_chat", "ctrl+f", "Fork", "Fork chat (shares its KV blocks)", True),
-    ("chat_settings", "f4", "Settings", "System prompt and sampling", False),
+    ("chat_settings", "f4", "Settings", "System prompt and sampling", True),
     ("stop", "escape", "Stop", "Stop the reply", False),
     ("regenerate", "ctrl+r", "Regenerate", "Regenerate the last reply", True),
     ("copy_reply", "alt+c", "Copy", "Copy the last reply", False),
     ("copy_code", "alt+x", "Copy code", "Copy the last code block", False),
     ("broadcast", "ctrl+b", "Broadcast", "Broadcast the prompt to every tab", True),
     ("toggle_panel", "f8", "Panel", "Show or hide the engine panel", False),
+    ("restart_engine", "f5", "Restart engine", "Restart the engine (the model loads again)", False),
     ("help", "f1", "Help", "Help and keys", False),
 ]
 # The footer's actions, most needed first: a narrow terminal shows only the first few.
@@ -63,7 +68,7 @@ class StoredChats(Provider):
         tabs = self.app.tabs
         matcher = self.matcher(query)
         for chat in tabs.closed_chats():
-            text = f"Open chat: {chat.title}"
+            text = open_chat_label(chat.title)
             score = matcher.match(text)
             if score > 0:
                 yield Hit(score, matcher.highlight(text), partial(tabs.open_stored_chat, chat.id),
@@ -72,7 +77,7 @@ class StoredChats(Provider):
     async def discover(self) -> Hits:
         tabs = self.app.tabs
         for chat in tabs.closed_chats()[:20]:
-            yield DiscoveryHit(f"Open chat: {chat.title}", partial(tabs.open_stored_chat, chat.id))
+            yield DiscoveryHit(open_chat_label(chat.title), partial(tabs.open_stored_chat, chat.id))
 
 
 class ChatActions:
@@ -125,17 +130,22 @@ class ChatActions:
         self.notify(f"forked {tab.title!r}: the fork shares every full KV block of its history",
                     markup=False)
 
-    @work(group="dialog")
-    async def action_chat_settings(self) -> None:
+    def action_chat_settings(self) -> None:
+        """Pushed at once, not from a worker: keys typed right after F4 go to the dialog."""
+        if isinstance(self.screen, ModalScreen):   # a priority key: not over another dialog
+            return
         tab = self._need_tab()
         if tab is None:
             return
-        await tab.ensure_loaded()
-        result = await self.push_screen_wait(ChatSettingsScreen(
-            tab.title, tab.session.system_prompt, tab.session.sampling,
-            self.settings.chat.sampling()))
-        if result is not None:
-            tab.apply_settings(*result)
+        tab.session.load()   # a restored tab's settings as stored
+
+        def apply(result: tuple[str | None, dict] | None) -> None:
+            if result is not None:
+                tab.apply_settings(*result)
+
+        self.push_screen(ChatSettingsScreen(tab.title, tab.session.system_prompt,
+                                            tab.session.sampling, self.settings.chat.sampling()),
+                         apply)
 
     def action_stop(self) -> None:
         tab = self.active_tab
@@ -188,6 +198,9 @@ class ChatActions:
         self.panel.set_class(shown, "collapsed")
         self.panel.set_class(not shown, "expanded")
 
+    def action_restart_engine(self) -> None:
+        self.restart_engine()
+
     def action_help(self) -> None:
         if isinstance(self.screen, HelpScreen):
             return
@@ -205,13 +218,15 @@ class ChatActions:
         await self.tabs.close_tab(tab)
         self.store.delete_chat(chat_id)
 
+    def keys_of(self, action: str) -> str:
+        """The keys bound to `action` now (keymap applied), as the footer shows them."""
+        bound = self.keymap.get(action, next(keys for name, keys, *_ in ACTIONS if name == action))
+        return ", ".join(self.get_key_display(Binding(key.strip(), action))
+                         for key in bound.split(","))
+
     def key_help(self) -> list[tuple[str, str]]:
         """(keys, description) per action, as currently bound (keymap applied)."""
-        rows = []
-        for action, keys, _, description, _ in ACTIONS:
-            bound = self.keymap.get(action, keys)
-            shown = (self.get_key_display(Binding(key.strip(), action)) for key in bound.split(","))
-            rows.append((", ".join(shown), description))
+        rows = [(self.keys_of(action), description) for action, _, _, description, _ in ACTIONS]
         rows += [("enter", "Send the prompt"), ("shift+enter, ctrl+j", "New line in the prompt"),
                  ("up / down", "Earlier prompts (on the first / last line)"),
                  ("ctrl+p", "Command palette (every action)"), ("ctrl+q", "Quit")]

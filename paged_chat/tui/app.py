@@ -2,7 +2,9 @@
 
 The UI opens at once; a thread worker starts the engine, by default in a process of its own
 (`[tui] engine_process`: no GIL shared with the UI), and the status line says when the
-model is ready (a prompt sent before then waits for it). Each tab is a view of one ChatSession
+model is ready (a prompt sent before then waits for it), and when the engine stops or stops
+responding (a dead or stopped child): a tab then keeps a new message in its prompt rather
+than send it, and F5 restarts the engine (not the app). Each tab is a view of one ChatSession
 and streams its replies in its own worker on the app's event loop; the engine panel polls
 `stats()` (which never blocks) on a ~10 Hz timer. The app talks to the engine only through
 the EngineClient surface, and takes an injected engine, store and settings, so tests can
@@ -24,7 +26,7 @@ from textual import work
 from textual.app import App, ComposeResult
 from textual.containers import Horizontal
 from textual.css.query import NoMatches
-from textual.widgets import Footer, Static
+from textual.widgets import Static
 
 from paged_chat.chat_store import ChatStore
 from paged_chat.engine.errors import PagedChatError, describe_error
@@ -32,6 +34,8 @@ from paged_chat.settings import Settings, cache_dir, data_dir
 from paged_chat.tui.actions import ACTIONS, ChatActions, StoredChats, make_bindings
 from paged_chat.tui.chat_search import ChatSearch
 from paged_chat.tui.engine_panel import EnginePanel, with_request_owners
+from paged_chat.tui.fit import SEPARATOR, fit_parts
+from paged_chat.tui.key_footer import KeyFooter
 from paged_chat.tui.open_tabs import OpenTabs
 from paged_chat.tui.tabs import ChatTabs
 
@@ -46,6 +50,8 @@ LABEL_TICKS = 10            # polls between refreshes of streaming tabs' headers
 DEMO_NUM_BLOCKS = 1536      # --demo's KV pool unless config.toml sizes it
 UI_CORES = 1                # what the UI thread needs while tabs stream: 0.2-0.5 of a core
 WIDE_FROM = 112   # columns from which the engine panel (48) leaves the prompt 60 or more
+QUIT_GRACE_S = 1.0     # what a quitting app gives a busy engine child before killing it
+RESTART_GRACE_S = 5.0  # ... and a restart (a stopped or hung child is killed at once)
 
 
 class PagedChatApp(ChatActions, App):
@@ -90,6 +96,8 @@ class PagedChatApp(ChatActions, App):
         self._load_progress = ""     # what a slow load is doing (a GGUF's first conversion)
         self._engine_ready: asyncio.Event | None = None
         self._last_engine_error: str | None = None
+        self._restarting = False            # F5: the engine is being restarted
+        self._shown_trouble: str | None = None   # what the status line says is wrong with the engine
         self._ticks = 0
         self.keymap: dict[str, str] = {}   # [tui.keys] as applied: action -> its keys
 
@@ -100,10 +108,11 @@ class PagedChatApp(ChatActions, App):
             yield ChatTabs(self.store, self.open_tabs, model_name=lambda: self.model_name,
                            system_prompt=self.settings.chat.system_prompt,
                            wait_for_engine=self.wait_for_engine,
-                           sampling_params=self.sampling_params, id="tabs")
+                           sampling_params=self.sampling_params,
+                           engine_trouble=self.engine_trouble, id="tabs")
             yield EnginePanel(id="engine-panel")
         yield Static(id="status")
-        yield Footer()
+        yield KeyFooter()
 
     @property
     def tabs(self) -> ChatTabs:
@@ -233,6 +242,63 @@ class PagedChatApp(ChatActions, App):
             raise PagedChatError(f"the model failed to load: {self.load_error}")
         return self.engine
 
+    def engine_trouble(self) -> str | None:
+        """Why the engine cannot take a turn now (stopped, not responding, restarting);
+        None while it serves or still loads (a turn then waits for it)."""
+        engine = self.engine
+        if self._restarting:
+            return "the engine is restarting"
+        if engine is None:
+            return None
+        from paged_chat.engine.clients.local import LocalClient   # loaded with the engine: free
+
+        restart = f"{self.keys_of('restart_engine')} restarts it"   # first: a narrow line keeps it
+        if not engine.running:
+            return f"the engine has stopped · {restart} · {engine.last_error or 'it was shut down'}"
+        if isinstance(engine, LocalClient) and not engine.responding:
+            return f"the engine is not responding · {restart} · its process is stopped or hung"
+        return None
+
+    def restart_engine(self) -> None:
+        """Restart the engine the app started (its open replies end); the tabs stay."""
+        from paged_chat.engine.clients.local import LocalClient
+
+        if self._restarting:
+            return
+        if not isinstance(self.engine, LocalClient):
+            self.notify("no engine of this app to restart" if self.engine is None else
+                        "a remote engine is restarted where it runs", severity="warning", markup=False)
+            return
+        self._restarting = True
+        self._load_started = time.monotonic()
+        self._load_progress = ""
+        self._update_status()
+        self._restart(self.engine)
+
+    @work(thread=True, exclusive=True, group="engine", exit_on_error=False)
+    def _restart(self, engine: EngineClient) -> None:
+        started = time.monotonic()
+        try:
+            engine.restart(RESTART_GRACE_S)
+            failure = None
+        except Exception as error:  # shown; the engine stays stopped, F5 tries again
+            failure = describe_error(error)
+        try:
+            self.call_from_thread(self._restarted, time.monotonic() - started, failure)
+        except RuntimeError:  # the app closed meanwhile: its unmount shuts the engine down
+            pass
+
+    def _restarted(self, seconds: float, failure: str | None) -> None:
+        self._restarting = False
+        if failure is None:
+            self.load_seconds = seconds
+            self._last_engine_error = None
+            self.notify(f"the engine was restarted ({seconds:.1f} s)", timeout=3, markup=False)
+        else:
+            self.notify(f"the engine could not be restarted: {failure}", severity="error",
+                        timeout=15, markup=False)
+        self._poll()
+
     def sampling_params(self, sampling: dict) -> SamplingParams:
         return self.settings.sampling_params(**sampling)
 
@@ -249,6 +315,17 @@ class PagedChatApp(ChatActions, App):
             return
         if not self.screen_stack or not self.screen.is_attached:
             return  # shutting down
+        trouble = self.engine_trouble()
+        if trouble != self._shown_trouble:
+            self._shown_trouble = trouble
+            self._update_status()
+            if trouble is not None and not self._restarting:
+                self.notify(trouble, severity="error", timeout=10, markup=False)
+        if trouble is not None:   # the last snapshot no longer says what runs
+            if self._restarting:
+                self._update_status()   # its seconds count up
+            self.panel.show_trouble(trouble)
+            return
         stats = self.engine.stats()
         try:
             self.panel.capabilities = self.engine.capabilities
@@ -263,33 +340,49 @@ class PagedChatApp(ChatActions, App):
             self._last_engine_error = error
             self.notify(f"engine step failed: {error}", severity="error", timeout=10, markup=False)
 
+    def on_resize(self) -> None:
+        self._update_status()   # its parts are fitted to the width
+
     def _update_status(self) -> None:
+        """The status line: its parts, the least needed left out first on a narrow terminal."""
         status = self.query_one("#status", Static)
-        text = Text(no_wrap=True, overflow="ellipsis")
-        if self.engine is not None:
+        parts: list[Text] = []
+        ranks: list[int] = []
+
+        def part(text: Text | str, rank: int, style: str = "") -> None:
+            parts.append(text if isinstance(text, Text) else Text(text, style=style))
+            ranks.append(rank)
+
+        trouble = self.engine_trouble()
+        if self._restarting:
+            part(f"◌ restarting the engine (the model loads again) … "
+                 f"{time.monotonic() - self._load_started:.0f} s", 0, "yellow")
+        elif trouble is not None:
+            for rank, piece in enumerate(trouble.split(SEPARATOR)):
+                part(("✖ " if not rank else "") + piece, rank, "bold red")
+        elif self.engine is not None:
             info = self.engine.info
-            text.append("● ", style="green")
-            text.append(info.name, style="bold")
-            text.append(f" · {describe_where(self.engine.capabilities, info)}")
+            part(Text.assemble(("● ", "green"), (info.name, "bold")), 0)
+            for rank, piece in zip((2, 4, 5, 6), describe_where(self.engine.capabilities, info)
+                                   .split(SEPARATOR)):
+                part(piece, rank)
             if info.weights:
-                text.append(f" · {info.weights}")
-            text.append(f" · max {info.max_model_len:,} tokens/seq")
+                part(info.weights, 8)
+            part(f"max {info.max_model_len:,} tokens/seq", 7)
             if self.load_seconds:
-                text.append(f" · ready (loaded in {self.load_seconds:.1f} s)", style="dim")
+                part(f"ready (loaded in {self.load_seconds:.1f} s)", 1, "dim")
         elif self.load_error is not None:
-            text.append("✖ ", style="red")
-            text.append(f"model failed to load: {self.load_error}", style="red")
+            part(f"✖ model failed to load: {self.load_error}", 0, "red")
         else:
             config = self.engine_config
             elapsed = time.monotonic() - self._load_started
-            text.append("◌ ", style="yellow")
             doing = f" · {self._load_progress}" if self._load_progress else ""
-            text.append(f"loading {config.model} ({config.device}, {config.dtype}){doing} … "
-                        f"{elapsed:.0f} s — you can type already", style="yellow")
+            part(f"◌ loading {config.model} ({config.device}, {config.dtype}){doing} … "
+                 f"{elapsed:.0f} s — you can type already", 0, "yellow")
         if self.demo:
-            text.append(f" · demo: {self.demo} tabs chat by themselves (Esc pauses one)",
-                        style="italic")
-        status.update(text, layout=False)
+            part(f"demo: {self.demo} tabs chat by themselves (Esc pauses one)", 3, "italic")
+        width = status.content_size.width or self.size.width - 2
+        status.update(fit_parts(parts, width, ranks), layout=False)
 
     # ---- shutdown -------------------------------------------------------------------
 
@@ -299,7 +392,7 @@ class PagedChatApp(ChatActions, App):
             self.api_server.stop()
         if self._owns_engine and self.engine is not None:
             engine, self.engine = self.engine, None
-            await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+            await asyncio.get_running_loop().run_in_executor(None, engine.shutdown, QUIT_GRACE_S)
         if self._demo_dir is not None:
             self.store.close()
             shutil.rmtree(self._demo_dir, ignore_errors=True)

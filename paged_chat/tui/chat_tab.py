@@ -41,6 +41,7 @@ MOUNT_AT_ONCE = 30     # messages mounted when a chat opens; older ones on deman
 
 WaitForEngine = Callable[[], Awaitable["EngineClient"]]
 MakeParams = Callable[[dict], "SamplingParams"]
+EngineTrouble = Callable[[], "str | None"]   # None while the engine can take a turn
 
 
 class ChatTab(TabPane):
@@ -62,12 +63,13 @@ class ChatTab(TabPane):
         """A reply finished (stopped, failed or complete)."""
 
     def __init__(self, session: ChatSession, colour: int, *, wait_for_engine: WaitForEngine,
-                 sampling_params: MakeParams) -> None:
+                 sampling_params: MakeParams, engine_trouble: EngineTrouble) -> None:
         super().__init__(session.title)
         self.session = session
         self.colour = colour
         self.wait_for_engine = wait_for_engine
         self.sampling_params = sampling_params
+        self.engine_trouble = engine_trouble
         self.error: str | None = None
         self._loaded = False                   # the stored messages are mounted
         self._earlier: list = []               # stored messages not mounted yet
@@ -118,9 +120,10 @@ class ChatTab(TabPane):
         text.append("█ ", style=TAB_COLOURS[self.colour % len(TAB_COLOURS)])
         system = clean((self.session.system_prompt or "").replace("\n", " "))
         text.append(f"system: {system[:60] + '…' if len(system) > 60 else system or '(none)'}")
-        if self.session.sampling:
-            text.append("  ·  " + ", ".join(f"{k} {v}" for k, v in sorted(self.session.sampling.items())),
-                        style="dim")
+        # name=value, no space: a wrap falls between two settings; unset (None) ones are defaults
+        overrides = [f"{k}={v}" for k, v in sorted(self.session.sampling.items()) if v is not None]
+        if overrides:
+            text.append("  ·  " + ", ".join(overrides), style="dim")
         return text
 
     def refresh_info(self) -> None:
@@ -185,7 +188,8 @@ class ChatTab(TabPane):
             event.prompt.remember(event.text)
 
     def send(self, text: str) -> bool:
-        """Start a turn with `text`; False (and a notice) while a reply is streaming."""
+        """Start a turn with `text`; False (and a notice) while a reply is streaming or the
+        engine cannot take it (the text then stays in the prompt, and nothing is stored)."""
         return self._start_turn(text)
 
     def regenerate(self) -> bool:
@@ -197,6 +201,11 @@ class ChatTab(TabPane):
     def _start_turn(self, text: str | None) -> bool:
         if self.streaming:
             self.notify("a reply is still streaming: Esc stops it", severity="warning", markup=False)
+            return False
+        trouble = self.engine_trouble()
+        if trouble is not None:
+            kept = " (your message stays in the prompt)" if text is not None else ""
+            self.notify(f"not sent: {trouble}{kept}", severity="error", timeout=8, markup=False)
             return False
         self.streaming = True
         self._run_turn(text)

@@ -99,6 +99,7 @@ def parse_sampling(values: dict[str, str]) -> dict:
 class ChatSettingsScreen(ModalScreen[tuple[str | None, dict] | None]):
     """The tab's system prompt and sampling settings."""
 
+    AUTO_FOCUS = "#system-prompt"   # what is typed right after F4 is the system prompt
     BINDINGS = [Binding("escape", "cancel", "Cancel"), Binding("ctrl+s", "save", "Save")]
 
     def __init__(self, title: str, system_prompt: str | None, sampling: dict,

@@ -18,7 +18,8 @@ from textual.widgets import Label, Static
 
 from paged_chat.engine.clients.protocol import ClientCapabilities
 from paged_chat.engine.stats import BlockMap, EngineStats
-from paged_chat.tui.block_map import TAB_COLOURS, BlockMapView
+from paged_chat.tui.block_map import BlockMapView
+from paged_chat.tui.legend import Legend
 from paged_chat.tui.sparkline import Spark
 
 REFRESH_EVERY_S = 0.2   # the panel redraws at most 5 times a second (at least 4 are promised)
@@ -104,25 +105,6 @@ def format_remote_numbers(stats: EngineStats, kv_usage: float | None, has_metric
     return _table(rows)
 
 
-def format_legend(tabs: Mapping[str, TabInfo], holders: Sequence[str] = ()) -> Text:
-    """The tabs' colours, those of `holders` (chats holding blocks now) first: a cut
-    legend still names the blocks on the map."""
-    text = Text(overflow="fold")
-    nbsp = "\u00a0"   # each entry wraps as a whole
-    for chat_id in dict.fromkeys([*(h for h in holders if h in tabs), *tabs]):
-        info = tabs[chat_id]
-        text.append(f"█{nbsp}", style=TAB_COLOURS[info.colour % len(TAB_COLOURS)])
-        text.append(info.title.replace(" ", nbsp) + "  ")
-    text.append(f"◆{nbsp}", style="bold")
-    text.append("shared  ")
-    text.append(f"░{nbsp}", style="dim")
-    text.append("cached  ")
-    text.append(f"▚{nbsp}", style="dim")
-    text.append("restored  ")
-    text.append(f"blank{nbsp}={nbsp}free", style="dim")
-    return text
-
-
 def describe_block(block_id: int, blocks: BlockMap, block_size: int,
                    tabs: Mapping[str, TabInfo], decode: Callable[[Sequence[int]], str] | None
                    ) -> Text:
@@ -192,7 +174,7 @@ class EnginePanel(Vertical):
                 yield Label(label, classes="spark-label")
                 yield Spark(id=f"spark-{name}")
         yield BlockMapView(id="block-map")
-        yield Static(id="legend")
+        yield Legend(id="legend")
         yield Static("hover or click a block", id="block-detail")
 
     def show_stats(self, stats: EngineStats, tabs: Mapping[str, TabInfo]) -> None:
@@ -204,7 +186,7 @@ class EnginePanel(Vertical):
         holders = tuple(dict.fromkeys(owner for owner in stats.blocks.request_owners if owner))
         if tabs_changed or holders != self._legend_holders:
             self._legend_holders = holders
-            self.query_one("#legend", Static).update(format_legend(tabs, holders))
+            self.query_one(Legend).show(tabs, holders)
         now = time.monotonic()
         if stats is self.stats or (not tabs_changed and now - self._shown_at < self.refresh_every_s):
             return
@@ -229,6 +211,13 @@ class EnginePanel(Vertical):
         self.query_one(BlockMapView).show(stats.blocks, owner_colour)
         if self.focus_block is not None:
             self._describe()
+
+    def show_trouble(self, trouble: str) -> None:
+        """The engine stopped or does not respond: its last snapshot (a request running,
+        blocks in use) no longer holds, so the numbers say what is wrong instead."""
+        self.stats = None
+        self._update_static("#pool-title", Text("KV cache: the engine is not serving", style="bold red"))
+        self._update_static("#numbers", Text(trouble, style="red"))
 
     def _update_static(self, selector: str, text: Text) -> None:
         if self._shown_text.get(selector) != text:

@@ -20,10 +20,12 @@ from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
 from paged_chat.text import sanitize_for_terminal as clean
+from paged_chat.tui.fit import SEPARATOR, fit_parts
 from paged_chat.tui.markdown_text import hard_line_breaks
 
 CHUNK_CHARS = 2000   # start a new Markdown widget at the next paragraph break past this
 RENDER_EVERY_S = 0.1  # a streaming reply's frame: the deltas within one render together
+BORDER_CELLS = 6      # of a bubble's outer width, what its bottom border keeps (corners, ends, spaces)
 _FENCE = re.compile(r"^ {0,3}(```|~~~)", re.MULTILINE)
 _CODE_BLOCK = re.compile(r"^ {0,3}(```|~~~)[^\n]*\n(.*?)^ {0,3}\1", re.MULTILINE | re.DOTALL)
 
@@ -62,6 +64,7 @@ class AssistantMessage(Vertical):
         super().__init__(classes="message assistant")
         self.text = text
         self.border_title = "assistant"
+        self._footer = footer   # " · "-joined parts (timings, how the reply ended)
         self.border_subtitle = footer
         self._chunks: list[Markdown] = []
         self._chunk_text = ""
@@ -81,11 +84,24 @@ class AssistantMessage(Vertical):
 
     @property
     def footer(self) -> str:
-        return str(self.border_subtitle or "")
+        return self._footer
 
     @footer.setter
     def footer(self, value: str) -> None:
-        self.border_subtitle = value
+        self._footer = value
+        self._fit_footer()
+
+    def on_resize(self) -> None:
+        self._fit_footer()
+
+    def _fit_footer(self) -> None:
+        """The footer's " · " parts that fit the bottom border whole (a narrow bubble cut
+        it mid-number): the last part (how the reply ended) and the first (TTFT) stay
+        longest, the ones before the last go first."""
+        parts = self._footer.split(SEPARATOR) if self._footer else []
+        ranks = [0 if index == len(parts) - 1 else index + 1 for index in range(len(parts))]
+        width = self.outer_size.width - BORDER_CELLS if self.outer_size.width else len(self._footer)
+        self.border_subtitle = fit_parts(parts, width, ranks).plain
 
     async def write(self, fragment: str, render: bool = True) -> None:
         """Stream a fragment of the reply. It renders with the others of its frame (at most

@@ -4,7 +4,8 @@ It opens chats in tabs (new, stored, forked, restored from the last run, the dem
 closes and cycles them, draws their headers, keeps the open-tabs file in step and tells
 the engine panel who each tab is. What it needs comes down as constructor arguments (the
 store, the open-tabs file, new chats' system prompt, and callables: the model new chats
-are stored with, how a tab waits for the engine and makes its sampling parameters); its
+are stored with, how a tab waits for the engine, learns that it cannot take a turn now,
+and makes its sampling parameters); its
 tabs report up with ChatTab messages, which it handles before they bubble on to the app.
 Nothing outside reads its state but through the methods below.
 """
@@ -21,7 +22,7 @@ from textual.widgets import ContentSwitcher, TabbedContent, TabPane
 
 from paged_chat.chat_session import ChatSession
 from paged_chat.text import sanitize_for_terminal as clean
-from paged_chat.tui.chat_tab import ChatTab, MakeParams, WaitForEngine
+from paged_chat.tui.chat_tab import ChatTab, EngineTrouble, MakeParams, WaitForEngine
 from paged_chat.tui.engine_panel import TabInfo
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ class ChatTabs(TabbedContent):
 
     def __init__(self, store: ChatStore, open_tabs: OpenTabs, *, model_name: Callable[[], str],
                  system_prompt: str | None, wait_for_engine: WaitForEngine,
-                 sampling_params: MakeParams, id: str | None = None) -> None:
+                 sampling_params: MakeParams, engine_trouble: EngineTrouble,
+                 id: str | None = None) -> None:
         super().__init__(id=id)
         self.store = store
         self.open_tabs = open_tabs
@@ -53,6 +55,7 @@ class ChatTabs(TabbedContent):
         self.system_prompt = system_prompt
         self.wait_for_engine = wait_for_engine
         self.sampling_params = sampling_params
+        self.engine_trouble = engine_trouble
         self._labels: dict[ChatTab, str] = {}
         self._infos: dict[str, TabInfo] | None = None
         self._autopilots: dict[ChatTab, Autopilot] = {}
@@ -81,7 +84,7 @@ class ChatTabs(TabbedContent):
     async def open_session_tab(self, session: ChatSession, *, activate: bool = True) -> ChatTab:
         """A tab showing `session`; its stored messages mount when it is first shown."""
         tab = ChatTab(session, self._free_colour(), wait_for_engine=self.wait_for_engine,
-                      sampling_params=self.sampling_params)
+                      sampling_params=self.sampling_params, engine_trouble=self.engine_trouble)
         await self.add_pane(tab)
         self._refresh_label(tab)
         if activate:
@@ -125,13 +128,18 @@ class ChatTabs(TabbedContent):
         return [chat for chat in self.store.list_chats() if chat.id not in open_ids]
 
     async def restore(self) -> None:
-        """Reopen the tabs of the last run (their messages load when first shown)."""
+        """Reopen the tabs of the last run (their messages load when first shown). With
+        none to reopen (a first start), the latest chat (an `ask`'s, say) opens beside a
+        new empty tab, which is the one shown."""
         chats = {chat.id: chat for chat in self.store.list_chats()}
         open_ids, active = self.open_tabs.read()
         ids = [chat_id for chat_id in open_ids if chat_id in chats]
         if not ids and chats:
             latest = self.store.latest_chat()
-            ids = [latest.id] if latest is not None else []
+            if latest is not None:
+                await self.open_chat_tab(latest, activate=False)
+            await self.open_new_chat()
+            return
         for chat_id in ids:
             await self.open_chat_tab(chats[chat_id], activate=False)
         for tab in self.chat_tabs:

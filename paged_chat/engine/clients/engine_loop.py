@@ -13,11 +13,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from paged_chat.engine.engine import Engine
 from paged_chat.engine.request import EngineCoreOutput, SamplingParams
 from paged_chat.engine.stats import EngineStats
+
+if TYPE_CHECKING:   # a client in another process than its Engine never imports torch
+    from paged_chat.engine.engine import Engine
 
 
 @dataclass(slots=True)

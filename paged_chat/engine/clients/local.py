@@ -50,6 +50,11 @@ class Transport(Protocol):
     def where(self) -> str:
         """One line on where the engine runs."""
 
+    @property
+    def responding(self) -> bool:
+        """Whether the engine shows signs of life (a child process that is stopped or hung
+        does not); `stop` does not wait for one that does not."""
+
     def start(self, events: TransportEvents) -> None:
         """Build or start the engine; its error is raised here. Once started, `events` hears
         everything, first a stats snapshot."""
@@ -92,6 +97,12 @@ class LocalClient:
     def running(self) -> bool:
         """Whether the engine serves requests (False after shutdown, a crash, a dead child)."""
         return self._streams.stopped is None
+
+    @property
+    def responding(self) -> bool:
+        """Whether the engine shows signs of life: False while a child process is stopped
+        or hung (it may come back), and once it has died."""
+        return self.transport.responding
 
     def stats(self) -> EngineStats:
         """The last snapshot the engine published (after a step, at most every

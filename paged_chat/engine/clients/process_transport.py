@@ -29,7 +29,12 @@ The client's `stats()` is the last snapshot the child sent, block map included.
 
 Failures. A failed step ends the open streams and the child keeps serving, as on a thread.
 A child that dies (killed, out of memory, a crash in native code) ends every stream with
-EngineDeadError naming its exit code, and the client's `last_error` says so. A restart
+EngineDeadError naming its exit code, and the client's `last_error` says so. A child that
+stops without dying (SIGSTOP, a hang that holds its GIL) is told by its heartbeat: a thread
+of its own sends one every HEARTBEAT_S on a second, one-way pipe whatever its main thread
+does (a long step included), and `responding` turns False after NOT_RESPONDING_S without
+one. `stop` waits for a responding child up to its timeout and kills one that does not
+respond at once, so an app quits in about a second whatever the child does. A restart
 starts a new child (the model loads again). A child whose parent dies
 sees its pipe close and exits; it ignores SIGINT, so Ctrl+C in a terminal reaches only the
 app, which shuts the child down. Its stdout and stderr go to `log_path` when given (a TUI
@@ -47,6 +52,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -57,12 +63,15 @@ from paged_chat.engine.clients.engine_loop import Command, Shutdown
 from paged_chat.engine.clients.protocol import ModelInfo
 from paged_chat.engine.config import EngineConfig
 from paged_chat.engine.errors import EngineDeadError, PagedChatError, describe_error
-from paged_chat.engine.models.loader import ProgressHook
 from paged_chat.engine.request import EngineCoreOutput
 from paged_chat.engine.stats import EngineStats
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:   # the parent never imports torch: the Engine and its loader are the child's
     from paged_chat.engine.clients.local import TransportEvents
+    from paged_chat.engine.models.loader import ProgressHook
+
+HEARTBEAT_S = 0.2        # how often the child says it is alive
+NOT_RESPONDING_S = 3.0   # no heartbeat for this long: the child is stopped or hung
 
 
 @dataclass(slots=True)
@@ -144,19 +153,26 @@ class ProcessTransport:
         self._events = events
         context = multiprocessing.get_context("spawn")
         self._conn, child_conn = context.Pipe()
+        self._beats, child_beats = context.Pipe(duplex=False)
+        self._beats_lock = threading.Lock()   # `responding` drains the pipe from any thread
         self._process = context.Process(
-            target=_child_main, args=(child_conn, self.config, self.stats_interval_s,
-                                      self.log_path, self.leave_cores),
+            target=_child_main, args=(child_conn, child_beats, self.config,
+                                      self.stats_interval_s, self.log_path, self.leave_cores),
             name="paged-chat-engine", daemon=True)
         with _stderr_with_a_descriptor():
             self._process.start()
-        child_conn.close()  # the child's end lives in the child: EOF here once it exits
+        child_conn.close()  # the child's ends live in the child: EOF here once it exits
+        child_beats.close()
+        # While the child loads, on the other core: what unpickling its ModelInfo needs.
+        import transformers.tokenization_utils_fast  # noqa: F401
         try:
             self._info, stats = self._wait_until_ready()
         except BaseException:
             self._conn.close()
+            self._beats.close()
             self._process.join(10.0)
             raise
+        self._last_beat = time.monotonic()
         events.on_stats(stats)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sender = threading.Thread(target=self._write, name="paged-chat-engine-sender",
@@ -166,22 +182,41 @@ class ProcessTransport:
         self._sender.start()
         self._reader.start()
 
+    @property
+    def responding(self) -> bool:
+        """Whether the child's heartbeat came within NOT_RESPONDING_S (False once it has
+        exited). Cheap: it drains the heartbeat pipe without waiting."""
+        with self._beats_lock:
+            try:
+                while self._beats.poll():
+                    self._beats.recv_bytes()
+                    self._last_beat = time.monotonic()
+            except (EOFError, OSError):  # the child has exited (the reader says why), or stop closed the pipe
+                return False
+            return time.monotonic() - self._last_beat < NOT_RESPONDING_S
+
     def send(self, command: Command) -> None:
         self._commands.put(command)
 
     def stop(self, reason: str, timeout_s: float) -> None:
         """Let the child abort everything, finish the KV tier's writes and exit, and wait for
-        it (killed after `timeout_s`)."""
+        it: killed after `timeout_s`, or at once when it does not respond (a stopped or hung
+        child never would). Returns once the reader has told the client."""
         assert self._process is not None
-        self._commands.put(Shutdown(reason))
-        self._reader.join(timeout_s)
-        self._process.join(timeout_s)
+        if self.responding:
+            deadline = time.monotonic() + timeout_s
+            self._commands.put(Shutdown(reason))
+            self._reader.join(timeout_s)
+            self._process.join(max(0.0, deadline - time.monotonic()))
         if self._process.is_alive():
-            self._process.kill()
+            self._process.kill()   # SIGKILL ends a stopped process too
             self._process.join()
-        self._commands.put(None)  # ends the sender
+        self._reader.join()        # EOF on the pipe now: it reports the end
+        self._commands.put(None)   # ends the sender (a write to a dead child fails at once)
         self._sender.join(timeout_s)
         self._conn.close()
+        with self._beats_lock:
+            self._beats.close()
 
     def restart(self, timeout_s: float) -> None:
         """A new child, which loads the model again."""
@@ -230,11 +265,11 @@ class ProcessTransport:
         except (EOFError, OSError):
             self._process.join(10.0)
             reason = error = (f"the engine process exited unexpectedly (exit code "
-                              f"{self._process.exitcode}); restart the app")
+                              f"{self._process.exitcode})")
         except Exception as exc:  # a message this side cannot take: a bug; never hang on it
             self._process.kill()
             reason = error = (f"the engine process sent what could not be read "
-                              f"({describe_error(exc)}); restart the app")
+                              f"({describe_error(exc)})")
         events.on_stopped(reason, error)
 
 
@@ -260,8 +295,8 @@ class _PipeEvents:
         self.conn.send(_StepFailed(message))
 
 
-def _child_main(conn: Connection, config: EngineConfig, stats_interval_s: float,
-                log_path: Path | None, leave_cores: int) -> None:
+def _child_main(conn: Connection, beats: Connection, config: EngineConfig,
+                stats_interval_s: float, log_path: Path | None, leave_cores: int) -> None:
     from paged_chat.engine.clients.engine_loop import serve_engine
     from paged_chat.engine.engine import Engine
 
@@ -280,6 +315,7 @@ def _child_main(conn: Connection, config: EngineConfig, stats_interval_s: float,
         return
     engine.threads.leave_cores(leave_cores)
     conn.send(_Ready(engine.info, engine.stats()))
+    threading.Thread(target=_beat, args=(beats,), name="paged-chat-heartbeat", daemon=True).start()
 
     def receive(block: bool) -> list[Command]:
         try:
@@ -295,12 +331,30 @@ def _child_main(conn: Connection, config: EngineConfig, stats_interval_s: float,
         reason = serve_engine(engine, receive, _PipeEvents(conn), stats_interval_s)
     except Exception as exc:  # an engine bug outside a step, or the parent gone mid-send
         error = f"{type(exc).__name__}: {exc}"
-        reason = f"the engine stopped after an internal error ({error}); restart the app"
+        reason = f"the engine stopped after an internal error ({error})"
     engine.flush()
     try:
         conn.send(_Stopped(reason, error))
     except OSError:
         pass
+    # Done: the KV tier is flushed and the parent told. The interpreter's teardown (torch's
+    # included) took longer than a quitting app gives the child, so it is skipped.
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    os._exit(0)
+
+
+def _beat(beats: Connection) -> None:
+    """The heartbeat, on a thread of its own: it goes on through a long step, and stops
+    with the whole process (SIGSTOP, a hang that holds the GIL). A parent that reads no
+    beats for a while only fills the pipe: this thread then waits, and nothing else does."""
+    try:
+        while True:
+            beats.send_bytes(b"")
+            time.sleep(HEARTBEAT_S)
+    except OSError:  # the parent has gone
+        return
 
 
 def _log_to(path: Path) -> None:

@@ -52,6 +52,7 @@ class ThreadTransport:
     """An Engine on a thread named "paged-chat-engine"."""
 
     where = "on a thread of this process"
+    responding = True   # a thread of this process stops only with the process
 
     def __init__(self, engine: Engine | EngineBuilder, stats_interval_s: float = 0.05) -> None:
         """`engine`: a function that builds the Engine, called on the engine thread (its
