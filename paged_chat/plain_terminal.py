@@ -99,7 +99,9 @@ def _check_continuable(options: AskOptions, chat: StoredChat) -> None:
         raise UsageError(f"chat {chat.id} uses the model {chat.model!r}: drop --model to continue "
                          "it, or start a new chat")
     if options.system is not None and options.system != (chat.system_prompt or ""):
-        raise UsageError(f"chat {chat.id} has its own system prompt: drop --system to continue it")
+        has = f"the system prompt {chat.system_prompt!r}" if chat.system_prompt else "no system prompt"
+        raise UsageError(f"chat {chat.id} has {has} and --system would change it: drop --system "
+                         "to continue it, or start a new chat without -c")
 
 
 def model_spec(model: str) -> str:

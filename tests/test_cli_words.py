@@ -4,6 +4,9 @@ how a stored reply ended, in the TUI's words (`stopped`, not `abort`)."""
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import typer.main
 from typer.testing import CliRunner
@@ -48,3 +51,24 @@ def test_chats_show_says_stopped_as_the_tui_does(tmp_path, monkeypatch):
     assert result.exit_code == 0, result.output
     assert "## Assistant (stopped)" in result.output and "## Assistant (max tokens)" in result.output
     assert "abort" not in result.output and "## User\n" in result.output
+    # The README says what a stopped reply looks like there: the very heading printed above.
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    said = re.findall(r"`chats show` prints `([^`]+)`", readme)
+    assert said and all(heading in result.output for heading in said), said
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("system_prompt, has", [(None, "has no system prompt"),
+                                                ("Be brief.", "has the system prompt 'Be brief.'")])
+def test_continuing_with_another_system_prompt_says_what_the_chat_has(tmp_path, monkeypatch,
+                                                                       system_prompt, has):
+    monkeypatch.setenv("PAGED_CHAT_DATA_DIR", str(tmp_path))
+    monkeypatch.setenv("PAGED_CHAT_CONFIG", str(tmp_path / "config.toml"))
+    with ChatStore(tmp_path / "chats.db") as store:
+        chat = store.create_chat("Plain", "tiny", system_prompt, {})
+        store.add_message(chat.id, "user", "hi", [1])
+        store.add_message(chat.id, "assistant", "hello", [2], "stop")
+    result = CliRunner().invoke(app, ["ask", "-c", "-s", "Be a pirate", "hi"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (f"Error: chat {chat.id} {has} and --system would change it: "
+                                     "drop --system to continue it, or start a new chat without -c")
