@@ -201,6 +201,10 @@ def root(ctx: typer.Context,
          server: Annotated[str | None, typer.Option(
              "--server", metavar="URL", help="Chat on this OpenAI-compatible server (vLLM, "
                                              "another paged-chat...) instead of the local engine.")] = None,
+         model: Annotated[str | None, typer.Option(
+             "--model", "-m", help="The model to chat with (default: [engine] model); with "
+                                   "--server, a local copy of the served model's tokenizer, "
+                                   "else the server's own is used.")] = None,
          debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
          version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                                help="Print the version and exit.")] = False,
@@ -214,7 +218,8 @@ def root(ctx: typer.Context,
     state.debug = debug
     state.config = config
     if ctx.invoked_subcommand is not None:
-        for name, value in (("--demo", demo), ("--serve", serve), ("--server", server)):
+        for name, value in (("--demo", demo), ("--serve", serve), ("--server", server),
+                            ("--model", model)):
             if value is not None:
                 raise typer.BadParameter("it opens the TUI, so it takes no command", param_hint=name)
         return
@@ -226,6 +231,8 @@ def root(ctx: typer.Context,
         from paged_chat.tui.app import run_app
 
         settings = state.settings()
+        if model is not None:
+            settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, model=model))
         if serve is not None and (server or settings.server.url):
             raise typer.BadParameter("--serve serves the local engine; it cannot with --server",
                                      param_hint="--serve")
@@ -301,6 +308,7 @@ def ask(ctx: typer.Context,
         settings = state.settings()
         options.server = server or settings.server.url
         options.api_key = api_key or settings.server.api_key
+        options.remote_model = model or settings.engine.model
         if system == "":  # an explicit empty --system clears the configured one
             settings = dataclasses.replace(settings, chat=dataclasses.replace(settings.chat, system_prompt=None))
         code = run_ask(options, settings, state.make_engine, sys.stdin)

@@ -24,7 +24,10 @@ class ModelInfo:
     `chat_template` build prompts; the pool's size (`num_blocks`, `block_size`) means
     something only where the client's capabilities say `block_map`. `weights` says what
     the weights are held as ("Q4_1+Q8_0, 0.12 GB of weights"; "" where unknown),
-    `weight_bytes` the bytes they take (0 where unknown)."""
+    `weight_bytes` the bytes they take (0 where unknown). `tokenizer_from` says, for an
+    engine elsewhere, whose tokenizer `tokenizer` is: "local" (a local copy of the served
+    model's) or "the server's" (ServerTokenizer: the server tokenizes and templates); ""
+    for a local engine (its own)."""
 
     name: str
     tokenizer: Any
@@ -37,6 +40,7 @@ class ModelInfo:
     num_parameters: int
     weights: str = ""
     weight_bytes: int = 0
+    tokenizer_from: str = ""
 
 
 @dataclass(slots=True, frozen=True)
