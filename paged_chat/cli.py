@@ -40,10 +40,19 @@ if TYPE_CHECKING:
     from paged_chat.chat_store import ChatStore, StoredChat
     from paged_chat.engine import Engine, EngineClient, EngineConfig
 
-def _without_flag_types(params: list[click.Parameter]) -> list[click.Parameter]:
+# Short value placeholders: typer's own (`<float range>`) leave the help column too
+# narrow at 80 columns.
+_SHORT_PLACEHOLDERS = {"<int range>": "<n>", "<int>": "<n>", "<float range>": "<x>",
+                       "<float>": "<x>", "<str>": "<text>"}
+
+
+def _without_flag_types(params: list[click.Parameter], ctx: click.Context) -> list[click.Parameter]:
     for param in params:
         if getattr(param, "is_flag", False):
             param.metavar = ""
+        elif param.metavar is None and param.param_type_name == "option":
+            shown = param.display_type_rich(ctx)
+            param.metavar = _SHORT_PLACEHOLDERS.get(shown, shown)
     return params
 
 
@@ -52,12 +61,12 @@ class _FlagsShowNoType(TyperGroup):
     took a value: flags (--help included) show none, in this group and its commands."""
 
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
-        return _without_flag_types(super().get_params(ctx))
+        return _without_flag_types(super().get_params(ctx), ctx)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         command = super().get_command(ctx, name)
         if command is not None:
-            _without_flag_types(command.get_params(ctx))
+            _without_flag_types(command.get_params(ctx), ctx)
         return command
 
 
@@ -81,12 +90,15 @@ class _RootGroup(_FlagsShowNoType):
         return super().parse_args(ctx, given)
 
 
+# Markdown: a docstring's paragraphs are reflowed to the terminal's width (typer's "rich"
+# mode keeps their source line breaks, which read as breaks mid-sentence).
 app = typer.Typer(name="paged-chat", add_completion=False, pretty_exceptions_enable=False,
-                  context_settings={"help_option_names": ["-h", "--help"]}, cls=_RootGroup)
-chats_app = typer.Typer(cls=_FlagsShowNoType)
+                  context_settings={"help_option_names": ["-h", "--help"]}, cls=_RootGroup,
+                  rich_markup_mode="markdown")
+chats_app = typer.Typer(cls=_FlagsShowNoType, rich_markup_mode="markdown")
 app.add_typer(chats_app, name="chats")
 cache_app = typer.Typer(help="The engine's disk cache (the KV tier: chat histories' KV).",
-                        cls=_FlagsShowNoType)
+                        cls=_FlagsShowNoType, rich_markup_mode="markdown")
 app.add_typer(cache_app, name="cache")
 MODEL_HELP = ("Alias, .gguf file, HF folder, cached hub id, ollama:NAME(:TAG) or "
               "lmstudio:PUBLISHER/REPO(/FILE).")
@@ -424,8 +436,10 @@ def bench(ctx: typer.Context,
           threads: Annotated[int, typer.Option(min=1, help="torch threads for every system.")] = 2,
           block_size: Annotated[int, typer.Option(help="KV block size, tokens (paged-chat and hf-cb).")] = 16,
           systems: Annotated[str, typer.Option(
-              help="Comma-separated: paged-chat, hf-seq, hf-static, hf-cb, openai:URL (any "
-                   "OpenAI-compatible server, e.g. llama-server).")] = "paged-chat,hf-seq,hf-static,hf-cb",
+              show_default=False,
+              help="Comma-separated, of paged-chat, hf-seq, hf-static, hf-cb (default: these "
+                   "four) and openai:URL (any OpenAI-compatible server, e.g. llama-server).")
+          ] = "paged-chat,hf-seq,hf-static,hf-cb",
           quick: Annotated[bool, typer.Option(
               "--quick", help="8 chats, replies of 16-48 tokens: under two minutes on 2 cores.")] = False,
           scenarios: Annotated[bool, typer.Option(help="Run the memory scenarios too.")] = True,

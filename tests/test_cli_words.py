@@ -72,3 +72,47 @@ def test_continuing_with_another_system_prompt_says_what_the_chat_has(tmp_path, 
     assert result.exit_code == 2
     assert result.stderr.strip() == (f"Error: chat {chat.id} {has} and --system would change it: "
                                      "drop --system to continue it, or start a new chat without -c")
+
+
+def _command(path: tuple[str, ...]):
+    command = typer.main.get_command(app)
+    for name in path:
+        command = command.get_command(command.context_class(command), name)
+    return command
+
+
+def _in_order(words: list[str], within: list[str]) -> bool:
+    rest = iter(within)
+    return all(word in rest for word in words)
+
+
+def _breaks_early(lines: list[str], width: int, indent: int = 0) -> list[str]:
+    """Lines a paragraph wraps after although the next line's first word would have fit
+    (the next line goes on the paragraph where its first `indent` columns are blank)."""
+    return [a for a, b in zip(lines, lines[1:])
+            if a.strip() and b.strip() and not b[:indent].strip()
+            and len(a.rstrip()) + 1 + len(b.split()[0]) <= width]
+
+
+@pytest.mark.timeout(120)
+def test_help_wraps_cleanly_at_80_columns():
+    """Every command's help at 80 columns: no line wider, nothing cut with an ellipsis, every
+    option's help whole and in order, and no paragraph (the description, a command's line in
+    the list) broken before a word that fits."""
+    for path in command_paths(typer.main.get_command(app)):
+        result = CliRunner().invoke(app, [*path, "--help"], terminal_width=80, env={"COLUMNS": "80"})
+        assert result.exit_code == 0, (path, result.output)
+        lines = result.output.splitlines()
+        assert max(map(len, lines)) <= 80 and "…" not in result.output, (path, result.output)
+        shown = result.output.replace("│", " ").split()
+        for param in _command(path).params:
+            if getattr(param, "help", None):
+                words = param.help.replace("`", "").split()  # Markdown shows a `code` span bare
+                assert _in_order(words, shown), (path, param.name, result.output)
+        description = lines[:next(i for i, line in enumerate(lines) if line.startswith("╭"))]
+        assert not _breaks_early(description, 78), (path, result.output)
+        if "╭─ Commands" in result.output:
+            start = next(i for i, line in enumerate(lines) if line.startswith("╭─ Commands"))
+            end = next(i for i in range(start, len(lines)) if lines[i].startswith("╰"))
+            cells = [line[1:-1] for line in lines[start + 1:end]]
+            assert not _breaks_early(cells, 77, indent=3), (path, result.output)
