@@ -475,7 +475,7 @@ def bench(ctx: typer.Context,
             if json_path is not None:
                 write_json(report, str(json_path))
             return
-        sizes = (dict(num_chats=8, min_output=16, max_output=48) if quick else
+        sizes = (dict(num_chats=8, min_output=16, max_output=48, hf_seq_requests=2) if quick else
                  dict(num_chats=chats, min_output=min_output, max_output=max_output))
         if sizes["min_output"] > sizes["max_output"]:
             raise typer.BadParameter("must not exceed --max-output", param_hint="--min-output")

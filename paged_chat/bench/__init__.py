@@ -61,6 +61,7 @@ class BenchOptions:
     engine_threads: int | None = None  # paged-chat's EngineConfig.threads (None: adapt)
     weights: str = "quantized"  # paged-chat's EngineConfig.weights
     host_overhead: bool = False
+    hf_seq_requests: int | None = None  # hf-seq runs this many, the rest extrapolated (None: all)
 
 
 def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict:
@@ -94,7 +95,7 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
             result = (run_openai_server(name, workload, source.tokenizer) if is_openai_system(name)
                       else on_own_thread(lambda: run_system(
                           name, engine, source, workload, baseline_dtype, options.block_size,
-                          options.max_num_batched_tokens, options.threads)))
+                          options.max_num_batched_tokens, options.threads, options.hf_seq_requests)))
             results.append(result)
         if busy:
             results[-1].name = f"{name} +{busy} busy"
