@@ -25,7 +25,9 @@ from helpers import wait_until
 from tui_helpers import make_settings, text_of, type_prompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
-NO_ENGINE = CliState(engine_factory=lambda config: pytest.fail("no local engine"))
+def no_engine() -> CliState:
+    """A fresh state per invocation (it keeps the settings it read)."""
+    return CliState(engine_factory=lambda config: pytest.fail("no local engine"))
 
 
 @pytest.fixture
@@ -81,7 +83,7 @@ def test_a_matching_local_tokenizer_is_used(fake_vllm, chat_model_dir):
 
 def ask(*args: str, config=None):
     prefix = ["--config", str(config)] if config else []
-    return CliRunner().invoke(cli_app, [*prefix, "ask", *args], obj=NO_ENGINE)
+    return CliRunner().invoke(cli_app, [*prefix, "ask", *args], obj=no_engine())
 
 
 @pytest.mark.parametrize("details, metrics, cached", [
@@ -145,3 +147,22 @@ async def test_tui_on_a_server_without_metrics_shows_no_graph(fake_vllm, tmp_pat
         await wait_until(lambda: "no vLLM /metrics" in text_of(panel.query_one("#numbers")))
         for selector in ("#block-map", "#legend", "#block-detail", "#row-used", "#row-gen", "#row-batch"):
             assert not panel.query_one(selector).display, selector
+
+
+@pytest.mark.parametrize("how", ["--model", "[engine] model", "neither"])
+def test_the_tui_takes_its_remote_tokenizer_from_model_or_the_config(fake_vllm, chat_model_dir, tmp_path,
+                                                                     monkeypatch, how):
+    """`paged-chat --server URL` with `--model`, or `[engine] model` in config.toml: that
+    local tokenizer where it matches the server's; with neither, the server's own."""
+    import paged_chat.cli
+
+    fake = fake_vllm()
+    config = tmp_path / "config.toml"
+    config.write_text(f'[engine]\nmodel = "{chat_model_dir}"\n' if how == "[engine] model" else "")
+    opened = []
+    monkeypatch.setattr(paged_chat.cli, "_has_terminal", lambda: True)
+    monkeypatch.setattr(PagedChatApp, "run", lambda app: opened.append(app.engine.info.tokenizer_from))
+    args = ["--model", str(chat_model_dir)] if how == "--model" else []
+    result = CliRunner().invoke(cli_app, ["--config", str(config), "--server", fake.url, *args], obj=no_engine())
+    assert result.exit_code == 0, result.output
+    assert opened == ["the server's" if how == "neither" else "local"]

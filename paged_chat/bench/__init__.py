@@ -4,7 +4,8 @@ ratios from one run are what counts).
 
 Systems:
 - paged-chat: this engine, as configured.
-- hf-seq: transformers `generate`, one request at a time (the notebook baseline).
+- hf-seq: transformers `generate`, one request at a time (the notebook baseline); with
+  `hf_seq_requests` (`--quick`: 2) only the first ones, the rest extrapolated.
 - hf-static: transformers `generate` on left-padded static batches.
 - hf-cb: transformers' own continuous batching (`paged|eager` attention), with an explicit
   ContinuousBatchingConfig so it never sizes its cache from system RAM.

@@ -27,7 +27,7 @@ DESCRIPTIONS = {
     "paged-chat": "this engine: continuous batching on a paged KV cache, prefix caching",
     "hf-seq": "transformers generate, one request at a time (the notebook way)",
     "hf-static": "transformers generate on left-padded static batches of every request",
-    "hf-cb": "transformers' own continuous batching (generate_batch, paged|eager attention)",
+    "hf-cb": "transformers' own continuous batching (paged|eager attention)",
 }
 
 
