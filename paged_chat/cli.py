@@ -441,7 +441,8 @@ def bench(ctx: typer.Context,
                    "four) and openai:URL (any OpenAI-compatible server, e.g. llama-server).")
           ] = "paged-chat,hf-seq,hf-static,hf-cb",
           quick: Annotated[bool, typer.Option(
-              "--quick", help="8 chats, replies of 16-48 tokens: under two minutes on 2 cores.")] = False,
+              "--quick", help="8 chats, replies of 16-48 tokens, hf-seq on 2 of them (the others "
+                             "extrapolated).")] = False,
           scenarios: Annotated[bool, typer.Option(help="Run the memory scenarios too.")] = True,
           roofline: Annotated[bool, typer.Option(
               "--roofline", help="Measure bandwidth and matmul peak; compare a decode step.")] = False,
