@@ -36,7 +36,8 @@ from paged_chat.chat_session import ChatSession, Turn, chat_title
 from paged_chat.engine.regular_files import NotARegularFileError, open_regular
 from paged_chat.plain_terminal import (STOP_SIGNALS, AskOptions, EngineFactory, ReceivedSignals,
                                        UsageError, chat_to_continue, configure, load_client,
-                                       model_spec, say, stop_signals, turn_stats_line, warn,
+                                       model_spec, ready_words, say, stop_signals,
+                                       turn_stats_line, warn,
                                        warnings_to_stderr)
 from paged_chat.settings import chat_sampling
 from paged_chat.text import StreamSanitizer, check_text
@@ -353,7 +354,8 @@ def _answer(client: EngineClient, answers: list[Answer], options: AskOptions, lo
         if not signals.overdue:  # else the engine is stuck in a step: the CLI exits past it
             client.shutdown()
     if options.stats:
-        _print_stats(answers, load_s, stats.num_preemptions, client.info.weights)
+        _print_stats(answers, ready_words(options, client, load_s), stats.num_preemptions,
+                     client.info.weights)
         if stats.blocks_freed_by_window:
             say(f"{stats.blocks_freed_by_window} KV blocks freed behind the sliding window")
     failed = [answer for answer in answers if answer.turn.finish_reason == "error"]
@@ -403,19 +405,20 @@ def load_progress() -> Callable[[str, int, int], None]:
     return show
 
 
-def _print_stats(answers: list[Answer], load_s: float, preemptions: int, weights: str) -> None:
+def _print_stats(answers: list[Answer], ready: str, preemptions: int, weights: str) -> None:
     held = f", weights held: {weights}" if weights else ""
     if len(answers) == 1:
-        say(turn_stats_line(answers[0].turn, load_s) + held)
+        say(turn_stats_line(answers[0].turn, ready) + held)
         return
     for answer in answers:
-        say(f"[{answer.index + 1}] {turn_stats_line(answer.turn, load_s)}")
+        say(f"[{answer.index + 1}] {turn_stats_line(answer.turn, ready)}")
     turns = [answer.turn for answer in answers]
     started = min(turn.submitted_at for turn in turns)
     ended = max(turn.finished_at or started for turn in turns)
     generated = sum(len(turn.token_ids) for turn in turns)
     rate = generated / (ended - started) if ended > started else 0.0
-    cached = sum(turn.num_cached_tokens for turn in turns)
+    known = [turn.num_cached_tokens for turn in turns if turn.num_cached_tokens is not None]
+    cached = f"{sum(known)}" if len(known) == len(turns) else "unknown"
     say(f"{len(answers)} prompts: {generated} tokens generated in {ended - started:.2f} s "
         f"({rate:.1f} tokens/s together), {cached} prompt tokens from the prefix cache, "
         f"{preemptions} preemptions{held}")

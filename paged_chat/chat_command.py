@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, TextIO
 from paged_chat.chat_session import ChatSession, chat_title
 from paged_chat.engine.errors import PagedChatError, describe_error
 from paged_chat.plain_terminal import (STOP_SIGNALS, AskOptions, EngineFactory, chat_to_continue,
-                                       configure, load_client, model_spec, say, stop_signals,
-                                       turn_stats_line, warn, warnings_to_stderr)
+                                       configure, load_client, model_spec, ready_words, say,
+                                       stop_signals, turn_stats_line, warn, warnings_to_stderr)
 from paged_chat.settings import chat_sampling, data_dir
 from paged_chat.text import StreamSanitizer, sanitize_for_terminal
 
@@ -68,7 +68,8 @@ def run_chat(options: AskOptions, settings: Settings, make_engine: EngineFactory
         client, load_s = load_client(make_engine, config, options)
         cleanup.callback(client.shutdown)
         system = chat.system_prompt if chat else options.system or settings.chat.system_prompt
-        repl = Repl(client, store, config, params, system, stdout, load_s)
+        repl = Repl(client, store, config, params, system, stdout,
+                    ready_words(options, client, load_s))
         if chat is not None:
             repl.session = ChatSession(store, chat, on_warning=warn)
         reader = cleanup.enter_context(LineReader(stdin, stdout))
@@ -120,9 +121,10 @@ class Repl:
     """The loop: each line a turn of the current chat, or a /command."""
 
     def __init__(self, client: EngineClient, store: ChatStore, config: EngineConfig,
-                 params: SamplingParams, system: str | None, stdout: TextIO, load_s: float) -> None:
+                 params: SamplingParams, system: str | None, stdout: TextIO, ready: str) -> None:
+        """`ready`: how the engine came to be ready (ready_words), for /stats."""
         self.client, self.store, self.config, self.params = client, store, config, params
-        self.system, self.stdout, self.load_s = system, stdout, load_s
+        self.system, self.stdout, self.ready = system, stdout, ready
         self.session: ChatSession | None = None
         self.sanitizer = StreamSanitizer() if stdout.isatty() else None
 
@@ -184,7 +186,7 @@ class Repl:
         if self.session is None or self.session.turn is None:
             self._print("no reply yet in this chat")
         else:
-            self._print(turn_stats_line(self.session.turn, self.load_s))
+            self._print(turn_stats_line(self.session.turn, self.ready))
         self._print(f"KV pool: {stats.blocks_in_use} of {stats.num_blocks} blocks in use, "
                     f"{stats.blocks_cached} cached for reuse")
 

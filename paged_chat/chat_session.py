@@ -64,7 +64,7 @@ class Turn:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
-    num_cached_tokens: int = 0         # prompt tokens whose KV was cached, not computed
+    num_cached_tokens: int | None = 0  # prompt tokens whose KV was cached; None: the server did not say
     num_tier_cached_tokens: int = 0    # of those, read back from the KV tier (RAM or disk)
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -74,7 +74,9 @@ class Turn:
         if output.new_token_ids and self.first_token_at is None:
             self.first_token_at = now
         # An engine knows these from the prefill on; a remote server may tell them at the end.
-        self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if output.num_cached_tokens is not None or output.finished:
+            self.num_cached_tokens = (None if output.num_cached_tokens is None
+                                      else max(self.num_cached_tokens or 0, output.num_cached_tokens))
         self.num_tier_cached_tokens = max(self.num_tier_cached_tokens, output.num_tier_cached_tokens)
         self.text = output.text
         if output.finished:

@@ -58,10 +58,19 @@ if TYPE_CHECKING:
     from paged_chat.engine import Engine, EngineClient, EngineConfig
     from paged_chat.settings import TuiVocabulary
 
-def _without_flag_types(params: list[click.Parameter]) -> list[click.Parameter]:
+# Short value placeholders: typer's own (`<float range>`) leave the help column too
+# narrow at 80 columns.
+_SHORT_PLACEHOLDERS = {"<int range>": "<n>", "<int>": "<n>", "<float range>": "<x>",
+                       "<float>": "<x>", "<str>": "<text>"}
+
+
+def _without_flag_types(params: list[click.Parameter], ctx: click.Context) -> list[click.Parameter]:
     for param in params:
         if getattr(param, "is_flag", False):
             param.metavar = ""
+        elif param.metavar is None and param.param_type_name == "option":
+            shown = param.display_type_rich(ctx)
+            param.metavar = _SHORT_PLACEHOLDERS.get(shown, shown)
     return params
 
 
@@ -70,12 +79,12 @@ class _FlagsShowNoType(TyperGroup):
     took a value: flags (--help included) show none, in this group and its commands."""
 
     def get_params(self, ctx: click.Context) -> list[click.Parameter]:
-        return _without_flag_types(super().get_params(ctx))
+        return _without_flag_types(super().get_params(ctx), ctx)
 
     def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
         command = super().get_command(ctx, name)
         if command is not None:
-            _without_flag_types(command.get_params(ctx))
+            _without_flag_types(command.get_params(ctx), ctx)
         return command
 
 
@@ -99,12 +108,15 @@ class _RootGroup(_FlagsShowNoType):
         return super().parse_args(ctx, given)
 
 
+# Markdown: a docstring's paragraphs are reflowed to the terminal's width (typer's "rich"
+# mode keeps their source line breaks, which read as breaks mid-sentence).
 app = typer.Typer(name="paged-chat", add_completion=False, pretty_exceptions_enable=False,
-                  context_settings={"help_option_names": ["-h", "--help"]}, cls=_RootGroup)
-chats_app = typer.Typer(cls=_FlagsShowNoType)
+                  context_settings={"help_option_names": ["-h", "--help"]}, cls=_RootGroup,
+                  rich_markup_mode="markdown")
+chats_app = typer.Typer(cls=_FlagsShowNoType, rich_markup_mode="markdown")
 app.add_typer(chats_app, name="chats")
 cache_app = typer.Typer(help="The engine's disk cache (the KV tier: chat histories' KV).",
-                        cls=_FlagsShowNoType)
+                        cls=_FlagsShowNoType, rich_markup_mode="markdown")
 app.add_typer(cache_app, name="cache")
 MODEL_HELP = ("Alias, .gguf file, HF folder, cached hub id, ollama:NAME(:TAG) or "
               "lmstudio:PUBLISHER/REPO(/FILE).")
@@ -235,6 +247,10 @@ def root(ctx: typer.Context,
          server: Annotated[str | None, typer.Option(
              "--server", metavar="URL", help="Chat on this OpenAI-compatible server (vLLM, "
                                              "another paged-chat...) instead of the local engine.")] = None,
+         model: Annotated[str | None, typer.Option(
+             "--model", "-m", help="The model to chat with (default: [engine] model); with "
+                                   "--server, a local copy of the served model's tokenizer, "
+                                   "else the server's own is used.")] = None,
          debug: Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")] = False,
          version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
                                                help="Print the version and exit.")] = False,
@@ -248,7 +264,8 @@ def root(ctx: typer.Context,
     state.debug = debug
     state.config = config
     if ctx.invoked_subcommand is not None:
-        for name, value in (("--demo", demo), ("--serve", serve), ("--server", server)):
+        for name, value in (("--demo", demo), ("--serve", serve), ("--server", server),
+                            ("--model", model)):
             if value is not None:
                 raise typer.BadParameter("it opens the TUI, so it takes no command", param_hint=name)
         return
@@ -260,6 +277,8 @@ def root(ctx: typer.Context,
         from paged_chat.tui.app import run_app
 
         settings = state.settings(check_tui=True)
+        if model is not None:
+            settings = dataclasses.replace(settings, engine=dataclasses.replace(settings.engine, model=model))
         if serve is not None and (server or settings.server.url):
             raise typer.BadParameter("--serve serves the local engine; it cannot with --server",
                                      param_hint="--serve")
@@ -346,6 +365,7 @@ def ask(ctx: typer.Context,
         settings = state.settings()
         options.server = server or settings.server.url
         options.api_key = api_key or settings.server.api_key
+        options.remote_model = model or settings.engine.model
         if system == "":  # an explicit empty --system clears the configured one
             settings = dataclasses.replace(settings, chat=dataclasses.replace(settings.chat, system_prompt=None))
         code = run_ask(options, settings, state.make_engine, sys.stdin)
@@ -475,10 +495,13 @@ def bench(ctx: typer.Context,
           threads: Annotated[int, typer.Option(min=1, help="torch threads for every system.")] = 2,
           block_size: Annotated[int, typer.Option(help="KV block size, tokens (paged-chat and hf-cb).")] = 16,
           systems: Annotated[str, typer.Option(
-              help="Comma-separated: paged-chat, hf-seq, hf-static, hf-cb, openai:URL (any "
-                   "OpenAI-compatible server, e.g. llama-server).")] = "paged-chat,hf-seq,hf-static,hf-cb",
+              show_default=False,
+              help="Comma-separated, of paged-chat, hf-seq, hf-static, hf-cb (default: these "
+                   "four) and openai:URL (any OpenAI-compatible server, e.g. llama-server).")
+          ] = "paged-chat,hf-seq,hf-static,hf-cb",
           quick: Annotated[bool, typer.Option(
-              "--quick", help="8 chats, replies of 16-48 tokens: under two minutes on 2 cores.")] = False,
+              "--quick", help="8 chats, replies of 16-48 tokens, hf-seq on 2 of them (the others "
+                             "extrapolated).")] = False,
           scenarios: Annotated[bool, typer.Option(help="Run the memory scenarios too.")] = True,
           roofline: Annotated[bool, typer.Option(
               "--roofline", help="Measure bandwidth and matmul peak; compare a decode step.")] = False,
@@ -512,7 +535,7 @@ def bench(ctx: typer.Context,
             if json_path is not None:
                 write_json(report, str(json_path))
             return
-        sizes = (dict(num_chats=8, min_output=16, max_output=48) if quick else
+        sizes = (dict(num_chats=8, min_output=16, max_output=48, hf_seq_requests=2) if quick else
                  dict(num_chats=chats, min_output=min_output, max_output=max_output))
         if sizes["min_output"] > sizes["max_output"]:
             raise typer.BadParameter("must not exceed --max-output", param_hint="--min-output")

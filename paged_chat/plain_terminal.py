@@ -53,6 +53,7 @@ class AskOptions:
     file: TextIO | None = None
     server: str | None = None       # an OpenAI-compatible server's URL instead of the engine
     api_key: str | None = None
+    remote_model: str | None = None  # the --server's tokenizer to try: --model, else [engine] model
 
 
 def configure(settings: Settings, engine: dict[str, Any], sampling: dict[str, Any]
@@ -76,7 +77,7 @@ def load_client(make_engine: EngineFactory, config: EngineConfig, options: AskOp
     if sys.stderr.isatty():
         say(f"loading {options.server or config.model} ...")
     client = make_client(client_spec(config, server=options.server, api_key=options.api_key,
-                                     model=options.engine.get("model"), make_engine=make_engine))
+                                     model=options.remote_model, make_engine=make_engine))
     return client, time.perf_counter() - started
 
 
@@ -102,7 +103,9 @@ def _check_continuable(options: AskOptions, chat: StoredChat) -> None:
         raise UsageError(f"chat {chat.id} uses the model {chat.model!r}: drop --model to continue "
                          "it, or start a new chat")
     if options.system is not None and options.system != (chat.system_prompt or ""):
-        raise UsageError(f"chat {chat.id} has its own system prompt: drop --system to continue it")
+        has = f"the system prompt {chat.system_prompt!r}" if chat.system_prompt else "no system prompt"
+        raise UsageError(f"chat {chat.id} has {has} and --system would change it: drop --system "
+                         "to continue it, or start a new chat without -c")
 
 
 def model_spec(model: str) -> str:
@@ -115,16 +118,27 @@ def _same_model(a: str, b: str) -> bool:
     return a == b or Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
-def turn_stats_line(turn: Turn, load_s: float) -> str:
+def ready_words(options: AskOptions, client: EngineClient, load_s: float) -> str:
+    """How the engine came to be ready: a model loaded, or a --server connected to (and
+    whose tokenizer the chat uses)."""
+    if options.server:
+        return (f"connected to {options.server} in {load_s:.1f} s "
+                f"({client.info.tokenizer_from} tokenizer)")
+    return f"model loaded in {load_s:.1f} s"
+
+
+def turn_stats_line(turn: Turn, ready: str) -> str:
     """One turn's numbers for --stats and /stats: prompt and cached tokens, generated
-    tokens, time to the first token, speed, and how long the model took to load."""
+    tokens, time to the first token, speed, and `ready` (ready_words)."""
     timings = turn.timings()
     first = "no token" if timings["ttft_s"] is None else f"first token after {timings['ttft_s']:.2f} s"
     tier = (f", {turn.num_tier_cached_tokens:,} of them read back from the KV tier"
             if turn.num_tier_cached_tokens else "")
-    return (f"{len(turn.prompt_ids):,} prompt tokens ({turn.num_cached_tokens:,} from the "
-            f"cache{tier}), {len(turn.token_ids)} generated, {first}, "
-            f"{timings['tokens_per_s']:.1f} tokens/s, model loaded in {load_s:.1f} s")
+    cached = (f"{turn.num_cached_tokens:,} from the cache{tier}" if turn.num_cached_tokens is not None
+              else "from the cache: unknown, the server did not say (vLLM says it with "
+                   "--enable-prompt-tokens-details)")
+    return (f"{len(turn.prompt_ids):,} prompt tokens ({cached}), {len(turn.token_ids)} "
+            f"generated, {first}, {timings['tokens_per_s']:.1f} tokens/s, {ready}")
 
 
 class ReceivedSignals(list[int]):

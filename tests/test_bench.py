@@ -176,3 +176,24 @@ def test_each_system_runs_on_a_thread_that_ends_with_it():
     assert ran_on[0] is not threading.current_thread() and not ran_on[0].is_alive()
     with pytest.raises(ValueError, match="bad"):
         on_own_thread(lambda: int("bad"))
+
+
+def test_hf_seq_on_fewer_requests_is_extrapolated_and_the_report_names_every_system(chat_model_dir, capfd):
+    """`bench --quick` runs hf-seq on 2 requests and extrapolates the rest; the table says
+    what each system is; transformers' own warnings (EOS off, on purpose) stay out."""
+    options = BenchOptions(model=str(chat_model_dir), num_chats=4, min_output=3, max_output=6,
+                           dtype="float32", threads=1, engine_threads=1, scenarios=False,
+                           systems=("paged-chat", "hf-seq", "hf-cb"), hf_seq_requests=2)
+    report = run_bench(options, log=lambda line: None)
+    systems = {s["system"]: s for s in report["systems"]}
+    seq = systems["hf-seq"]
+    assert seq["measured_requests"] == 2 and seq["output_tokens"] == report["workload"]["output_tokens"]
+    assert seq["wall_s"] > seq["measured_wall_s"] > 0 and seq["p90_ttft_s"] >= seq["mean_ttft_s"] > 0
+    assert systems["paged-chat"]["same_tokens_as_hf_seq"] == 1.0  # over the 2 run
+    text = format_report(report)
+    assert "hf-seq: transformers generate, one request at a time" in text
+    assert "2 requests run in" in text and "the others extrapolated" in text
+    assert "hf-cb: transformers' own continuous batching" in text
+    assert "paged-chat: this engine" in text
+    captured = capfd.readouterr()
+    assert "ContinuousBatchingLogger" not in captured.out + captured.err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 from contextlib import aclosing
@@ -42,7 +43,7 @@ async def test_a_remote_chat_is_the_same_chat_as_in_process(api):
     remote = make_client(ClientSpec(api.url, stats_interval_s=0.05))
     assert isinstance(remote, RemoteClient) and remote.running
     assert not remote.capabilities.block_map and remote.info.name == api.model
-    assert remote.capabilities.where == f"remote at {api.server.url.removeprefix('http://')}"
+    assert remote.capabilities.where == f"remote at {api.server.url.removeprefix('http://')} (local tokenizer)"
     generated_before = remote.stats().generation_tokens_total
     over_http = await two_turns(remote)
     in_process = await two_turns(api.client)
@@ -82,6 +83,24 @@ def test_ask_server(api, tmp_path, monkeypatch):
     answer = json.loads(result.stdout)
     assert answer["completion_tokens"] >= 1 and answer["finish_reason"] in ("stop", "length")
     assert ChatStore().list_chats()[0].id == answer["chat_id"]
+
+
+def test_ask_server_stats_count_the_cached_tokens_of_a_continued_chat(api, tmp_path, monkeypatch):
+    """paged-chat serve says them in usage.prompt_tokens_details, as vLLM does when asked."""
+    monkeypatch.setenv("PAGED_CHAT_DATA_DIR", str(tmp_path / "data"))
+    config = tmp_path / "config.toml"
+    config.write_text('[chat]\ntemperature = 0.0\nmax_tokens = 5\nsystem_prompt = "Be brief."\n')
+    lines = []
+    for args in (["Hello there, tell me about paging in operating systems"], ["-c", "And again"]):
+        result = CliRunner().invoke(cli_app, ["--config", str(config), "ask", "--server", api.url,
+                                              "--stats", *args],
+                                    obj=CliState(engine_factory=lambda config: pytest.fail("no local engine")))
+        assert result.exit_code == 0, result.stderr
+        [line] = result.stderr.strip().splitlines()
+        lines.append(line)
+    assert f"connected to {api.url} in " in lines[0] and "(local tokenizer)" in lines[0], lines[0]
+    [cached] = re.findall(r"prompt tokens \((\d+) from the cache\)", lines[1])
+    assert int(cached) >= 16, lines[1]
 
 
 def test_ask_server_that_is_not_there(tmp_path):
@@ -149,7 +168,7 @@ async def test_tui_on_a_remote_engine(api, tmp_path):
         assert tab.session.turn.finish_reason in ("stop", "length") and tab.session.turn.token_ids
         status = text_of(app.query_one("#status"))
         host = api.server.url.removeprefix("http://")
-        assert f"{api.model} · remote at {host} · no block map · max " in status, status
+        assert f"{api.model} · remote at {host} (local tokenizer) · no block map · max " in status, status
         panel = app.query_one(EnginePanel)
         await wait_until(lambda: "remote engine: no block map" in text_of(panel.query_one("#pool-title")))
         await wait_until(lambda: "running" in text_of(panel.query_one("#numbers")))

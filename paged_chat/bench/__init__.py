@@ -4,7 +4,8 @@ ratios from one run are what counts).
 
 Systems:
 - paged-chat: this engine, as configured.
-- hf-seq: transformers `generate`, one request at a time (the notebook baseline).
+- hf-seq: transformers `generate`, one request at a time (the notebook baseline); with
+  `hf_seq_requests` (`--quick`: 2) only the first ones, the rest extrapolated.
 - hf-static: transformers `generate` on left-padded static batches.
 - hf-cb: transformers' own continuous batching (`paged|eager` attention), with an explicit
   ContinuousBatchingConfig so it never sizes its cache from system RAM.
@@ -61,6 +62,7 @@ class BenchOptions:
     engine_threads: int | None = None  # paged-chat's EngineConfig.threads (None: adapt)
     weights: str = "quantized"  # paged-chat's EngineConfig.weights
     host_overhead: bool = False
+    hf_seq_requests: int | None = None  # hf-seq runs this many, the rest extrapolated (None: all)
 
 
 def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict:
@@ -94,7 +96,7 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
             result = (run_openai_server(name, workload, source.tokenizer) if is_openai_system(name)
                       else on_own_thread(lambda: run_system(
                           name, engine, source, workload, baseline_dtype, options.block_size,
-                          options.max_num_batched_tokens, options.threads)))
+                          options.max_num_batched_tokens, options.threads, options.hf_seq_requests)))
             results.append(result)
         if busy:
             results[-1].name = f"{name} +{busy} busy"

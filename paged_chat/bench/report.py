@@ -6,6 +6,7 @@ import json
 
 from paged_chat.bench.contention import format_contention
 from paged_chat.bench.host_overhead import format_host_overhead
+from paged_chat.bench.systems import DESCRIPTIONS
 from paged_chat.bench.tier_resume import format_tier_resume
 
 
@@ -19,6 +20,7 @@ def format_report(report: dict) -> str:
                      for name, fmt in columns])
     widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
+    lines += [f"  {summary['system']}: {_describe(summary)}" for summary in report["systems"]]
     paged = next((s for s in report["systems"] if s["system"] == "paged-chat"), None)
     if paged:
         lines.append(f"paged-chat: peak batch {paged['peak_batch_size']}, preemptions "
@@ -57,6 +59,16 @@ def format_report(report: dict) -> str:
                      f"{roof['decode_step_ms']:.1f} ms vs floor {roof['floor_ms']:.1f} ms "
                      f"({100 * roof['of_floor']:.0f}% of the machine's limit)")
     return "\n".join(lines)
+
+
+def _describe(summary: dict) -> str:
+    """What a system of the table is, and how much of it was measured."""
+    name = summary["system"].split(" +")[0]  # "+N busy": the same system beside busy processes
+    words = DESCRIPTIONS.get(name) or ("an OpenAI-compatible server" if "server_model" in summary else name)
+    if "measured_requests" in summary:
+        words += (f"; {summary['measured_requests']} requests run in "
+                  f"{summary['measured_wall_s']:.0f} s, the others extrapolated")
+    return words
 
 
 def plot(report: dict, path: str) -> None:

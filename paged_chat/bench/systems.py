@@ -3,12 +3,16 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from paged_chat.bench.own_thread import on_own_thread
@@ -17,6 +21,14 @@ from paged_chat.engine import Engine, OutputProcessor, SamplingParams
 from paged_chat.engine.models.loader import ModelSource
 
 SYSTEMS = ("paged-chat", "hf-seq", "hf-static", "hf-cb")
+
+# What each system is, in the report's words (the table is read without the README).
+DESCRIPTIONS = {
+    "paged-chat": "this engine: continuous batching on a paged KV cache, prefix caching",
+    "hf-seq": "transformers generate, one request at a time (the notebook way)",
+    "hf-static": "transformers generate on left-padded static batches of every request",
+    "hf-cb": "transformers' own continuous batching (paged|eager attention)",
+}
 
 
 @dataclass(slots=True)
@@ -147,20 +159,36 @@ def _no_eos_config(max_new_tokens: int):
                             eos_token_id=None, pad_token_id=0)
 
 
-def run_hf_seq(model, workload: Workload) -> SystemResult:
-    outputs, token_times = [], []
+def run_hf_seq(model, workload: Workload, requests: int | None = None) -> SystemResult:
+    """The first `requests` of the workload (None: all) one after another. With fewer run,
+    the rest are extrapolated: one at a time, a request takes the measured time per output
+    token for each of its tokens, and waits for all before it, so its time to first token
+    is the measured replies' own TTFT after that wait. `outputs` holds the run ones only."""
+    count = len(workload.prompts) if requests is None else min(requests, len(workload.prompts))
+    assert count >= 1
+    outputs, token_times, starts = [], [], []
     with RssMonitor() as rss, torch.inference_mode():
         start = time.perf_counter()
-        for prompt, length in zip(workload.prompts, workload.output_lens):
+        for prompt, length in zip(workload.prompts[:count], workload.output_lens[:count]):
             clock = _TokenClock()
+            starts.append(time.perf_counter())
             out = model.generate(torch.tensor([prompt]), generation_config=_no_eos_config(length),
                                  streamer=clock)
             outputs.append(out[0, len(prompt):].tolist())
             token_times.append(clock.times)
         wall = time.perf_counter() - start
     ttft, tpot = per_request_timing(start, token_times)
+    extra = {"attention": model.config._attn_implementation}
+    if count < len(workload.prompts):
+        per_token = wall / sum(workload.output_lens[:count])
+        own_ttft = statistics.fmean(times[0] - at for times, at in zip(token_times, starts) if times)
+        waited = np.cumsum([0, *workload.output_lens])[count:-1] * per_token
+        ttft += [float(wait) + own_ttft for wait in waited]
+        tpot += [statistics.fmean(tpot)] * len(waited) if tpot else []
+        extra.update(measured_requests=count, measured_wall_s=wall)
+        wall = per_token * workload.num_output_tokens
     return SystemResult("hf-seq", wall, workload.num_prompt_tokens, workload.num_output_tokens,
-                        ttft, tpot, rss.peak_mb, outputs, {"attention": model.config._attn_implementation})
+                        ttft, tpot, rss.peak_mb, outputs, extra)
 
 
 def run_hf_static(model, workload: Workload, batch_size: int) -> SystemResult:
@@ -196,7 +224,7 @@ def run_hf_cb(model, workload: Workload, block_size: int, num_blocks: int, max_b
                                       max_batch_tokens=max_batch_tokens,
                                       max_requests_per_batch=max_seqs, use_cuda_graph=False)
     results = {}
-    with RssMonitor() as rss, torch.inference_mode():
+    with RssMonitor() as rss, torch.inference_mode(), _quiet("ContinuousBatchingLogger"):
         start = time.perf_counter()
         with model.continuous_batching_context_manager(
                 generation_config=_no_eos_config(max(workload.output_lens)),
@@ -214,10 +242,24 @@ def run_hf_cb(model, workload: Workload, block_size: int, num_blocks: int, max_b
                         {"attention": "paged|eager", "page_size": block_size, "num_blocks": num_blocks})
 
 
+@contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """A third-party logger's warnings kept out of the report while inside (transformers'
+    continuous batching warns that EOS is off, which the benchmark sets on purpose)."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def run_system(name: str, engine: Engine, source: ModelSource, workload: Workload,
                baseline_dtype: torch.dtype, block_size: int, max_batch_tokens: int,
-               baseline_threads: int) -> SystemResult:
-    """Run the workload through one of SYSTEMS."""
+               baseline_threads: int, hf_seq_requests: int | None = None) -> SystemResult:
+    """Run the workload through one of SYSTEMS (hf-seq on its first `hf_seq_requests`
+    only, the rest extrapolated, when given)."""
     if name == "paged-chat":
         return run_paged_chat(engine, workload)
     torch.set_num_threads(baseline_threads)  # the engine's thread policy may have changed it
@@ -233,7 +275,7 @@ def run_system(name: str, engine: Engine, source: ModelSource, workload: Workloa
     # transformers' SDPA decode in bf16 is pathologically slow on CPU (~30x eager here).
     attention = "eager" if baseline_dtype is torch.bfloat16 else "sdpa"
     model = build_hf_model(source, baseline_dtype, attention)
-    return (run_hf_seq(model, workload) if name == "hf-seq"
+    return (run_hf_seq(model, workload, hf_seq_requests) if name == "hf-seq"
             else run_hf_static(model, workload, len(workload.prompts)))
 
 

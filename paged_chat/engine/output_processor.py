@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class _RequestState:
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None: the text comes with the ids (process_text)
     token_ids: list[int] = field(default_factory=list)  # the reply so far, every delta's list
     text: str = ""  # the reply so far where it comes as text (process_text); else the detokenizer's
     logprobs: list[TokenLogprob] | None = None  # per token of the reply, when the request asks
@@ -46,7 +46,8 @@ class ProcessedOutputs:
 class OutputProcessor:
     """Open requests by id: their detokenizers and replies so far."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | Any | None) -> None:
+        """`tokenizer` None: text-only, every output comes with its text (`process_text`)."""
         self.tokenizer = tokenizer
         self._states: dict[str, _RequestState] = {}
         # ended here (a stop string, a left stream), not yet in the core: what the core still
@@ -60,7 +61,8 @@ class OutputProcessor:
     def add_request(self, request_id: str, params: SamplingParams | None) -> None:
         """Track a request the caller is adding to the core under `request_id`."""
         stop = params.stop if params is not None else []
-        state = _RequestState(IncrementalDetokenizer(self.tokenizer, stop))
+        state = _RequestState(None if self.tokenizer is None
+                              else IncrementalDetokenizer(self.tokenizer, stop))
         if params is not None and params.wants_logprobs:
             state.logprobs = []
         assert request_id not in self._states, f"request {request_id!r} is already open"
@@ -101,6 +103,7 @@ class OutputProcessor:
                 continue
             finished, reason, error = core.finished, core.finish_reason, core.error
             detokenizer = state.detokenizer
+            assert detokenizer is not None, "a text-only processor takes process_text alone"
             state.token_ids += core.new_token_ids
             if state.logprobs is not None and core.new_logprobs:
                 state.logprobs += core.new_logprobs

@@ -220,8 +220,9 @@ class EngineCoreOutput:
     built positionally: a step builds one per running request, and keywords cost 2.5 times
     as much, a frozen dataclass's __init__ five times (0.3 and 0.5 ms per step at batch 256).
 
-    `num_cached_tokens` prompt tokens were not prefilled (prefix cache hits);
-    `num_tier_cached_tokens` of them were read back from a KV tier (host RAM or disk).
+    `num_cached_tokens` prompt tokens were not prefilled (prefix cache hits; None where
+    it is not known: a remote server that did not say); `num_tier_cached_tokens` of them
+    were read back from a KV tier (host RAM or disk).
     `new_logprobs`, for a request that asks for them, has one entry per new token.
     """
 
@@ -230,7 +231,7 @@ class EngineCoreOutput:
     finished: bool
     finish_reason: FinishReason | None
     num_prompt_tokens: int
-    num_cached_tokens: int
+    num_cached_tokens: int | None
     num_tier_cached_tokens: int
     error: str | None = None
     new_logprobs: list[TokenLogprob] | None = None
@@ -257,7 +258,8 @@ class RequestOutput:
     everything so far. `token_ids` is the request's own list, which later steps extend in
     place (copying it per delta would cost O(output) per request per step): copy it to keep
     a snapshot. `num_cached_tokens` prompt tokens were not prefilled (prefix cache
-    hits); `num_tier_cached_tokens` of them were read back from a KV tier (host RAM or disk).
+    hits; None: not known, a remote server that did not say); `num_tier_cached_tokens` of
+    them were read back from a KV tier (host RAM or disk).
     """
 
     request_id: str
@@ -268,7 +270,7 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     num_prompt_tokens: int
-    num_cached_tokens: int
+    num_cached_tokens: int | None
     error: str | None = None
     num_tier_cached_tokens: int = 0
     new_logprobs: list[TokenLogprob] | None = None  # per new token, when the request asks

@@ -429,7 +429,8 @@ def run_app(settings: Settings, demo: int | None = None, serve_port: int | None 
         from paged_chat.client_spec import client_spec
         from paged_chat.engine import make_client
 
-        engine = make_client(client_spec(None, server=server, api_key=settings.server.api_key))
+        engine = make_client(client_spec(None, server=server, api_key=settings.server.api_key,
+                                         model=settings.engine.model))
     app = PagedChatApp(settings, demo=demo, engine=engine, serve_port=serve_port)
     try:
         app.run()

@@ -299,7 +299,8 @@ class ChatTab(TabPane):
         if turn.ttft_s is not None:
             parts.append(f"ttft {turn.ttft_s:.2f}s")
             parts.append(f"{len(turn.token_ids)} tok · {turn.tokens_per_s:.1f} tok/s")
-            parts.append(f"prompt {len(turn.prompt_ids)} ({turn.num_cached_tokens} cached)")
+            cached = "?" if turn.num_cached_tokens is None else turn.num_cached_tokens
+            parts.append(f"prompt {len(turn.prompt_ids)} ({cached} cached)")
         if turn.finished:
             parts.append(finish_label(turn.finish_reason) or "done")
         return " · ".join(parts)

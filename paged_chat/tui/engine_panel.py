@@ -1,7 +1,10 @@
 """The engine panel: pool occupancy, batch, rates, prefix-cache hits, the block map and the
 details of the block under the pointer. It is fed `EngineStats` snapshots by the app's
 ~10 Hz timer (`show_stats`), draws at most every `refresh_every_s`, and never calls the
-engine."""
+engine. For a client with no block map (a remote server) it shows what the server's
+/metrics has (running, waiting, KV usage, tokens/s, prefix hits; graphs of running and
+gen tok/s) and hides what cannot fill: the block map, its legend and detail line, the
+blocks graph, and every graph where the server has no vLLM /metrics."""
 
 from __future__ import annotations
 
@@ -170,7 +173,7 @@ class EnginePanel(Vertical):
         yield Static("KV cache: waiting for the engine", id="pool-title")
         yield Static(id="numbers")
         for name, label in (("batch", "batch"), ("gen", "gen tok/s"), ("used", "blocks used")):
-            with Horizontal(classes="spark-row"):
+            with Horizontal(classes="spark-row", id=f"row-{name}"):
                 yield Label(label, classes="spark-label")
                 yield Spark(id=f"spark-{name}")
         yield BlockMapView(id="block-map")
@@ -193,16 +196,13 @@ class EnginePanel(Vertical):
         self._shown_at = now
         self.stats = stats
         if self.capabilities is not None and not self.capabilities.block_map:
-            self._update_static("#pool-title", Text("remote engine: no block map", style="bold"))
-            self._update_static("#numbers", format_remote_numbers(
-                stats, stats.kv_cache_usage, self.capabilities.metrics))
+            self._show_remote(stats, self.capabilities.metrics)
             return
         busy = bool(stats.num_running or stats.num_waiting)
         self._history["batch"].append(stats.batch_size if busy else 0)
         self._history["gen"].append(stats.generation_tokens_per_s if busy else 0.0)
         self._history["used"].append(stats.blocks_in_use)
-        for name, values in self._history.items():
-            self.query_one(f"#spark-{name}", Spark).data = tuple(values)  # reactive: redraws if changed
+        self._show_history()
         # Fixed-size readouts: repaint without a layout pass, and only when their text changed.
         self._update_static("#pool-title", Text.assemble(
             ("KV cache ", "bold"), f"{_n(stats.num_blocks)} blocks × {stats.block_size} tokens"))
@@ -218,6 +218,25 @@ class EnginePanel(Vertical):
         self.stats = None
         self._update_static("#pool-title", Text("KV cache: the engine is not serving", style="bold red"))
         self._update_static("#numbers", Text(trouble, style="red"))
+
+    def _show_remote(self, stats: EngineStats, has_metrics: bool) -> None:
+        """What a server's /metrics fills (the batch graph becomes the running requests');
+        no block map, legend, block detail or blocks graph, and no graph without metrics."""
+        if self.query_one("#block-map").display:
+            for selector in ("#block-map", "#legend", "#block-detail", "#row-used"):
+                self.query_one(selector).display = False
+            self.query_one("#row-batch Label", Label).update("running")
+        for selector in ("#row-batch", "#row-gen"):
+            self.query_one(selector).display = has_metrics
+        self._history["batch"].append(stats.num_running)
+        self._history["gen"].append(stats.generation_tokens_per_s)
+        self._show_history()
+        self._update_static("#pool-title", Text("remote engine: no block map", style="bold"))
+        self._update_static("#numbers", format_remote_numbers(stats, stats.kv_cache_usage, has_metrics))
+
+    def _show_history(self) -> None:
+        for name, values in self._history.items():
+            self.query_one(f"#spark-{name}", Spark).data = tuple(values)  # reactive: redraws if changed
 
     def _update_static(self, selector: str, text: Text) -> None:
         if self._shown_text.get(selector) != text:

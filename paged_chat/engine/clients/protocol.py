@@ -25,7 +25,10 @@ class ModelInfo:
     something only where the client's capabilities say `block_map`. `weights` says what
     the weights are held as ("Q4_1+Q8_0, 0.12 GB of weights"; "" where unknown),
     `weight_bytes` the bytes they take (0 where unknown). `generation_defaults`: the
-    sampling values the model's generation_config.json recommends (SamplingParams names)."""
+    sampling values the model's generation_config.json recommends (SamplingParams names).
+    `tokenizer_from` says, for an engine elsewhere, whose tokenizer `tokenizer` is: "local"
+    (a local copy of the served model's) or "the server's" (ServerTokenizer: the server
+    tokenizes and templates); "" for a local engine (its own)."""
 
     name: str
     tokenizer: Any
@@ -39,6 +42,7 @@ class ModelInfo:
     weights: str = ""
     weight_bytes: int = 0
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    tokenizer_from: str = ""
 
 
 @dataclass(slots=True, frozen=True)

@@ -14,10 +14,20 @@ the reply's text locally, and the text is the server's. Streams are streams.py's
 local engine: leaving one early (or `abort`) closes its HTTP stream, which makes the server
 abort the request.
 
-The tokenizer and chat template are the served model's, loaded locally: from `model`
-(a spec: alias, .gguf, HF folder, cached hub id) when given, else from the first model id
-the server lists that resolves locally. None found is a RemoteEngineError saying to pass
-one: without the tokenizer a chat cannot keep its token ids.
+The tokenizer and chat template are the served model's: a local copy where one matches,
+from `model` (a spec: alias, .gguf, HF folder, cached hub id; the app passes --model or
+[engine] model) or else the first model id the server lists that resolves locally. Where
+the server has vLLM's /tokenize, a local candidate matches only if it encodes a probe text
+as the server does. With no local match, the server's own (ServerTokenizer: /tokenize and
+/detokenize, the server templating the messages) and the reply's text is the server's;
+`info.tokenizer_from` and `capabilities.where` say which. Neither is a RemoteEngineError
+saying to pass --model: without a tokenizer a chat cannot keep its token ids.
+
+Cached prompt tokens. The stream asks for usage (`stream_options.include_usage`): its
+`prompt_tokens_details.cached_tokens`, where the server sends it (vLLM only with
+`--enable-prompt-tokens-details`), is the request's `num_cached_tokens`. Else, while this
+client has that one request open, the rise of /metrics' prefix-cache hits over the request;
+else None (not known, never a made-up 0).
 
 Stats. `stats()` never waits on the network: it returns the last scrape of the server's
 /metrics and schedules the next one on the running event loop (at most every
@@ -49,6 +59,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from paged_chat.engine.clients.engine_loop import Abort, Add, Command
 from paged_chat.engine.clients.protocol import ClientCapabilities, ModelInfo
+from paged_chat.engine.clients.server_tokenizer import PROBE_TEXT, ServerTokenizer
 from paged_chat.engine.clients.streams import Streams
 from paged_chat.engine.errors import ModelLoadError, PagedChatError
 from paged_chat.engine.output_processor import OutputProcessor
@@ -101,10 +112,12 @@ class RemoteClient:
         self._scrapes: list[_Scrape] = []
         self._scraping: asyncio.Task | None = None
         self._reachable = True        # False while the server cannot be reached
+        self._sends_cached = False    # True once the server's usage said its cached tokens
         served = self._served_models()
         self.model = model if model in served else served[0]
         self.info = self._model_info(served, model)
-        self._processor = OutputProcessor(self.info.tokenizer)
+        self._text_only = isinstance(self.info.tokenizer, ServerTokenizer)  # text from the server
+        self._processor = OutputProcessor(None if self._text_only else self.info.tokenizer)
         self._stats = self._empty_stats()
         self._record_scrape(self._get("/metrics", required=False))
 
@@ -138,23 +151,40 @@ class RemoteClient:
         return models
 
     def _model_info(self, served: list[str], model: str | None) -> ModelInfo:
+        """A local tokenizer that matches the served model, else the server's own."""
         from paged_chat.engine.models.loader import load_model_source
 
+        root = self.base_url.removesuffix("/v1")
+        server_tokenizer = ServerTokenizer.probe(root, self.model, self._headers)
+        expected = server_tokenizer.encode(PROBE_TEXT, add_special_tokens=False) if server_tokenizer else None
         tried: list[str] = []
-        for spec in ([model] if model else []) + served:
+        for spec in dict.fromkeys(([model] if model else []) + served):
             try:
                 source = load_model_source(spec)
             except ModelLoadError:
-                tried.append(spec)
+                tried.append(f"{spec} (not found here)")
                 continue
-            max_len = self._max_model_len or source.config.max_position_embeddings
-            return ModelInfo(name=self.model, tokenizer=source.tokenizer,
-                             chat_template=source.chat_template, device="remote",
-                             dtype="remote", num_blocks=0, block_size=0, max_model_len=max_len,
-                             num_parameters=0)
+            if expected is not None and source.tokenizer.encode(PROBE_TEXT, add_special_tokens=False) != expected:
+                tried.append(f"{spec} (tokenizes otherwise)")
+                continue
+            if server_tokenizer is not None:
+                server_tokenizer.close()
+            return self._info(source.tokenizer, source.chat_template, "local",
+                              self._max_model_len or source.config.max_position_embeddings)
+        if server_tokenizer is not None:
+            max_len = self._max_model_len or server_tokenizer.max_model_len
+            if max_len is None:
+                raise RemoteEngineError(f"the server at {self.base_url} says no max_model_len")
+            return self._info(server_tokenizer, "", "the server's", int(max_len))
         raise RemoteEngineError(
-            f"no local tokenizer for the server's model (tried {', '.join(tried)}): pass "
-            "--model with a local copy of it (alias, .gguf, HF folder or cached hub id)")
+            f"no local tokenizer for the server's model (tried {', '.join(tried)}) and the "
+            "server has no vLLM /tokenize: pass --model with a local copy of it (alias, .gguf, "
+            "HF folder or cached hub id)")
+
+    def _info(self, tokenizer: Any, chat_template: str, tokenizer_from: str, max_len: int) -> ModelInfo:
+        return ModelInfo(name=self.model, tokenizer=tokenizer, chat_template=chat_template,
+                         device="remote", dtype="remote", num_blocks=0, block_size=0,
+                         max_model_len=max_len, num_parameters=0, tokenizer_from=tokenizer_from)
 
     # ---- EngineClient -----------------------------------------------------------------
 
@@ -167,7 +197,8 @@ class RemoteClient:
     def capabilities(self) -> ClientCapabilities:
         """No block map (the server's pool is its own); metrics while /metrics speaks vLLM's."""
         return ClientCapabilities(block_map=False, metrics=self._has_metrics,
-                                  where=f"remote at {httpx.URL(self.base_url).netloc.decode()}")
+                                  where=f"remote at {httpx.URL(self.base_url).netloc.decode()} "
+                                        f"({self.info.tokenizer_from} tokenizer)")
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
                request_id: str | None = None, owner: str | None = None
@@ -194,6 +225,8 @@ class RemoteClient:
     def shutdown(self) -> None:
         for pump in list(self._pumps.values()):
             pump.cancel()
+        if self._text_only:
+            self.info.tokenizer.close()
         self._processor.clear()
         self._streams.end("the remote engine client has shut down")
 
@@ -230,19 +263,36 @@ class RemoteClient:
         request_id, params = add.request_id, add.params or SamplingParams()
         streaming = as_text = False
         prompt_ids: list[int] | None = None
+        last: tuple[EngineCoreOutput, str | None] | None = None  # held for the usage after it
+        cached: int | None = None
         try:
             prompt_ids = self._prompt_ids(add.prompt)  # a bad prompt raises as it is
-            async for choice in self._choices(add.prompt, prompt_ids, params, add.owner):
-                streaming = True
-                as_text = getattr(choice, "token_ids", None) is None
-                core = self._core_output(request_id, prompt_ids, choice)
-                if self._deliver(core, choice.text or "" if as_text else None):
-                    return
-            raise RemoteEngineError(f"the server at {self.base_url} ended the stream before "
-                                    "the reply finished")
+            hits_before = await self._prefix_hits() if self._counts_by_metrics() else None
+            started = self._ids
+            async for chunk in self._chunks(add.prompt, prompt_ids, params, add.owner):
+                cached = _cached_tokens(chunk, cached)
+                for choice in chunk.choices:
+                    streaming = True
+                    as_text = self._text_only or getattr(choice, "token_ids", None) is None
+                    core = self._core_output(request_id, prompt_ids, choice)
+                    text = choice.text or "" if as_text else None
+                    if core.finished:
+                        last = core, text
+                    elif self._deliver(core, text):
+                        return
+            if last is None:
+                raise RemoteEngineError(f"the server at {self.base_url} ended the stream before "
+                                        "the reply finished")
+            self._sends_cached = self._sends_cached or cached is not None
+            if cached is None and hits_before is not None and self._ids == started and len(self._pumps) == 1:
+                hits_after = await self._prefix_hits()
+                cached = None if hits_after is None else max(int(hits_after - hits_before), 0)
+            core, text = last
+            self._deliver(EngineCoreOutput(request_id, core.new_token_ids, True, core.finish_reason,
+                                           core.num_prompt_tokens, cached, 0), text)
         except asyncio.CancelledError:
             self._deliver(EngineCoreOutput(request_id, [], True, "abort", len(prompt_ids or ()),
-                                           0, 0), "" if as_text else None)
+                                           None, 0), "" if as_text else None)
             raise
         except Exception as error:
             self._processor.drop(request_id)
@@ -253,12 +303,12 @@ class RemoteClient:
 
     def _core_output(self, request_id: str, prompt_ids: list[int], choice: Any) -> EngineCoreOutput:
         new_ids = getattr(choice, "token_ids", None)
-        if new_ids is None:  # a server that does not return ids: the local tokenizer's
+        if new_ids is None:  # a server that does not return ids: the tokenizer's
             text = choice.text or ""
             new_ids = self.info.tokenizer.encode(text, add_special_tokens=False) if text else []
         reason = _finish_reason(choice.finish_reason)
         return EngineCoreOutput(request_id, list(new_ids), reason is not None, reason,
-                                len(prompt_ids), 0, 0)
+                                len(prompt_ids), None, 0)
 
     def _deliver(self, core: EngineCoreOutput, text: str | None) -> bool:
         """Hand one output to its stream: with `text` None, text from the ids (the output
@@ -275,8 +325,8 @@ class RemoteClient:
         self._streams.deliver(processed.outputs)
         return core.finished or bool(processed.to_abort)
 
-    async def _choices(self, prompt: str | Sequence[int], prompt_ids: list[int],
-                       params: SamplingParams, owner: str | None) -> AsyncIterator[Any]:
+    async def _chunks(self, prompt: str | Sequence[int], prompt_ids: list[int],
+                      params: SamplingParams, owner: str | None) -> AsyncIterator[Any]:
         while True:
             as_text = isinstance(prompt, str) or not self._token_prompts
             try:
@@ -292,14 +342,13 @@ class RemoteClient:
                     self._token_prompts = False  # this server takes text prompts only
         async with stream:
             async for chunk in stream:
-                for choice in chunk.choices:
-                    yield choice
+                yield chunk
 
     async def _create(self, prompt: str | list[int], params: SamplingParams, owner: str | None) -> Any:
         extra = {"top_k": params.top_k, "min_p": params.min_p,
                  "repetition_penalty": params.repetition_penalty, "ignore_eos": params.ignore_eos,
-                 "stop_token_ids": params.stop_token_ids, "return_token_ids": True
-                 } if self._vllm_extras else {}
+                 "stop_token_ids": params.stop_token_ids, "return_token_ids": True,
+                 "stream_options": {"include_usage": True}} if self._vllm_extras else {}
         if (spec := params.structured_spec) is not None:  # vLLM's name, which serve takes too
             kind, value = spec
             extra["structured_outputs"] = {"json": json.loads(value or '{"type": "object"}')
@@ -324,6 +373,11 @@ class RemoteClient:
             self._scraping = loop.create_task(self._scrape())
 
     async def _scrape(self) -> None:
+        self._record_scrape(await self._metrics_text())
+
+    async def _metrics_text(self) -> str | None:
+        """/metrics' text; None where it answers no 200 or cannot be reached (which
+        `running` and `last_error` then say)."""
         url = self.base_url.removesuffix("/v1") + "/metrics"
         try:
             async with httpx.AsyncClient(timeout=10.0) as client:
@@ -332,8 +386,17 @@ class RemoteClient:
         except httpx.HTTPError as error:
             self.last_error = f"cannot reach the server at {self.base_url} ({error})"
             self._reachable = False
-            return
-        self._record_scrape(response.text if response.status_code == 200 else None)
+            return None
+        return response.text if response.status_code == 200 else None
+
+    def _counts_by_metrics(self) -> bool:
+        """Whether a request's cached tokens are read off /metrics: the server has not said
+        them in its usage so far, it has vLLM's counters, and this is the one request open."""
+        return not self._sends_cached and self._has_metrics and len(self._pumps) == 1
+
+    async def _prefix_hits(self) -> float | None:
+        text = await self._metrics_text()
+        return _vllm_values(text).get("prefix_cache_hit_tokens") if text else None
 
     def _record_scrape(self, text: str | None) -> None:
         values = _vllm_values(text) if text else {}
@@ -386,6 +449,14 @@ def _vllm_values(text: str) -> dict[str, float]:
                 values[field_name] = sum(sample.value for sample in family.samples
                                          if sample.name in (family.name, family.name + "_total"))
     return values
+
+
+def _cached_tokens(chunk: Any, known: int | None) -> int | None:
+    """A chunk's `usage.prompt_tokens_details.cached_tokens` (the last chunk's, where the
+    stream includes usage), else what an earlier chunk said."""
+    details = getattr(getattr(chunk, "usage", None), "prompt_tokens_details", None)
+    cached = getattr(details, "cached_tokens", None)
+    return known if cached is None else int(cached)
 
 
 def _finish_reason(reason: str | None) -> Any:
