@@ -345,7 +345,8 @@ def test_a_search_of_thousands_of_words_is_capped_and_deduplicated(cli):
      'an http:// or https:// URL with a host, e.g. "http://127.0.0.1:8000/v1"'),
     ('[tui.keys]\nnew_chatt = "ctrl+t"', "line 2: unknown action 'tui.keys.new_chatt': did you mean "
      "'new_chat'? actions: broadcast, chat_settings, close_chat, copy_code, copy_reply, fork_chat, "
-     "help, new_chat, next_chat, prev_chat, regenerate, rename_chat, stop, toggle_panel"),
+     "help, new_chat, next_chat, prev_chat, regenerate, rename_chat, restart_engine, stop, "
+     "toggle_panel"),
     ('[tui.keys]\nnew_chat = "ctrl+nonsense+q"', 'line 2: tui.keys.new_chat = "ctrl+nonsense+q" is '
      "invalid: 'nonsense' is not a modifier (modifiers: ctrl, shift, alt, meta, super, hyper); "
      'expected a key like "ctrl+n" (several: "f2,ctrl+e")'),

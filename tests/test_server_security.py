@@ -359,7 +359,7 @@ def test_serve_exits_when_its_engine_dies_and_a_hang_up_is_one_line(tiny_model_d
         assert server.returncode == 1, lines
         assert lines[1:] == ["a client hung up before its request body was in: POST /v1/completions",
                              "Error: the engine stopped (the engine process exited unexpectedly (exit "
-                             "code -9); restart the app), so the server did too"], lines
+                             "code -9)), so the server did too"], lines
         assert not answers_health(port)
     finally:
         server.kill()
