@@ -103,3 +103,18 @@ def test_loads_stream_lean_and_the_second_reads_the_converted_weights(tmp_path):
         print(f"load {run['seconds']:.1f} s, peak RSS {run['peak_rss'] - run['baseline_rss']:,} B "
               f"over {run['baseline_rss']:,} B, bf16 weights {run['bf16_bytes']:,} B")
         assert run["peak_rss"] - run["baseline_rss"] <= 1.3 * run["bf16_bytes"] + LOAD_ALLOWANCE
+
+
+@pytest.mark.slow
+def test_greedy_logprobs_match_transformers(smollm2_engine, smollm2_reference) -> None:
+    """Logprobs come from the logits the sampler used: transformers' on the same weights."""
+    engine = smollm2_engine
+    prompt = engine.tokenizer.encode("The three primary colors are")
+    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                   top_logprobs=5))[0]
+    with torch.inference_mode():
+        logits = smollm2_reference(torch.tensor([prompt + out.token_ids])).logits[0]
+    expected = logits[len(prompt) - 1:-1].log_softmax(-1)
+    for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert entry.logprob == pytest.approx(expected[step, token].item(), abs=2e-3)
+        assert entry.top_token_ids == expected[step].topk(5).indices.tolist()

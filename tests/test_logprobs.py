@@ -1,6 +1,7 @@
 """Logprobs: the sampled token's log-probability and the top alternatives come from the
-logits the sampler used: transformers' on the same weights for a greedy request, the
-tempered and truncated distribution for a sampled one, the masked one for a constrained one."""
+logits the sampler used: the tempered and truncated distribution for a sampled request, the
+masked one for a constrained one (a greedy request's against transformers is in
+test_default_model.py, beside the reference model it loads)."""
 
 from __future__ import annotations
 
@@ -54,17 +55,3 @@ def test_a_constrained_rows_logprobs_are_over_the_allowed_tokens(make_engine) ->
     # only the tokens that start "ab" or "cd" are possible: their probabilities sum to 1
     assert math.isfinite(first.logprob) and first.logprob <= 0
     assert sum(math.exp(lp) for lp in first.top_logprobs) <= 1 + 1e-5
-
-
-@pytest.mark.slow
-def test_greedy_logprobs_match_transformers(smollm2_engine, smollm2_reference) -> None:
-    engine = smollm2_engine
-    prompt = engine.tokenizer.encode("The three primary colors are")
-    out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
-                                                   top_logprobs=5))[0]
-    with torch.inference_mode():
-        logits = smollm2_reference(torch.tensor([prompt + out.token_ids])).logits[0]
-    expected = logits[len(prompt) - 1:-1].log_softmax(-1)
-    for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
-        assert entry.logprob == pytest.approx(expected[step, token].item(), abs=2e-3)
-        assert entry.top_token_ids == expected[step].topk(5).indices.tolist()

@@ -129,7 +129,12 @@ def poisoned_activations(rows: int, in_features: int, dtype: torch.dtype,
     return inner
 
 
-@pytest.mark.parametrize("name", sorted(BLOCK_FORMATS))
+# One format per case the Triton kernels tell apart (the layout makes the rest alike): 4-bit
+# codes in groups of 32, 8-bit in groups of 32 and of 16, and a K-quant's K of 512.
+TRITON_FORMATS = ("Q4_0", "Q8_0", "Q6_K", "Q4_K")
+
+
+@pytest.mark.parametrize("name", TRITON_FORMATS)
 def test_triton_kernels_match_a_float64_product_of_gguf_weights(name):
     """The GPU kernels (quant/triton_kernels.py), under TRITON_INTERPRET without a GPU:
     the split-K GEMV at 1 and 3 rows, the tl.dot kernel at 17 and 32, against gguf's
