@@ -96,8 +96,8 @@ def test_ask_server_stats_count_the_cached_tokens_of_a_continued_chat(api, tmp_p
                                               "--stats", *args],
                                     obj=CliState(engine_factory=lambda config: pytest.fail("no local engine")))
         assert result.exit_code == 0, result.stderr
-        [line] = result.stderr.strip().splitlines()
-        lines.append(line)
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        lines.append(result.stderr.strip())
     assert f"connected to {api.url} in " in lines[0] and "(local tokenizer)" in lines[0], lines[0]
     [cached] = re.findall(r"prompt tokens \((\d+) from the cache\)", lines[1])
     assert int(cached) >= 16, lines[1]

@@ -303,6 +303,8 @@ class ChatTab(TabPane):
             parts.append(f"prompt {len(turn.prompt_ids)} ({cached} cached)")
         if turn.finished:
             parts.append(finish_label(turn.finish_reason) or "done")
+            if self.session.unsaved is not None:  # the store refused it: only the screen has it
+                parts.append("unsaved")
         return " · ".join(parts)
 
 

@@ -300,6 +300,11 @@ class RemoteClient:
                                _remote_error(error, self.base_url, streaming))
         finally:
             self._pumps.pop(request_id, None)
+            if not self._pumps and self._client is not None:
+                # Its keep-alive connections belong to this loop, which may end next (each
+                # `ask` runs one): closed here, they do not leak past it.
+                client, self._client = self._client, None
+                await client.close()
 
     def _core_output(self, request_id: str, prompt_ids: list[int], choice: Any) -> EngineCoreOutput:
         new_ids = getattr(choice, "token_ids", None)
