@@ -12,7 +12,10 @@ the chat store and the metrics of its replies. A turn:
 
 A turn the engine refused outright (an error before any token, e.g. a prompt past
 max_model_len) stays in the store but out of the context, or every later turn would fail
-the same way. A store that fails mid-reply (disk full, the chat deleted elsewhere) costs
+the same way. A new turn whose engine stopped before its first token (EngineDeadError: the
+engine process died, a step failed) is withdrawn instead: its rows leave the store and
+`turn.withdrawn` tells the front end to give the user's text back, so no empty reply is
+ever kept for a turn that never ran. A store that fails mid-reply (disk full, the chat deleted elsewhere) costs
 one warning: the reply goes on, and is saved when the store takes it again. A chat that
 another writer added to since the session last saw it refuses the new turn
 (ChatMovedOn) rather than interleave two conversations.
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from paged_chat.chat_store import StoreError
 from paged_chat.conversation import Conversation
-from paged_chat.engine.errors import PagedChatError, describe_error
+from paged_chat.engine.errors import EngineDeadError, PagedChatError, describe_error
 from paged_chat.text import sanitize_for_terminal
 
 if TYPE_CHECKING:
@@ -69,6 +72,7 @@ class Turn:
     submitted_at: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
     finished_at: float | None = None
+    withdrawn: bool = False            # taken back whole: its engine stopped before a word
 
     def add(self, output: RequestOutput, now: float) -> None:
         if output.new_token_ids and self.first_token_at is None:
@@ -153,6 +157,9 @@ class ChatSession:
         self.unsaved: Exception | None = None
         self._loaded = loaded
         self._last_message_id = chat.messages[-1].id if chat is not None and chat.messages else 0
+        # (last message id, reply id, first row of the turn) as a turn's rows began: what a
+        # withdrawn turn goes back to.
+        self._rows_before: tuple[int, int | None, int | None] = (self._last_message_id, None, None)
 
     def load(self) -> list[Message]:
         """The chat's stored messages, read once from the store."""
@@ -282,26 +289,47 @@ class ChatSession:
             reason = "error" if isinstance(error, Exception) else "abort"
             turn.finish(reason, describe_error(error) if reason == "error" else None,
                         time.perf_counter())
+            turn.withdrawn = (isinstance(error, EngineDeadError) and not turn.token_ids
+                              and not regenerate)
             raise
         finally:
             if not turn.finished:  # the caller stopped reading: the stream aborted the request
                 turn.finish("abort", None, time.perf_counter())
             self._client = None
-            self._end_turn(working, turn)
+            if turn.withdrawn:
+                self._withdraw_rows()
+            else:
+                self._end_turn(working, turn)
 
     def _start_rows(self, base: Conversation, prompt_ids: list[int], regenerate: bool) -> None:
         """The turn's rows before the first token: a kill from here on keeps the turn."""
+        self._rows_before = (self._last_message_id, self._reply_id, None)
         if self.chat is None:
             return
         store, chat_id = self.store, self.chat.id
         if regenerate and self._reply_id is not None:
             store.update_message(self._reply_id, "", [], None)
             return
+        first_id = None
         if not regenerate:
-            store.add_message(chat_id, "user", self.turn.user_text, base.added_ids(prompt_ids),
-                              after=self._last_message_id)
+            first_id = store.add_message(chat_id, "user", self.turn.user_text,
+                                         base.added_ids(prompt_ids),
+                                         after=self._last_message_id).id
         self._reply_id = store.add_message(chat_id, "assistant", "", []).id
+        self._rows_before = (self._last_message_id, self._rows_before[1],
+                             first_id if first_id is not None else self._reply_id)
         self._last_message_id = self._reply_id
+
+    def _withdraw_rows(self) -> None:
+        """Take the turn's rows back out of the store, as if it was never sent."""
+        last_message_id, reply_id, first_id = self._rows_before
+        if self.chat is not None and first_id is not None:
+            try:
+                self.store.delete_messages_from(self.chat.id, first_id)
+            except (StoreError, sqlite3.Error) as error:
+                self.on_warning(f"the failed turn could not be taken out of the chat ({error})")
+                return
+        self._last_message_id, self._reply_id = last_message_id, reply_id
 
     def _end_turn(self, working: Conversation, turn: Turn) -> None:
         refused = turn.finish_reason == "error" and not turn.token_ids

@@ -340,6 +340,12 @@ class ChatStore:
             message.id = cursor.lastrowid
         return message
 
+    def delete_messages_from(self, chat_id: str, first_id: int) -> None:
+        """Delete the chat's messages from `first_id` on: a turn withdrawn whole (its
+        engine stopped before it said a word, so it holds nothing but what was sent)."""
+        with self._transaction() as db:
+            db.execute("DELETE FROM messages WHERE chat_id = ? AND id >= ?", (chat_id, first_id))
+
     def update_message(self, message_id: int, content: str, token_ids: list[int],
                        finish_reason: str | None, timings: dict | None = None) -> None:
         """Replace a message's content and ids (a streaming reply); timings=None keeps them."""

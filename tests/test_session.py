@@ -13,6 +13,7 @@ import pytest
 from paged_chat.chat_session import ChatSession, Turn, chat_title
 from paged_chat.chat_store import ChatMovedOn, ChatStore
 from paged_chat.engine import ClientSpec, Engine, SamplingParams, make_client
+from paged_chat.engine.errors import EngineDeadError
 from helpers import assert_no_leaks, engine_config, step_as_a_client
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -75,6 +76,30 @@ async def test_a_store_that_fails_mid_reply_costs_one_warning_not_the_reply(clie
     assert len(warnings) == 1 and "database or disk is full" in warnings[0]
     reply = store.get_chat(session.chat_id).messages[-1]
     assert reply.content == text and reply.finish_reason == "length"
+
+
+async def test_a_turn_whose_engine_stops_before_a_word_is_withdrawn(client, store, monkeypatch):
+    """Issue 31 item 10: the engine child is killed while it prefills a message. No empty
+    `error` reply is kept: the turn's rows leave the store, the session says the turn was
+    withdrawn (the TUI gives the text back), and the same message then goes through."""
+    session = new_session(store)
+    await asyncio.wait_for(run(session.send(client, "Hello there", GREEDY)), 60)
+    before = [(m.role, m.content) for m in store.get_chat(session.chat_id).messages]
+
+    async def killed(*args, **kwargs):
+        raise EngineDeadError("the engine process exited unexpectedly (exit code -9)")
+        yield  # an async generator, as EngineClient.stream is
+
+    monkeypatch.setattr(client, "stream", killed)
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(run(session.send(client, "And now?", GREEDY)), 60)
+    assert session.turn.withdrawn
+    assert [(m.role, m.content) for m in store.get_chat(session.chat_id).messages] == before
+    monkeypatch.undo()
+    await asyncio.wait_for(run(session.send(client, "And now?", GREEDY)), 60)
+    rows = store.get_chat(session.chat_id).messages
+    assert [m.role for m in rows] == ["user", "assistant", "user", "assistant"]
+    assert rows[2].content == "And now?" and rows[3].content and not session.turn.withdrawn
 
 
 async def test_a_chat_deleted_mid_reply_still_streams_the_reply(client, store, monkeypatch):

@@ -251,7 +251,8 @@ class ChatTab(TabPane):
             while views and not isinstance(views[-1], UserMessage):
                 await views.pop().remove()
         else:
-            await messages.mount(UserMessage(text))
+            sent = UserMessage(text)
+            await messages.mount(sent)
             if self.title.startswith("Chat ") and self.session.turn is None and not self.session.load():
                 self.set_title(chat_title(text))
         reply = AssistantMessage(footer="waiting for the model…")
@@ -287,6 +288,12 @@ class ChatTab(TabPane):
             self.notify(f"{self.title}: {self.error}", severity="error", timeout=8, markup=False)
             if not reply.text:
                 await reply.remove()
+        if turn is not None and turn.withdrawn and text is not None:
+            # The engine stopped before a word: the turn is not in the chat, so the user's
+            # text goes back into the prompt to send again (after F5).
+            await sent.remove()
+            if not self.prompt.text:
+                self.prompt.text = text
         reply.footer = self._footer()
         self.streaming = False
         self.post_message(self.TurnEnded(self))
