@@ -61,9 +61,20 @@ def _dequantized_halves(low_ptr, high_ptr, scale_ptr, offset_ptr, rows, row_mask
 
 
 @triton.jit
-def _low_positions(byte, GROUP: tl.constexpr):
-    """k_low of each byte index within a tile (see the module's docstring)."""
-    return (byte // (GROUP // 2)) * GROUP + byte % (GROUP // 2)
+def _weight_tile(low_ptr, high_ptr, scale_ptr, offset_ptr, rows, row_mask, k0, k_end,
+                 stride_plane, stride_groups, GROUP: tl.constexpr, HAS_HIGH: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """The tile of weights k0 <= k < min(k0 + BLOCK_K, k_end) of rows `rows`: (low half,
+    high half, each [len(rows), BLOCK_K / 2] fp32, zero where masked; the positions k_low
+    of the low half in x (the high half's are k_low + GROUP / 2); which bytes are real)."""
+    index = tl.arange(0, BLOCK_K // 2)
+    byte = k0 // 2 + index
+    byte_mask = byte < k_end // 2
+    w_low, w_high = _dequantized_halves(low_ptr, high_ptr, scale_ptr, offset_ptr, rows,
+                                        row_mask, byte, byte_mask, stride_plane, stride_groups,
+                                        GROUP, HAS_HIGH)
+    k_low = k0 + (index // (GROUP // 2)) * GROUP + index % (GROUP // 2)
+    return w_low, w_high, k_low, byte_mask
 
 
 @triton.jit
@@ -78,12 +89,9 @@ def _gemv_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, out_ptr, M, N,
     for m in range(M):
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
-            byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            byte_mask = byte < k_end // 2
-            w_low, w_high = _dequantized_halves(
-                low_ptr, high_ptr, scale_ptr, offset_ptr, rows, row_mask, byte, byte_mask,
-                stride_plane, stride_groups, GROUP, HAS_HIGH)
-            k_low = k0 + _low_positions(tl.arange(0, BLOCK_K // 2), GROUP)
+            w_low, w_high, k_low, byte_mask = _weight_tile(
+                low_ptr, high_ptr, scale_ptr, offset_ptr, rows, row_mask, k0, k_end,
+                stride_plane, stride_groups, GROUP, HAS_HIGH, BLOCK_K)
             x_row = x_ptr + m * stride_xm
             x_low = tl.load(x_row + k_low, mask=byte_mask, other=0.0).to(tl.float32)
             x_high = tl.load(x_row + k_low + GROUP // 2, mask=byte_mask, other=0.0).to(tl.float32)
@@ -102,12 +110,9 @@ def _dot_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, out_ptr, M, N, 
     row_mask = rows < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        byte = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        byte_mask = byte < K // 2
-        w_low, w_high = _dequantized_halves(
-            low_ptr, high_ptr, scale_ptr, offset_ptr, rows, row_mask, byte, byte_mask,
-            stride_plane, stride_groups, GROUP, HAS_HIGH)
-        k_low = k0 + _low_positions(tl.arange(0, BLOCK_K // 2), GROUP)
+        w_low, w_high, k_low, byte_mask = _weight_tile(
+            low_ptr, high_ptr, scale_ptr, offset_ptr, rows, row_mask, k0, K, stride_plane,
+            stride_groups, GROUP, HAS_HIGH, BLOCK_K)
         x_tile = x_ptr + x_rows[:, None].to(tl.int64) * stride_xm + k_low[None, :]
         x_mask_tile = x_mask[:, None] & byte_mask[None, :]
         x_low = tl.load(x_tile, mask=x_mask_tile, other=0.0)
