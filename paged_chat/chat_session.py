@@ -157,9 +157,9 @@ class ChatSession:
         self.unsaved: Exception | None = None
         self._loaded = loaded
         self._last_message_id = chat.messages[-1].id if chat is not None and chat.messages else 0
-        # (last message id, reply id, first row of the turn) as a turn's rows began: what a
-        # withdrawn turn goes back to.
-        self._rows_before: tuple[int, int | None, int | None] = (self._last_message_id, None, None)
+        # (last message id, reply id) before this turn's rows and the id of its first row:
+        # what a withdrawn turn goes back to; None while the turn wrote no rows.
+        self._rows_before: tuple[int, int | None, int] | None = None
 
     def load(self) -> list[Message]:
         """The chat's stored messages, read once from the store."""
@@ -303,32 +303,33 @@ class ChatSession:
 
     def _start_rows(self, base: Conversation, prompt_ids: list[int], regenerate: bool) -> None:
         """The turn's rows before the first token: a kill from here on keeps the turn."""
-        self._rows_before = (self._last_message_id, self._reply_id, None)
+        self._rows_before = None
         if self.chat is None:
             return
         store, chat_id = self.store, self.chat.id
         if regenerate and self._reply_id is not None:
             store.update_message(self._reply_id, "", [], None)
             return
+        before = (self._last_message_id, self._reply_id)
         first_id = None
         if not regenerate:
             first_id = store.add_message(chat_id, "user", self.turn.user_text,
                                          base.added_ids(prompt_ids),
                                          after=self._last_message_id).id
         self._reply_id = store.add_message(chat_id, "assistant", "", []).id
-        self._rows_before = (self._last_message_id, self._rows_before[1],
-                             first_id if first_id is not None else self._reply_id)
+        self._rows_before = (*before, first_id if first_id is not None else self._reply_id)
         self._last_message_id = self._reply_id
 
     def _withdraw_rows(self) -> None:
         """Take the turn's rows back out of the store, as if it was never sent."""
+        if self._rows_before is None:  # no rows were written (no store)
+            return
         last_message_id, reply_id, first_id = self._rows_before
-        if self.chat is not None and first_id is not None:
-            try:
-                self.store.delete_messages_from(self.chat.id, first_id)
-            except (StoreError, sqlite3.Error) as error:
-                self.on_warning(f"the failed turn could not be taken out of the chat ({error})")
-                return
+        try:
+            self.store.delete_messages_from(self.chat.id, first_id)
+        except (StoreError, sqlite3.Error) as error:
+            self.on_warning(f"the failed turn could not be taken out of the chat ({error})")
+            return
         self._last_message_id, self._reply_id = last_message_id, reply_id
 
     def _end_turn(self, working: Conversation, turn: Turn) -> None:
