@@ -46,7 +46,8 @@ def format_report(report: dict) -> str:
                      f"{fit['max_model_len']} holds {fit['contiguous_chats']} chats, paged held "
                      f"{fit['paged_chats_resident_at_once']} at once ({fit['ratio']:.1f}x)")
         lines.append(f"new chat, system prompt cold {1e3 * ttft['cold_s']:.0f} ms vs cached "
-                     f"{1e3 * ttft['cached_s']:.0f} ms to first token ({ttft['speedup']:.1f}x)")
+                     f"{1e3 * ttft['cached_s']:.0f} ms to first token ({ttft['speedup']:.1f}x; "
+                     f"{ttft['cached_tokens']} tokens from the cache)")
         turns = ", ".join(f"{t['prefilled']}/{t['prompt_tokens']}"
                           for t in report["scenarios"]["five_turn_chat"])
         lines.append(f"5-turn chat, tokens prefilled / in prompt per turn: {turns}")

@@ -46,17 +46,15 @@ def memory_scenarios(engine: Engine, source: ModelSource, workload: Workload) ->
            "contiguous_chats": contiguous_chats, "paged_chats_resident_at_once": peak_running,
            "ratio": peak_running / contiguous_chats}
 
-    def ttft(prompt: list[int]) -> float:
+    def ttft(prompt: list[int]) -> tuple[float, int]:
+        """Seconds to a prompt's first token, and how many of its tokens the cache served."""
         start = time.perf_counter()
-        request = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=1))
-        while engine.has_unfinished():
-            engine.step()
-        del request
-        return time.perf_counter() - start
+        out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0]
+        return time.perf_counter() - start, out.num_cached_tokens
 
     engine.reset_prefix_cache()
-    cold = ttft(workload.prompts[0])
-    warm = ttft(workload.prompts[1])
+    cold, cold_cached_tokens = ttft(workload.prompts[0])
+    warm, warm_cached_tokens = ttft(workload.prompts[1])
 
     conversation = Conversation(source.tokenizer, source.chat_template, SYSTEM_PROMPT)
     turns = []
@@ -67,7 +65,9 @@ def memory_scenarios(engine: Engine, source: ModelSource, workload: Workload) ->
         conversation.add_reply(prompt, out.token_ids, out.text)
         turns.append({"prompt_tokens": len(prompt), "prefilled": len(prompt) - out.num_cached_tokens})
     return {"fit": fit, "system_prompt_ttft": {"cold_s": cold, "cached_s": warm,
-                                               "speedup": cold / warm},
+                                               "speedup": cold / warm,
+                                               "cold_cached_tokens": cold_cached_tokens,
+                                               "cached_tokens": warm_cached_tokens},
             "five_turn_chat": turns}
 
 
