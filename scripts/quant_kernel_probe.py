@@ -79,6 +79,7 @@ def main() -> None:
           f"{quantized_bytes / 1e6:.0f} MB) vs {len(dense_layers)} float32 packed "
           f"({dense_bytes / 1e6:.0f} MB)")
     kernel_runs = {"stream (pc_matmul)": kernels.stream_matmul,
+                   "gemm (pc_gemm)": kernels.gemm_matmul,
                    "tile (dequantize + MKL)": kernels.tile_matmul}
     print(f"{'rows':>4} | {'kernel':<26} | {'ms/step':>8} | {'weight GB/s':>11} | of copy")
     with torch.inference_mode():

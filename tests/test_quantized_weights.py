@@ -129,6 +129,29 @@ def poisoned_activations(rows: int, in_features: int, dtype: torch.dtype,
     return inner
 
 
+CPU_KERNELS = ("stream_matmul", "gemm_matmul", "tile_matmul")
+
+
+@pytest.mark.parametrize("kernel", CPU_KERNELS)
+@pytest.mark.parametrize("name", ("Q4_0", "Q8_0", "Q6_K"))
+def test_each_cpu_kernel_computes_ragged_shapes_and_writes_only_its_columns(name, kernel):
+    """Every CPU kernel, whichever shapes `matmul` gives it: 71 weight rows (pc_gemm's
+    tiles of 24 and blocks of 3 both end part-way), 1-13 rows of x (its blocks of 4 too),
+    neighbour weight rows NaN, into a view of a wider NaN output that must keep its NaNs."""
+    if kernels.library() is None:
+        pytest.skip("no C compiler: only the torch fallback runs here")
+    in_features = in_features_of(name)
+    weight, dense = quantized(name, in_features)
+    part = poisoned_rows(weight.narrow(0, 71))
+    generator = torch.Generator().manual_seed(6)
+    for rows in (1, 2, 5, 7, 13):
+        x = torch.randn(rows, in_features, generator=generator)
+        out = torch.full((rows, 80), float("nan"))
+        getattr(kernels, kernel)(x, part, out[:, 4:75])
+        assert relative_error(out[:, 4:75], x.double().numpy() @ dense[:71].T) < 1e-5, rows
+        assert out[:, :4].isnan().all() and out[:, 75:].isnan().all(), rows
+
+
 # One format per case the Triton kernels tell apart (the layout makes the rest alike): 4-bit
 # codes in groups of 32, 8-bit in groups of 32 and of 16, and a K-quant's K of 512.
 TRITON_FORMATS = ("Q4_0", "Q8_0", "Q6_K", "Q4_K")

@@ -4,7 +4,8 @@
  * weight i (bits 0-3) and of weight i + G/2 (bits 4-7).
  *
  * pc_dequantize writes rows as float32; pc_matmul computes out = x @ W.T for a few rows
- * of x, reading each weight byte once per 4 rows of x. With AVX2 + FMA, 32 codes at a
+ * of x, reading each weight byte once per 4 rows of x; pc_gemm (AVX2 only) for many rows,
+ * from tiles of weight rows dequantized once per call. With AVX2 + FMA, 32 codes at a
  * time are unpacked in registers: for one row of x they are multiplied into the row
  * before the group's scale is applied (code_dot), for more rows they are dequantized
  * first (FMA of code and scale plus offset: exact, as the product is) and shared by up
@@ -180,6 +181,105 @@ void pc_matmul(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t
             default: dequantized_dots(xm, 4, lo, hi, s, o, k, group, om, out_stride); break;
             }
         }
+    }
+}
+
+/* Dequantized weight rows per tile of pc_gemm: a multiple of GEMM_NR, about 55-150 KB of
+ * float32 at the default model's widths, so a tile stays in L2 while every row of x
+ * passes over it. */
+#define GEMM_TILE_ROWS 24
+#define GEMM_MR 4
+#define GEMM_NR 3
+
+/* Row `n` of W, dequantized into `out` (k floats). */
+static inline void dequantize_row_avx2(const uint8_t *lo, const uint8_t *hi, const float *scale,
+                                       const float *offset, int64_t k, int64_t group, float *out) {
+    for (int64_t i = 0; i < k; i += 32) {
+        __m256 w[4];
+        dequantize_32(lo, hi, scale, offset, i / 2, group, w);
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + i + 8 * j, w[j]);
+    }
+}
+
+/* out[m, n] = x[m] . w[n] for m < mr rows of x and GEMM_NR rows of w (of which the first
+ * `nr` are stored), over all k: MR x NR accumulators, each step's NR weight vectors and
+ * MR x vectors loaded once and multiplied pairwise (7 loads per 12 FMAs at 4 x 3, so the
+ * FMA units, not the loads, bound it), summed across lanes once at the end. */
+static inline __attribute__((always_inline)) void dot_block(
+        const float *x, const int mr, const float *w, const int nr, int64_t k, float *out,
+        int64_t out_stride) {
+    __m256 acc[GEMM_MR][GEMM_NR];
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < GEMM_NR; n++) acc[m][n] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < k; i += 8) {
+        __m256 wv[GEMM_NR];
+        /* Each load held in a register (the empty asm): GCC would otherwise fold it into
+         * every FMA that uses it, 15 loads per step where 7 do. */
+        for (int n = 0; n < GEMM_NR; n++) {
+            wv[n] = _mm256_loadu_ps(w + n * k + i);
+            __asm__("" : "+x"(wv[n]));
+        }
+        for (int m = 0; m < mr; m++) {
+            __m256 xv = _mm256_loadu_ps(x + m * k + i);
+            __asm__("" : "+x"(xv));
+            for (int n = 0; n < GEMM_NR; n++) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int n = 0; n < nr; n++) out[m * out_stride + n] = horizontal_sum(acc[m][n]);
+}
+
+/* dot_block for 1-4 rows of x, each compiled on its own: inlined into pc_gemm's loops,
+ * GCC keeps one of the 12 accumulators on the stack (a store and a load in every step's
+ * dependency chain: 34 against 88 GFLOP/s a core). */
+#define DOT_BLOCK_ROWS(MR)                                                                 \
+    static __attribute__((noinline)) void dot_block_##MR(                                \
+            const float *x, const float *w, int nr, int64_t k, float *out,              \
+            int64_t out_stride) {                                                        \
+        dot_block(x, MR, w, nr, k, out, out_stride);                                     \
+    }
+DOT_BLOCK_ROWS(1)
+DOT_BLOCK_ROWS(2)
+DOT_BLOCK_ROWS(3)
+DOT_BLOCK_ROWS(4)
+static void (*const dot_blocks[GEMM_MR])(const float *, const float *, int, int64_t, float *,
+                                         int64_t) = {dot_block_1, dot_block_2, dot_block_3,
+                                                     dot_block_4};
+
+/* `pc_matmul` for many rows of x (compute-bound): per tile of GEMM_TILE_ROWS weight rows,
+ * the rows are dequantized once into a buffer (padded with zero rows to a multiple of
+ * GEMM_NR), then every block of GEMM_MR rows of x is multiplied with it by dot_block.
+ * Tiles are split over the threads. */
+void pc_gemm(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *high,
+             const float *scale, const float *offset, int64_t n_rows, int64_t k,
+             int64_t group, float *out, int64_t out_stride, int threads) {
+    const int64_t plane = k / 2, groups = k / group;
+    const int64_t tiles = (n_rows + GEMM_TILE_ROWS - 1) / GEMM_TILE_ROWS;
+#pragma omp parallel num_threads(threads)
+    {
+        float *w = aligned_alloc(64, GEMM_TILE_ROWS * k * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n0 = t * GEMM_TILE_ROWS;
+            const int64_t count = n_rows - n0 < GEMM_TILE_ROWS ? n_rows - n0 : GEMM_TILE_ROWS;
+            for (int64_t r = 0; r < count; r++) {
+                const int64_t n = n0 + r;
+                dequantize_row_avx2(low + n * plane, high ? high + n * plane : NULL,
+                                    scale + n * groups, offset + n * groups, k, group, w + r * k);
+            }
+            const int64_t padded = (count + GEMM_NR - 1) / GEMM_NR * GEMM_NR;
+            for (int64_t i = count * k; i < padded * k; i++) w[i] = 0.0f;
+            for (int64_t m = 0; m < rows_x; m += GEMM_MR) {
+                const float *xm = x + m * k;
+                const int mr = rows_x - m < GEMM_MR ? (int)(rows_x - m) : GEMM_MR;
+                for (int64_t r = 0; r < count; r += GEMM_NR) {
+                    const int nr = count - r < GEMM_NR ? (int)(count - r) : GEMM_NR;
+                    float *o = out + m * out_stride + n0 + r;
+                    dot_blocks[mr - 1](xm, w + r * k, nr, k, o, out_stride);
+                }
+            }
+        }
+        free(w);
     }
 }
 #else
