@@ -63,6 +63,8 @@ class NativeLibrary:
 
     def load(self) -> ctypes.CDLL | None:
         """The native build, or None where no C compiler builds it."""
+        if self._loaded:  # the hot path: several hundred calls a decode step, no lock
+            return self._library
         with self._lock:
             if not self._loaded:
                 self._library = self.build(NATIVE_FLAG_SETS)
