@@ -69,53 +69,78 @@ def dequantize(weight: QuantizedWeight) -> torch.Tensor:
 
 
 def _dequantize_into(lib: ctypes.CDLL, weight: QuantizedWeight, out: torch.Tensor) -> None:
-    lib.pc_dequantize(weight.low.data_ptr(), _pointer(weight.high), weight.scale.data_ptr(),
-                      weight.offset.data_ptr(), weight.rows, weight.in_features, weight.group,
-                      out.data_ptr(), torch.get_num_threads())
+    lib.pc_dequantize(*_weight_args(weight), out.data_ptr(), torch.get_num_threads())
 
 
-def matmul(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor) -> None:
-    """out (float32 [rows, weight.rows], a view with unit column stride) = x @ W.T, for
-    float32 x [rows, in_features], by the kernel measured fastest for the shape; on a GPU,
-    the Triton kernels (any activation dtype, out in x's)."""
-    if x.device.type == "cuda":
-        from paged_chat.engine.models.quant import triton_kernels
+def _weight_args(weight: QuantizedWeight) -> tuple[int | None, ...]:
+    """What every kernel of kernels.c takes for a weight, in its order: the planes',
+    scales' and offsets' addresses, rows, in_features, group."""
+    return (weight.low.data_ptr(), _pointer(weight.high), weight.scale.data_ptr(),
+            weight.offset.data_ptr(), weight.rows, weight.in_features, weight.group)
 
-        triton_kernels.matmul(x, weight, out)
-        return
-    lib = library()
-    if lib is not None and x.shape[0] <= STREAM_MAX_ROWS:
-        stream_matmul(x, weight, out)
-    elif lib is not None and hasattr(lib, "pc_gemm"):
-        gemm_matmul(x, weight, out)
-    else:
-        tile_matmul(x, weight, out)
+
+class LayerMatmul:
+    """out = x @ W.T for one layer's weight `parts` (their output rows side by side in
+    out's columns), by the kernel measured fastest for the shape: pc_matmul up to
+    STREAM_MAX_ROWS rows of x, pc_gemm above (tile_matmul where they are not built), the
+    Triton kernels on a GPU. Each part's addresses are read once, here: a decode step
+    calls a layer's product about 120 times, and reading them is most of a call's Python
+    time. The parts' tensors are never replaced (nothing assigns a QuantizedWeight's
+    fields) and this object holds them, so the addresses stay valid."""
+
+    def __init__(self, parts: list[QuantizedWeight]) -> None:
+        self.parts = parts
+        self.columns = [sum(p.rows for p in parts[:i]) for i in range(len(parts))]
+        self.args = [_weight_args(part) for part in parts]
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """`out` (a view with unit column stride) = x @ W.T; float32 x and out on the CPU
+        (x contiguous), any activation dtype on a GPU (out in x's)."""
+        if x.device.type == "cuda":
+            from paged_chat.engine.models.quant import triton_kernels
+
+            for part, column in zip(self.parts, self.columns):
+                triton_kernels.matmul(x, part, out[:, column:column + part.rows])
+            return
+        assert x.dtype == out.dtype == torch.float32 and x.is_contiguous() and out.stride(1) == 1
+        rows, lib = x.shape[0], library()
+        if lib is not None and rows <= STREAM_MAX_ROWS:
+            kernel = lib.pc_matmul
+        elif lib is not None and hasattr(lib, "pc_gemm"):
+            kernel = lib.pc_gemm
+        else:
+            for part, column in zip(self.parts, self.columns):
+                tile_matmul(x, part, out[:, column:column + part.rows])
+            return
+        x_address, out_address, out_stride = x.data_ptr(), out.data_ptr(), out.stride(0)
+        threads = torch.get_num_threads()
+        for args, column in zip(self.args, self.columns):
+            kernel(x_address, rows, *args, out_address + 4 * column, out_stride, threads)
 
 
 def stream_matmul(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor) -> None:
-    """`matmul` by pc_matmul: each packed weight byte read once, dequantized in registers."""
-    assert x.dtype == out.dtype == torch.float32 and x.is_contiguous() and out.stride(1) == 1
-    lib = library()
-    assert lib is not None, "no C kernels on this machine"
-    lib.pc_matmul(x.data_ptr(), x.shape[0], weight.low.data_ptr(), _pointer(weight.high),
-                  weight.scale.data_ptr(), weight.offset.data_ptr(), weight.rows,
-                  weight.in_features, weight.group, out.data_ptr(), out.stride(0),
-                  torch.get_num_threads())
+    """`LayerMatmul` of one weight by pc_matmul: each packed weight byte read once,
+    dequantized in registers."""
+    _run_kernel("pc_matmul", x, weight, out)
 
 
 def gemm_matmul(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor) -> None:
-    """`matmul` by pc_gemm: tiles of weight rows dequantized once into L2, register-blocked."""
+    """`LayerMatmul` of one weight by pc_gemm: tiles of weight rows dequantized once into
+    L2, register-blocked."""
+    _run_kernel("pc_gemm", x, weight, out)
+
+
+def _run_kernel(name: str, x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor) -> None:
     assert x.dtype == out.dtype == torch.float32 and x.is_contiguous() and out.stride(1) == 1
     lib = library()
-    assert lib is not None and hasattr(lib, "pc_gemm"), "no AVX2 kernels on this machine"
-    lib.pc_gemm(x.data_ptr(), x.shape[0], weight.low.data_ptr(), _pointer(weight.high),
-                weight.scale.data_ptr(), weight.offset.data_ptr(), weight.rows,
-                weight.in_features, weight.group, out.data_ptr(), out.stride(0),
-                torch.get_num_threads())
+    assert lib is not None and hasattr(lib, name), f"{name} is not built on this machine"
+    getattr(lib, name)(x.data_ptr(), x.shape[0], *_weight_args(weight), out.data_ptr(),
+                       out.stride(0), torch.get_num_threads())
 
 
 def tile_matmul(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor) -> None:
-    """`matmul` by tiles of weight rows dequantized into a reused buffer, then MKL."""
+    """`LayerMatmul` of one weight by tiles of weight rows dequantized into a reused
+    buffer, then MKL."""
     assert x.dtype == out.dtype == torch.float32 and out.stride(1) == 1
     lib = library()
     tile_rows = max(1, _TILE_BYTES // (4 * weight.in_features))

@@ -42,9 +42,11 @@ class BlockFormat:
     decode: Decoder
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class QuantizedWeight:
-    """A [rows, in_features] weight in the layout above; `format` names the GGUF format."""
+    """A [rows, in_features] weight in the layout above; `format` names the GGUF format.
+    Frozen: kernels.LayerMatmul keeps its tensors' addresses, so they are never replaced
+    (filled in place only)."""
 
     format: str
     group: int

@@ -28,6 +28,7 @@ class QuantizedLinear(nn.Module):
         self.in_features = parts[0].in_features
         self.out_features = sum(p.rows for p in parts)
         self.bias = bias
+        self.matmul = kernels.LayerMatmul(parts)
         for i, part in enumerate(parts):
             for suffix, tensor in part.tensors().items():
                 self.register_buffer(f"part{i}_{suffix}", tensor, persistent=False)
@@ -64,18 +65,19 @@ class QuantizedLinear(nn.Module):
         return sum(part.nbytes for part in self.parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if flat.device.type == "cpu":  # the C kernels take float32 only
+        flat = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        on_cpu = flat.device.type == "cpu"
+        if on_cpu and flat.dtype != torch.float32:  # the C kernels take float32 only
             flat = flat.float()
-        flat = flat.contiguous()
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
         out = torch.empty(flat.shape[0], self.out_features, dtype=flat.dtype, device=flat.device)
-        start = 0
-        for part in self.parts:
-            kernels.matmul(flat, part, out[:, start:start + part.rows])
-            start += part.rows
+        self.matmul(flat, out)
         if self.bias is not None:
             out += self.bias
-        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        if out.dtype != x.dtype:
+            out = out.to(x.dtype)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
 class QuantizedEmbedding(nn.Module):
