@@ -30,6 +30,7 @@ except ValueError:  # imported on another thread
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
+import logging  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
@@ -224,6 +225,31 @@ def _describe(error: Exception) -> str:
     return line if isinstance(error, USER_ERRORS) else f"{line} (`paged-chat --debug ...` shows the traceback)"
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Log lines to whatever sys.stderr is when they are written (a test runner swaps it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+
+    @property
+    def stream(self):  # noqa: ANN201 (StreamHandler's attribute)
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:  # noqa: ANN001
+        pass
+
+
+def _log_to_stderr() -> None:
+    """--debug: paged-chat's own log lines (which kernels were compiled, and in how long;
+    the server's) on stderr, not other libraries'."""
+    package = logging.getLogger("paged_chat")
+    if not any(isinstance(handler, _StderrHandler) for handler in package.handlers):
+        package.addHandler(_StderrHandler())
+    package.setLevel(logging.DEBUG)
+
+
 def _version(value: bool) -> None:
     if value:
         from importlib.metadata import version
@@ -263,6 +289,8 @@ def root(ctx: typer.Context,
     state = _state(ctx)
     state.debug = debug
     state.config = config
+    if debug:
+        _log_to_stderr()
     if ctx.invoked_subcommand is not None:
         for name, value in (("--demo", demo), ("--serve", serve), ("--server", server),
                             ("--model", model)):

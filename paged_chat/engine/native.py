@@ -12,15 +12,18 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import shutil
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 _HEADERS = Path(__file__).parent
+logger = logging.getLogger(__name__)
 NATIVE_FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-march=native"])
 
 
@@ -36,7 +39,11 @@ def compile_library(source: Path, flag_sets: tuple[list[str], ...] = NATIVE_FLAG
     for flags in flag_sets:
         digest = hashlib.sha256(text + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
         target = folder / f"{source.stem}-{digest}.so"
-        if not target.is_file():
+        if target.is_file():
+            logger.debug("%s: built for this machine before, nothing compiled (%s)",
+                         source.name, target)
+        else:
+            started = time.perf_counter()
             folder.mkdir(parents=True, exist_ok=True)
             partial = folder / f".partial-{os.getpid()}-{target.name}"
             result = subprocess.run([compiler, *flags, f"-I{_HEADERS}", "-shared", "-fPIC",
@@ -46,6 +53,9 @@ def compile_library(source: Path, flag_sets: tuple[list[str], ...] = NATIVE_FLAG
                 partial.unlink(missing_ok=True)
                 continue
             os.replace(partial, target)
+            logger.info("%s: compiled for this machine in %.1f s (%s), once: later starts "
+                        "load %s", source.name, time.perf_counter() - started, " ".join(flags),
+                        target)
         return ctypes.CDLL(str(target))
     return None
 

@@ -1,0 +1,45 @@
+"""engine/native.py: a C source is compiled once per machine, and each start says which
+happened (the build logged with its time, a later load logged as nothing compiled)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from paged_chat.engine.native import compile_library
+
+pytestmark = pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("cc")
+                                     or shutil.which("gcc")), reason="no C compiler")
+
+
+def test_a_build_is_logged_with_its_time_and_a_second_start_compiles_nothing(
+        tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    source = tmp_path / "probe_kernel.c"
+    source.write_text("int probe_answer(void) { return 42; }\n")
+    with caplog.at_level(logging.DEBUG, logger="paged_chat.engine.native"):
+        assert compile_library(source).probe_answer() == 42
+        assert "probe_kernel.c: compiled for this machine in" in caplog.text
+        caplog.clear()
+        assert compile_library(source).probe_answer() == 42
+    assert "probe_kernel.c: built for this machine before, nothing compiled" in caplog.text
+    assert "compiled for this machine in" not in caplog.text
+
+
+def test_debug_sends_the_packages_log_lines_to_stderr(capsys):
+    from paged_chat.cli import _log_to_stderr
+
+    package = logging.getLogger("paged_chat")
+    before = list(package.handlers), package.level
+    try:
+        _log_to_stderr()
+        _log_to_stderr()  # a second --debug run in one process adds no second handler
+        logging.getLogger("paged_chat.engine.native").info("a kernel line")
+        assert capsys.readouterr().err == "paged_chat.engine.native: a kernel line\n"
+    finally:
+        package.handlers[:] = before[0]
+        package.setLevel(before[1])
