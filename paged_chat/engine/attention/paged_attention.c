@@ -78,7 +78,29 @@ static inline void score_block(const float *q, const float *keys, const float *t
                                int64_t block_size, int64_t first, int64_t last, int64_t dim,
                                float scale, float *scores) {
     if (transposed == NULL) {
-        for (int64_t o = first; o <= last; o++) scores[o] = dot(q, keys + o * dim, dim) * scale;
+        int64_t o = first;
+#ifdef __AVX2__
+        /* Four keys at a time: four independent FMA chains where one dot's chain would
+         * wait on each FMA's latency, and one horizontal sum for the four. */
+        if (dim % 8 == 0)
+            for (; o + 4 <= last + 1; o += 4) {
+                const float *k0 = keys + o * dim;
+                __m256 s0 = _mm256_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+                for (int64_t d = 0; d < dim; d += 8) {
+                    const __m256 qd = _mm256_loadu_ps(q + d);
+                    s0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + d), s0);
+                    s1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + dim + d), s1);
+                    s2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 2 * dim + d), s2);
+                    s3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k0 + 3 * dim + d), s3);
+                }
+                /* lanes [s0 s1 s2 s3] of each 128-bit half, then the halves added */
+                const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(s0, s1), _mm256_hadd_ps(s2, s3));
+                const __m128 four = _mm_add_ps(_mm256_castps256_ps128(sums),
+                                               _mm256_extractf128_ps(sums, 1));
+                _mm_storeu_ps(scores + o, _mm_mul_ps(four, _mm_set1_ps(scale)));
+            }
+#endif
+        for (; o <= last; o++) scores[o] = dot(q, keys + o * dim, dim) * scale;
         return;
     }
 #ifdef __AVX2__
@@ -119,6 +141,19 @@ static inline void attend_block(const float *values, int64_t first, int64_t last
     }
     *sum += exponentiate(scores, first, last, top);
 #ifdef __AVX2__
+    if (dim % 64 == 0) {  /* 64 of the row's outputs in registers: eight FMA chains */
+        for (int64_t d = 0; d < dim; d += 64) {
+            __m256 a[8];
+            for (int i = 0; i < 8; i++) a[i] = _mm256_loadu_ps(acc + d + 8 * i);
+            for (int64_t o = first; o <= last; o++) {
+                const __m256 p = _mm256_set1_ps(scores[o]);
+                const float *v = values + o * dim + d;
+                for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * i), a[i]);
+            }
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(acc + d + 8 * i, a[i]);
+        }
+        return;
+    }
     if (dim % 32 == 0) {  /* 32 of the row's outputs in registers over the block's keys */
         for (int64_t d = 0; d < dim; d += 32) {
             __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
