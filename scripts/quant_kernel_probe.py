@@ -4,7 +4,8 @@ against the machine's copy bandwidth; one run, figures to stdout.
 
 The default model (SmolLM2-135M-Instruct, Q4_1 + Q8_0 GGUF) is loaded twice: quantized
 (engine/models/quant/) and dequantized to float32 then packed for oneDNN, as the engine
-runs each. For activations of 1..32 rows, every linear layer of one decode step (Q/K/V,
+runs each. Each kernel runs alone, then "engine" runs what a decode step runs: each
+layer's LayerMatmul, which picks the kernel for the row count. For activations of 1..32 rows, every linear layer of one decode step (Q/K/V,
 output, gate/up, down of each layer, the output projection) runs back to back through
 each kernel; a kernel's rate is the bytes of weights it holds over the time of one pass.
 Copy bandwidth: a 256 MiB float32 copy, bytes read + written per second.
@@ -97,6 +98,13 @@ def main() -> None:
                 rate = quantized_bytes / seconds
                 print(f"{rows:>4} | {name:<26} | {seconds * 1e3:8.2f} | {rate / 1e9:11.1f} | "
                       f"{rate / copy:.0%}")
+            def engine_step(rows=rows, xs=xs) -> None:
+                for layer in layers:
+                    layer.matmul(xs[layer.in_features], torch.empty(rows, layer.out_features))
+            seconds = best_of(engine_step, args.repeats)
+            rate = quantized_bytes / seconds
+            print(f"{rows:>4} | {'engine (LayerMatmul picks)':<26} | {seconds * 1e3:8.2f} | "
+                  f"{rate / 1e9:11.1f} | {rate / copy:.0%}")
             seconds = best_of(lambda xs=xs: [m(xs[m.in_features]) for m in dense_layers],
                               args.repeats)
             rate = dense_bytes / seconds
