@@ -15,7 +15,8 @@ max_model_len) stays in the store but out of the context, or every later turn wo
 the same way. A new turn whose engine stopped before its first token (EngineDeadError: the
 engine process died, a step failed) is withdrawn instead: its rows leave the store and
 `turn.withdrawn` tells the front end to give the user's text back, so no empty reply is
-ever kept for a turn that never ran. A store that fails mid-reply (disk full, the chat deleted elsewhere) costs
+ever kept for a turn that never ran; a regenerate withdrawn so leaves the reply it was to
+replace as it was. A store that fails mid-reply (disk full, the chat deleted elsewhere) costs
 one warning: the reply goes on, and is saved when the store takes it again. A chat that
 another writer added to since the session last saw it refuses the new turn
 (ChatMovedOn) rather than interleave two conversations.
@@ -281,7 +282,10 @@ class ChatSession:
                                               owner=self.chat_id)) as stream:
                 async for output in stream:
                     turn.add(output, time.perf_counter())
-                    if not turn.finished and time.monotonic() - saved_at >= SAVE_INTERVAL_S:
+                    # Not before the first token: a regenerate's reply row still holds the
+                    # reply it replaces, which a withdrawn turn leaves as it was.
+                    if (turn.token_ids and not turn.finished
+                            and time.monotonic() - saved_at >= SAVE_INTERVAL_S):
                         saved_at = time.monotonic()
                         self._save_reply(turn, final=False)
                     yield output
@@ -289,8 +293,7 @@ class ChatSession:
             reason = "error" if isinstance(error, Exception) else "abort"
             turn.finish(reason, describe_error(error) if reason == "error" else None,
                         time.perf_counter())
-            turn.withdrawn = (isinstance(error, EngineDeadError) and not turn.token_ids
-                              and not regenerate)
+            turn.withdrawn = isinstance(error, EngineDeadError) and not turn.token_ids
             raise
         finally:
             if not turn.finished:  # the caller stopped reading: the stream aborted the request
@@ -302,13 +305,13 @@ class ChatSession:
                 self._end_turn(working, turn)
 
     def _start_rows(self, base: Conversation, prompt_ids: list[int], regenerate: bool) -> None:
-        """The turn's rows before the first token: a kill from here on keeps the turn."""
+        """The turn's rows before the first token: a kill from here on keeps the turn. A
+        regenerate writes its reply over the last one, from its first save on."""
         self._rows_before = None
         if self.chat is None:
             return
         store, chat_id = self.store, self.chat.id
         if regenerate and self._reply_id is not None:
-            store.update_message(self._reply_id, "", [], None)
             return
         before = (self._last_message_id, self._reply_id)
         first_id = None

@@ -102,6 +102,32 @@ async def test_a_turn_whose_engine_stops_before_a_word_is_withdrawn(client, stor
     assert rows[2].content == "And now?" and rows[3].content and not session.turn.withdrawn
 
 
+async def test_a_regenerate_whose_engine_stops_before_a_word_keeps_the_old_reply(
+        client, store, monkeypatch):
+    """The same for a regenerate (issue 31 item 10): the reply it would replace stays, in
+    the store and in the conversation the next turn continues, instead of being emptied."""
+    session = new_session(store)
+    await asyncio.wait_for(run(session.send(client, "Hello there", GREEDY)), 60)
+    before = [(m.role, m.content, m.token_ids) for m in store.get_chat(session.chat_id).messages]
+    conversation = session.conversation
+
+    async def killed(*args, **kwargs):
+        raise EngineDeadError("the engine process exited unexpectedly (exit code -9)")
+        yield  # an async generator, as EngineClient.stream is
+
+    monkeypatch.setattr(client, "stream", killed)
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(run(session.regenerate(client, GREEDY)), 60)
+    assert session.turn.withdrawn
+    assert [(m.role, m.content, m.token_ids)
+            for m in store.get_chat(session.chat_id).messages] == before
+    assert session.conversation is conversation
+    monkeypatch.undo()
+    await asyncio.wait_for(run(session.regenerate(client, GREEDY)), 60)
+    rows = store.get_chat(session.chat_id).messages
+    assert [m.role for m in rows] == ["user", "assistant"] and rows[1].content
+
+
 async def test_a_chat_deleted_mid_reply_still_streams_the_reply(client, store, monkeypatch):
     monkeypatch.setattr("paged_chat.chat_session.SAVE_INTERVAL_S", 0.0)
     warnings: list[str] = []

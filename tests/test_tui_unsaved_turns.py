@@ -55,3 +55,33 @@ async def test_a_message_whose_engine_stops_before_a_word_goes_back_to_the_promp
         assert not tab.query(UserMessage) and not replies(tab)
         chat_id = tab.session.chat_id
         assert chat_id is None or not app.store.get_chat(chat_id).messages
+
+
+@pytest.mark.timeout(120)
+async def test_a_regenerate_whose_engine_stops_before_a_word_shows_the_old_reply_again(
+        engine, tmp_path, monkeypatch):
+    """Ctrl+R, and the engine dies before the new reply's first word: the reply it was to
+    replace comes back on screen (the store still holds it), not an empty error reply."""
+    app = make_app(engine, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        tab = app.active_tab
+        await type_prompt(pilot, "tell me about paging")
+        await wait_until(lambda: replies(tab) and idle(app) and tab.session.turn is not None
+                         and tab.session.turn.finished, timeout=60)
+        [old] = replies(tab)
+        old_text = old.text
+        assert old_text
+
+        async def killed(*args, **kwargs):
+            raise EngineDeadError("the engine process exited unexpectedly (exit code -9)")
+            yield  # an async generator, as EngineClient.stream is
+
+        monkeypatch.setattr(engine, "stream", killed)
+        assert tab.regenerate()
+        await wait_until(lambda: tab.session.turn.withdrawn and idle(app) and not tab.streaming,
+                         timeout=60)
+        assert [reply.text for reply in replies(tab)] == [old_text]
+        assert len(tab.query(UserMessage)) == 1 and not tab.prompt.text
+        stored = app.store.get_chat(tab.session.chat_id).messages
+        assert [(m.role, m.content) for m in stored] == [("user", "tell me about paging"),
+                                                         ("assistant", old_text)]

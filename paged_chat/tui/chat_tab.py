@@ -246,10 +246,14 @@ class ChatTab(TabPane):
     async def _run_turn(self, text: str | None) -> None:
         """Stream one reply (a regenerate when `text` is None) into the tab."""
         messages = self.messages
+        replaced: AssistantMessage | None = None  # a regenerate's old reply, to show again
         if text is None:  # the last reply (and any error after the last prompt) goes
             views = list(messages.query(".message"))
             while views and not isinstance(views[-1], UserMessage):
-                await views.pop().remove()
+                view = views.pop()
+                if isinstance(view, AssistantMessage) and replaced is None:
+                    replaced = AssistantMessage(view.text, footer=view.footer)
+                await view.remove()
         else:
             sent = UserMessage(text)
             await messages.mount(sent)
@@ -288,12 +292,19 @@ class ChatTab(TabPane):
             self.notify(f"{self.title}: {self.error}", severity="error", timeout=8, markup=False)
             if not reply.text:
                 await reply.remove()
-        if turn is not None and turn.withdrawn and text is not None:
+        if turn is not None and turn.withdrawn:
             # The engine stopped before a word: the turn is not in the chat, so the user's
-            # text goes back into the prompt to send again (after F5).
-            await sent.remove()
-            if not self.prompt.text:
-                self.prompt.text = text
+            # text goes back into the prompt to send again (after F5), or a regenerate's
+            # old reply, still the chat's, back on screen.
+            if text is not None:
+                await sent.remove()
+                if not self.prompt.text:
+                    self.prompt.text = text
+            elif replaced is not None:
+                if reply.is_attached:
+                    await reply.remove()
+                await messages.mount(replaced, before=messages.query(ErrorMessage).last()
+                                     if self.error else None)
         reply.footer = self._footer()
         self.streaming = False
         self.post_message(self.TurnEnded(self))
