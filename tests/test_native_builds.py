@@ -43,3 +43,22 @@ def test_debug_sends_the_packages_log_lines_to_stderr(capsys):
     finally:
         package.handlers[:] = before[0]
         package.setLevel(before[1])
+
+
+def test_a_change_to_an_included_c_file_is_a_new_build(tmp_path, monkeypatch, caplog):
+    """decode_layer.c builds kernels.c and others into one library: editing one of them
+    must not load the library built from the old text."""
+    from paged_chat.engine import native
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(native, "_HEADERS", tmp_path)
+    (tmp_path / "parts").mkdir()
+    inner = tmp_path / "parts" / "inner.c"
+    outer = tmp_path / "outer.c"
+    inner.write_text("static int inner_answer(void) { return 1; }\n")
+    outer.write_text('#include "parts/inner.c"\nint answer(void) { return inner_answer(); }\n')
+    assert compile_library(outer).answer() == 1
+    inner.write_text("static int inner_answer(void) { return 2; }\n")
+    with caplog.at_level(logging.DEBUG, logger="paged_chat.engine.native"):
+        assert compile_library(outer).answer() == 2
+    assert "outer.c: compiled for this machine in" in caplog.text

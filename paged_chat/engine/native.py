@@ -4,8 +4,9 @@ releases the GIL for each call).
 A library is built into a per-user folder under the temp dir, named by a hash of its
 source, compiler and flags, with -march=native: a binary never moves between machines.
 Its OpenMP runtime is torch's own (same soname, already loaded), so thread counts and the
-thread pool are shared with torch's ops. The headers in this folder (vector_exp.h) are on
-every build's include path and in every build's hash.
+thread pool are shared with torch's ops. This folder is on every build's include path: its
+headers (vector_exp.h) are in every build's hash, and so are the C files a source
+includes from under it (models/decode_layer.c builds three others into one library).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def compile_library(source: Path, flag_sets: tuple[list[str], ...] = NATIVE_FLAG
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None
-    text = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(_HEADERS.glob("*.h")))
+    text = b"".join(path.read_bytes() for path in (source, *_included_sources(source),
+                                                     *sorted(_HEADERS.glob("*.h"))))
     folder = Path(tempfile.gettempdir()) / f"paged-chat-kernels-{os.getuid()}"
     for flags in flag_sets:
         digest = hashlib.sha256(text + " ".join([compiler, *flags]).encode()).hexdigest()[:16]
@@ -58,6 +60,19 @@ def compile_library(source: Path, flag_sets: tuple[list[str], ...] = NATIVE_FLAG
                         target)
         return ctypes.CDLL(str(target))
     return None
+
+
+def _included_sources(source: Path) -> list[Path]:
+    """The files `source` #includes by a path under this folder ("models/fused_ops.c"),
+    and theirs: a change to any of them is a new build."""
+    found: list[Path] = []
+    for line in source.read_text().splitlines():
+        name = line.removeprefix("#include \"").removesuffix("\"")
+        if line.startswith("#include \"") and (_HEADERS / name).is_file():
+            included = _HEADERS / name
+            if included not in found and included.suffix == ".c":
+                found += [included, *_included_sources(included)]
+    return found
 
 
 class NativeLibrary:

@@ -30,6 +30,7 @@ from paged_chat.engine.models import fused_ops
 from paged_chat.engine.models.model_config import ModelConfig
 from paged_chat.engine.models.packed_linear import PackedLinear, pack_linears, packs
 from paged_chat.engine.models.quant import BLOCK_FORMATS
+from paged_chat.engine.models.fused_decode import FusedDecode
 from paged_chat.engine.models.quant.layout import QuantizedWeight
 from paged_chat.engine.models.quant.linear import QuantizedEmbedding, QuantizedLinear
 from paged_chat.engine.models.tensor_names import LAYER_TENSORS, TOP_TENSORS, split_hf_name
@@ -221,6 +222,8 @@ class LlamaForCausalLM(nn.Module):
         # Row sizes of the checkpoint tensors each fused parameter stacks, in order.
         self.shard_rows = {"self_attn.qkv_proj": (q_size, kv_size, kv_size),
                            "mlp.gate_up_proj": (config.intermediate_size,) * 2}
+        # Each layer's step as one C call, where use_fused_ops finds it exact.
+        self.fused_decode: FusedDecode | None = None
 
     @classmethod
     def empty(cls, config: ModelConfig, dtype: torch.dtype,
@@ -392,6 +395,7 @@ class LlamaForCausalLM(nn.Module):
             layer.input_layernorm.fused = layer.post_attention_layernorm.fused = True
             layer.self_attn.fused_rope = layer.self_attn.q_norm is None
             layer.mlp.fused = True
+        self.fused_decode = FusedDecode.for_model(self.layers)
         return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -407,10 +411,13 @@ class LlamaForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         if self.config.gemma:
             x = x * self.embed_scale
-        for layer, layer_cache in zip(self.layers, kv_cache):
-            cos, sin = local if layer.local_rope else rope
-            x, residual = layer(x, residual, cos, sin, layer_cache[0], layer_cache[1], meta,
-                                attention)
+        if self.fused_decode is not None and self.fused_decode.applies(attention, meta):
+            x, residual = self.fused_decode(x, *rope, kv_cache, meta, attention)
+        else:
+            for layer, layer_cache in zip(self.layers, kv_cache):
+                cos, sin = local if layer.local_rope else rope
+                x, residual = layer(x, residual, cos, sin, layer_cache[0], layer_cache[1],
+                                    meta, attention)
         x = x[logits_indices] if residual is None else x[logits_indices] + residual[logits_indices]
         return self._logits(self.norm(x)).float()
 

@@ -1,0 +1,165 @@
+"""A decoder layer's step as one C call (decode_layer.c), where the step is what that
+function computes exactly as the layer's Python forward does: float32 on the CPU with the
+fused ops, quantized linear layers without biases, Llama layers without q/k norms, and
+paged attention by the CPU kernel over every sequence of the step (all decodes, or
+prefill chunks where the backend attends them itself). The results are bit for bit the
+Python path's (the same kernels in the same order); the Python, dispatch and ctypes work
+between the ~20 calls of a layer is what goes (measured in the closing note of issue 30).
+
+What a layer holds (weights' addresses, shapes, its KV cache) is written once into a C
+struct; what a step shares (metadata, scratch rows) into another, once per step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from paged_chat.engine.attention.cpu_backend import CpuAttention
+from paged_chat.engine.attention.metadata import AttentionMetadata
+from paged_chat.engine.models.quant import kernels
+from paged_chat.engine.models.quant.linear import QuantizedLinear
+from paged_chat.engine.native import NativeLibrary
+
+MAX_PARTS = 3
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("low", _P * MAX_PARTS), ("high", _P * MAX_PARTS), ("scale", _P * MAX_PARTS),
+                ("offset", _P * MAX_PARTS), ("rows", _I * MAX_PARTS), ("group", _I * MAX_PARTS),
+                ("column", _I * MAX_PARTS), ("parts", _I), ("in_features", _I),
+                ("out_features", _I)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("input_norm", _P), ("post_norm", _P), ("eps", _F), ("scale", _F),
+                ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("window", _I),
+                ("key_cache", _P), ("value_cache", _P), ("num_blocks", _I), ("block_size", _I)]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("tokens", _I), ("num_seqs", _I), ("table_width", _I), ("stream_max_rows", _I),
+                ("cos", _P), ("sin", _P), ("slot_mapping", _P), ("query_start", _P),
+                ("seq_lens", _P), ("block_tables", _P), ("normed", _P), ("qkv", _P),
+                ("attended", _P), ("gate_up", _P), ("mid", _P), ("threads", ctypes.c_int)]
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.dl_decode_layer.argtypes = [_P, _P, _P, _P, _P]
+
+
+_native = NativeLibrary(Path(__file__).with_name("decode_layer.c"), _declare)
+
+
+def _linear(layer: QuantizedLinear) -> _Linear:
+    linear = _Linear(parts=len(layer.parts), in_features=layer.in_features,
+                     out_features=layer.out_features)
+    column = 0
+    for index, part in enumerate(layer.parts):
+        linear.low[index], linear.scale[index] = part.low.data_ptr(), part.scale.data_ptr()
+        linear.high[index] = None if part.high is None else part.high.data_ptr()
+        linear.offset[index] = part.offset.data_ptr()
+        linear.rows[index], linear.group[index], linear.column[index] = part.rows, part.group, column
+        column += part.rows
+    return linear
+
+
+def _fits(layer) -> bool:
+    """Whether decode_layer.c computes `layer` as its Python forward does."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return (type(layer).__name__ == "DecoderLayer" and not layer.local_rope
+            and attn.fused_rope and mlp.fused
+            and layer.input_layernorm.fused and layer.post_attention_layernorm.fused
+            and all(isinstance(linear, QuantizedLinear) and linear.bias is None
+                    and len(linear.parts) <= MAX_PARTS for linear in linears))
+
+
+class FusedDecode:
+    """The model's layers as one C call each, for the steps `applies` accepts."""
+
+    def __init__(self, layers, lib: ctypes.CDLL) -> None:
+        self.layers = layers
+        self.lib = lib
+        self._structs: list[_Layer] = []
+        self._addresses: list[int] = []
+        self._kv_cache_address: int | None = None
+        first = layers[0]
+        self.hidden = first.self_attn.o_proj.out_features
+        self.qkv_width = first.self_attn.qkv_proj.out_features
+        self.attended_width = first.self_attn.o_proj.in_features
+        self.gate_up_width = first.mlp.gate_up_proj.out_features
+
+    @classmethod
+    def for_model(cls, layers) -> FusedDecode | None:
+        """The fused step for `layers` (fused ops already on), or None where it does not
+        compute them exactly: a layer it does not fit, or no AVX2 build (its products
+        above a few rows would not be LayerMatmul's)."""
+        lib = _native.load()
+        kernel_lib = kernels.library()
+        if (lib is None or kernel_lib is None or not hasattr(kernel_lib, "pc_gemm")
+                or not all(_fits(layer) for layer in layers)):
+            return None
+        return cls(layers, lib)
+
+    @staticmethod
+    def applies(attention: object, meta: AttentionMetadata) -> bool:
+        """Whether a step is one it computes: the CPU kernel attends every sequence."""
+        return isinstance(attention, CpuAttention) and (
+            attention.prefill_in_kernel or meta.num_decodes == meta.num_seqs)
+
+    def _layer_structs(self, kv_cache: torch.Tensor, attention: CpuAttention) -> list[int]:
+        """Each layer's struct's address, the structs rebuilt only when the KV pool is a
+        new tensor."""
+        if kv_cache.data_ptr() == self._kv_cache_address:
+            return self._addresses
+        assert kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+        structs = []
+        for layer, layer_cache in zip(self.layers, kv_cache):
+            attn, mlp = layer.self_attn, layer.mlp
+            structs.append(_Layer(
+                qkv=_linear(attn.qkv_proj), o=_linear(attn.o_proj),
+                gate_up=_linear(mlp.gate_up_proj), down=_linear(mlp.down_proj),
+                input_norm=layer.input_layernorm.weight.data_ptr(),
+                post_norm=layer.post_attention_layernorm.weight.data_ptr(),
+                eps=layer.input_layernorm.eps, scale=attention.scale,
+                heads=attention.num_heads, kv_heads=attention.num_kv_heads,
+                head_dim=attention.head_dim, window=attn.window or 0,
+                key_cache=layer_cache[0].data_ptr(), value_cache=layer_cache[1].data_ptr(),
+                num_blocks=layer_cache.shape[2], block_size=layer_cache.shape[3]))
+        self._structs, self._kv_cache_address = structs, kv_cache.data_ptr()
+        self._addresses = [ctypes.addressof(struct) for struct in structs]
+        return self._addresses
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_cache: torch.Tensor, meta: AttentionMetadata, attention: CpuAttention
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer on the embeddings `x` [tokens, hidden] (which becomes the residual
+        stream, in place); returns (the last layer's output, the residual stream)."""
+        assert x.dtype == torch.float32 and x.is_contiguous()
+        assert cos.is_contiguous() and sin.is_contiguous()
+        tokens = x.shape[0]
+        widths = (self.hidden, self.qkv_width, self.attended_width, self.gate_up_width,
+                  self.gate_up_width // 2)   # normed, qkv, attended, gate_up, mid
+        scratch = torch.empty(tokens * sum(widths))
+        rows_at = [scratch.data_ptr() + 4 * tokens * sum(widths[:i]) for i in range(len(widths))]
+        tables = meta.block_tables
+        assert tables.is_contiguous() and meta.slot_mapping.dtype == torch.int64
+        step = _Step(tokens, meta.num_seqs, tables.shape[1], kernels.STREAM_MAX_ROWS,
+                     cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
+                     meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
+                     tables.data_ptr(), *rows_at,
+                     torch.get_num_threads())
+        out = torch.empty(tokens, self.hidden)
+        step_address, out_address = ctypes.addressof(step), out.data_ptr()
+        residual_address = x.data_ptr()
+        previous = None  # the first layer's input is the residual stream itself
+        for layer_address in self._layer_structs(kv_cache, attention):
+            self.lib.dl_decode_layer(layer_address, step_address, previous, residual_address,
+                                     out_address)
+            previous = out_address
+        return out, x

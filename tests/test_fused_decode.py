@@ -1,0 +1,56 @@
+"""engine/models/fused_decode.py: a decode step's layers as one C call each. It calls the
+kernels the per-op path calls, in the same order, so the default model's greedy tokens
+and their log-probabilities are bit for bit the same with and without it, at batches
+whose products take either CPU kernel (pc_matmul up to 4 rows, pc_gemm above)."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged_chat.engine import Engine, EngineConfig, SamplingParams
+from paged_chat.engine.models.fused_decode import FusedDecode
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a robot",
+           "A paged KV cache", "List three prime numbers:", "Water boils at",
+           "The best way to learn a language is"]
+
+
+@pytest.fixture(scope="module")
+def engine(smollm2_source):
+    engine = Engine(EngineConfig(device="cpu", dtype="float32", num_blocks=256,
+                                 max_num_seqs=8), source=smollm2_source)
+    if engine.runner.model.fused_decode is None:
+        pytest.skip("no AVX2 build of the C kernels here: the per-op path runs")
+    return engine
+
+
+def run(engine: Engine, prompts: list[str]) -> list[tuple[list[int], list[float]]]:
+    engine.reset_prefix_cache()
+    outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
+                                                      ignore_eos=True, logprobs=True))
+    return [(out.token_ids, [entry.logprob for entry in out.logprobs]) for out in outputs]
+
+
+@pytest.mark.parametrize("batch", [1, 3, 7])
+def test_fused_decode_steps_equal_the_per_op_path_bit_for_bit(engine, batch, monkeypatch):
+    model = engine.runner.model
+    fused = model.fused_decode
+    calls = []
+    original = FusedDecode.__call__
+    monkeypatch.setattr(FusedDecode, "__call__",
+                        lambda self, *args: calls.append(args[0].shape[0]) or original(self, *args))
+    with_fused = run(engine, PROMPTS[:batch])
+    assert calls and max(calls) == batch  # every decode step of the batch went through it
+    model.fused_decode = None
+    try:
+        assert run(engine, PROMPTS[:batch]) == with_fused
+    finally:
+        model.fused_decode = fused
+
+
+def test_a_model_it_does_not_compute_exactly_keeps_the_per_op_path(chat_model_dir):
+    """A float32 safetensors model's linear layers are oneDNN's, not the quantized
+    kernels: no fused step."""
+    engine = Engine(EngineConfig(model=str(chat_model_dir), device="cpu", dtype="float32",
+                                 num_blocks=64))
+    assert engine.runner.model.fused_decode is None
