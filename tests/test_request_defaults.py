@@ -7,7 +7,7 @@ import json
 from types import SimpleNamespace
 
 from paged_chat.engine.models.loader import generation_defaults
-from paged_chat.settings import Settings
+from paged_chat.settings import Settings, load_settings
 
 
 def source_with(tmp_path, config: dict | None):
@@ -34,3 +34,23 @@ def test_the_model_s_values_go_over_chat_settings():
                                              "min_p": 0.0, "repetition_penalty": 1.0}
     assert settings.request_defaults({"temperature": 0.6})["temperature"] == 0.6
     assert settings.request_defaults({"temperature": 0.6})["top_p"] == 0.9
+
+
+def test_ask_starts_from_the_model_s_generation_config_as_serve_does(cli, chat_model_dir, tmp_path):
+    model = tmp_path / "model-with-sampling-defaults"
+    model.mkdir()
+    for file in chat_model_dir.iterdir():
+        if file.name != "generation_config.json":
+            (model / file.name).symlink_to(file)
+    generation = json.loads((chat_model_dir / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(
+        {**generation, "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}))
+    assert cli("ask", "--model", str(model), "Hi").exit_code == 0
+    assert cli("ask", "--model", str(model), "--top-k", "5", "Hi").exit_code == 0
+    stored = [cli.store().get_chat(chat.id).sampling for chat in cli.store().list_chats()]
+    # config.toml's [chat] (temperature 0.0, max_tokens 8) is under the model's values
+    ask = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0,
+           "repetition_penalty": 1.0, "max_tokens": 8, "seed": None}
+    assert sorted(stored, key=lambda sampling: sampling["top_k"]) == [{**ask, "top_k": 5}, ask]
+    serve = load_settings(cli.config).request_defaults(generation_defaults(source_with(model, None)))
+    assert serve == {name: value for name, value in ask.items() if name not in ("max_tokens", "seed")}
