@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from paged_chat.server.tool_calls import ToolCallParser
+from paged_chat.server.tool_calls import Tool, ToolCallParser, default_tool_choice
 from helpers import wait_for
 from server_fixtures import CHAT_DEFAULTS
 
@@ -50,6 +50,18 @@ def test_a_bare_json_reply_is_a_call_and_prose_is_content():
     assert prose.feed("{not a call} <tool_", final=False)[0] == ""
     assert prose.feed("", final=True) == ("{not a call} <tool_", [])
 
+
+
+def test_a_server_that_requires_calls_lets_the_model_answer_tool_results():
+    tools = [Tool.model_validate(WEATHER)]
+    user = [{"role": "user", "content": "Weather?"}]
+    answered = [*user, {"role": "assistant", "content": "", "tool_calls": []},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    assert [default_tool_choice(user, tools, "auto"), default_tool_choice(answered, tools, "auto")
+            ] == ["auto", "auto"]
+    assert [default_tool_choice(user, tools, "required"),
+            default_tool_choice(answered, tools, "required")] == ["required", "none"]
+    assert default_tool_choice(user, None, "required") == "none"
 
 
 @pytest.fixture

@@ -35,7 +35,8 @@ from paged_chat.server.protocol import (ChatCompletionRequest, CompletionRequest
                                         PromptTokensDetails, SamplingRequest, Usage,
                                         completion_id, envelope)
 from paged_chat.server.structured_request import chat_logprobs, completion_logprobs
-from paged_chat.server.tool_calls import (ToolCallParser, forced_call_schema, tool_call_deltas,
+from paged_chat.server.tool_calls import (DefaultToolChoice, ToolCallParser, default_tool_choice,
+                                          forced_call_schema, tool_call_deltas,
                                           with_tools_in_system)
 
 DEFAULT_OWNER = "api"
@@ -97,16 +98,19 @@ def cache_partition(api_key: str | None, share_cache_with_tui: bool) -> str | No
 class OpenAIServing:
     """Turns API requests into engine streams for one served model; `cache_partition` is
     the salt of its requests (see the module docstring), `defaults` the sampling values a
-    request that omits them gets."""
+    request that omits them gets, `tool_choice` the tool_choice of a request with tools
+    that omits it (tool_calls.default_tool_choice)."""
 
     def __init__(self, client: EngineClient, model_names: Sequence[str],
                  cache_partition: str | None = None,
-                 defaults: dict[str, Any] | None = None) -> None:
+                 defaults: dict[str, Any] | None = None,
+                 tool_choice: DefaultToolChoice = "auto") -> None:
         assert model_names, "a server serves at least its model's own name"
         self.client = client
         self.model_names = tuple(model_names)
         self.cache_partition = cache_partition
         self.defaults = dict(defaults or {})
+        self.tool_choice = tool_choice
 
     @property
     def model(self) -> str:
@@ -117,7 +121,7 @@ class OpenAIServing:
     def chat_job(self, request: ChatCompletionRequest) -> Job:
         self._check_model(request)
         messages = [message.template_message() for message in request.messages]
-        choice = request.effective_tool_choice
+        choice = request.tool_choice or default_tool_choice(messages, request.tools, self.tool_choice)
         tools = request.tools if request.tools and choice != "none" else None
         try:
             forced = forced_call_schema(tools, choice) if tools else None

@@ -49,6 +49,7 @@ class NamedToolChoice(BaseModel):
 
 
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+DefaultToolChoice = Literal["auto", "required"]
 
 
 class FunctionCall(BaseModel):
@@ -95,6 +96,21 @@ def with_tools_in_system(messages: list[dict[str, Any]], tools: list[Tool]) -> l
     if plain and plain[0]["role"] == "system":
         return [{"role": "system", "content": plain[0]["content"] + "\n\n" + section}, *plain[1:]]
     return [{"role": "system", "content": section}, *plain]
+
+
+def default_tool_choice(messages: list[dict[str, Any]], tools: list[Tool] | None,
+                        default: DefaultToolChoice) -> ToolChoice:
+    """The tool_choice of a request that omits it: "none" without tools; with tools,
+    OpenAI's "auto", or the server's `default`. "required" (`serve --tool-choice required`)
+    is for clients that never send a tool_choice, such as `llm`, with a model too small to
+    call on its own: a turn that answers the user must call, and one that answers tool
+    results must not ("none"), else a small model copies the call in its history and the
+    client's chain of calls never ends."""
+    if not tools:
+        return "none"
+    if default == "auto":
+        return "auto"
+    return "none" if messages and messages[-1]["role"] == "tool" else "required"
 
 
 def forced_call_schema(tools: list[Tool], choice: ToolChoice) -> dict[str, Any] | None:
