@@ -42,6 +42,35 @@ def test_the_parser_finds_calls_however_the_text_is_cut(pieces):
     assert shown == 'Let me check. <tool_call>{"name": "nope", "arguments": {}}</tool_call> Done.'
 
 
+@pytest.mark.parametrize("pieces", [1, 4, 90])
+def test_a_forced_call_streams_its_name_then_its_arguments_as_they_grow(pieces):
+    arguments = '{"city": "Pa}ris", "when": {"day": 2}}'
+    text = '{"name": "get_weather", "arguments": ' + arguments + "}"
+    size = -(-len(text) // pieces)
+    chunks = [text[i:i + size] for i in range(0, len(text), size)]
+    parser = ToolCallParser({"get_weather", "get_time"}, forced=True)
+    fed = [parser.feed(chunk, final=i == len(chunks) - 1) for i, chunk in enumerate(chunks)]
+    assert all(content == "" for content, _ in fed)
+    deltas = [delta for _, some in fed for delta in some]
+    opening, *rest = deltas
+    assert opening["function"] == {"name": "get_weather", "arguments": ""} and opening["index"] == 0
+    assert all(delta.keys() == {"index", "function"} for delta in rest)
+    pieces_sent = [delta["function"]["arguments"] for delta in rest]
+    assert "".join(pieces_sent) == arguments == parser.calls[0].function.arguments
+    assert (len(pieces_sent) > 1) == (pieces > 1)
+    whole = ToolCallParser({"get_weather"}, forced=True)
+    assert whole.feed(text, final=True)[0] == "" and whole.calls[0].function.arguments == arguments
+
+
+def test_a_forced_call_cut_off_is_no_call():
+    cut = '{"name": "get_weather", "arguments": {"city": "Par'
+    streamed = ToolCallParser({"get_weather"}, forced=True)
+    assert streamed.feed(cut, final=False)[1][1]["function"]["arguments"] == '{"city": "Par'
+    assert streamed.feed("", final=True) == ("", []) and streamed.calls == []
+    whole = ToolCallParser({"get_weather"}, forced=True)  # nothing went out: the text is content
+    assert whole.feed(cut, final=True) == (cut, []) and whole.calls == []
+
+
 def test_a_bare_json_reply_is_a_call_and_prose_is_content():
     bare = ToolCallParser({"get_time"})
     assert bare.feed(' {"name": "get_time", "parameters": {"city": "Rome"}}', final=True)[0] == ""
@@ -95,17 +124,20 @@ def test_streamed_tool_call_deltas_reassemble_to_the_whole_call(client):
                    tool_choice="required", max_tokens=64, temperature=0)
     whole = client.chat.completions.create(**request).choices[0].message.tool_calls[0]
     calls: dict[int, dict] = {}
-    reasons = []
+    reasons, argument_pieces = [], []
     for chunk in client.chat.completions.create(**request, stream=True):
         for choice in chunk.choices:
             reasons.append(choice.finish_reason)
             assert not choice.delta.content
             for delta in choice.delta.tool_calls or ():
                 call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                assert bool(delta.function.name) == (delta.id is not None) == (call["name"] == "")
                 call["name"] += delta.function.name or ""
                 call["arguments"] += delta.function.arguments or ""
+                argument_pieces += [delta.function.arguments] if delta.function.arguments else []
     assert list(calls.values()) == [{"name": whole.function.name,
                                      "arguments": whole.function.arguments}]
+    assert len(argument_pieces) > 1  # the arguments stream as they are generated, not at the end
     assert reasons[-1] == "tool_calls"
 
 

@@ -36,8 +36,7 @@ from paged_chat.server.protocol import (ChatCompletionRequest, CompletionRequest
                                         completion_id, envelope)
 from paged_chat.server.structured_request import chat_logprobs, completion_logprobs
 from paged_chat.server.tool_calls import (DefaultToolChoice, ToolCallParser, default_tool_choice,
-                                          forced_call_schema, tool_call_deltas,
-                                          with_tools_in_system)
+                                          forced_call_schema, with_tools_in_system)
 
 DEFAULT_OWNER = "api"
 
@@ -275,15 +274,15 @@ class OpenAIServing:
             job.tool_names is not None else job.tool_parser(index)
         if parser is None:
             return ({"role": "assistant", "content": text} if final else {"content": text}), False
-        content, calls = parser.feed(text, final=output.finished)
+        content, tool_call_deltas = parser.feed(text, final=output.finished)
         if final:
             message = {"role": "assistant", "content": content or None}
-            if calls:
-                message["tool_calls"] = [call.model_dump() for call in calls]
-            return message, bool(calls)
+            if parser.calls:
+                message["tool_calls"] = [call.model_dump() for call in parser.calls]
+            return message, bool(parser.calls)
         delta: dict[str, Any] = {"content": content}
-        if calls:
-            delta["tool_calls"] = tool_call_deltas(calls, len(parser.calls) - len(calls))
+        if tool_call_deltas:
+            delta["tool_calls"] = tool_call_deltas
         return delta, bool(parser.calls)
 
     def _logprobs(self, job: Job, index: int, text: str, output: RequestOutput, final: bool
