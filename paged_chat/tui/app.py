@@ -222,7 +222,9 @@ class PagedChatApp(ChatActions, App):
         try:
             self.api_server = ApiServer(engine, port=self.serve_port, embedded=True,
                                         allowed_origins=self.settings.server.allowed_origins,
-                                        share_cache_with_tui=self.settings.server.share_cache_with_tui)
+                                        share_cache_with_tui=self.settings.server.share_cache_with_tui,
+                                        defaults=self.settings.request_defaults(
+                                            engine.info.generation_defaults))
         except PagedChatError as error:
             self.notify(f"--serve: {error}", severity="error", timeout=30, markup=False)
             return
