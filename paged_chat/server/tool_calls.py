@@ -136,7 +136,8 @@ def forced_call_schema(tools: list[Tool], choice: ToolChoice) -> dict[str, Any] 
 
 
 def _new_call(name: str, arguments: str) -> ToolCall:
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=name, arguments=arguments))
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}",
+                    function=FunctionCall(name=name, arguments=arguments))
 
 
 def _parse_call(text: str, names: set[str]) -> ToolCall | None:
@@ -220,8 +221,8 @@ class ToolCallParser:
             else:
                 content += rest
         self.shown_content = self.shown_content or bool(content.strip())
-        deltas = [delta for index, call in enumerate(calls, len(self.calls))
-                  for delta in (_opening_delta(index, call), _arguments_delta(index, call.function.arguments))]
+        deltas = [delta for index, call in enumerate(calls, len(self.calls)) for delta in
+                  (_opening_delta(index, call), _arguments_delta(index, call.function.arguments))]
         self.calls += calls
         return content, deltas
 
@@ -231,23 +232,24 @@ class ToolCallParser:
         matches (a name the pattern does not read) is left to the end, parsed whole. A call
         cut off (max_tokens) is no call; its text is content unless some of it went out as
         the call's already."""
-        deltas, text = [], self.held
-        if self.streaming is None:
+        deltas, text, opened_now = [], self.held, self.streaming is None
+        if opened_now:
             head = _FORCED_HEAD.match(self.held)
             if head is None or head.group(1) not in self.names:
                 return "", deltas
             self.streaming = _new_call(head.group(1), "")
             self.held = self.held[head.end():]
             deltas.append(_opening_delta(0, self.streaming))
-        sent = self.streaming.function.arguments
-        whole = self.held.strip()
-        arguments = whole[:-1].rstrip() if final and whole.endswith("}") else whole.rstrip("}" + WHITESPACE)
-        if final:
+        sent, whole = self.streaming.function.arguments, self.held.strip()
+        if final:  # the whole reply: the call's closing "}" ends it
+            arguments = whole.removesuffix("}").rstrip()
             try:
                 json.loads(arguments)
             except json.JSONDecodeError:
-                return (text, []) if deltas else ("", [])
+                return (text, []) if opened_now else ("", [])
             self.calls.append(self.streaming)
+        else:
+            arguments = whole.rstrip("}" + WHITESPACE)
         if len(arguments) > len(sent):
             assert arguments.startswith(sent), "a forced call's arguments only grow"
             self.streaming.function.arguments = arguments
