@@ -36,7 +36,7 @@ from paged_chat.chat_session import ChatSession, Turn, chat_title
 from paged_chat.engine.regular_files import NotARegularFileError, open_regular
 from paged_chat.plain_terminal import (STOP_SIGNALS, AskOptions, EngineFactory, ReceivedSignals,
                                        UsageError, chat_to_continue, configure, load_client,
-                                       model_spec, ready_words, say, stop_signals,
+                                       model_sampling, model_spec, ready_words, say, stop_signals,
                                        turn_stats_line, warn,
                                        warnings_to_stderr)
 from paged_chat.settings import chat_sampling
@@ -281,9 +281,10 @@ def _run_turn(options: AskOptions, settings: Settings, make_engine: EngineFactor
             warn(store.notice)
         chat = chat_to_continue(options, store) if continuing else None
         engine_overrides = options.engine if chat is None else {**options.engine, "model": chat.model}
-        config, params = configure(settings, engine_overrides,
-                                   {**(chat.sampling if chat else {}), **options.sampling})
+        sampling = {**(chat.sampling if chat else {}), **options.sampling}
+        config = configure(settings, engine_overrides, sampling)
         client, load_s = load_client(make_engine, config, options)
+        params = model_sampling(settings, client, sampling)
         system = options.system or settings.chat.system_prompt
         if options.save:
             chat = chat or store.create_chat(chat_title((options.prompt or "").strip() or user_text),
@@ -332,9 +333,10 @@ def _run_batch(options: AskOptions, settings: Settings, make_engine: EngineFacto
     if options.prompt or options.continue_chat or options.chat_id is not None:
         raise UsageError("--file runs its own prompts: drop the PROMPT argument, -c and --chat")
     prompts = read_prompt_file(options.file)
-    config, params = configure(settings, options.engine, options.sampling)
+    config = configure(settings, options.engine, options.sampling)
     with warnings_to_stderr():
         client, load_s = load_client(make_engine, config, options)
+        params = model_sampling(settings, client, options.sampling)
         answers = [Answer(index, ChatSession(system_prompt=item.system or options.system
                                              or settings.chat.system_prompt),
                           item.prompt, params,

@@ -27,8 +27,9 @@ from typing import TYPE_CHECKING, TextIO
 from paged_chat.chat_session import ChatSession, chat_title
 from paged_chat.engine.errors import PagedChatError, describe_error
 from paged_chat.plain_terminal import (STOP_SIGNALS, AskOptions, EngineFactory, chat_to_continue,
-                                       configure, load_client, model_spec, ready_words, say,
-                                       stop_signals, turn_stats_line, warn, warnings_to_stderr)
+                                       configure, load_client, model_sampling, model_spec,
+                                       ready_words, say, stop_signals, turn_stats_line, warn,
+                                       warnings_to_stderr)
 from paged_chat.settings import chat_sampling, data_dir
 from paged_chat.text import StreamSanitizer, sanitize_for_terminal
 
@@ -63,10 +64,11 @@ def run_chat(options: AskOptions, settings: Settings, make_engine: EngineFactory
         chat = (chat_to_continue(options, store)
                 if options.continue_chat or options.chat_id is not None else None)
         engine_overrides = options.engine if chat is None else {**options.engine, "model": chat.model}
-        config, params = configure(settings, engine_overrides,
-                                   {**(chat.sampling if chat else {}), **options.sampling})
+        sampling = {**(chat.sampling if chat else {}), **options.sampling}
+        config = configure(settings, engine_overrides, sampling)
         client, load_s = load_client(make_engine, config, options)
         cleanup.callback(client.shutdown)
+        params = model_sampling(settings, client, sampling)
         system = chat.system_prompt if chat else options.system or settings.chat.system_prompt
         repl = Repl(client, store, config, params, system, stdout,
                     ready_words(options, client, load_s))

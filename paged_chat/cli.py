@@ -426,6 +426,11 @@ def chat_command(ctx: typer.Context,
     raise typer.Exit(code)
 
 
+class ToolChoiceDefault(str, Enum):
+    auto = "auto"
+    required = "required"
+
+
 @app.command()
 def serve(ctx: typer.Context,
           host: Annotated[str, typer.Option(help="Address to bind; any but loopback needs --api-key.")
@@ -441,6 +446,12 @@ def serve(ctx: typer.Context,
               help="A web origin (https://host:port) whose pages may use a server without "
                    "--api-key, besides loopback ones; repeatable, adds to [server] allowed_origins.")
                                     ] = None,
+          tool_choice: Annotated[ToolChoiceDefault, typer.Option(
+              help="tool_choice of a request with tools that sends none: auto (the model "
+                   "decides), or required (a turn that answers the user must call a tool, one "
+                   "that answers tool results may not): for clients that send none, such as "
+                   "`llm`, with a model too small to call on its own.")
+                                 ] = ToolChoiceDefault.auto,
           ) -> None:
     """Serve the engine as an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
     /v1/models, /health, /metrics) until Ctrl+C, or until the engine stops (then exit 1).
@@ -470,7 +481,8 @@ def serve(ctx: typer.Context,
         try:
             server = ApiServer(client, host, port, api_key, model_names=[config.model],
                                allowed_origins=origins,
-                               defaults=settings.request_defaults(client.info.generation_defaults))
+                               defaults=settings.request_defaults(client.info.generation_defaults),
+                               tool_choice=tool_choice.value)
             typer.echo(f"serving {client.info.name} on {server.url}/v1 (Ctrl+C stops)", err=True)
             asyncio.run(server.serve())
         finally:

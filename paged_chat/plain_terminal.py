@@ -57,13 +57,26 @@ class AskOptions:
 
 
 def configure(settings: Settings, engine: dict[str, Any], sampling: dict[str, Any]
-              ) -> tuple[EngineConfig, SamplingParams]:
-    """The settings with the command line's values on top. config.toml was checked when
-    it was read, so a bad value here came from an option: a usage error."""
+              ) -> EngineConfig:
+    """The engine settings with the command line's values on top, the sampling options
+    checked too (before anything loads; `model_sampling` builds them once the model's
+    defaults are known). config.toml was checked when it was read, so a bad value here
+    came from an option: a usage error."""
     try:
-        return settings.engine_config(**engine), settings.sampling_params(**sampling)
+        settings.sampling_params(**sampling)
+        return settings.engine_config(**engine)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+
+
+def model_sampling(settings: Settings, client: EngineClient, sampling: dict[str, Any]
+                   ) -> SamplingParams:
+    """A turn's sampling: the options over the loaded model's defaults (its generation
+    config, else `[chat]`: Settings.model_sampling, what `serve` gives requests too)."""
+    try:
+        return settings.sampling_params(client.info.generation_defaults, **sampling)
+    except ValueError as exc:
+        raise UsageError(f"the model's generation_config.json: {exc}") from exc
 
 
 def load_client(make_engine: EngineFactory, config: EngineConfig, options: AskOptions

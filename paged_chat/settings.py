@@ -229,18 +229,24 @@ class Settings:
             config["model"] = resolve_model_spec(config["model"])
         return EngineConfig(**config)
 
-    def sampling_params(self, **overrides: Any) -> SamplingParams:
-        """SamplingParams from the `[chat]` sampling defaults, with `overrides` on top (any
-        SamplingParams field; None values are ignored)."""
-        return SamplingParams(**{**self.chat.sampling(), **_given(overrides)})
+    def sampling_params(self, generation_defaults: dict[str, Any] | None = None, /,
+                        **overrides: Any) -> SamplingParams:
+        """SamplingParams from the model's defaults (`model_sampling`), with `overrides` on
+        top (any SamplingParams field; None values are ignored)."""
+        return SamplingParams(**{**self.model_sampling(generation_defaults or {}),
+                                 **_given(overrides)})
+
+    def model_sampling(self, generation_defaults: dict[str, Any]) -> dict[str, Any]:
+        """The sampling a model's turns get where nothing else is asked: its generation
+        config's values (ModelInfo.generation_defaults) where it sets them, else `[chat]`'s.
+        `ask`, `chat` and `serve` all start from these."""
+        return self.chat.sampling() | generation_defaults
 
     def request_defaults(self, generation_defaults: dict[str, Any]) -> dict[str, Any]:
         """What `serve` gives an API request for the sampling fields it omits: the model's
-        generation config's values where it sets them, else `[chat]`'s (max_tokens and
-        seed stay the request's own)."""
-        chat = {name: value for name, value in self.chat.sampling().items()
+        sampling (`model_sampling`), but max_tokens and seed, which stay the request's own."""
+        return {name: value for name, value in self.model_sampling(generation_defaults).items()
                 if name not in ("max_tokens", "seed") and value is not None}
-        return chat | generation_defaults
 
     def to_toml(self) -> str:
         """These settings as config.toml text, engine defaults filled in; values that stay

@@ -12,6 +12,7 @@ import sys
 from contextlib import aclosing
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from typer.testing import CliRunner
@@ -183,6 +184,10 @@ async def test_tui_serves_its_engine_and_shows_api_owners(chat_model_dir, tmp_pa
         async with app.run_test(size=(120, 40)) as pilot:
             await wait_until(lambda: app.api_server is not None and app.api_server.started)
             api_client = openai.AsyncOpenAI(base_url=app.api_server.url + "/v1", api_key="none", max_retries=0)
+            async with httpx.AsyncClient() as http:  # requests that omit them get what `serve`'s get
+                listed = (await http.get(app.api_server.url + "/v1/models")).json()["data"][0]
+            assert listed["sampling_defaults"] == {"temperature": 0.0, "top_p": 0.9, "top_k": 0,
+                                                   "min_p": 0.0, "repetition_penalty": 1.0}
             stream = await api_client.completions.create(
                 model=client.info.name, prompt="an editor asks", max_tokens=5000, stream=True,
                 user="editor", extra_body={"ignore_eos": True})

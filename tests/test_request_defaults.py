@@ -1,13 +1,20 @@
-"""What `serve` gives the sampling fields a request omits: the model's generation config
-where it sets them, else `[chat]`'s, as `ask` has them."""
+"""What `serve` gives the sampling fields a request omits, and what `ask` and a TUI tab
+sample with where nothing is given: the model's generation config where it sets them, else
+`[chat]`'s."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
+from paged_chat.chat_store import ChatStore
+from paged_chat.engine import ClientSpec, EngineConfig, make_client
 from paged_chat.engine.models.loader import generation_defaults
-from paged_chat.settings import Settings
+from paged_chat.settings import Settings, load_settings
+from paged_chat.tui.app import PagedChatApp
 
 
 def source_with(tmp_path, config: dict | None):
@@ -34,3 +41,48 @@ def test_the_model_s_values_go_over_chat_settings():
                                              "min_p": 0.0, "repetition_penalty": 1.0}
     assert settings.request_defaults({"temperature": 0.6})["temperature"] == 0.6
     assert settings.request_defaults({"temperature": 0.6})["top_p"] == 0.9
+
+
+@pytest.fixture
+def sampling_model(chat_model_dir, tmp_path) -> Path:
+    """The tiny chat model with a generation config that recommends sampling values."""
+    model = tmp_path / "model-with-sampling-defaults"
+    model.mkdir()
+    for file in chat_model_dir.iterdir():
+        if file.name != "generation_config.json":
+            (model / file.name).symlink_to(file)
+    generation = json.loads((chat_model_dir / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps(
+        {**generation, "do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20}))
+    return model
+
+
+# The model's values over the test config's [chat] (temperature 0.0, max_tokens 8).
+MODEL_SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0,
+                  "repetition_penalty": 1.0, "max_tokens": 8, "seed": None}
+
+
+def test_ask_starts_from_the_model_s_generation_config_as_serve_does(cli, sampling_model):
+    assert cli("ask", "--model", str(sampling_model), "Hi").exit_code == 0
+    assert cli("ask", "--model", str(sampling_model), "--top-k", "5", "Hi").exit_code == 0
+    stored = [cli.store().get_chat(chat.id).sampling for chat in cli.store().list_chats()]
+    assert sorted(stored, key=lambda sampling: sampling["top_k"]) == [
+        {**MODEL_SAMPLING, "top_k": 5}, MODEL_SAMPLING]
+    served = load_settings(cli.config).request_defaults(
+        generation_defaults(source_with(sampling_model, None)))
+    assert served == {name: value for name, value in MODEL_SAMPLING.items()
+                      if name not in ("max_tokens", "seed")}
+
+
+def test_a_tui_tab_starts_from_the_model_s_generation_config_too(cli, sampling_model, new_engine,
+                                                                 tmp_path):
+    client = make_client(ClientSpec(engine=new_engine(EngineConfig(
+        model=str(sampling_model), device="cpu", dtype="float32", num_blocks=64))))
+    try:
+        app = PagedChatApp(load_settings(cli.config), engine=client, restore=False,
+                           store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
+        assert app.model_sampling() == MODEL_SAMPLING  # what the settings dialog shows as defaults
+        params = app.sampling_params({"top_p": 0.5})
+        assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.7, 0.5, 20, 8)
+    finally:
+        client.shutdown()

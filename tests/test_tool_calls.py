@@ -11,7 +11,7 @@ import jsonschema
 import openai
 import pytest
 
-from paged_chat.server.tool_calls import ToolCallParser
+from paged_chat.server.tool_calls import Tool, ToolCallParser, default_tool_choice
 from helpers import wait_for
 from server_fixtures import CHAT_DEFAULTS
 
@@ -42,6 +42,35 @@ def test_the_parser_finds_calls_however_the_text_is_cut(pieces):
     assert shown == 'Let me check. <tool_call>{"name": "nope", "arguments": {}}</tool_call> Done.'
 
 
+@pytest.mark.parametrize("pieces", [1, 4, 90])
+def test_a_forced_call_streams_its_name_then_its_arguments_as_they_grow(pieces):
+    arguments = '{"city": "Pa}ris", "when": {"day": 2}}'
+    text = '{"name": "get_weather", "arguments": ' + arguments + "}"
+    size = -(-len(text) // pieces)
+    chunks = [text[i:i + size] for i in range(0, len(text), size)]
+    parser = ToolCallParser({"get_weather", "get_time"}, forced=True)
+    fed = [parser.feed(chunk, final=i == len(chunks) - 1) for i, chunk in enumerate(chunks)]
+    assert all(content == "" for content, _ in fed)
+    deltas = [delta for _, some in fed for delta in some]
+    opening, *rest = deltas
+    assert opening["function"] == {"name": "get_weather", "arguments": ""} and opening["index"] == 0
+    assert all(delta.keys() == {"index", "function"} for delta in rest)
+    pieces_sent = [delta["function"]["arguments"] for delta in rest]
+    assert "".join(pieces_sent) == arguments == parser.calls[0].function.arguments
+    assert (len(pieces_sent) > 1) == (pieces > 1)
+    whole = ToolCallParser({"get_weather"}, forced=True)
+    assert whole.feed(text, final=True)[0] == "" and whole.calls[0].function.arguments == arguments
+
+
+def test_a_forced_call_cut_off_is_no_call():
+    cut = '{"name": "get_weather", "arguments": {"city": "Par'
+    streamed = ToolCallParser({"get_weather"}, forced=True)
+    assert streamed.feed(cut, final=False)[1][1]["function"]["arguments"] == '{"city": "Par'
+    assert streamed.feed("", final=True) == ("", []) and streamed.calls == []
+    whole = ToolCallParser({"get_weather"}, forced=True)  # nothing went out: the text is content
+    assert whole.feed(cut, final=True) == (cut, []) and whole.calls == []
+
+
 def test_a_bare_json_reply_is_a_call_and_prose_is_content():
     bare = ToolCallParser({"get_time"})
     assert bare.feed(' {"name": "get_time", "parameters": {"city": "Rome"}}', final=True)[0] == ""
@@ -50,6 +79,18 @@ def test_a_bare_json_reply_is_a_call_and_prose_is_content():
     assert prose.feed("{not a call} <tool_", final=False)[0] == ""
     assert prose.feed("", final=True) == ("{not a call} <tool_", [])
 
+
+
+def test_a_server_that_requires_calls_lets_the_model_answer_tool_results():
+    tools = [Tool.model_validate(WEATHER)]
+    user = [{"role": "user", "content": "Weather?"}]
+    answered = [*user, {"role": "assistant", "content": "", "tool_calls": []},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    assert [default_tool_choice(user, tools, "auto"), default_tool_choice(answered, tools, "auto")
+            ] == ["auto", "auto"]
+    assert [default_tool_choice(user, tools, "required"),
+            default_tool_choice(answered, tools, "required")] == ["required", "none"]
+    assert default_tool_choice(user, None, "required") == "none"
 
 
 @pytest.fixture
@@ -83,17 +124,20 @@ def test_streamed_tool_call_deltas_reassemble_to_the_whole_call(client):
                    tool_choice="required", max_tokens=64, temperature=0)
     whole = client.chat.completions.create(**request).choices[0].message.tool_calls[0]
     calls: dict[int, dict] = {}
-    reasons = []
+    reasons, argument_pieces = [], []
     for chunk in client.chat.completions.create(**request, stream=True):
         for choice in chunk.choices:
             reasons.append(choice.finish_reason)
             assert not choice.delta.content
             for delta in choice.delta.tool_calls or ():
                 call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                assert bool(delta.function.name) == (delta.id is not None) == (call["name"] == "")
                 call["name"] += delta.function.name or ""
                 call["arguments"] += delta.function.arguments or ""
+                argument_pieces += [delta.function.arguments] if delta.function.arguments else []
     assert list(calls.values()) == [{"name": whole.function.name,
                                      "arguments": whole.function.arguments}]
+    assert len(argument_pieces) > 1  # the arguments stream as they are generated, not at the end
     assert reasons[-1] == "tool_calls"
 
 

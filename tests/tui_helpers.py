@@ -48,7 +48,7 @@ class TuiTestApp(PagedChatApp):
     """The real app; replies ignore EOS so a random model's reply has a known length."""
 
     def sampling_params(self, sampling: dict):
-        return self.settings.sampling_params(**{"ignore_eos": True, **sampling})
+        return super().sampling_params({"ignore_eos": True, **sampling})
 
 
 def make_settings(max_tokens: int = 24, system_prompt: str | None = SYSTEM, **tui) -> Settings:

@@ -43,6 +43,7 @@ from paged_chat.server.guards import LocalOnlyGuard, normalize_origin
 from paged_chat.server.metrics import metrics_registry
 from paged_chat.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
 from paged_chat.server.serving import ApiError, Job, OpenAIServing, cache_partition
+from paged_chat.server.tool_calls import DefaultToolChoice
 
 # A body may hold this many bytes per token of the model's context (a token's JSON is ~4
 # characters, ~12 escaped: a wide margin), and 1 MiB whatever the context.
@@ -54,8 +55,8 @@ Parsed = TypeVar("Parsed", bound=BaseModel)
 
 def build_app(client: EngineClient, model_names: Sequence[str] = (), api_key: str | None = None,
               max_body_bytes: int | None = None, allowed_origins: Sequence[str] = (),
-              share_cache_with_tui: bool = False, defaults: dict[str, Any] | None = None
-              ) -> FastAPI:
+              share_cache_with_tui: bool = False, defaults: dict[str, Any] | None = None,
+              tool_choice: DefaultToolChoice = "auto") -> FastAPI:
     """The API for `client`'s model; requests may name it by its own name or by any of
     `model_names` (e.g. the spec it was loaded from). `allowed_origins`: web origins a
     keyless server takes besides loopback ones (guards.py). `share_cache_with_tui`: API
@@ -63,10 +64,11 @@ def build_app(client: EngineClient, model_names: Sequence[str] = (), api_key: st
     TUI's tabs under `--serve`); by default they never do (serving.cache_partition).
     `defaults` are the sampling values a request that omits them gets (`serve`: the model's
     generation config, else the `[chat]` settings, as `ask`'s), listed per model in
-    /v1/models as `sampling_defaults`."""
+    /v1/models as `sampling_defaults`; `tool_choice` that of a request with tools that
+    omits it (tool_calls.default_tool_choice), listed there as `tool_choice_default`."""
     names = list(dict.fromkeys([client.info.name, *model_names]))
     serving = OpenAIServing(client, names, cache_partition(api_key, share_cache_with_tui),
-                            defaults)
+                            defaults, tool_choice)
     context = client.info.max_model_len
     limit = max_body_bytes or max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * context)
     too_large = f"the request body is over this server's limit of {limit} bytes" + (
@@ -102,7 +104,8 @@ def build_app(client: EngineClient, model_names: Sequence[str] = (), api_key: st
         return {"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "paged-chat",
              "root": info.name, "max_model_len": info.max_model_len,
-             "sampling_defaults": serving.defaults} for name in names]}
+             "sampling_defaults": serving.defaults,
+             "tool_choice_default": serving.tool_choice} for name in names]}
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request) -> Response:

@@ -131,11 +131,6 @@ class ChatCompletionRequest(ChatLogprobsFields, SamplingRequest):
     tool_choice: ToolChoice | None = None
 
     @property
-    def effective_tool_choice(self) -> ToolChoice:
-        """OpenAI's default: "auto" with tools, "none" without."""
-        return self.tool_choice or ("auto" if self.tools else "none")
-
-    @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 

@@ -27,6 +27,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from paged_chat.engine.clients.protocol import EngineClient
 from paged_chat.engine.errors import EngineDeadError, PagedChatError
 from paged_chat.server.app import build_app
+from paged_chat.server.tool_calls import DefaultToolChoice
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -107,13 +108,14 @@ class ApiServer:
                  embedded: bool = False, allowed_origins: Sequence[str] = (),
                  share_cache_with_tui: bool = False, max_body_bytes: int | None = None,
                  header_timeout_s: float = HEADER_TIMEOUT_S,
-                 defaults: dict[str, Any] | None = None) -> None:
-        """`defaults`: the sampling values requests that omit them get (build_app)."""
+                 defaults: dict[str, Any] | None = None,
+                 tool_choice: DefaultToolChoice = "auto") -> None:
+        """`defaults`, `tool_choice`: what requests that omit them get (build_app)."""
         check_bind(host, api_key)
         self.client, self.embedded = client, embedded
         self.engine_stopped: str | None = None
         app = build_app(client, model_names, api_key, max_body_bytes, allowed_origins,
-                        share_cache_with_tui, defaults)
+                        share_cache_with_tui, defaults, tool_choice)
         protocol = functools.partial(_HeaderTimeoutH11, header_timeout_s=header_timeout_s)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, http=protocol,

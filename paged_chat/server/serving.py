@@ -35,8 +35,8 @@ from paged_chat.server.protocol import (ChatCompletionRequest, CompletionRequest
                                         PromptTokensDetails, SamplingRequest, Usage,
                                         completion_id, envelope)
 from paged_chat.server.structured_request import chat_logprobs, completion_logprobs
-from paged_chat.server.tool_calls import (ToolCallParser, forced_call_schema, tool_call_deltas,
-                                          with_tools_in_system)
+from paged_chat.server.tool_calls import (DefaultToolChoice, ToolCallParser, default_tool_choice,
+                                          forced_call_schema, with_tools_in_system)
 
 DEFAULT_OWNER = "api"
 
@@ -97,16 +97,19 @@ def cache_partition(api_key: str | None, share_cache_with_tui: bool) -> str | No
 class OpenAIServing:
     """Turns API requests into engine streams for one served model; `cache_partition` is
     the salt of its requests (see the module docstring), `defaults` the sampling values a
-    request that omits them gets."""
+    request that omits them gets, `tool_choice` the tool_choice of a request with tools
+    that omits it (tool_calls.default_tool_choice)."""
 
     def __init__(self, client: EngineClient, model_names: Sequence[str],
                  cache_partition: str | None = None,
-                 defaults: dict[str, Any] | None = None) -> None:
+                 defaults: dict[str, Any] | None = None,
+                 tool_choice: DefaultToolChoice = "auto") -> None:
         assert model_names, "a server serves at least its model's own name"
         self.client = client
         self.model_names = tuple(model_names)
         self.cache_partition = cache_partition
         self.defaults = dict(defaults or {})
+        self.tool_choice = tool_choice
 
     @property
     def model(self) -> str:
@@ -117,7 +120,7 @@ class OpenAIServing:
     def chat_job(self, request: ChatCompletionRequest) -> Job:
         self._check_model(request)
         messages = [message.template_message() for message in request.messages]
-        choice = request.effective_tool_choice
+        choice = request.tool_choice or default_tool_choice(messages, request.tools, self.tool_choice)
         tools = request.tools if request.tools and choice != "none" else None
         try:
             forced = forced_call_schema(tools, choice) if tools else None
@@ -271,15 +274,15 @@ class OpenAIServing:
             job.tool_names is not None else job.tool_parser(index)
         if parser is None:
             return ({"role": "assistant", "content": text} if final else {"content": text}), False
-        content, calls = parser.feed(text, final=output.finished)
+        content, tool_call_deltas = parser.feed(text, final=output.finished)
         if final:
             message = {"role": "assistant", "content": content or None}
-            if calls:
-                message["tool_calls"] = [call.model_dump() for call in calls]
-            return message, bool(calls)
+            if parser.calls:
+                message["tool_calls"] = [call.model_dump() for call in parser.calls]
+            return message, bool(parser.calls)
         delta: dict[str, Any] = {"content": content}
-        if calls:
-            delta["tool_calls"] = tool_call_deltas(calls, len(parser.calls) - len(calls))
+        if tool_call_deltas:
+            delta["tool_calls"] = tool_call_deltas
         return delta, bool(parser.calls)
 
     def _logprobs(self, job: Job, index: int, text: str, output: RequestOutput, final: bool

@@ -144,7 +144,7 @@ class ChatActions:
                 tab.apply_settings(*result)
 
         self.push_screen(ChatSettingsScreen(tab.title, tab.session.system_prompt,
-                                            tab.session.sampling, self.settings.chat.sampling()),
+                                            tab.session.sampling, self.model_sampling()),
                          apply)
 
     def action_stop(self) -> None:

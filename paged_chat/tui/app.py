@@ -222,7 +222,9 @@ class PagedChatApp(ChatActions, App):
         try:
             self.api_server = ApiServer(engine, port=self.serve_port, embedded=True,
                                         allowed_origins=self.settings.server.allowed_origins,
-                                        share_cache_with_tui=self.settings.server.share_cache_with_tui)
+                                        share_cache_with_tui=self.settings.server.share_cache_with_tui,
+                                        defaults=self.settings.request_defaults(
+                                            engine.info.generation_defaults))
         except PagedChatError as error:
             self.notify(f"--serve: {error}", severity="error", timeout=30, markup=False)
             return
@@ -299,8 +301,15 @@ class PagedChatApp(ChatActions, App):
                         timeout=15, markup=False)
         self._poll()
 
+    def model_sampling(self) -> dict:
+        """What a tab samples with where it sets nothing: the model's generation config,
+        else `[chat]` (Settings.model_sampling, as `ask`'s and `serve`'s)."""
+        defaults = self.engine.info.generation_defaults if self.engine is not None else {}
+        return self.settings.model_sampling(defaults)
+
     def sampling_params(self, sampling: dict) -> SamplingParams:
-        return self.settings.sampling_params(**sampling)
+        """A tab's turn: its own sampling values over the model's (model_sampling)."""
+        return self.settings.sampling_params(self.model_sampling(), **sampling)
 
     def _decode(self, ids) -> str:
         if self.engine is None:
