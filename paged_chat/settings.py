@@ -216,6 +216,8 @@ class Settings:
     tui: TuiSettings = field(default_factory=TuiSettings)
     server: ServerSettings = field(default_factory=ServerSettings)
     path: Path | None = None
+    # The `[chat]` keys the file sets: those win over a model's generation config.
+    chat_keys_set: frozenset[str] = frozenset()
 
     def engine_config(self, **overrides: Any) -> EngineConfig:
         """An EngineConfig from `[engine]`, with `overrides` on top (None values are ignored,
@@ -237,10 +239,11 @@ class Settings:
                                  **_given(overrides)})
 
     def model_sampling(self, generation_defaults: dict[str, Any]) -> dict[str, Any]:
-        """The sampling a model's turns get where nothing else is asked: its generation
-        config's values (ModelInfo.generation_defaults) where it sets them, else `[chat]`'s.
-        `ask`, `chat` and `serve` all start from these."""
-        return self.chat.sampling() | generation_defaults
+        """The sampling a model's turns get where nothing else is asked: what config.toml's
+        `[chat]` sets, then the model's generation config (ModelInfo.generation_defaults),
+        then `[chat]`'s defaults. `ask`, `chat` and `serve` all start from these."""
+        return self.chat.sampling() | {name: value for name, value in generation_defaults.items()
+                                       if name not in self.chat_keys_set}
 
     def request_defaults(self, generation_defaults: dict[str, Any]) -> dict[str, Any]:
         """What `serve` gives an API request for the sampling fields it omits: the model's
@@ -309,7 +312,8 @@ class _Loader:
         self._known(data, _SECTIONS, table=None)
         sections = {name: self._section(name, cls, data.get(name, {}))
                     for name, cls in _SECTIONS.items()}
-        settings = Settings(**sections, path=self.path)
+        settings = Settings(**sections, path=self.path,
+                            chat_keys_set=frozenset(data.get("chat", {})))
         self._check_with_engine(settings)
         self._check_server_url(settings.server.url)
         self._check_theme(settings.tui.theme)

@@ -43,6 +43,17 @@ def test_the_model_s_values_go_over_chat_settings():
     assert settings.request_defaults({"temperature": 0.6})["top_p"] == 0.9
 
 
+def test_what_config_toml_sets_goes_over_the_model_s_values(tmp_path):
+    """A user who wrote `temperature = 0.0` in [chat] gets 0.0, not the 0.7 a model
+    recommends; what the file leaves out still comes from the model."""
+    config = tmp_path / "config.toml"
+    config.write_text("[chat]\ntemperature = 0.0\n")
+    settings = load_settings(config)
+    sampling = settings.model_sampling({"temperature": 0.7, "top_p": 0.8})
+    assert sampling["temperature"] == 0.0 and sampling["top_p"] == 0.8
+    assert settings.request_defaults({"temperature": 0.7})["temperature"] == 0.0
+
+
 @pytest.fixture
 def sampling_model(chat_model_dir, tmp_path) -> Path:
     """The tiny chat model with a generation config that recommends sampling values."""
@@ -58,7 +69,9 @@ def sampling_model(chat_model_dir, tmp_path) -> Path:
 
 
 # The model's values over the test config's [chat] (temperature 0.0, max_tokens 8).
-MODEL_SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0,
+# The model recommends temperature 0.7, but the CLI tests' config.toml sets [chat]
+# temperature = 0.0 (and max_tokens = 8): what the file sets wins.
+MODEL_SAMPLING = {"temperature": 0.0, "top_p": 0.8, "top_k": 20, "min_p": 0.0,
                   "repetition_penalty": 1.0, "max_tokens": 8, "seed": None}
 
 
@@ -83,6 +96,6 @@ def test_a_tui_tab_starts_from_the_model_s_generation_config_too(cli, sampling_m
                            store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
         assert app.model_sampling() == MODEL_SAMPLING  # what the settings dialog shows as defaults
         params = app.sampling_params({"top_p": 0.5})
-        assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.7, 0.5, 20, 8)
+        assert (params.temperature, params.top_p, params.top_k, params.max_tokens) == (0.0, 0.5, 20, 8)
     finally:
         client.shutdown()
