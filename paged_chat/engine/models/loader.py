@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from huggingface_hub import is_offline_mode, snapshot_download
+from huggingface_hub import is_offline_mode
 from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from paged_chat.engine.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.checkpoint import Checkpoint, SafetensorsFile
@@ -285,6 +285,8 @@ def _has_gguf_magic(path: Path) -> bool:
 
 def _hub_snapshot(repo_id: str) -> Path:
     """The local snapshot folder of a hub repo, downloaded first unless HF_HUB_OFFLINE is set."""
+    from huggingface_hub import snapshot_download  # the hub client: only hub ids need it
+
     try:
         return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
     except LocalEntryNotFoundError as exc:
@@ -406,6 +408,8 @@ def _read_safetensors(folder: Path, vision_language: bool) -> Checkpoint:
 
 
 def _load_folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer  # seconds of imports a GGUF's start does without
+
     try:
         return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, KeyError, TypeError) as exc:
