@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from huggingface_hub import is_offline_mode
+from huggingface_hub import is_offline_mode, snapshot_download
 from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
 from transformers import PreTrainedTokenizerBase
 
@@ -285,8 +285,6 @@ def _has_gguf_magic(path: Path) -> bool:
 
 def _hub_snapshot(repo_id: str) -> Path:
     """The local snapshot folder of a hub repo, downloaded first unless HF_HUB_OFFLINE is set."""
-    from huggingface_hub import snapshot_download  # the hub client: only hub ids need it
-
     try:
         return Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
     except LocalEntryNotFoundError as exc:
