@@ -431,15 +431,11 @@ def test_out_of_memory_at_start_up_names_the_setting_to_lower(make_engine, monke
         patch.setattr("paged_chat.engine.runner.size_kv_pool", out_of_memory)
         with pytest.raises(PagedChatError, match="lower max_num_batched_tokens"):
             make_engine(num_blocks=None)
-    zeros = torch.zeros
-
-    def kv_out_of_memory(*size, **kwargs):
-        if size and isinstance(size[0], tuple) and len(size[0]) == 6:  # the KV cache's shape
-            out_of_memory()
-        return zeros(*size, **kwargs)
+    def kv_out_of_memory(nbytes):   # what mapping the CPU pool raises when the kernel refuses
+        raise MemoryError(f"cannot map {nbytes} bytes: Cannot allocate memory")
 
     with monkeypatch.context() as patch:
-        patch.setattr(torch, "zeros", kv_out_of_memory)
+        patch.setattr("paged_chat.engine.kv_pool_sizing.zeroed_host_memory", kv_out_of_memory)
         with pytest.raises(PagedChatError, match="allocating the KV cache.*lower num_blocks"):
             make_engine(num_blocks=64)
         with pytest.raises(PagedChatError, match="lower kv_cache_memory"):

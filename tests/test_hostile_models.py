@@ -8,11 +8,13 @@ a regression shows up as a failure, not as a machine out of memory.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import struct
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import gguf
@@ -158,16 +160,22 @@ def test_model_folder_config_numbers_name_the_file_and_key(tmp_path: Path, key: 
 # ---------------------------------------------------------------- memory at start-up
 
 def test_cpu_allocation_failure_is_one_line_naming_the_setting(make_engine, monkeypatch):
-    """torch's CPU allocator fails with a RuntimeError, which the OOM handler missed."""
-    zeros = torch.zeros
+    """torch's CPU allocator fails with a RuntimeError, which the OOM handler missed; the KV
+    pool's mapping fails with ENOMEM."""
+    def cpu_out_of_memory(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 1073741824 bytes.")
 
-    def cpu_out_of_memory(*size, **kwargs):
-        if size and isinstance(size[0], tuple) and len(size[0]) == 6:  # the KV cache's shape
-            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: "
-                               "can't allocate memory: you tried to allocate 1073741824 bytes.")
-        return zeros(*size, **kwargs)
+    with monkeypatch.context() as patch:
+        patch.setattr("paged_chat.engine.engine.load_model", cpu_out_of_memory)
+        with pytest.raises(PagedChatError, match="out of memory while loading the weights"):
+            make_engine(num_blocks=64)
 
-    monkeypatch.setattr(torch, "zeros", cpu_out_of_memory)
+    def refused(*args, **kwargs):
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr("paged_chat.engine.kv_pool_sizing.mmap",
+                        types.SimpleNamespace(mmap=refused))
     with pytest.raises(PagedChatError, match="out of memory while allocating the KV cache.*"
                                              "lower num_blocks"):
         make_engine(num_blocks=64)

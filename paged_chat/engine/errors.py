@@ -49,8 +49,8 @@ def out_of_memory(doing: str, advice: str) -> Iterator[None]:
 
     try:
         yield
-    except (torch.OutOfMemoryError, RuntimeError) as error:
-        cpu_failure = _CPU_ALLOCATION_FAILURE in str(error)
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:
+        cpu_failure = isinstance(error, MemoryError) or _CPU_ALLOCATION_FAILURE in str(error)
         if not isinstance(error, torch.OutOfMemoryError) and not cpu_failure:
             raise
         raise PagedChatError(f"out of memory while {doing}: {advice}") from error

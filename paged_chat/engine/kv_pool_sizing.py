@@ -10,6 +10,7 @@ step; `kv_cache_memory`; a fifth of the RAM available now, at most 2 GiB.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from dataclasses import dataclass
 
@@ -94,9 +95,24 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, config: EngineConfig) 
         raise PagedChatError(f"the KV cache ({size}) is larger than this machine's "
                              f"{ram / 2**30:.1f} GiB of available RAM: lower {setting}")
     with out_of_memory(f"allocating the KV cache ({size})", f"lower {setting}"):
-        kv_cache = torch.zeros(spec.shape(num_blocks + 1), dtype=spec.dtype, device=spec.device)
+        if spec.device.type == "cpu":
+            kv_cache = zeroed_host_memory(nbytes).view(spec.dtype).view(spec.shape(num_blocks + 1))
+        else:
+            kv_cache = torch.zeros(spec.shape(num_blocks + 1), dtype=spec.dtype, device=spec.device)
     assert kv_cache.nbytes == nbytes, "the KV layout is not linear in num_blocks"
     return kv_cache
+
+
+def zeroed_host_memory(nbytes: int) -> torch.Tensor:
+    """`nbytes` of zeros (uint8) that cost nothing until used: anonymous pages, which the
+    kernel zeroes as each is first touched. torch.zeros writes every byte up front, 2 s of
+    a start for the default 2 GiB pool on a small CPU, most of it for blocks a chat never
+    reaches. Page-aligned; the tensor keeps the mapping alive."""
+    try:
+        pages = mmap.mmap(-1, nbytes)
+    except OSError as error:  # ENOMEM: the kernel would not commit that much
+        raise MemoryError(f"cannot map {nbytes} bytes: {error.strerror}") from error
+    return torch.frombuffer(pages, dtype=torch.uint8)
 
 
 def cuda_kv_budget(spec: KVCacheSpec, config: EngineConfig, model: LlamaForCausalLM,

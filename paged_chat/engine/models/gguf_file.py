@@ -9,6 +9,7 @@ Tensors are dequantized one at a time (large ones in row chunks) when the model 
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import shutil
@@ -21,7 +22,8 @@ import gguf
 import numpy as np
 import torch
 import transformers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from paged_chat.engine.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.checkpoint import Checkpoint, StoredTensor, read_exact
@@ -147,7 +149,9 @@ def load_gguf_tokenizer(path: Path, header_digest: str,
     key = hashlib.sha256(f"{transformers.__version__}:{header_digest}".encode()).hexdigest()
     cached = cache_dir / "tokenizers" / key[:32] if cache_dir is not None else None
     if cached is not None and cached.is_dir():
-        return AutoTokenizer.from_pretrained(cached)
+        return _load_saved_tokenizer(cached)
+    from transformers import AutoTokenizer  # 1-3 s of imports: only a first conversion pays
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except (KeyError, ValueError, NotImplementedError, OSError) as exc:
@@ -159,6 +163,22 @@ def load_gguf_tokenizer(path: Path, header_digest: str,
     if cached is not None:
         _save_atomically(tokenizer, cached)
     return tokenizer
+
+
+def _load_saved_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """A converted tokenizer saved by `_save_atomically`, as the class it was saved as.
+    The generic tokenizers-backed class (what a GGUF converts to) is loaded directly:
+    AutoTokenizer would pick the same class, after importing every model's tokenizer and
+    config mappings (1-3 s of a warm start on 2 cores)."""
+    try:
+        saved_class = json.loads((folder / "tokenizer_config.json").read_bytes()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):  # a damaged copy: AutoTokenizer says what is wrong
+        saved_class = None
+    if saved_class == TokenizersBackend.__name__:
+        return TokenizersBackend.from_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
 
 
 def _field(header: GGUFHeader, key: str) -> Any:

@@ -233,7 +233,9 @@ class LlamaForCausalLM(nn.Module):
         with torch.device("meta"):
             model = cls(config).to(dtype)
         if torch.device(device).type != "meta":
-            model.to_empty(device=device)
+            # Not `to_empty`: its `empty_like` of a meta tensor runs torch's Python reference
+            # of it, whose first call imports sympy (a second of a warm start on 2 cores).
+            model._apply(lambda meta: torch.empty(meta.shape, dtype=meta.dtype, device=device))
         embed_scale = torch.tensor(config.hidden_size ** 0.5 if config.gemma else 1.0)
         model.register_buffer("embed_scale", embed_scale.to(dtype=dtype, device=device),
                               persistent=False)

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 from huggingface_hub import is_offline_mode, snapshot_download
 from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from paged_chat.engine.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.checkpoint import Checkpoint, SafetensorsFile
@@ -406,6 +406,8 @@ def _read_safetensors(folder: Path, vision_language: bool) -> Checkpoint:
 
 
 def _load_folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer  # seconds of imports a GGUF's start does without
+
     try:
         return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, KeyError, TypeError) as exc:
