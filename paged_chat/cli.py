@@ -241,13 +241,19 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-def _log_to_stderr() -> None:
+def _log_to_stderr() -> Callable[[], None]:
     """--debug: paged-chat's own log lines (which kernels were compiled, and in how long;
-    the server's) on stderr, not other libraries'."""
+    the server's) on stderr, not other libraries'. Returns what undoes it (the command's
+    end, so a later command in the same process logs as it did before)."""
     package = logging.getLogger("paged_chat")
-    if not any(isinstance(handler, _StderrHandler) for handler in package.handlers):
-        package.addHandler(_StderrHandler())
+    handler, level = _StderrHandler(), package.level
+    package.addHandler(handler)
     package.setLevel(logging.DEBUG)
+
+    def undo() -> None:
+        package.removeHandler(handler)
+        package.setLevel(level)
+    return undo
 
 
 def _version(value: bool) -> None:
@@ -290,7 +296,7 @@ def root(ctx: typer.Context,
     state.debug = debug
     state.config = config
     if debug:
-        _log_to_stderr()
+        ctx.call_on_close(_log_to_stderr())
     if ctx.invoked_subcommand is not None:
         for name, value in (("--demo", demo), ("--serve", serve), ("--server", server),
                             ("--model", model)):

@@ -30,19 +30,25 @@ def test_a_build_is_logged_with_its_time_and_a_second_start_compiles_nothing(
     assert "compiled for this machine in" not in caplog.text
 
 
-def test_debug_sends_the_packages_log_lines_to_stderr(capsys):
+def test_debug_sends_the_packages_log_lines_to_stderr_for_its_command_only(capsys):
     from paged_chat.cli import _log_to_stderr
 
-    package = logging.getLogger("paged_chat")
-    before = list(package.handlers), package.level
+    native_logger = logging.getLogger("paged_chat.engine.native")
+    undo = _log_to_stderr()
     try:
-        _log_to_stderr()
-        _log_to_stderr()  # a second --debug run in one process adds no second handler
-        logging.getLogger("paged_chat.engine.native").info("a kernel line")
+        native_logger.info("a kernel line")
         assert capsys.readouterr().err == "paged_chat.engine.native: a kernel line\n"
     finally:
-        package.handlers[:] = before[0]
-        package.setLevel(before[1])
+        undo()
+    native_logger.info("after the command")  # a later command in this process: no line
+    assert capsys.readouterr().err == ""
+
+
+def test_a_debug_command_leaves_no_handler_behind(cli, tmp_path):
+    package = logging.getLogger("paged_chat")
+    before = list(package.handlers), package.level
+    cli("--debug", "ask", "--model", str(tmp_path / "nope.gguf"), "Hello")
+    assert (list(package.handlers), package.level) == before
 
 
 def test_a_change_to_an_included_c_file_is_a_new_build(tmp_path, monkeypatch, caplog):
