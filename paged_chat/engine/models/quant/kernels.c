@@ -67,6 +67,57 @@ static inline __attribute__((always_inline)) void dequantize_32(
     }
 }
 
+/* A row of W, dequantized into `out` (k floats). */
+static inline void dequantize_row(const uint8_t *lo, const uint8_t *hi, const float *scale,
+                                  const float *offset, int64_t k, int64_t group, float *out) {
+    for (int64_t i = 0; i < k; i += 32) {
+        __m256 w[4];
+        dequantize_32(lo, hi, scale, offset, i / 2, group, w);
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + i + 8 * j, w[j]);
+    }
+}
+
+#else
+static void dequantize_row(const uint8_t *low, const uint8_t *high, const float *scale,
+                           const float *offset, int64_t k, int64_t group, float *out) {
+    const int64_t half = group / 2;
+    for (int64_t g = 0; g < k / group; g++) {
+        const uint8_t *lo = low + g * half;
+        const float s = scale[g], o = offset[g];
+        float *w = out + g * group;
+        if (high) {
+            const uint8_t *hi = high + g * half;
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                w[i] = s * (float)((lo[i] & 15) | ((hi[i] & 15) << 4)) + o;
+                w[i + half] = s * (float)((lo[i] >> 4) | ((hi[i] >> 4) << 4)) + o;
+            }
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < half; i++) {
+                w[i] = s * (float)(lo[i] & 15) + o;
+                w[i + half] = s * (float)(lo[i] >> 4) + o;
+            }
+        }
+    }
+}
+#endif
+
+/* Rows [n0, n0 + count) of W dequantized into `w` (row-major, k floats a row), then zero
+ * rows up to `padded`: the tiles of pc_gemm and of the portable pc_matmul. */
+static void dequantize_tile(const uint8_t *low, const uint8_t *high, const float *scale,
+                            const float *offset, int64_t n0, int64_t count, int64_t padded,
+                            int64_t k, int64_t group, float *w) {
+    const int64_t plane = k / 2, groups = k / group;
+    for (int64_t r = 0; r < count; r++) {
+        const int64_t n = n0 + r;
+        dequantize_row(low + n * plane, high ? high + n * plane : NULL, scale + n * groups,
+                       offset + n * groups, k, group, w + r * k);
+    }
+    for (int64_t i = count * k; i < padded * k; i++) w[i] = 0.0f;
+}
+
+#ifdef __AVX2__
 static inline float horizontal_sum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -191,16 +242,6 @@ void pc_matmul(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t
 #define GEMM_MR 4
 #define GEMM_NR 3
 
-/* Row `n` of W, dequantized into `out` (k floats). */
-static inline void dequantize_row_avx2(const uint8_t *lo, const uint8_t *hi, const float *scale,
-                                       const float *offset, int64_t k, int64_t group, float *out) {
-    for (int64_t i = 0; i < k; i += 32) {
-        __m256 w[4];
-        dequantize_32(lo, hi, scale, offset, i / 2, group, w);
-        for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + i + 8 * j, w[j]);
-    }
-}
-
 /* out[m, n] = x[m] . w[n] for m < mr rows of x and GEMM_NR rows of w (of which the first
  * `nr` are stored), over all k: MR x NR accumulators, each step's NR weight vectors and
  * MR x vectors loaded once and multiplied pairwise (7 loads per 12 FMAs at 4 x 3, so the
@@ -253,7 +294,6 @@ static void (*const dot_blocks[GEMM_MR])(const float *, const float *, int, int6
 void pc_gemm(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *high,
              const float *scale, const float *offset, int64_t n_rows, int64_t k,
              int64_t group, float *out, int64_t out_stride, int threads) {
-    const int64_t plane = k / 2, groups = k / group;
     const int64_t tiles = (n_rows + GEMM_TILE_ROWS - 1) / GEMM_TILE_ROWS;
 #pragma omp parallel num_threads(threads)
     {
@@ -262,13 +302,8 @@ void pc_gemm(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n0 = t * GEMM_TILE_ROWS;
             const int64_t count = n_rows - n0 < GEMM_TILE_ROWS ? n_rows - n0 : GEMM_TILE_ROWS;
-            for (int64_t r = 0; r < count; r++) {
-                const int64_t n = n0 + r;
-                dequantize_row_avx2(low + n * plane, high ? high + n * plane : NULL,
-                                    scale + n * groups, offset + n * groups, k, group, w + r * k);
-            }
-            const int64_t padded = (count + GEMM_NR - 1) / GEMM_NR * GEMM_NR;
-            for (int64_t i = count * k; i < padded * k; i++) w[i] = 0.0f;
+            dequantize_tile(low, high, scale, offset, n0, count,
+                            (count + GEMM_NR - 1) / GEMM_NR * GEMM_NR, k, group, w);
             for (int64_t m = 0; m < rows_x; m += GEMM_MR) {
                 const float *xm = x + m * k;
                 const int mr = rows_x - m < GEMM_MR ? (int)(rows_x - m) : GEMM_MR;
@@ -283,36 +318,10 @@ void pc_gemm(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *
     }
 }
 #else
-static void dequantize_row(const uint8_t *low, const uint8_t *high, const float *scale,
-                           const float *offset, int64_t k, int64_t group, float *out) {
-    const int64_t half = group / 2;
-    for (int64_t g = 0; g < k / group; g++) {
-        const uint8_t *lo = low + g * half;
-        const float s = scale[g], o = offset[g];
-        float *w = out + g * group;
-        if (high) {
-            const uint8_t *hi = high + g * half;
-#pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                w[i] = s * (float)((lo[i] & 15) | ((hi[i] & 15) << 4)) + o;
-                w[i + half] = s * (float)((lo[i] >> 4) | ((hi[i] >> 4) << 4)) + o;
-            }
-        } else {
-#pragma omp simd
-            for (int64_t i = 0; i < half; i++) {
-                w[i] = s * (float)(lo[i] & 15) + o;
-                w[i + half] = s * (float)(lo[i] >> 4) + o;
-            }
-        }
-    }
-}
-
-
 /* out[m, n] (row stride out_stride) = sum_k x[m, k] * W[n, k], for m < rows_x. */
 void pc_matmul(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *high,
                const float *scale, const float *offset, int64_t n_rows, int64_t k,
                int64_t group, float *out, int64_t out_stride, int threads) {
-    const int64_t plane = k / 2, groups = k / group;
     const int64_t tiles = (n_rows + ROWS_PER_TILE - 1) / ROWS_PER_TILE;
 #pragma omp parallel num_threads(threads)
     {
@@ -321,13 +330,7 @@ void pc_matmul(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t n0 = t * ROWS_PER_TILE;
             const int64_t count = n_rows - n0 < ROWS_PER_TILE ? n_rows - n0 : ROWS_PER_TILE;
-            for (int64_t r = 0; r < count; r++) {
-                const int64_t n = n0 + r;
-                dequantize_row(low + n * plane, high ? high + n * plane : NULL,
-                               scale + n * groups, offset + n * groups, k, group, w + r * k);
-            }
-            for (int64_t r = count; r < ROWS_PER_TILE; r++)
-                for (int64_t i = 0; i < k; i++) w[r * k + i] = 0.0f;
+            dequantize_tile(low, high, scale, offset, n0, count, ROWS_PER_TILE, k, group, w);
             const float *w0 = w, *w1 = w + k, *w2 = w + 2 * k, *w3 = w + 3 * k;
             for (int64_t m = 0; m < rows_x; m++) {
                 const float *xm = x + m * k;
@@ -356,16 +359,7 @@ void pc_dequantize(const uint8_t *low, const uint8_t *high, const float *scale,
     const int64_t plane = k / 2, groups = k / group;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n = 0; n < rows; n++) {
-        const uint8_t *lo = low + n * plane, *hi = high ? high + n * plane : NULL;
-#ifdef __AVX2__
-        for (int64_t i = 0; i < k; i += 32) {
-            __m256 w[4];
-            dequantize_32(lo, hi, scale + n * groups, offset + n * groups, i / 2, group, w);
-            float *o = out + n * k + i;
-            for (int j = 0; j < 4; j++) _mm256_storeu_ps(o + 8 * j, w[j]);
-        }
-#else
-        dequantize_row(lo, hi, scale + n * groups, offset + n * groups, k, group, out + n * k);
-#endif
+        dequantize_row(low + n * plane, high ? high + n * plane : NULL, scale + n * groups,
+                       offset + n * groups, k, group, out + n * k);
     }
 }
