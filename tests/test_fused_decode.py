@@ -15,13 +15,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a
            "The best way to learn a language is"]
 
 
-@pytest.fixture(scope="module")
-def engine(smollm2_source):
-    engine = Engine(EngineConfig(device="cpu", dtype="float32", num_blocks=256,
-                                 max_num_seqs=8), source=smollm2_source)
-    if engine.runner.model.fused_decode is None:
+@pytest.fixture
+def engine(smollm2_engine):
+    """The session's default-model engine (each test leaves its fused step as it was)."""
+    if smollm2_engine.runner.model.fused_decode is None:
         pytest.skip("no AVX2 build of the C kernels here: the per-op path runs")
-    return engine
+    return smollm2_engine
 
 
 def run(engine: Engine, prompts: list[str]) -> list[tuple[list[int], list[float]]]:
