@@ -56,15 +56,15 @@ _native = NativeLibrary(Path(__file__).with_name("decode_layer.c"), _declare)
 
 
 def _linear(layer: QuantizedLinear) -> _Linear:
+    """A layer's parts as decode_layer.c takes them: the addresses and sizes its
+    LayerMatmul already reads, and each part's first output column."""
     linear = _Linear(parts=len(layer.parts), in_features=layer.in_features,
                      out_features=layer.out_features)
-    column = 0
-    for index, part in enumerate(layer.parts):
-        linear.low[index], linear.scale[index] = part.low.data_ptr(), part.scale.data_ptr()
-        linear.high[index] = None if part.high is None else part.high.data_ptr()
-        linear.offset[index] = part.offset.data_ptr()
-        linear.rows[index], linear.group[index], linear.column[index] = part.rows, part.group, column
-        column += part.rows
+    for index, (args, column) in enumerate(zip(layer.matmul.args, layer.matmul.columns)):
+        low, high, scale, offset, rows, _, group = args
+        linear.low[index], linear.high[index] = low, high
+        linear.scale[index], linear.offset[index] = scale, offset
+        linear.rows[index], linear.group[index], linear.column[index] = rows, group, column
     return linear
 
 
