@@ -24,7 +24,6 @@ Run it: `python -m paged_chat.bench.tui_terminal --terminal headless,pty,tmux` (
 from __future__ import annotations
 
 import argparse
-import asyncio
 import fcntl
 import json
 import os
