@@ -27,7 +27,7 @@ MAX_PARTS = 3
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-class _Linear(ctypes.Structure):
+class LinearStruct(ctypes.Structure):
     _fields_ = [("low", _P * MAX_PARTS), ("high", _P * MAX_PARTS), ("scale", _P * MAX_PARTS),
                 ("offset", _P * MAX_PARTS), ("rows", _I * MAX_PARTS), ("group", _I * MAX_PARTS),
                 ("column", _I * MAX_PARTS), ("parts", _I), ("in_features", _I),
@@ -35,7 +35,8 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+    _fields_ = [("qkv", LinearStruct), ("o", LinearStruct), ("gate_up", LinearStruct),
+                ("down", LinearStruct),
                 ("input_norm", _P), ("post_norm", _P), ("eps", _F), ("scale", _F),
                 ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("window", _I),
                 ("key_cache", _P), ("value_cache", _P), ("num_blocks", _I), ("block_size", _I)]
@@ -55,10 +56,10 @@ def _declare(lib: ctypes.CDLL) -> None:
 _native = NativeLibrary(Path(__file__).with_name("decode_layer.c"), _declare)
 
 
-def _linear(layer: QuantizedLinear) -> _Linear:
+def linear_struct(layer: QuantizedLinear) -> LinearStruct:
     """A layer's parts as decode_layer.c takes them: the addresses and sizes its
     LayerMatmul already reads, and each part's first output column."""
-    linear = _Linear(parts=len(layer.parts), in_features=layer.in_features,
+    linear = LinearStruct(parts=len(layer.parts), in_features=layer.in_features,
                      out_features=layer.out_features)
     for index, (args, column) in enumerate(zip(layer.matmul.args, layer.matmul.columns)):
         low, high, scale, offset, rows, _, group = args
@@ -122,8 +123,8 @@ class FusedDecode:
         for layer, layer_cache in zip(self.layers, kv_cache):
             attn, mlp = layer.self_attn, layer.mlp
             structs.append(_Layer(
-                qkv=_linear(attn.qkv_proj), o=_linear(attn.o_proj),
-                gate_up=_linear(mlp.gate_up_proj), down=_linear(mlp.down_proj),
+                qkv=linear_struct(attn.qkv_proj), o=linear_struct(attn.o_proj),
+                gate_up=linear_struct(mlp.gate_up_proj), down=linear_struct(mlp.down_proj),
                 input_norm=layer.input_layernorm.weight.data_ptr(),
                 post_norm=layer.post_attention_layernorm.weight.data_ptr(),
                 eps=layer.input_layernorm.eps, scale=attention.scale,
