@@ -70,11 +70,11 @@ def linear_struct(layer: QuantizedLinear) -> LinearStruct:
 
 
 def _fits(layer) -> bool:
-    """Whether decode_layer.c computes `layer` as its Python forward does."""
+    """Whether decode_layer.c computes `layer`, a llama DecoderLayer, as its Python forward
+    does (its fused flags are use_fused_ops' to set, and it sets none on Gemma's layers)."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    return (type(layer).__name__ == "DecoderLayer" and not layer.local_rope
-            and attn.fused_rope and mlp.fused
+    return (not layer.local_rope and attn.fused_rope and mlp.fused
             and layer.input_layernorm.fused and layer.post_attention_layernorm.fused
             and all(isinstance(linear, QuantizedLinear) and linear.bias is None
                     and len(linear.parts) <= MAX_PARTS for linear in linears))
