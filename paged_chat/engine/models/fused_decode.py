@@ -1,10 +1,12 @@
-"""A decoder layer's step as one C call (decode_layer.c), where the step is what that
-function computes exactly as the layer's Python forward does: float32 on the CPU with the
+"""A step's decoder layers as one C call (decode_layer.c), where the step is what that
+code computes exactly as the layers' Python forward does: float32 on the CPU with the
 fused ops, quantized linear layers without biases, Llama layers without q/k norms, and
 paged attention by the CPU kernel over every sequence of the step (all decodes, or
 prefill chunks where the backend attends them itself). The results are bit for bit the
 Python path's (the same kernels in the same order); the Python, dispatch and ctypes work
-between the ~20 calls of a layer is what goes (measured in the closing note of issue 30).
+between the ~20 calls of a layer is what goes (measured in the closing note of issue 30),
+and one call for all the layers, not one each: between the weights' reads, the host's
+code runs with cold caches (~10x a warm call's time).
 
 What a layer holds (weights' addresses, shapes, its KV cache) is written once into a C
 struct; what a step shares (metadata, scratch rows) into another, once per step.
@@ -50,7 +52,7 @@ class _Step(ctypes.Structure):
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.dl_decode_layer.argtypes = [_P, _P, _P, _P, _P]
+    lib.dl_decode_layers.argtypes = [_P, _I, _P, _P, _P]
 
 
 _native = NativeLibrary(Path(__file__).with_name("decode_layer.c"), _declare)
@@ -81,13 +83,13 @@ def _fits(layer) -> bool:
 
 
 class FusedDecode:
-    """The model's layers as one C call each, for the steps `applies` accepts."""
+    """The model's layers as one C call, for the steps `applies` accepts."""
 
     def __init__(self, layers, lib: ctypes.CDLL) -> None:
         self.layers = layers
         self.lib = lib
         self._structs: list[_Layer] = []
-        self._addresses: list[int] = []
+        self._addresses = (_P * len(layers))()
         self._kv_cache_address: int | None = None
         first = layers[0]
         self.hidden = first.self_attn.o_proj.out_features
@@ -113,9 +115,9 @@ class FusedDecode:
         return isinstance(attention, CpuAttention) and (
             attention.prefill_in_kernel or meta.num_decodes == meta.num_seqs)
 
-    def _layer_structs(self, kv_cache: torch.Tensor, attention: CpuAttention) -> list[int]:
-        """Each layer's struct's address, the structs rebuilt only when the KV pool is a
-        new tensor."""
+    def _layer_structs(self, kv_cache: torch.Tensor, attention: CpuAttention) -> ctypes.Array:
+        """The layers' structs' addresses, in order, the structs rebuilt only when the KV
+        pool is a new tensor."""
         if kv_cache.data_ptr() == self._kv_cache_address:
             return self._addresses
         assert kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
@@ -133,7 +135,7 @@ class FusedDecode:
                 key_cache=layer_cache[0].data_ptr(), value_cache=layer_cache[1].data_ptr(),
                 num_blocks=layer_cache.shape[2], block_size=layer_cache.shape[3]))
         self._structs, self._kv_cache_address = structs, kv_cache.data_ptr()
-        self._addresses = [ctypes.addressof(struct) for struct in structs]
+        self._addresses[:] = [ctypes.addressof(struct) for struct in structs]
         return self._addresses
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -156,11 +158,7 @@ class FusedDecode:
                      tables.data_ptr(), *rows_at,
                      torch.get_num_threads())
         out = torch.empty(tokens, self.hidden)
-        step_address, out_address = ctypes.addressof(step), out.data_ptr()
-        residual_address = x.data_ptr()
-        previous = None  # the first layer's input is the residual stream itself
-        for layer_address in self._layer_structs(kv_cache, attention):
-            self.lib.dl_decode_layer(layer_address, step_address, previous, residual_address,
-                                     out_address)
-            previous = out_address
+        layers = self._layer_structs(kv_cache, attention)
+        self.lib.dl_decode_layers(layers, len(layers), ctypes.addressof(step), x.data_ptr(),
+                                  out.data_ptr())
         return out, x
