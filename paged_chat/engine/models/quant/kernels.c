@@ -28,7 +28,8 @@
 
 #define ROWS_PER_TILE 4
 
-/* (group, has_high) of every format family: Q4_0, Q4_1, Q4_K; Q5_0, Q5_1, Q5_K, Q8_0; Q6_K. */
+/* (group, has_high) of every format family: Q4_0, Q4_1, Q4_K; Q5_0, Q5_1, Q5_K, Q8_0; Q6_K
+ * (kernels.py's KERNEL_FORMATS, which it checks every weight against). */
 #define FORMAT_VARIANTS(X) X(32, 0) X(32, 1) X(16, 1)
 #define FORMAT_INDEX(group, high) ((group) == 16 ? 2 : (high) != NULL)
 

@@ -72,9 +72,15 @@ def _dequantize_into(lib: ctypes.CDLL, weight: QuantizedWeight, out: torch.Tenso
     lib.pc_dequantize(*_weight_args(weight), out.data_ptr(), torch.get_num_threads())
 
 
+# (group, has a high plane) of every format family, as kernels.c compiles its row kernels
+# (FORMAT_VARIANTS): Q4_0/Q4_1/Q4_K; Q5_*/Q8_0; Q6_K.
+KERNEL_FORMATS = ((32, False), (32, True), (16, True))
+
+
 def _weight_args(weight: QuantizedWeight) -> tuple[int | None, ...]:
     """What every kernel of kernels.c takes for a weight, in its order: the planes',
     scales' and offsets' addresses, rows, in_features, group."""
+    assert (weight.group, weight.high is not None) in KERNEL_FORMATS, weight.format
     return (weight.low.data_ptr(), _pointer(weight.high), weight.scale.data_ptr(),
             weight.offset.data_ptr(), weight.rows, weight.in_features, weight.group)
 
