@@ -408,14 +408,21 @@ void pc_matmul(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t
 }
 #endif
 
-void pc_dequantize(const uint8_t *low, const uint8_t *high, const float *scale,
-                   const float *offset, int64_t rows, int64_t k, int64_t group, float *out,
-                   int threads) {
+/* Rows of W (`rows` of them) as float32 into `out` (k floats a row): row ids[i] into row
+ * i, for i < count, or rows 0..count-1 where ids is NULL (an embedding lookup gathers, a
+ * tile does not). Returns -1, writing nothing, where an id is not a row of W. */
+int pc_dequantize(const uint8_t *low, const uint8_t *high, const float *scale,
+                  const float *offset, int64_t rows, const int64_t *ids, int64_t count,
+                  int64_t k, int64_t group, float *out, int threads) {
     const int64_t plane = k / 2, groups = k / group;
     const dequantize_row_fn row = dequantize_rows[FORMAT_INDEX(group, high)];
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < rows; n++) {
+    for (int64_t i = 0; ids && i < count; i++)
+        if (ids[i] < 0 || ids[i] >= rows) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (count > 1)
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t n = ids ? ids[i] : i;
         row(low + n * plane, high ? high + n * plane : NULL, scale + n * groups,
-            offset + n * groups, k, out + n * k);
+            offset + n * groups, k, out + i * k);
     }
+    return 0;
 }
