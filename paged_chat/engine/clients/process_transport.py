@@ -7,9 +7,13 @@ engine's speed with the engine on a thread, whatever the frame rate or switch in
 same app with the same engine in another process kept 87-104%. vLLM v1 splits its
 EngineCore off the same way.
 
-How. The child (spawned, not forked: the parent has threads, and a forked torch would
-inherit their locks) builds the Engine on its main thread, so its OpenMP pool is the only
-one, and runs the same loop as the thread transport (engine_loop.py) over one duplex pipe:
+How. The child is spawned (a fresh interpreter) where the parent has threads or torch: a
+forked torch would inherit their locks. Launched early, from a parent with its main thread
+alone and no torch (the bare command, before the TUI loads), it is forked instead: no
+interpreter to start and no modules of the parent's to import again (0.3-1 s on a busy
+2-core machine). Either way it builds the Engine on its main thread, so its OpenMP pool is
+the only one, and runs the same loop as the thread transport (engine_loop.py) over one
+duplex pipe:
 
     parent -> child   Add, Abort, ResetPrefixCache, Shutdown       (engine_loop's commands)
     child -> parent   _Progress while loading, then _Ready (ModelInfo, first stats) or
@@ -147,22 +151,41 @@ class ProcessTransport:
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
-    def start(self, events: TransportEvents) -> None:
-        """Start the child and wait until it has loaded the model. The load's error is raised
-        here; a child that dies while loading is an EngineDeadError."""
-        self._events = events
-        context = multiprocessing.get_context("spawn")
+    def launch(self) -> None:
+        """Start the child, which loads the model while the caller goes on; `start` waits
+        for it. A launched child that no `start` takes is ended by `abandon`."""
+        assert self._process is None, "the child is launched already"
+        method = start_method()
+        context = multiprocessing.get_context(method)
         self._conn, child_conn = context.Pipe()
         self._beats, child_beats = context.Pipe(duplex=False)
         self._beats_lock = threading.Lock()   # `responding` drains the pipe from any thread
+        # A forked child holds copies of this side's ends too: it closes them, or it would
+        # never see EOF once this process has gone.
+        inherited = (self._conn, self._beats) if method == "fork" else ()
         self._process = context.Process(
-            target=_child_main, args=(child_conn, child_beats, self.config,
-                                      self.stats_interval_s, self.log_path, self.leave_cores),
+            target=_child_main, args=(child_conn, child_beats, self.config, self.stats_interval_s,
+                                      self.log_path, self.leave_cores, inherited),
             name="paged-chat-engine", daemon=True)
         with _stderr_with_a_descriptor():
             self._process.start()
         child_conn.close()  # the child's ends live in the child: EOF here once it exits
         child_beats.close()
+
+    def abandon(self) -> None:
+        """End a launched child that was never started (its caller gave up first)."""
+        assert self._process is not None
+        self._conn.close()
+        self._beats.close()
+        self._process.kill()
+        self._process.join()
+
+    def start(self, events: TransportEvents) -> None:
+        """Launch the child unless `launch` has, and wait until it has loaded the model. The
+        load's error is raised here; a child that dies while loading is an EngineDeadError."""
+        self._events = events
+        if self._process is None:
+            self.launch()
         # While the child loads, on the other core: what unpickling its ModelInfo needs.
         import transformers.tokenization_utils_fast  # noqa: F401
         try:
@@ -220,6 +243,7 @@ class ProcessTransport:
 
     def restart(self, timeout_s: float) -> None:
         """A new child, which loads the model again."""
+        self._process = None
         self.start(self._events)
 
     # ---- the parent's threads ---------------------------------------------------------
@@ -273,6 +297,15 @@ class ProcessTransport:
         events.on_stopped(reason, error)
 
 
+def start_method() -> str:
+    """How this process may start the child now: "fork" on Linux from a process whose only
+    Python thread is the main one and that has not imported torch (numpy's BLAS threads
+    are stopped around a fork by the library itself), else "spawn"."""
+    if sys.platform == "linux" and threading.active_count() == 1 and "torch" not in sys.modules:
+        return "fork"
+    return "spawn"
+
+
 # ---- the child ------------------------------------------------------------------------
 
 class _PipeEvents:
@@ -296,14 +329,16 @@ class _PipeEvents:
 
 
 def _child_main(conn: Connection, beats: Connection, config: EngineConfig,
-                stats_interval_s: float, log_path: Path | None, leave_cores: int) -> None:
-    from paged_chat.engine.clients.engine_loop import serve_engine
-    from paged_chat.engine.engine import Engine
-
+                stats_interval_s: float, log_path: Path | None, leave_cores: int,
+                inherited: tuple[Connection, ...]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for parent_end in inherited:
+        parent_end.close()
     if log_path is not None:
         _log_to(log_path)
     faulthandler.enable()
+    from paged_chat.engine.clients.engine_loop import serve_engine
+    from paged_chat.engine.engine import Engine
 
     def progress(stage: str, done: int, total: int) -> None:
         conn.send(_Progress(stage, done, total))

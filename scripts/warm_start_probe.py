@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""The TUI's warm start, timed as a user restarting it sees it: `paged-chat` (the default
+model, its converted tokenizer and weights already cached) in a tmux pane at 160x50, from
+launch until the status line reads `● smollm2-135m · cpu · float32 · N blocks × 16`, then
+Ctrl+Q until the process has exited.
+
+Each tree given is run in turn, round by round (A B A B ...), so that the machine's load
+hits them alike; per tree it prints every run, the medians of "ready" and "quit", and the
+load average before each run. Every tree runs as the user runs it, the console script
+`paged-chat` of one venv (--venv), under its own PYTHONPATH, with the user's cache dir (the
+warm caches) and a throwaway chat store and config of the probe's own (one restored tab,
+as a restart has).
+
+    python scripts/warm_start_probe.py /work/main /work/wt/warmstart2 [--rounds 3] [--venv V]
+
+The first round's run of each tree also warms the page cache; with --warmup 1 (the
+default) one untimed run per tree comes first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+READY = re.compile(r"● smollm2-135m · cpu · float32 · [\d,]+ blocks × 16")
+FAILED = re.compile(r"✖ [^\n]*")
+POLL_S = 0.02
+BOUND_S = 180.0   # generous: a busy 2-core machine; nothing here waits a fixed time
+
+
+def load() -> str:
+    """The 1, 5 and 15 minute load averages."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def tmux(socket: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["tmux", "-L", socket, *args], capture_output=True, text=True)
+
+
+def run_once(tree: Path, venv: Path, data_dir: Path, config: Path) -> tuple[float, float]:
+    """(seconds from launch to the ready line, seconds from Ctrl+Q to the process's exit)."""
+    socket = f"warm-start-probe-{os.getpid()}"
+    env = {"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "PAGED_CHAT_DATA_DIR": str(data_dir),
+           "PAGED_CHAT_CONFIG": str(config), "TERM": "xterm-256color"}
+    command = f"cd {tree} && exec {venv / 'bin' / 'paged-chat'}"
+    started = time.monotonic()
+    launched = tmux(socket, "new-session", "-d", "-s", "probe", "-x", "160", "-y", "50",
+                    *[arg for key, value in env.items() for arg in ("-e", f"{key}={value}")],
+                    command)
+    assert launched.returncode == 0, launched.stderr
+    try:
+        while True:
+            screen = tmux(socket, "capture-pane", "-p", "-t", "probe").stdout
+            if READY.search(screen):
+                ready = time.monotonic() - started
+                break
+            if failed := FAILED.search(screen):
+                raise SystemExit(f"{tree}: {failed.group(0)}")
+            if time.monotonic() - started > BOUND_S:
+                raise SystemExit(f"{tree}: not ready after {BOUND_S:.0f} s:\n{screen}")
+            time.sleep(POLL_S)
+        tmux(socket, "send-keys", "-t", "probe", "C-q")
+        asked = time.monotonic()
+        while tmux(socket, "has-session", "-t", "probe").returncode == 0:
+            if time.monotonic() - asked > BOUND_S:
+                raise SystemExit(f"{tree}: still running {BOUND_S:.0f} s after Ctrl+Q")
+            time.sleep(POLL_S)
+        return ready, time.monotonic() - asked
+    finally:
+        tmux(socket, "kill-server")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trees", nargs="+", type=Path, help="source trees to time (A B ...)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs per tree first")
+    parser.add_argument("--venv", type=Path, default=Path(sys.prefix),
+                        help="the venv whose `paged-chat` every tree runs with (this one)")
+    args = parser.parse_args()
+    trees = [tree.resolve() for tree in args.trees]
+    results: dict[Path, list[tuple[float, float, str]]] = {tree: [] for tree in trees}
+    with tempfile.TemporaryDirectory(prefix="warm-start-probe-") as scratch:
+        homes = {}
+        for index, tree in enumerate(trees):   # each tree its own store: one restored tab
+            home = Path(scratch) / str(index)
+            (home / "data").mkdir(parents=True)
+            (home / "config.toml").write_text("")
+            homes[tree] = home
+        for _ in range(args.warmup):
+            for tree in trees:
+                run_once(tree, args.venv, homes[tree] / "data", homes[tree] / "config.toml")
+        for round_ in range(args.rounds):
+            for tree in trees:
+                before = load()
+                ready, quit_ = run_once(tree, args.venv, homes[tree] / "data",
+                                        homes[tree] / "config.toml")
+                results[tree].append((ready, quit_, before))
+                print(f"round {round_ + 1} {tree}: ready {ready:.2f} s, quit {quit_:.2f} s, "
+                      f"load before {before}", flush=True)
+    for tree, runs in results.items():
+        print(f"{tree}: median ready {statistics.median(r for r, _, _ in runs):.2f} s, "
+              f"median quit {statistics.median(q for _, q, _ in runs):.2f} s "
+              f"over {len(runs)} runs (loads before: {', '.join(l for _, _, l in runs)})")
+    print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
+
+
+if __name__ == "__main__":
+    main()
