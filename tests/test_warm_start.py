@@ -15,11 +15,11 @@ import textwrap
 import pytest
 import torch
 
-from paged_chat.engine import Engine, EngineConfig, SamplingParams
+from paged_chat.engine import ClientSpec, Engine, EngineConfig, SamplingParams, start_client
 from paged_chat.engine.attention.torch_backend import TorchAttention
 from paged_chat.engine.errors import describe_error
 from paged_chat.engine.kv_pool_sizing import KVCacheSpec, allocate_kv_cache
-from helpers import REPO, wait_for
+from helpers import REPO, engine_config, wait_for
 from tmux_app import TmuxApp, needs_tmux, tmux
 
 # What a warm start of a cached GGUF once imported and never used: sympy (torch's symbolic
@@ -35,7 +35,7 @@ def test_a_warm_start_imports_nothing_a_cached_gguf_does_not_use(smollm2_source)
     cold = Engine(EngineConfig(**config))   # converts and caches the weights if no test has yet
     code = textwrap.dedent(f"""
         import json, sys
-        from paged_chat.engine import Engine, EngineConfig, SamplingParams
+        from paged_chat.engine import ClientSpec, Engine, EngineConfig, SamplingParams, start_client
         engine = Engine(EngineConfig(**{config!r}))
         imported = sorted(set({NOT_NEEDED!r}) & set(sys.modules))
         output = engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -149,3 +149,14 @@ def test_an_engine_launched_early_that_fails_says_why_in_the_status_line(tmp_pat
         app.wait_for(lambda screen: "✖" not in screen)
     finally:
         app.kill_server()
+
+
+@pytest.mark.timeout(120)
+def test_a_launched_engine_that_nothing_takes_is_ended(chat_model_dir):
+    """The app failed before its worker took the engine the CLI launched: cancel() ends the
+    child (it would load a model for nobody)."""
+    starting = start_client(ClientSpec("process", engine_config(chat_model_dir)))
+    pid = starting.launched.pid
+    assert pid is not None and not _exited(pid)
+    starting.cancel()
+    wait_for(lambda: _exited(pid), 30, what="the launched child outlived cancel()")
