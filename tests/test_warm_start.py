@@ -114,8 +114,9 @@ def _exited(pid: int) -> bool:
 @pytest.mark.timeout(600)
 @needs_tmux
 def test_the_tui_launches_its_engine_before_it_imports_textual(chat_model_dir, tmp_path):
-    """Issue 32 item 16: the engine child's imports and load overlap Textual's; and a child
-    launched that early (forked from the CLI) still exits once the app is killed."""
+    """Issue 32 item 16: the engine child's imports and load overlap Textual's; launched that
+    early it is forked from the CLI (no interpreter of its own to start), and still exits
+    once the app is killed."""
     script, notes = tmp_path / "noting_cli.py", tmp_path / "notes"
     script.write_text(NOTING_CLI)
     app = TmuxApp(chat_model_dir, tmp_path, max_tokens=8, size=(160, 50),
@@ -127,6 +128,7 @@ def test_the_tui_launches_its_engine_before_it_imports_textual(chat_model_dir, t
         engines = [child for child in _children(pid)
                    if b"resource_tracker" not in open(f"/proc/{child}/cmdline", "rb").read()]
         assert len(engines) == 1, engines
+        assert b"spawn_main" not in open(f"/proc/{engines[0]}/cmdline", "rb").read()   # forked
         os.kill(pid, signal.SIGKILL)
         wait_for(lambda: _exited(engines[0]), 60, what="the engine child outlived its app")
     finally:

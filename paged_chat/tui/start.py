@@ -42,7 +42,7 @@ def start_engine(config: EngineConfig, in_a_process: bool = True) -> StartingCli
     if not in_a_process:
         return start_client(client_spec(config, "thread"))
     return start_client(client_spec(config, "process", log_path=cache_dir() / "engine.log",
-                                    leave_cores=UI_CORES))
+                                    leave_cores=UI_CORES, fork_if_safe=True))
 
 
 def run_app(settings: Settings, demo: int | None = None, serve_port: int | None = None,

@@ -38,6 +38,8 @@ class ClientSpec:
     steps (a child's StepThreads.leave_cores). A remote takes `api_key`, and
     `remote_model`: where to load the served model's tokenizer from (else the first id the
     server lists that resolves locally). `stats_interval_s`: the transport's default when None.
+    `fork_if_safe`: a child process may be forked instead of spawned where that is safe (a
+    caller with one thread and no torch: faster to start).
     """
 
     transport: str = "thread"
@@ -49,6 +51,7 @@ class ClientSpec:
     api_key: str | None = None
     remote_model: str | None = None
     stats_interval_s: float | None = None
+    fork_if_safe: bool = False
 
     def __post_init__(self) -> None:
         if not (self.transport in LOCAL_TRANSPORTS or is_url(self.transport)):
@@ -82,7 +85,7 @@ def start_client(spec: ClientSpec) -> StartingClient:
     assert spec.config is not None
     interval = {} if spec.stats_interval_s is None else {"stats_interval_s": spec.stats_interval_s}
     transport = ProcessTransport(spec.config, spec.on_progress, spec.log_path, spec.leave_cores,
-                                 **interval)
+                                 fork_if_safe=spec.fork_if_safe, **interval)
     transport.launch()
     return StartingClient(spec, transport)
 

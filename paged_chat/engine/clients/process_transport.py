@@ -7,11 +7,11 @@ engine's speed with the engine on a thread, whatever the frame rate or switch in
 same app with the same engine in another process kept 87-104%. vLLM v1 splits its
 EngineCore off the same way.
 
-How. The child is spawned (a fresh interpreter) where the parent has threads or torch: a
-forked torch would inherit their locks. Launched early, from a parent with its main thread
-alone and no torch (the bare command, before the TUI loads), it is forked instead: no
-interpreter to start and no modules of the parent's to import again (0.3-1 s on a busy
-2-core machine). Either way it builds the Engine on its main thread, so its OpenMP pool is
+How. The child is spawned (a fresh interpreter): a parent may have threads or torch, and a
+forked torch would inherit their locks. A caller that launches it from its main thread
+alone with no torch imported (the TUI's start, before Textual) may ask for a fork
+(`fork_if_safe`, checked here): no interpreter to start and no modules of the parent's to
+import again (0.3-1 s on a busy 2-core machine). Either way it builds the Engine on its main thread, so its OpenMP pool is
 the only one, and runs the same loop as the thread transport (engine_loop.py) over one
 duplex pipe:
 
@@ -137,14 +137,16 @@ class ProcessTransport:
 
     def __init__(self, config: EngineConfig, on_progress: ProgressHook | None = None,
                  log_path: Path | None = None, leave_cores: int = 0,
-                 stats_interval_s: float = 0.05) -> None:
+                 stats_interval_s: float = 0.05, fork_if_safe: bool = False) -> None:
         """`on_progress(stage, done, total)` hears a slow load advance; `log_path` takes the
         child's stdout and stderr; `leave_cores`: how many cores the parent needs while the
-        engine steps (StepThreads.leave_cores)."""
+        engine steps (StepThreads.leave_cores); `fork_if_safe`: fork the child where
+        `start_method` says that is safe, else spawn it."""
         self.config = config
         self.on_progress = on_progress
         self.log_path = log_path
         self.leave_cores = leave_cores
+        self.fork_if_safe = fork_if_safe
         self.stats_interval_s = stats_interval_s
         self._process: multiprocessing.process.BaseProcess | None = None
 
@@ -164,7 +166,7 @@ class ProcessTransport:
         """Start the child, which loads the model while the caller goes on; `start` waits
         for it. A launched child that no `start` takes is ended by `abandon`."""
         assert self._process is None, "the child is launched already"
-        method = start_method()
+        method = start_method() if self.fork_if_safe else "spawn"
         context = multiprocessing.get_context(method)
         self._conn, child_conn = context.Pipe()
         self._beats, child_beats = context.Pipe(duplex=False)
