@@ -8,13 +8,13 @@ Each tree given is run in turn, round by round (A B A B ...), so that the machin
 hits them alike; per tree it prints every run, the medians of "ready" and "quit", and the
 load average before each run. Every tree runs as the user runs it, the console script
 `paged-chat` of one venv (--venv), under its own PYTHONPATH, with the user's cache dir (the
-warm caches) and a throwaway chat store and config of the probe's own (one restored tab,
-as a restart has).
+warm caches) and, per tree, an empty config and a throwaway chat store that its runs share
+(a restart finds the session the last run left).
 
     python scripts/warm_start_probe.py /work/main /work/wt/warmstart2 [--rounds 3] [--venv V]
 
-The first round's run of each tree also warms the page cache; with --warmup 1 (the
-default) one untimed run per tree comes first.
+Untimed runs per tree come first (--warmup, default 1): a first-ever start converts the
+model's tokenizer and weights into the cache, and any start warms the page cache.
 """
 
 from __future__ import annotations
