@@ -31,7 +31,7 @@ from pathlib import Path
 
 READY = re.compile(r"● smollm2-135m · cpu · float32 · [\d,]+ blocks × 16")
 FAILED = re.compile(r"✖ [^\n]*")
-POLL_S = 0.02
+POLL_S = 0.1   # each poll runs a tmux client: faster polling would take CPU from the app
 BOUND_S = 180.0   # generous: a busy 2-core machine; nothing here waits a fixed time
 
 
