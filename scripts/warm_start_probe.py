@@ -44,12 +44,16 @@ def tmux(socket: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["tmux", "-L", socket, *args], capture_output=True, text=True)
 
 
-def run_once(tree: Path, venv: Path, data_dir: Path, config: Path) -> tuple[float, float]:
-    """(seconds from launch to the ready line, seconds from Ctrl+Q to the process's exit)."""
+def run_once(tree: Path, venv: Path, data_dir: Path, config: Path) -> tuple[float, float, float]:
+    """(seconds from launch to the ready line, seconds from Ctrl+Q to the process's exit,
+    CPU seconds the app and its engine child used in all, as bash's `time` counts them)."""
     socket = f"warm-start-probe-{os.getpid()}"
     env = {"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "PAGED_CHAT_DATA_DIR": str(data_dir),
            "PAGED_CHAT_CONFIG": str(config), "TERM": "xterm-256color"}
-    command = f"cd {tree} && exec {venv / 'bin' / 'paged-chat'}"
+    cpu = data_dir / "cpu-seconds"
+    # `time`'s line goes to the file; the app's stderr (Textual draws there) stays the pane's.
+    command = (f"cd {tree} && TIMEFORMAT='%U %S' && "
+               f"{{ time {venv / 'bin' / 'paged-chat'} 2>&4 ; }} 4>&2 2>{cpu}")
     started = time.monotonic()
     launched = tmux(socket, "new-session", "-d", "-s", "probe", "-x", "160", "-y", "50",
                     *[arg for key, value in env.items() for arg in ("-e", f"{key}={value}")],
@@ -72,7 +76,8 @@ def run_once(tree: Path, venv: Path, data_dir: Path, config: Path) -> tuple[floa
             if time.monotonic() - asked > BOUND_S:
                 raise SystemExit(f"{tree}: still running {BOUND_S:.0f} s after Ctrl+Q")
             time.sleep(POLL_S)
-        return ready, time.monotonic() - asked
+        user, system = cpu.read_text().split()
+        return ready, time.monotonic() - asked, float(user) + float(system)
     finally:
         tmux(socket, "kill-server")
 
@@ -86,29 +91,29 @@ def main() -> None:
                         help="the venv whose `paged-chat` every tree runs with (this one)")
     args = parser.parse_args()
     trees = [tree.resolve() for tree in args.trees]
-    results: dict[Path, list[tuple[float, float, str]]] = {tree: [] for tree in trees}
+    runs: dict[Path, list[tuple[float, float, float, str]]] = {tree: [] for tree in trees}
     with tempfile.TemporaryDirectory(prefix="warm-start-probe-") as scratch:
         homes = {}
-        for index, tree in enumerate(trees):   # each tree its own store: one restored tab
+        for index, tree in enumerate(trees):
             home = Path(scratch) / str(index)
             (home / "data").mkdir(parents=True)
             (home / "config.toml").write_text("")
-            homes[tree] = home
+            homes[tree] = (home / "data", home / "config.toml")
         for _ in range(args.warmup):
             for tree in trees:
-                run_once(tree, args.venv, homes[tree] / "data", homes[tree] / "config.toml")
+                run_once(tree, args.venv, *homes[tree])
         for round_ in range(args.rounds):
             for tree in trees:
                 before = load()
-                ready, quit_ = run_once(tree, args.venv, homes[tree] / "data",
-                                        homes[tree] / "config.toml")
-                results[tree].append((ready, quit_, before))
+                ready, quit_, cpu = run_once(tree, args.venv, *homes[tree])
+                runs[tree].append((ready, quit_, cpu, before))
                 print(f"round {round_ + 1} {tree}: ready {ready:.2f} s, quit {quit_:.2f} s, "
-                      f"load before {before}", flush=True)
-    for tree, runs in results.items():
-        print(f"{tree}: median ready {statistics.median(r for r, _, _ in runs):.2f} s, "
-              f"median quit {statistics.median(q for _, q, _ in runs):.2f} s "
-              f"over {len(runs)} runs (loads before: {', '.join(l for _, _, l in runs)})")
+                      f"cpu {cpu:.2f} s, load before {before}", flush=True)
+    for tree, measured in runs.items():
+        ready, quit_, cpu, loads = zip(*measured)
+        print(f"{tree}: median ready {statistics.median(ready):.2f} s, median quit "
+              f"{statistics.median(quit_):.2f} s, median cpu {statistics.median(cpu):.2f} s over "
+              f"{len(measured)} runs (loads before: {', '.join(loads)})")
     print("uptime:", subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip())
 
 
