@@ -193,7 +193,7 @@ def warmed_up(engine: Engine) -> Engine:
 
 
 def run_tui_bench(options: TuiBenchOptions, log: Callable[[str], None] = print) -> dict:
-    from paged_chat.tui.app import start_engine_process
+    from paged_chat.tui.start import start_engine
 
     # By default the engine alone and the app's engine each adapt their thread count, as they
     # ship: the policy must hold up beside the UI (issue 18). A fixed count compares the two at
@@ -205,7 +205,7 @@ def run_tui_bench(options: TuiBenchOptions, log: Callable[[str], None] = print) 
     params = SamplingParams(temperature=0, max_tokens=options.max_tokens, ignore_eos=True)
     log("tui: starting the engine process ...")
     with contextlib.ExitStack() as clients:
-        process = start_engine_process(config)
+        process = start_engine(config).result()
         clients.callback(process.shutdown)
         asyncio.run(_warm_up(process))
         on_thread = make_client(ClientSpec("thread", engine=engine))
