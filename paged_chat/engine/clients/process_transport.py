@@ -11,9 +11,9 @@ How. The child is spawned (a fresh interpreter): a parent may have threads or to
 forked torch would inherit their locks. A caller that launches it from its main thread
 alone with no torch imported (the TUI's start, before Textual) may ask for a fork
 (`fork_if_safe`, checked here): no interpreter to start and no modules of the parent's to
-import again (0.3-1 s on a busy 2-core machine). Either way it builds the Engine on its main thread, so its OpenMP pool is
-the only one, and runs the same loop as the thread transport (engine_loop.py) over one
-duplex pipe:
+import again (0.3-1 s on a busy 2-core machine). Either way it builds the Engine on its
+main thread, so its OpenMP pool is the only one, and runs the same loop as the thread
+transport (engine_loop.py) over one duplex pipe:
 
     parent -> child   Add, Abort, ResetPrefixCache, Shutdown       (engine_loop's commands)
     child -> parent   _Progress while loading, _Tokenizer once the model's source is read,
