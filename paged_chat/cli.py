@@ -138,7 +138,7 @@ class CliState:
         `check_tui` checks `[tui]` against the TUI's actions, themes and key names too (it
         imports Textual: only the TUI and `config` pay for that)."""
         if self._settings is None:
-            self._settings = load_settings(self.config, _tui_vocabulary() if check_tui else None)
+            self._settings = load_settings(self.config, _tui_vocabulary if check_tui else None)
         return self._settings
 
     def make_engine(self, config: EngineConfig) -> Engine:
@@ -308,7 +308,7 @@ def root(ctx: typer.Context,
                    "`paged-chat ask` (see `paged-chat ask -h`)", err=True)
         raise typer.Exit(2)
     with _reported(ctx):
-        from paged_chat.tui.app import run_app
+        from paged_chat.tui.start import run_app
 
         settings = state.settings(check_tui=True)
         if model is not None:

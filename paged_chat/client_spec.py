@@ -19,7 +19,7 @@ def client_spec(config: EngineConfig | None, transport: Literal["thread", "proce
                 model: str | None = None,
                 make_engine: Callable[[EngineConfig], Engine] | None = None,
                 on_progress: ProgressHook | None = None, log_path: Path | None = None,
-                leave_cores: int = 0) -> ClientSpec:
+                leave_cores: int = 0, fork_if_safe: bool = False) -> ClientSpec:
     """A `server` URL wins (http:// when it names no scheme; its tokenizer from `model`
     when given, the key `api_key`). An injected `make_engine` (tests,
     CliState.engine_factory) runs on a thread whatever `transport` says: the engine it
@@ -31,4 +31,4 @@ def client_spec(config: EngineConfig | None, transport: Literal["thread", "proce
     if make_engine is not None:
         return ClientSpec("thread", engine=lambda: make_engine(config))
     return ClientSpec(transport, config, on_progress=on_progress, log_path=log_path,
-                      leave_cores=leave_cores)
+                      leave_cores=leave_cores, fork_if_safe=fork_if_safe)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
 import re
 import stat
@@ -35,6 +36,7 @@ import typing
 import urllib.parse
 import warnings
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -270,13 +272,16 @@ class Settings:
         return "\n".join(lines) + "\n"
 
 
-def load_settings(path: Path | None = None, tui: TuiVocabulary | None = None) -> Settings:
+def load_settings(path: Path | None = None,
+                  tui: Callable[[], TuiVocabulary] | None = None) -> Settings:
     """Read config.toml (`path`, or `config_path()`); a missing file means defaults.
 
     Raises SettingsError for an unreadable file (what is not a regular file, or more than
     MAX_CONFIG_BYTES, is refused unread), a TOML syntax error (its message has the line and
     column), an unknown table or key, or a value of the wrong type or range. With `tui`,
-    `[tui]`'s theme and `[tui.keys]` are checked against what the TUI knows too.
+    `[tui]`'s theme and `[tui.keys]` are checked against what the TUI knows too: `tui()`
+    says what that is, called only where the file sets either (it imports Textual, which a
+    start that launches the engine first does not wait for).
     """
     path = path or config_path()
     try:
@@ -303,10 +308,15 @@ _SECTIONS = {"engine": EngineSettings, "chat": ChatSettings, "tui": TuiSettings,
 class _Loader:
     """Checks parsed TOML against the settings dataclasses, locating errors in the text."""
 
-    def __init__(self, path: Path, text: str, tui: TuiVocabulary | None = None) -> None:
+    def __init__(self, path: Path, text: str,
+                 tui: Callable[[], TuiVocabulary] | None = None) -> None:
         self.path = path
         self.lines = text.splitlines()
-        self.tui = tui
+        self._vocabulary = tui
+
+    @functools.cached_property
+    def tui(self) -> TuiVocabulary | None:
+        return self._vocabulary() if self._vocabulary is not None else None
 
     def settings(self, data: dict[str, Any]) -> Settings:
         self._known(data, _SECTIONS, table=None)
@@ -316,7 +326,8 @@ class _Loader:
                             chat_keys_set=frozenset(data.get("chat", {})))
         self._check_with_engine(settings)
         self._check_server_url(settings.server.url)
-        self._check_theme(settings.tui.theme)
+        if "theme" in data.get("tui", {}):
+            self._check_theme(settings.tui.theme)
         return settings
 
     def _section(self, table: str, cls: type, data: Any) -> Any:

@@ -4,8 +4,10 @@ against the machine's copy bandwidth; one run, figures to stdout.
 
 The default model (SmolLM2-135M-Instruct, Q4_1 + Q8_0 GGUF) is loaded twice: quantized
 (engine/models/quant/) and dequantized to float32 then packed for oneDNN, as the engine
-runs each. Each kernel runs alone, then "engine" runs what a decode step runs: each
-layer's LayerMatmul, which picks the kernel for the row count. For activations of 1..32 rows, every linear layer of one decode step (Q/K/V,
+runs each. Each kernel runs alone, then "engine" runs each layer's LayerMatmul (which picks the
+kernel for the row count) from Python, and "fused" the same kernels from one C loop, as
+the fused decode step runs them (scripts/linear_step.c). For activations of 1..32 rows,
+every linear layer of one decode step (Q/K/V,
 output, gate/up, down of each layer, the output projection) runs back to back through
 each kernel; a kernel's rate is the bytes of weights it holds over the time of one pass.
 Copy bandwidth: a 256 MiB float32 copy, bytes read + written per second.
@@ -16,6 +18,7 @@ Copy bandwidth: a 256 MiB float32 copy, bytes read + written per second.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import subprocess
 import sys
 import time
@@ -25,8 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from paged_chat.engine.models import fused_decode
 from paged_chat.engine.models.loader import load_model, load_model_source
 from paged_chat.engine.models.quant import kernels
+from paged_chat.engine.native import compile_library
 
 
 def best_of(run, repeats: int) -> float:
@@ -79,6 +84,13 @@ def main() -> None:
     print(f"decode-step linear layers: {len(layers)} quantized ({quantized.held_formats()}, "
           f"{quantized_bytes / 1e6:.0f} MB) vs {len(dense_layers)} float32 packed "
           f"({dense_bytes / 1e6:.0f} MB)")
+    fused = compile_library(Path(__file__).with_name("linear_step.c"))
+    if fused is not None:
+        fused.ls_products.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                      ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                      ctypes.c_int]
+    structs = (fused_decode.LinearStruct * len(layers))(
+        *[fused_decode.linear_struct(layer) for layer in layers])
     kernel_runs = {"stream (pc_matmul)": kernels.stream_matmul,
                    "gemm (pc_gemm)": kernels.gemm_matmul,
                    "tile (dequantize + MKL)": kernels.tile_matmul}
@@ -105,6 +117,15 @@ def main() -> None:
             rate = quantized_bytes / seconds
             print(f"{rows:>4} | {'engine (LayerMatmul picks)':<26} | {seconds * 1e3:8.2f} | "
                   f"{rate / 1e9:11.1f} | {rate / copy:.0%}")
+            if fused is not None:
+                widest = max(max(layer.in_features, layer.out_features) for layer in layers)
+                x, out = torch.randn(rows, widest), torch.empty(rows, widest)
+                seconds = best_of(lambda x=x, out=out, rows=rows: fused.ls_products(
+                    structs, len(layers), rows, kernels.STREAM_MAX_ROWS, x.data_ptr(),
+                    out.data_ptr(), args.threads), args.repeats)
+                rate = quantized_bytes / seconds
+                print(f"{rows:>4} | {'fused (the same, from C)':<26} | {seconds * 1e3:8.2f} | "
+                      f"{rate / 1e9:11.1f} | {rate / copy:.0%}")
             seconds = best_of(lambda xs=xs: [m(xs[m.in_features]) for m in dense_layers],
                               args.repeats)
             rate = dense_bytes / seconds

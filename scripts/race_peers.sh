@@ -1,7 +1,9 @@
 #!/bin/bash
 # paged-chat against its peers on this machine, one run each, in the order the closing notes
 # report them: llama.cpp's llama-server (1 slot for one chat, 32 for 32 chats), vLLM's CPU
-# build (eager), quantized against dequantized weights, and the cost of constrained decoding.
+# build (eager), quantized against dequantized weights, the cost of constrained decoding, and
+# one chat's decode tokens/s (`ask --stats`, after the first token) beside llama-bench's tg64
+# on the same file and threads.
 # Every figure goes to OUT (default ./race-results) beside the machine's CPU and load.
 # Needs the peers built: $PEERS/llama_cpp.sh build, $PEERS/vllm_cpu.sh setup (PEERS defaults
 # to ../shared/peers). Run it on a quiet machine; it takes about 10 minutes.
@@ -19,6 +21,9 @@ run() {  # run NAME COMMAND...: the load before it, then its output, into OUT/NA
     (uptime; timeout 900 "$@") > "$OUT/$name.txt" 2>&1
 }
 run probe $PY scripts/quant_kernel_probe.py --rows 1 32 --repeats 10
+run decode_llama_bench "$("$PEERS/llama_cpp.sh" bin)/llama-bench" -m "$GGUF" -t 2 -p 0 -n 64 -r 5
+run decode_paged_chat bash -c "for run in 1 2 3; do $PC ask --no-save --stats --max-tokens 64 \
+    --temperature 0 'Write a story about a dragon.' 2>&1 | tail -1; done"
 "$PEERS/llama_cpp.sh" start "$GGUF" 8080 1 > /dev/null
 run llama_one_chat $PC bench --systems paged-chat,openai:http://127.0.0.1:8080 "${BENCH[@]}" "${ONE_CHAT[@]}"
 "$PEERS/llama_cpp.sh" stop > /dev/null
@@ -34,3 +39,4 @@ run quantized_32_chats $PC bench --systems paged-chat "${BENCH[@]}"
 run constrained $PY -m paged_chat.bench.constrained_step --steps 24
 date >> "$OUT/machine.txt"
 grep -h -A3 "output_tokens_per_s" "$OUT"/*.txt
+grep -h "tg64\|tokens/s" "$OUT"/decode_*.txt

@@ -60,9 +60,9 @@ def test_tui_refuses_without_a_terminal(cli):
 
 def test_tui_gets_the_settings_and_demo(cli, monkeypatch):
     calls = []
-    fake = type(sys)("paged_chat.tui.app")
+    fake = type(sys)("paged_chat.tui.start")
     fake.run_app = lambda settings, demo=None, **options: calls.append((settings, demo, options))
-    monkeypatch.setitem(sys.modules, "paged_chat.tui.app", fake)
+    monkeypatch.setitem(sys.modules, "paged_chat.tui.start", fake)
     monkeypatch.setattr("paged_chat.cli._has_terminal", lambda: True)
     assert cli("--demo", "3").exit_code == 0
     assert cli().exit_code == 0
@@ -79,9 +79,9 @@ def test_tui_gets_the_settings_and_demo(cli, monkeypatch):
     (["--serve", "9000"], None, 9000), (["--serve=9001", "--debug"], None, 9001)])
 def test_serve_takes_its_port_optionally(cli, monkeypatch, args, demo, port):
     calls = []
-    fake = type(sys)("paged_chat.tui.app")
+    fake = type(sys)("paged_chat.tui.start")
     fake.run_app = lambda settings, demo=None, **options: calls.append((demo, options["serve_port"]))
-    monkeypatch.setitem(sys.modules, "paged_chat.tui.app", fake)
+    monkeypatch.setitem(sys.modules, "paged_chat.tui.start", fake)
     monkeypatch.setattr("paged_chat.cli._has_terminal", lambda: True)
     assert cli(*args).exit_code == 0
     assert calls == [(demo, port)]

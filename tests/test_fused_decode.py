@@ -1,4 +1,4 @@
-"""engine/models/fused_decode.py: a decode step's layers as one C call each. It calls the
+"""engine/models/fused_decode.py: a decode step's layers as one C call. It calls the
 kernels the per-op path calls, in the same order, so the default model's greedy tokens
 and their log-probabilities are bit for bit the same with and without it, at batches
 whose products take either CPU kernel (pc_matmul up to 4 rows, pc_gemm above)."""

@@ -219,14 +219,33 @@ def test_a_fused_layer_of_two_formats_runs_each_part_into_its_rows():
     assert torch.equal(layer.rows(OUT_FEATURES, 8).low, q6k.low[:8])
 
 
-def test_an_embedding_gathers_dequantized_rows_and_ties_the_output_projection():
-    weight, dense = quantized("Q8_0", 96)
+@pytest.mark.parametrize("build", KERNEL_BUILDS)
+@pytest.mark.parametrize("name", ["Q8_0", "Q4_1", "Q6_K"])
+def test_an_embedding_gathers_dequantized_rows_and_ties_the_output_projection(name, build,
+                                                                             monkeypatch):
+    """One format of each family the C kernels compile for; ids repeated, out of order,
+    the first and last rows, of int32 and int64."""
+    library = KERNEL_BUILDS[build]()
+    monkeypatch.setattr(kernels, "library", lambda: library)
+    weight, dense = quantized(name, in_features_of(name))
     embedding = QuantizedEmbedding(weight, torch.float32)
-    ids = torch.tensor([[3, 0], [71, 3]])
-    rows = embedding(ids)
-    assert rows.shape == (2, 2, 96)
-    assert np.array_equal(rows.numpy(), dense[ids.numpy()].astype(np.float32))
+    for ids in (torch.tensor([[3, 0], [weight.rows - 1, 3]]),
+                torch.tensor([5, 2], dtype=torch.int32)):
+        rows = embedding(ids)
+        assert rows.shape == (*ids.shape, weight.in_features)
+        assert np.array_equal(rows.numpy(), dense[ids.numpy()].astype(np.float32)), ids
     assert embedding.as_linear().parts[0] is weight
+
+
+@pytest.mark.parametrize("build", ["native", "torch-fallback"])
+def test_an_embedding_refuses_an_id_outside_its_table(build, monkeypatch):
+    library = KERNEL_BUILDS[build]()
+    monkeypatch.setattr(kernels, "library", lambda: library)
+    weight, _ = quantized("Q4_1", 96)
+    embedding = QuantizedEmbedding(weight, torch.float32)
+    for bad in (weight.rows, -1 - weight.rows):
+        with pytest.raises(IndexError):
+            embedding(torch.tensor([0, bad]))
 
 
 def quantized_tiny_gguf(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

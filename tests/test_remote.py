@@ -26,7 +26,7 @@ from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.engine_panel import EnginePanel
 from helpers import wait_for, wait_until
 from server_fixtures import answers_health, chat_engine_config, free_port, start_server
-from tui_helpers import make_settings, replies, text_of, type_prompt
+from tui_helpers import make_app, make_settings, replies, text_of, type_prompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
@@ -159,8 +159,7 @@ async def test_a_server_that_goes_away_mid_reply_keeps_the_partial_reply(chat_mo
 @pytest.mark.timeout(180)
 async def test_tui_on_a_remote_engine(api, tmp_path):
     remote = make_client(ClientSpec(api.url))
-    app = PagedChatApp(make_settings(max_tokens=6), engine=remote, store=ChatStore(tmp_path / "chats.db"),
-                       session_path=tmp_path / "session.json", restore=False)
+    app = make_app(remote, tmp_path, make_settings(max_tokens=6), PagedChatApp, restore=False)
     async with app.run_test(size=(120, 40)) as pilot:
         await type_prompt(pilot, "hello remote")
         tab = app.active_tab
@@ -178,8 +177,7 @@ async def test_tui_on_a_remote_engine(api, tmp_path):
 @pytest.mark.timeout(180)
 async def test_tui_serves_its_engine_and_shows_api_owners(chat_model_dir, tmp_path):
     client = make_client(ClientSpec(engine=Engine(chat_engine_config(chat_model_dir))))
-    app = PagedChatApp(make_settings(max_tokens=6), engine=client, store=ChatStore(tmp_path / "chats.db"),
-                       session_path=tmp_path / "session.json", restore=False, serve_port=0)
+    app = make_app(client, tmp_path, make_settings(max_tokens=6), PagedChatApp, restore=False, serve_port=0)
     try:
         async with app.run_test(size=(120, 40)) as pilot:
             await wait_until(lambda: app.api_server is not None and app.api_server.started)

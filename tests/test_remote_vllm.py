@@ -13,7 +13,6 @@ import pytest
 from typer.testing import CliRunner
 
 from paged_chat.chat_session import ChatSession
-from paged_chat.chat_store import ChatStore
 from paged_chat.cli import CliState, app as cli_app
 from paged_chat.conversation import Conversation
 from paged_chat.engine import ClientSpec, SamplingParams, make_client
@@ -22,7 +21,7 @@ from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.engine_panel import EnginePanel
 from fake_vllm import REPLY, FakeVllm
 from helpers import wait_until
-from tui_helpers import make_settings, text_of, type_prompt
+from tui_helpers import make_app, make_settings, text_of, type_prompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 def no_engine() -> CliState:
@@ -114,8 +113,7 @@ def test_ask_stats_says_the_cached_tokens_or_that_they_are_unknown(fake_vllm, tm
 async def test_tui_on_a_vllm_shows_the_servers_tokenizer_and_metrics(fake_vllm, tmp_path):
     fake = fake_vllm()
     remote = make_client(ClientSpec(fake.url, stats_interval_s=0.05))
-    app = PagedChatApp(make_settings(max_tokens=6), engine=remote, store=ChatStore(tmp_path / "chats.db"),
-                       session_path=tmp_path / "session.json", restore=False)
+    app = make_app(remote, tmp_path, make_settings(max_tokens=6), PagedChatApp, restore=False)
     async with app.run_test(size=(120, 40)) as pilot:
         await type_prompt(pilot, "hello remote")
         tab = app.active_tab
@@ -143,8 +141,7 @@ async def test_tui_on_a_vllm_shows_the_servers_tokenizer_and_metrics(fake_vllm, 
 async def test_tui_on_a_server_without_metrics_shows_no_graph(fake_vllm, tmp_path):
     fake = fake_vllm(metrics=False)
     remote = make_client(ClientSpec(fake.url, stats_interval_s=0.05))
-    app = PagedChatApp(make_settings(max_tokens=6), engine=remote, store=ChatStore(tmp_path / "chats.db"),
-                       session_path=tmp_path / "session.json", restore=False)
+    app = make_app(remote, tmp_path, make_settings(max_tokens=6), PagedChatApp, restore=False)
     async with app.run_test(size=(120, 40)):
         panel = app.query_one(EnginePanel)
         await wait_until(lambda: "no vLLM /metrics" in text_of(panel.query_one("#numbers")))

@@ -185,15 +185,19 @@ async def test_long_chat_mounts_lazily(engine, tmp_path):
 async def test_model_loads_in_a_worker_while_the_ui_is_open(chat_model_dir, tmp_path, monkeypatch):
     import paged_chat.engine
 
-    real_make_client = paged_chat.engine.make_client
+    real_start_client = paged_chat.engine.start_client
     loading_seen = threading.Event()
 
-    def slow_load(spec):  # the tiny model loads too fast to see "loading"
-        spec.on_progress("converting weights", 3, 10)
-        loading_seen.wait(60)
-        return real_make_client(spec)
+    class SlowStart:  # the tiny model loads too fast to see "loading"
+        def __init__(self, spec):
+            self.spec = spec
 
-    monkeypatch.setattr(paged_chat.engine, "make_client", slow_load)
+        def result(self, on_progress):
+            on_progress("converting weights", 3, 10)
+            loading_seen.wait(60)
+            return real_start_client(self.spec).result(on_progress)
+
+    monkeypatch.setattr(paged_chat.engine, "start_client", SlowStart)
     settings = make_settings(max_tokens=8, engine_process=False)
     app = TuiTestApp(settings, engine_config=engine_config(chat_model_dir),
                   store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")

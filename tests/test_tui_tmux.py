@@ -3,13 +3,9 @@ committed message."""
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
-import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,82 +13,7 @@ import pytest
 from paged_chat.chat_store import ChatStore
 from paged_chat.tui.actions import ACTIONS
 from helpers import wait_for
-
-
-_SERVERS = itertools.count()
-
-
-def _tmux(*args: str) -> str:
-    return subprocess.run(["tmux", *args], check=True, capture_output=True, text=True).stdout
-
-
-class TmuxApp:
-    """The real `paged-chat` (python -m paged_chat) in a tmux pane (120x40 unless `size`
-    says otherwise), with its own config and chat store under `tmp_path`."""
-
-    def __init__(self, model_dir: Path, tmp_path: Path, max_tokens: int,
-                 size: tuple[int, int] = (120, 40)) -> None:
-        config = tmp_path / "config.toml"
-        config.write_text(f'[engine]\nmodel = "{model_dir}"\ndevice = "cpu"\ndtype = "float32"\n'
-                          f'num_blocks = 512\n\n[chat]\ntemperature = 0.0\nmax_tokens = {max_tokens}\n')
-        self.store_path = tmp_path / "data" / "chats.db"
-        # Without COLUMNS/LINES (set by pytest plugins): Textual would take them over the pane's size.
-        env = {key: value for key, value in os.environ.items() if key not in ("COLUMNS", "LINES")}
-        env = {**env, "PAGED_CHAT_CONFIG": str(config), "PAGED_CHAT_DATA_DIR": str(tmp_path / "data"),
-               "PAGED_CHAT_CACHE_DIR": os.environ["PAGED_CHAT_CACHE_DIR"], "TERM": "xterm-256color"}
-        # A server of its own per app: the last test's server may still be exiting.
-        self.session = f"paged-chat-test-{os.getpid()}-{next(_SERVERS)}"
-        self.socket = ["-L", self.session]
-        started = subprocess.run(
-            ["tmux", *self.socket, "new-session", "-d", "-s", self.session, "-x", str(size[0]), "-y", str(size[1]),
-             *[arg for key in ("PAGED_CHAT_CONFIG", "PAGED_CHAT_DATA_DIR",
-                               "PAGED_CHAT_CACHE_DIR", "HF_HUB_OFFLINE", "TERM")
-               for arg in ("-e", f"{key}={env[key]}")],
-             f"{sys.executable} -m paged_chat"], env=env, capture_output=True, text=True)
-        assert started.returncode == 0, f"tmux could not start the app: {started.stderr.strip()}"
-
-    def screen(self) -> str:
-        return _tmux(*self.socket, "capture-pane", "-p", "-t", self.session)
-
-    def keys(self, *keys: str, literal: bool = False) -> None:
-        _tmux(*self.socket, "send-keys", "-t", self.session, *(["-l"] if literal else []), *keys)
-
-    def send(self, text: str) -> None:
-        """Type `text` into the shown tab's prompt and, once it is on screen (in that
-        prompt, not queued behind a tab switch), press Enter."""
-        self.keys(text, literal=True)
-        self.wait_for(lambda screen: text in screen)
-        self.keys("Enter")
-
-    def new_chat(self) -> None:
-        """Ctrl+N, then wait until the new, empty tab is the one shown."""
-        self.keys("C-n")
-        self.wait_for(new_tab_shown)
-
-    def wait_for(self, predicate, timeout: float = 180.0) -> str:
-        """The screen once `predicate` holds for it (a generous bound: the machine may be
-        busy, and nothing here depends on time)."""
-        seen = {"screen": ""}
-
-        def shown() -> bool:
-            seen["screen"] = self.screen()
-            return predicate(seen["screen"])
-
-        wait_for(shown, timeout, what=lambda: f"the screen was:\n{seen['screen']}", every=0.1)
-        return seen["screen"]
-
-    def kill_server(self) -> None:
-        subprocess.run(["tmux", *self.socket, "kill-server"], capture_output=True)
-
-
-def new_tab_shown(screen: str) -> bool:
-    """Chat 2's empty tab is on screen: the handler that showed it also asked for its
-    prompt's focus, so keys sent from now on land in it."""
-    return "Chat 2" in screen and "╭─ you" not in screen
-
-
-needs_tmux = pytest.mark.skipif(shutil.which("tmux") is None,
-                                reason="tmux is not installed (apt-get install tmux)")
+from tmux_app import TmuxApp, needs_tmux, new_tab_shown, tmux
 
 
 @pytest.mark.timeout(600)
@@ -132,7 +53,7 @@ def test_kill_9_while_two_tabs_stream_keeps_every_committed_message(chat_model_d
         app.send("second long reply")
         # Both replies stream; the TUI saves them as they grow. Kill once each has been saved.
         wait_for_store(app.store_path, lambda saved: saved == {"first long reply", "second long reply"})
-        pid = _tmux(*app.socket, "display-message", "-p", "-t", app.session, "#{pane_pid}").strip()
+        pid = tmux(*app.socket, "display-message", "-p", "-t", app.session, "#{pane_pid}").strip()
         os.kill(int(pid), signal.SIGKILL)
     finally:
         app.kill_server()

@@ -57,10 +57,13 @@ def make_settings(max_tokens: int = 24, system_prompt: str | None = SYSTEM, **tu
                     tui=TuiSettings(**tui))
 
 
-def make_app(engine, tmp_path: Path, settings: Settings | None = None, **kwargs) -> TuiTestApp:
-    return TuiTestApp(settings or make_settings(), engine=engine,
-                   store=ChatStore(tmp_path / "chats.db"),
-                   session_path=tmp_path / "session.json", **kwargs)
+def make_app(engine, tmp_path: Path, settings: Settings | None = None,
+             app_class: type[PagedChatApp] = TuiTestApp, **kwargs) -> PagedChatApp:
+    """The app on `engine` with its chats and session under tmp_path; `app_class`
+    PagedChatApp itself where the replies' EOS must stay (a remote server's text)."""
+    return app_class(settings or make_settings(), engine=engine,
+                     store=ChatStore(tmp_path / "chats.db"),
+                     session_path=tmp_path / "session.json", **kwargs)
 
 
 async def press(pilot, *keys: str) -> None:

@@ -41,7 +41,8 @@ from paged_chat.conversation import Conversation
 from paged_chat.engine import (ClientSpec, Engine, EngineClient, EngineConfig, SamplingParams,
                                make_client)
 from paged_chat.settings import ChatSettings, Settings
-from paged_chat.tui.app import PagedChatApp, start_engine_process
+from paged_chat.tui.app import PagedChatApp
+from paged_chat.tui.start import start_engine
 
 PROFILE_TOP = 12        # functions listed by own time
 ROUNDS = 2              # runs of the engine alone and of each app variant, alternating
@@ -236,7 +237,7 @@ def run_tui_bench(options: TuiBenchOptions, log: Callable[[str], None] = print) 
     params = SamplingParams(temperature=0, max_tokens=options.max_tokens, ignore_eos=True)
     log("tui: starting the engine process ...")
     with contextlib.ExitStack() as clients:
-        process = start_engine_process(config)
+        process = start_engine(config).result()
         clients.callback(process.shutdown)
         asyncio.run(warm_up(process))
         on_thread = make_client(ClientSpec("thread", engine=engine))

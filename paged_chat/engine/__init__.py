@@ -32,13 +32,15 @@ _EXPORTS = {
     "RemoteEngineError": "paged_chat.engine.clients.remote",
     "RequestOutput": "paged_chat.engine.request",
     "SamplingParams": "paged_chat.engine.request",
+    "StartingClient": "paged_chat.engine.clients.factory",
     "TokenLogprob": "paged_chat.engine.request",
     "make_client": "paged_chat.engine.clients.factory",
+    "start_client": "paged_chat.engine.clients.factory",
 }
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from paged_chat.engine.clients.factory import ClientSpec, make_client
+    from paged_chat.engine.clients.factory import ClientSpec, StartingClient, make_client, start_client
     from paged_chat.engine.clients.local import LocalClient
     from paged_chat.engine.clients.protocol import ClientCapabilities, EngineClient, ModelInfo
     from paged_chat.engine.clients.remote import RemoteClient, RemoteEngineError

@@ -1,7 +1,8 @@
 """The paged-chat Textual app: chat tabs on one engine client, and the engine panel.
 
-The UI opens at once; a thread worker starts the engine, by default in a process of its own
-(`[tui] engine_process`: no GIL shared with the UI), and the status line says when the
+The UI opens at once; a thread worker waits for the engine, by default in a process of its
+own (`[tui] engine_process`: no GIL shared with the UI) that the bare command launched before
+it imported this module (start.py), and the status line says when the
 model is ready (a prompt sent before then waits for it), and when the engine stops or stops
 responding (a dead or stopped child): a tab then keeps a new message in its prompt rather
 than send it, and F5 restarts the engine (not the app). Each tab is a view of one ChatSession
@@ -30,25 +31,24 @@ from textual.widgets import Static
 
 from paged_chat.chat_store import ChatStore
 from paged_chat.engine.errors import PagedChatError, describe_error
-from paged_chat.settings import Settings, cache_dir, data_dir
+from paged_chat.settings import Settings, data_dir
 from paged_chat.tui.actions import ACTIONS, ChatActions, StoredChats, make_bindings
 from paged_chat.tui.chat_search import ChatSearch
 from paged_chat.tui.engine_panel import EnginePanel, with_request_owners
 from paged_chat.tui.fit import SEPARATOR, fit_parts
 from paged_chat.tui.key_footer import KeyFooter
 from paged_chat.tui.open_tabs import OpenTabs
+from paged_chat.tui.start import app_engine_config, start_engine
 from paged_chat.tui.tabs import ChatTabs
 
 if TYPE_CHECKING:
     from paged_chat.engine import (ClientCapabilities, EngineClient, EngineConfig, ModelInfo,
-                                   SamplingParams)
+                                   SamplingParams, StartingClient)
     from paged_chat.engine.models.loader import ProgressHook
     from paged_chat.server import ApiServer
     from paged_chat.tui.chat_tab import ChatTab
 
 LABEL_TICKS = 10            # polls between refreshes of streaming tabs' headers
-DEMO_NUM_BLOCKS = 1536      # --demo's KV pool unless config.toml sizes it
-UI_CORES = 1                # what the UI thread needs while tabs stream: 0.2-0.5 of a core
 WIDE_FROM = 112   # columns from which the engine panel (48) leaves the prompt 60 or more
 QUIT_GRACE_S = 1.0     # what a quitting app gives a busy engine child before killing it
 RESTART_GRACE_S = 5.0  # ... and a restart (a stopped or hung child is killed at once)
@@ -62,7 +62,8 @@ class PagedChatApp(ChatActions, App):
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (WIDE_FROM, "-wide")]
 
     def __init__(self, settings: Settings | None = None, *, engine: EngineClient | None = None,
-                 engine_config: EngineConfig | None = None, store: ChatStore | None = None,
+                 engine_config: EngineConfig | None = None,
+                 engine_start: StartingClient | None = None, store: ChatStore | None = None,
                  session_path: Path | None = None, demo: int | None = None,
                  restore: bool = True, poll_s: float = 0.1, serve_port: int | None = None) -> None:
         super().__init__()
@@ -72,12 +73,9 @@ class PagedChatApp(ChatActions, App):
         self.engine = engine
         self._owns_engine = engine is None
         if engine_config is None and engine is None:
-            pool = {}
-            if demo and self.settings.engine.num_blocks is None \
-                    and self.settings.engine.kv_cache_memory is None:
-                pool = {"num_blocks": DEMO_NUM_BLOCKS}  # a pool the block map shows block by block
-            engine_config = self.settings.engine_config(**pool)
+            engine_config = app_engine_config(self.settings, demo)
         self.engine_config = engine_config
+        self._engine_start = engine_start   # an engine launched before the app (start.py)
         self.demo = demo
         self._demo_dir: Path | None = None
         if store is None:
@@ -196,13 +194,12 @@ class PagedChatApp(ChatActions, App):
             engine.shutdown()
 
     def _start_engine(self, progress: ProgressHook) -> EngineClient:
-        """The engine in a process of its own ([tui] engine_process), or on a thread of the app."""
-        if self.settings.tui.engine_process:
-            return start_engine_process(self.engine_config, progress)
-        from paged_chat.client_spec import client_spec
-        from paged_chat.engine import make_client
-
-        return make_client(client_spec(self.engine_config, "thread", on_progress=progress))
+        """The engine launched before the app, else one started now: in a process of its own
+        ([tui] engine_process), or on a thread of the app."""
+        starting = self._engine_start or start_engine(self.engine_config,
+                                                      self.settings.tui.engine_process)
+        self._engine_start = None
+        return starting.result(progress)
 
     def _engine_loaded(self, engine: EngineClient, seconds: float) -> None:
         self.engine = engine
@@ -409,19 +406,6 @@ class PagedChatApp(ChatActions, App):
             shutil.rmtree(self._demo_dir, ignore_errors=True)
 
 
-def start_engine_process(config: EngineConfig, progress: ProgressHook | None = None
-                         ) -> EngineClient:
-    """The app's engine: in a process of its own, its output to a log file (the app owns the
-    terminal), its decode steps leaving a core to the UI thread until a trial finds more
-    threads faster (measured on 2 cores, float32: with 2 threads the app kept 80% of the
-    engine alone, with 1 thread 93%)."""
-    from paged_chat.client_spec import client_spec
-    from paged_chat.engine import make_client
-
-    return make_client(client_spec(config, "process", on_progress=progress,
-                                   log_path=cache_dir() / "engine.log", leave_cores=UI_CORES))
-
-
 def describe_where(capabilities: ClientCapabilities, info: ModelInfo) -> str:
     """The status line's word on the engine: its device, dtype and pool, or where it is and
     what it does not show."""
@@ -429,22 +413,3 @@ def describe_where(capabilities: ClientCapabilities, info: ModelInfo) -> str:
         return f"{info.device} · {info.dtype} · {info.num_blocks:,} blocks × {info.block_size}"
     where = f"{capabilities.where} · no block map"
     return where if capabilities.metrics else where + " · no vLLM /metrics"
-
-
-def run_app(settings: Settings, demo: int | None = None, serve_port: int | None = None,
-            server: str | None = None) -> None:
-    """The bare `paged-chat` command: open the TUI (with `demo`, N self-chatting tabs; with
-    `serve_port`, the API on its engine too; with `server`, on that remote server's engine)."""
-    engine = None
-    if server:
-        from paged_chat.client_spec import client_spec
-        from paged_chat.engine import make_client
-
-        engine = make_client(client_spec(None, server=server, api_key=settings.server.api_key,
-                                         model=settings.engine.model))
-    app = PagedChatApp(settings, demo=demo, engine=engine, serve_port=serve_port)
-    try:
-        app.run()
-    finally:
-        if app._demo_dir is None:
-            app.store.close()

@@ -8,6 +8,7 @@ app, so the app turns its settings into a spec itself (paged_chat/client_spec.py
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from paged_chat.engine.clients.protocol import EngineClient
 from paged_chat.engine.config import EngineConfig
 
 if TYPE_CHECKING:
+    from paged_chat.engine.clients.process_transport import ProcessTransport
     from paged_chat.engine.engine import Engine
     from paged_chat.engine.models.loader import ProgressHook
 
@@ -36,6 +38,8 @@ class ClientSpec:
     steps (a child's StepThreads.leave_cores). A remote takes `api_key`, and
     `remote_model`: where to load the served model's tokenizer from (else the first id the
     server lists that resolves locally). `stats_interval_s`: the transport's default when None.
+    `fork_if_safe`: a child process may be forked instead of spawned where that is safe (a
+    caller with one thread and no torch: faster to start).
     """
 
     transport: str = "thread"
@@ -47,6 +51,7 @@ class ClientSpec:
     api_key: str | None = None
     remote_model: str | None = None
     stats_interval_s: float | None = None
+    fork_if_safe: bool = False
 
     def __post_init__(self) -> None:
         if not (self.transport in LOCAL_TRANSPORTS or is_url(self.transport)):
@@ -65,19 +70,67 @@ def is_url(transport: str) -> bool:
 
 def make_client(spec: ClientSpec) -> EngineClient:
     """Build the client `spec` describes; a failed load or an unreachable server is raised here."""
+    return start_client(spec).result()
+
+
+def start_client(spec: ClientSpec) -> StartingClient:
+    """Begin building the client `spec` describes, and return at once: a child process is
+    launched now, so its imports and model load overlap whatever the caller does next (an
+    app importing its UI); `result()` waits for the client. Other transports start in
+    `result()`, on the thread that waits (a thread transport's engine thread starts there)."""
+    if spec.transport != "process":
+        return StartingClient(spec)
+    from paged_chat.engine.clients.process_transport import ProcessTransport
+
+    assert spec.config is not None
+    interval = {} if spec.stats_interval_s is None else {"stats_interval_s": spec.stats_interval_s}
+    transport = ProcessTransport(spec.config, spec.on_progress, spec.log_path, spec.leave_cores,
+                                 fork_if_safe=spec.fork_if_safe, **interval)
+    transport.launch()
+    return StartingClient(spec, transport)
+
+
+@dataclass(slots=True)
+class StartingClient:
+    """A client `start_client` has begun: `spec` and, for a child process, its transport,
+    launched. `result()` is taken once; `cancel()` ends what was launched if it never was."""
+
+    spec: ClientSpec
+    launched: ProcessTransport | None = None
+    taken: bool = False
+
+    def result(self, on_progress: ProgressHook | None = None) -> EngineClient:
+        """The client, once its engine has loaded (the load's error is raised here).
+        `on_progress` hears the load advance from here on, instead of the spec's hook: a
+        caller that started the engine before its listener existed gives it now."""
+        assert not self.taken, "a started client is taken once"
+        self.taken = True
+        spec = self.spec
+        if self.launched is not None:
+            if on_progress is not None:
+                self.launched.on_progress = on_progress
+            from paged_chat.engine.clients.local import LocalClient
+
+            return LocalClient(self.launched)
+        if on_progress is not None:
+            spec = dataclasses.replace(spec, on_progress=on_progress)
+        return _build(spec)
+
+    def cancel(self) -> None:
+        """End a launched child that `result()` never took; nothing otherwise."""
+        if self.launched is not None and not self.taken:
+            self.taken = True
+            self.launched.abandon()
+
+
+def _build(spec: ClientSpec) -> EngineClient:
+    """A client over a thread or a server (a child process is launched by `start_client`)."""
     interval = {} if spec.stats_interval_s is None else {"stats_interval_s": spec.stats_interval_s}
     if is_url(spec.transport):
         from paged_chat.engine.clients.remote import RemoteClient
 
         return RemoteClient(spec.transport, spec.api_key, model=spec.remote_model, **interval)
     from paged_chat.engine.clients.local import LocalClient
-
-    if spec.transport == "process":
-        from paged_chat.engine.clients.process_transport import ProcessTransport
-
-        assert spec.config is not None
-        return LocalClient(ProcessTransport(spec.config, spec.on_progress, spec.log_path,
-                                            spec.leave_cores, **interval))
     from paged_chat.engine.clients.thread_transport import ThreadTransport
     from paged_chat.engine.engine import Engine
 

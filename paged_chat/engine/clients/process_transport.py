@@ -7,12 +7,17 @@ engine's speed with the engine on a thread, whatever the frame rate or switch in
 same app with the same engine in another process kept 87-104%. vLLM v1 splits its
 EngineCore off the same way.
 
-How. The child (spawned, not forked: the parent has threads, and a forked torch would
-inherit their locks) builds the Engine on its main thread, so its OpenMP pool is the only
-one, and runs the same loop as the thread transport (engine_loop.py) over one duplex pipe:
+How. The child is spawned (a fresh interpreter): a parent may have threads or torch, and a
+forked torch would inherit their locks. A caller that launches it from its main thread
+alone with no torch imported (the TUI's start, before Textual) may ask for a fork
+(`fork_if_safe`, checked here): no interpreter to start and no modules of the parent's to
+import again (0.3-1 s on a busy 2-core machine). Either way it builds the Engine on its
+main thread, so its OpenMP pool is the only one, and runs the same loop as the thread
+transport (engine_loop.py) over one duplex pipe:
 
     parent -> child   Add, Abort, ResetPrefixCache, Shutdown       (engine_loop's commands)
-    child -> parent   _Progress while loading, then _Ready (ModelInfo, first stats) or
+    child -> parent   _Progress while loading, _Tokenizer once the model's source is read,
+                      then _Ready (ModelInfo less its tokenizer, first stats) or
                       _LoadFailed; then per step _Outputs, every stats_interval_s _Stats,
                       _RequestFailed, _StepFailed, and last _Stopped
 
@@ -44,6 +49,7 @@ owns the terminal), with Python's fault handler on, so a native crash leaves a t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import multiprocessing
 import os
@@ -57,7 +63,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from paged_chat.engine.clients.engine_loop import Command, Shutdown
 from paged_chat.engine.clients.protocol import ModelInfo
@@ -82,8 +88,15 @@ class _Progress:
 
 
 @dataclass(slots=True)
+class _Tokenizer:
+    """Sent before the weights load: the parent unpickles it (0.15-0.3 s) meanwhile."""
+
+    tokenizer: Any
+
+
+@dataclass(slots=True)
 class _Ready:
-    info: ModelInfo
+    info: ModelInfo   # its tokenizer None: the _Tokenizer before it has it
     stats: EngineStats
 
 
@@ -124,14 +137,16 @@ class ProcessTransport:
 
     def __init__(self, config: EngineConfig, on_progress: ProgressHook | None = None,
                  log_path: Path | None = None, leave_cores: int = 0,
-                 stats_interval_s: float = 0.05) -> None:
+                 stats_interval_s: float = 0.05, fork_if_safe: bool = False) -> None:
         """`on_progress(stage, done, total)` hears a slow load advance; `log_path` takes the
         child's stdout and stderr; `leave_cores`: how many cores the parent needs while the
-        engine steps (StepThreads.leave_cores)."""
+        engine steps (StepThreads.leave_cores); `fork_if_safe`: fork the child where
+        `start_method` says that is safe, else spawn it."""
         self.config = config
         self.on_progress = on_progress
         self.log_path = log_path
         self.leave_cores = leave_cores
+        self.fork_if_safe = fork_if_safe
         self.stats_interval_s = stats_interval_s
         self._process: multiprocessing.process.BaseProcess | None = None
 
@@ -147,22 +162,41 @@ class ProcessTransport:
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
 
-    def start(self, events: TransportEvents) -> None:
-        """Start the child and wait until it has loaded the model. The load's error is raised
-        here; a child that dies while loading is an EngineDeadError."""
-        self._events = events
-        context = multiprocessing.get_context("spawn")
+    def launch(self) -> None:
+        """Start the child, which loads the model while the caller goes on; `start` waits
+        for it. A launched child that no `start` takes is ended by `abandon`."""
+        assert self._process is None, "the child is launched already"
+        method = start_method() if self.fork_if_safe else "spawn"
+        context = multiprocessing.get_context(method)
         self._conn, child_conn = context.Pipe()
         self._beats, child_beats = context.Pipe(duplex=False)
         self._beats_lock = threading.Lock()   # `responding` drains the pipe from any thread
+        # A forked child holds copies of this side's ends too: it closes them, or it would
+        # never see EOF once this process has gone.
+        inherited = (self._conn, self._beats) if method == "fork" else ()
         self._process = context.Process(
-            target=_child_main, args=(child_conn, child_beats, self.config,
-                                      self.stats_interval_s, self.log_path, self.leave_cores),
+            target=_child_main, args=(child_conn, child_beats, self.config, self.stats_interval_s,
+                                      self.log_path, self.leave_cores, inherited),
             name="paged-chat-engine", daemon=True)
         with _stderr_with_a_descriptor():
             self._process.start()
         child_conn.close()  # the child's ends live in the child: EOF here once it exits
         child_beats.close()
+
+    def abandon(self) -> None:
+        """End a launched child that was never started (its caller gave up first)."""
+        assert self._process is not None
+        self._conn.close()
+        self._beats.close()
+        self._process.kill()
+        self._process.join()
+
+    def start(self, events: TransportEvents) -> None:
+        """Launch the child unless `launch` has, and wait until it has loaded the model. The
+        load's error is raised here; a child that dies while loading is an EngineDeadError."""
+        self._events = events
+        if self._process is None:
+            self.launch()
         # While the child loads, on the other core: what unpickling its ModelInfo needs.
         import transformers.tokenization_utils_fast  # noqa: F401
         try:
@@ -220,12 +254,14 @@ class ProcessTransport:
 
     def restart(self, timeout_s: float) -> None:
         """A new child, which loads the model again."""
+        self._process = None
         self.start(self._events)
 
     # ---- the parent's threads ---------------------------------------------------------
 
     def _wait_until_ready(self) -> tuple[ModelInfo, EngineStats]:
         assert self._process is not None
+        tokenizer = None
         while True:
             try:
                 message = self._conn.recv()
@@ -236,10 +272,13 @@ class ProcessTransport:
             if isinstance(message, _Progress):
                 if self.on_progress is not None:
                     self.on_progress(message.stage, message.done, message.total)
+            elif isinstance(message, _Tokenizer):
+                tokenizer = message.tokenizer
             elif isinstance(message, _LoadFailed):
                 raise message.error
             else:
-                return message.info, message.stats
+                assert tokenizer is not None, "the child sends its tokenizer first"
+                return dataclasses.replace(message.info, tokenizer=tokenizer), message.stats
 
     def _write(self) -> None:
         while (command := self._commands.get()) is not None:
@@ -273,6 +312,15 @@ class ProcessTransport:
         events.on_stopped(reason, error)
 
 
+def start_method() -> str:
+    """How this process may start the child now: "fork" on Linux from a process whose only
+    Python thread is the main one and that has not imported torch (numpy's BLAS threads
+    are stopped around a fork by the library itself), else "spawn"."""
+    if sys.platform == "linux" and threading.active_count() == 1 and "torch" not in sys.modules:
+        return "fork"
+    return "spawn"
+
+
 # ---- the child ------------------------------------------------------------------------
 
 class _PipeEvents:
@@ -296,25 +344,30 @@ class _PipeEvents:
 
 
 def _child_main(conn: Connection, beats: Connection, config: EngineConfig,
-                stats_interval_s: float, log_path: Path | None, leave_cores: int) -> None:
-    from paged_chat.engine.clients.engine_loop import serve_engine
-    from paged_chat.engine.engine import Engine
-
+                stats_interval_s: float, log_path: Path | None, leave_cores: int,
+                inherited: tuple[Connection, ...]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for parent_end in inherited:
+        parent_end.close()
     if log_path is not None:
         _log_to(log_path)
     faulthandler.enable()
+    from paged_chat.engine.clients.engine_loop import serve_engine
+    from paged_chat.engine.engine import Engine
+    from paged_chat.engine.models.loader import load_model_source
 
     def progress(stage: str, done: int, total: int) -> None:
         conn.send(_Progress(stage, done, total))
 
     try:
-        engine = Engine(config, on_progress=progress)
+        source = load_model_source(config.model, config.cache_dir, progress)
+        conn.send(_Tokenizer(source.tokenizer))
+        engine = Engine(config, source, on_progress=progress)
     except BaseException as error:
         conn.send(_LoadFailed(_portable(error)))
         return
     engine.threads.leave_cores(leave_cores)
-    conn.send(_Ready(engine.info, engine.stats()))
+    conn.send(_Ready(dataclasses.replace(engine.info, tokenizer=None), engine.stats()))
     threading.Thread(target=_beat, args=(beats,), name="paged-chat-heartbeat", daemon=True).start()
 
     def receive(block: bool) -> list[Command]:

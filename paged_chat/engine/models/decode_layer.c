@@ -67,8 +67,8 @@ static void dl_matmul(const dl_linear *w, const dl_step *step, const float *x, f
 
 /* One layer's step: `residual` [tokens, hidden] in place, the layer's output into `out`
  * (which may be `x`: x is read before out is written). */
-void dl_decode_layer(const dl_layer *layer, const dl_step *step, const float *x,
-                     float *residual, float *out) {
+static void dl_decode_layer(const dl_layer *layer, const dl_step *step, const float *x,
+                            float *residual, float *out) {
     const int64_t tokens = step->tokens, hidden = layer->o.out_features;
     const int64_t q_size = layer->heads * layer->head_dim;
     const int64_t kv_size = layer->kv_heads * layer->head_dim;
@@ -91,4 +91,13 @@ void dl_decode_layer(const dl_layer *layer, const dl_step *step, const float *x,
     fo_silu_and_mul(step->gate_up, tokens, layer->gate_up.out_features / 2, step->mid,
                     step->threads);
     dl_matmul(&layer->down, step, step->mid, out);
+}
+
+/* Every layer's step, in order: the first on the residual stream itself, each next one on
+ * the output of the one before. The residual stream ends in `residual`, the last layer's
+ * output in `out`. */
+void dl_decode_layers(const dl_layer *const *layers, int64_t count, const dl_step *step,
+                      float *residual, float *out) {
+    for (int64_t i = 0; i < count; i++)
+        dl_decode_layer(layers[i], step, i == 0 ? NULL : out, residual, out);
 }

@@ -1,10 +1,12 @@
-"""A decoder layer's step as one C call (decode_layer.c), where the step is what that
-function computes exactly as the layer's Python forward does: float32 on the CPU with the
+"""A step's decoder layers as one C call (decode_layer.c), where the step is what that
+code computes exactly as the layers' Python forward does: float32 on the CPU with the
 fused ops, quantized linear layers without biases, Llama layers without q/k norms, and
 paged attention by the CPU kernel over every sequence of the step (all decodes, or
 prefill chunks where the backend attends them itself). The results are bit for bit the
 Python path's (the same kernels in the same order); the Python, dispatch and ctypes work
-between the ~20 calls of a layer is what goes (measured in the closing note of issue 30).
+between the ~20 calls of a layer is what goes (measured in the closing note of issue 30),
+and one call for all the layers, not one each: between the weights' reads, the host's
+code runs with cold caches (~10x a warm call's time).
 
 What a layer holds (weights' addresses, shapes, its KV cache) is written once into a C
 struct; what a step shares (metadata, scratch rows) into another, once per step.
@@ -27,7 +29,7 @@ MAX_PARTS = 3
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-class _Linear(ctypes.Structure):
+class LinearStruct(ctypes.Structure):
     _fields_ = [("low", _P * MAX_PARTS), ("high", _P * MAX_PARTS), ("scale", _P * MAX_PARTS),
                 ("offset", _P * MAX_PARTS), ("rows", _I * MAX_PARTS), ("group", _I * MAX_PARTS),
                 ("column", _I * MAX_PARTS), ("parts", _I), ("in_features", _I),
@@ -35,7 +37,8 @@ class _Linear(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+    _fields_ = [("qkv", LinearStruct), ("o", LinearStruct), ("gate_up", LinearStruct),
+                ("down", LinearStruct),
                 ("input_norm", _P), ("post_norm", _P), ("eps", _F), ("scale", _F),
                 ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("window", _I),
                 ("key_cache", _P), ("value_cache", _P), ("num_blocks", _I), ("block_size", _I)]
@@ -49,16 +52,16 @@ class _Step(ctypes.Structure):
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.dl_decode_layer.argtypes = [_P, _P, _P, _P, _P]
+    lib.dl_decode_layers.argtypes = [_P, _I, _P, _P, _P]
 
 
 _native = NativeLibrary(Path(__file__).with_name("decode_layer.c"), _declare)
 
 
-def _linear(layer: QuantizedLinear) -> _Linear:
+def linear_struct(layer: QuantizedLinear) -> LinearStruct:
     """A layer's parts as decode_layer.c takes them: the addresses and sizes its
     LayerMatmul already reads, and each part's first output column."""
-    linear = _Linear(parts=len(layer.parts), in_features=layer.in_features,
+    linear = LinearStruct(parts=len(layer.parts), in_features=layer.in_features,
                      out_features=layer.out_features)
     for index, (args, column) in enumerate(zip(layer.matmul.args, layer.matmul.columns)):
         low, high, scale, offset, rows, _, group = args
@@ -69,24 +72,24 @@ def _linear(layer: QuantizedLinear) -> _Linear:
 
 
 def _fits(layer) -> bool:
-    """Whether decode_layer.c computes `layer` as its Python forward does."""
+    """Whether decode_layer.c computes `layer`, a llama DecoderLayer, as its Python forward
+    does (its fused flags are use_fused_ops' to set, and it sets none on Gemma's layers)."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    return (type(layer).__name__ == "DecoderLayer" and not layer.local_rope
-            and attn.fused_rope and mlp.fused
+    return (not layer.local_rope and attn.fused_rope and mlp.fused
             and layer.input_layernorm.fused and layer.post_attention_layernorm.fused
             and all(isinstance(linear, QuantizedLinear) and linear.bias is None
                     and len(linear.parts) <= MAX_PARTS for linear in linears))
 
 
 class FusedDecode:
-    """The model's layers as one C call each, for the steps `applies` accepts."""
+    """The model's layers as one C call, for the steps `applies` accepts."""
 
     def __init__(self, layers, lib: ctypes.CDLL) -> None:
         self.layers = layers
         self.lib = lib
         self._structs: list[_Layer] = []
-        self._addresses: list[int] = []
+        self._addresses = (_P * len(layers))()
         self._kv_cache_address: int | None = None
         first = layers[0]
         self.hidden = first.self_attn.o_proj.out_features
@@ -112,9 +115,9 @@ class FusedDecode:
         return isinstance(attention, CpuAttention) and (
             attention.prefill_in_kernel or meta.num_decodes == meta.num_seqs)
 
-    def _layer_structs(self, kv_cache: torch.Tensor, attention: CpuAttention) -> list[int]:
-        """Each layer's struct's address, the structs rebuilt only when the KV pool is a
-        new tensor."""
+    def _layer_structs(self, kv_cache: torch.Tensor, attention: CpuAttention) -> ctypes.Array:
+        """The layers' structs' addresses, in order, the structs rebuilt only when the KV
+        pool is a new tensor."""
         if kv_cache.data_ptr() == self._kv_cache_address:
             return self._addresses
         assert kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
@@ -122,8 +125,8 @@ class FusedDecode:
         for layer, layer_cache in zip(self.layers, kv_cache):
             attn, mlp = layer.self_attn, layer.mlp
             structs.append(_Layer(
-                qkv=_linear(attn.qkv_proj), o=_linear(attn.o_proj),
-                gate_up=_linear(mlp.gate_up_proj), down=_linear(mlp.down_proj),
+                qkv=linear_struct(attn.qkv_proj), o=linear_struct(attn.o_proj),
+                gate_up=linear_struct(mlp.gate_up_proj), down=linear_struct(mlp.down_proj),
                 input_norm=layer.input_layernorm.weight.data_ptr(),
                 post_norm=layer.post_attention_layernorm.weight.data_ptr(),
                 eps=layer.input_layernorm.eps, scale=attention.scale,
@@ -132,7 +135,7 @@ class FusedDecode:
                 key_cache=layer_cache[0].data_ptr(), value_cache=layer_cache[1].data_ptr(),
                 num_blocks=layer_cache.shape[2], block_size=layer_cache.shape[3]))
         self._structs, self._kv_cache_address = structs, kv_cache.data_ptr()
-        self._addresses = [ctypes.addressof(struct) for struct in structs]
+        self._addresses[:] = [ctypes.addressof(struct) for struct in structs]
         return self._addresses
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -155,11 +158,7 @@ class FusedDecode:
                      tables.data_ptr(), *rows_at,
                      torch.get_num_threads())
         out = torch.empty(tokens, self.hidden)
-        step_address, out_address = ctypes.addressof(step), out.data_ptr()
-        residual_address = x.data_ptr()
-        previous = None  # the first layer's input is the residual stream itself
-        for layer_address in self._layer_structs(kv_cache, attention):
-            self.lib.dl_decode_layer(layer_address, step_address, previous, residual_address,
-                                     out_address)
-            previous = out_address
+        layers = self._layer_structs(kv_cache, attention)
+        self.lib.dl_decode_layers(layers, len(layers), ctypes.addressof(step), x.data_ptr(),
+                                  out.data_ptr())
         return out, x

@@ -12,7 +12,13 @@
  * to four rows. Elsewhere, four weight rows at a time are dequantized into a buffer that
  * stays in L1, in loops written for the compiler to vectorize. Rows of W are split over
  * OpenMP threads: torch's own runtime, already loaded (same soname), so its thread count
- * and pool are shared. */
+ * and pool are shared.
+ *
+ * The row kernels are written once over a group size and whether the high plane exists,
+ * and compiled for each format family of layout.py (FORMAT_VARIANTS), so the compiler
+ * knows both: the group of a weight is a shift and the high plane's test is gone. As
+ * run-time values they cost a 64-bit division and two branches per 32 weights: at one
+ * row 6.2 against 5.2 TSC ticks per 32 weights (scripts/quant_kernel_cycles.c). */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -22,19 +28,24 @@
 
 #define ROWS_PER_TILE 4
 
+/* (group, has_high) of every format family: Q4_0, Q4_1, Q4_K; Q5_0, Q5_1, Q5_K, Q8_0; Q6_K
+ * (kernels.py's KERNEL_FORMATS, which it checks every weight against). */
+#define FORMAT_VARIANTS(X) X(32, 0) X(32, 1) X(16, 1)
+#define FORMAT_INDEX(group, high) ((group) == 16 ? 2 : (high) != NULL)
+
 #ifdef __AVX2__
 /* The codes of the 32 weights from byte `at` of a row's planes, as four vectors of eight
  * floats: c[0] and c[1] from the low nibbles of bytes 0-7 and 8-15, c[2] and c[3] from
  * their high nibbles. Bytes are widened to 32 bits straight from memory, then split, so
  * the widening loads are the only shuffles. */
 static inline __attribute__((always_inline)) void codes_32(
-        const uint8_t *low, const uint8_t *high, int64_t at, __m256 c[4]) {
+        const uint8_t *low, const uint8_t *high, const int has_high, int64_t at, __m256 c[4]) {
     const __m256i mask = _mm256_set1_epi32(15);
     const __m256i first = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(low + at)));
     const __m256i second = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(low + at + 8)));
     __m256i q[4] = {_mm256_and_si256(first, mask), _mm256_and_si256(second, mask),
                     _mm256_srli_epi32(first, 4), _mm256_srli_epi32(second, 4)};
-    if (high) {
+    if (has_high) {
         const __m256i upper_first = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(high + at)));
         const __m256i upper_second = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(high + at + 8)));
         const __m256i top = _mm256_set1_epi32(0xF0);
@@ -51,9 +62,9 @@ static inline __attribute__((always_inline)) void codes_32(
  * product is). */
 static inline __attribute__((always_inline)) void dequantize_32(
         const uint8_t *low, const uint8_t *high, const float *scale, const float *offset,
-        int64_t at, int64_t group, __m256 w[4]) {
+        int64_t at, const int64_t group, const int has_high, __m256 w[4]) {
     __m256 c[4];
-    codes_32(low, high, at, c);
+    codes_32(low, high, has_high, at, c);
     const int64_t g = at * 2 / group;
     if (group == 32) {  /* in byte i: weights i and i + 16, one scale */
         const __m256 s = _mm256_set1_ps(scale[g]), o = _mm256_set1_ps(offset[g]);
@@ -68,24 +79,26 @@ static inline __attribute__((always_inline)) void dequantize_32(
 }
 
 /* A row of W, dequantized into `out` (k floats). */
-static inline void dequantize_row(const uint8_t *lo, const uint8_t *hi, const float *scale,
-                                  const float *offset, int64_t k, int64_t group, float *out) {
+static inline __attribute__((always_inline)) void dequantize_row(
+        const uint8_t *lo, const uint8_t *hi, const float *scale, const float *offset,
+        int64_t k, const int64_t group, const int has_high, float *out) {
     for (int64_t i = 0; i < k; i += 32) {
         __m256 w[4];
-        dequantize_32(lo, hi, scale, offset, i / 2, group, w);
+        dequantize_32(lo, hi, scale, offset, i / 2, group, has_high, w);
         for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + i + 8 * j, w[j]);
     }
 }
 
 #else
-static void dequantize_row(const uint8_t *low, const uint8_t *high, const float *scale,
-                           const float *offset, int64_t k, int64_t group, float *out) {
+static inline __attribute__((always_inline)) void dequantize_row(
+        const uint8_t *low, const uint8_t *high, const float *scale, const float *offset,
+        int64_t k, const int64_t group, const int has_high, float *out) {
     const int64_t half = group / 2;
     for (int64_t g = 0; g < k / group; g++) {
         const uint8_t *lo = low + g * half;
         const float s = scale[g], o = offset[g];
         float *w = out + g * group;
-        if (high) {
+        if (has_high) {
             const uint8_t *hi = high + g * half;
 #pragma omp simd
             for (int64_t i = 0; i < half; i++) {
@@ -103,16 +116,29 @@ static void dequantize_row(const uint8_t *low, const uint8_t *high, const float 
 }
 #endif
 
+typedef void (*dequantize_row_fn)(const uint8_t *, const uint8_t *, const float *,
+                                  const float *, int64_t, float *);
+#define DEQUANTIZE_ROW(G, H)                                                                \
+    static void dequantize_row_##G##_##H(const uint8_t *lo, const uint8_t *hi,             \
+                                         const float *scale, const float *offset,          \
+                                         int64_t k, float *out) {                          \
+        dequantize_row(lo, hi, scale, offset, k, G, H, out);                               \
+    }
+FORMAT_VARIANTS(DEQUANTIZE_ROW)
+#define DEQUANTIZE_ROW_ENTRY(G, H) dequantize_row_##G##_##H,
+static const dequantize_row_fn dequantize_rows[] = {FORMAT_VARIANTS(DEQUANTIZE_ROW_ENTRY)};
+
 /* Rows [n0, n0 + count) of W dequantized into `w` (row-major, k floats a row), then zero
  * rows up to `padded`: the tiles of pc_gemm and of the portable pc_matmul. */
 static void dequantize_tile(const uint8_t *low, const uint8_t *high, const float *scale,
                             const float *offset, int64_t n0, int64_t count, int64_t padded,
                             int64_t k, int64_t group, float *w) {
     const int64_t plane = k / 2, groups = k / group;
+    const dequantize_row_fn row = dequantize_rows[FORMAT_INDEX(group, high)];
     for (int64_t r = 0; r < count; r++) {
         const int64_t n = n0 + r;
-        dequantize_row(low + n * plane, high ? high + n * plane : NULL, scale + n * groups,
-                       offset + n * groups, k, group, w + r * k);
+        row(low + n * plane, high ? high + n * plane : NULL, scale + n * groups,
+            offset + n * groups, k, w + r * k);
     }
     for (int64_t i = count * k; i < padded * k; i++) w[i] = 0.0f;
 }
@@ -129,10 +155,10 @@ static inline float horizontal_sum(__m256 v) {
  * planes, with the same 32 entries of x. The dot is summed as two halves, so its chain
  * of dependent FMAs is half as long. */
 static inline __attribute__((always_inline)) void accumulate_codes_32(
-        const float *x, const uint8_t *low, const uint8_t *high, const float *scale,
-        int64_t group, int64_t at, __m256 *total) {
+        const float *x, const uint8_t *low, const uint8_t *high, const int has_high,
+        const float *scale, const int64_t group, int64_t at, __m256 *total) {
     __m256 c[4];
-    codes_32(low, high, at, c);
+    codes_32(low, high, has_high, at, c);
     const int64_t i = 2 * at, g = i / group;
     __m256 first = _mm256_mul_ps(_mm256_loadu_ps(x + i), c[0]);
     if (group == 32) {  /* c[1], c[2], c[3]: weights 8-15, 16-23, 24-31 */
@@ -157,16 +183,17 @@ static inline __attribute__((always_inline)) void accumulate_codes_32(
  * (scripts/quant_kernel_cycles.c, 64 x 1024 4-bit codes, 2-core AVX2 EPYC): 6.3 cycles per
  * 32 weights, against 8.0 for dequantize-then-FMA; at four rows, where the dequantizing
  * FMA is shared by the rows, the other way round (20 against 13). */
-static inline float code_dot(const float *x, const float *x_sums, const uint8_t *low,
-                             const uint8_t *high, const float *scale, const float *offset,
-                             int64_t k, int64_t group) {
+static inline __attribute__((always_inline)) float code_dot(
+        const float *x, const float *x_sums, const uint8_t *low, const uint8_t *high,
+        const float *scale, const float *offset, int64_t k, const int64_t group,
+        const int has_high) {
     __m256 even = _mm256_setzero_ps(), odd = _mm256_setzero_ps();
     int64_t i = 0;
     for (; i + 64 <= k; i += 64) {
-        accumulate_codes_32(x, low, high, scale, group, i / 2, &even);
-        accumulate_codes_32(x, low, high, scale, group, i / 2 + 16, &odd);
+        accumulate_codes_32(x, low, high, has_high, scale, group, i / 2, &even);
+        accumulate_codes_32(x, low, high, has_high, scale, group, i / 2 + 16, &odd);
     }
-    if (i < k) accumulate_codes_32(x, low, high, scale, group, i / 2, &even);
+    if (i < k) accumulate_codes_32(x, low, high, has_high, scale, group, i / 2, &even);
     const int64_t groups = k / group;
     __m256 offsets = _mm256_setzero_ps();
     int64_t g = 0;
@@ -182,13 +209,13 @@ static inline float code_dot(const float *x, const float *x_sums, const uint8_t 
  * dequantized once and multiplied into two accumulators per row of x. */
 static inline __attribute__((always_inline)) void dequantized_dots(
         const float *x, const int rows, const uint8_t *low, const uint8_t *high,
-        const float *scale, const float *offset, int64_t k, int64_t group, float *out,
-        int64_t out_stride) {
+        const float *scale, const float *offset, int64_t k, const int64_t group,
+        const int has_high, float *out, int64_t out_stride) {
     __m256 even[4], odd[4];
     for (int m = 0; m < rows; m++) even[m] = odd[m] = _mm256_setzero_ps();
     for (int64_t i = 0; i < k; i += 32) {
         __m256 w[4];
-        dequantize_32(low, high, scale, offset, i / 2, group, w);
+        dequantize_32(low, high, scale, offset, i / 2, group, has_high, w);
         for (int m = 0; m < rows; m++) {
             const float *xm = x + m * k + i;
             even[m] = _mm256_fmadd_ps(_mm256_loadu_ps(xm), w[0], even[m]);
@@ -200,13 +227,56 @@ static inline __attribute__((always_inline)) void dequantized_dots(
     for (int m = 0; m < rows; m++) out[m * out_stride] = horizontal_sum(_mm256_add_ps(even[m], odd[m]));
 }
 
+/* out[m * out_stride] = x[m] . W[n] for m < rows_x, one weight row n: code_dot for one
+ * row of x, dequantized_dots on 4 rows of x at a time for more, so each weight is
+ * dequantized in registers once per 4 rows. */
+static inline __attribute__((always_inline)) void matmul_row(
+        const float *x, const float *x_sums, int64_t rows_x, const uint8_t *lo,
+        const uint8_t *hi, const float *s, const float *o, int64_t k, const int64_t group,
+        const int has_high, float *out, int64_t out_stride) {
+    if (rows_x == 1) {
+        *out = code_dot(x, x_sums, lo, hi, s, o, k, group, has_high);
+        return;
+    }
+    for (int64_t m = 0; m < rows_x; m += 4) {
+        const float *xm = x + m * k;
+        float *om = out + m * out_stride;
+        switch (rows_x - m < 4 ? rows_x - m : 4) {
+        case 1: dequantized_dots(xm, 1, lo, hi, s, o, k, group, has_high, om, out_stride); break;
+        case 2: dequantized_dots(xm, 2, lo, hi, s, o, k, group, has_high, om, out_stride); break;
+        case 3: dequantized_dots(xm, 3, lo, hi, s, o, k, group, has_high, om, out_stride); break;
+        default: dequantized_dots(xm, 4, lo, hi, s, o, k, group, has_high, om, out_stride); break;
+        }
+    }
+}
+
+/* matmul_row over weight rows [begin, end), compiled for each format variant. */
+typedef void (*matmul_rows_fn)(const float *, const float *, int64_t, const uint8_t *,
+                               const uint8_t *, const float *, const float *, int64_t,
+                               int64_t, int64_t, float *, int64_t);
+#define MATMUL_ROWS(G, H)                                                                   \
+    static void matmul_rows_##G##_##H(                                                     \
+            const float *x, const float *x_sums, int64_t rows_x, const uint8_t *low,       \
+            const uint8_t *high, const float *scale, const float *offset, int64_t begin,   \
+            int64_t end, int64_t k, float *out, int64_t out_stride) {                      \
+        const int64_t plane = k / 2, groups = k / G;                                       \
+        for (int64_t n = begin; n < end; n++)                                              \
+            matmul_row(x, x_sums, rows_x, low + n * plane, H ? high + n * plane : NULL,    \
+                       scale + n * groups, offset + n * groups, k, G, H, out + n,          \
+                       out_stride);                                                        \
+    }
+FORMAT_VARIANTS(MATMUL_ROWS)
+#define MATMUL_ROWS_ENTRY(G, H) matmul_rows_##G##_##H,
+static const matmul_rows_fn matmul_rows[] = {FORMAT_VARIANTS(MATMUL_ROWS_ENTRY)};
+
 /* out[m, n] (row stride out_stride) = sum_k x[m, k] * W[n, k], for m < rows_x; k is a
- * multiple of 32. One row of x takes code_dot; more, dequantized_dots on 4 rows at a
- * time, so each weight is dequantized in registers once per 4 rows. */
+ * multiple of 32. Weight rows are split evenly over the threads; for one row of x, the
+ * group sums of x that code_dot takes are computed once here. */
 void pc_matmul(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *high,
                const float *scale, const float *offset, int64_t n_rows, int64_t k,
                int64_t group, float *out, int64_t out_stride, int threads) {
-    const int64_t plane = k / 2, groups = k / group;
+    const int64_t groups = k / group;
+    const matmul_rows_fn rows = matmul_rows[FORMAT_INDEX(group, high)];
     float x_sums[rows_x == 1 ? groups : 1];
     if (rows_x == 1)
         for (int64_t g = 0; g < groups; g++) {
@@ -215,24 +285,9 @@ void pc_matmul(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t
             x_sums[g] = sum;
         }
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < n_rows; n++) {
-        const uint8_t *lo = low + n * plane, *hi = high ? high + n * plane : NULL;
-        const float *s = scale + n * groups, *o = offset + n * groups;
-        if (rows_x == 1) {
-            out[n] = code_dot(x, x_sums, lo, hi, s, o, k, group);
-            continue;
-        }
-        for (int64_t m = 0; m < rows_x; m += 4) {
-            const float *xm = x + m * k;
-            float *om = out + m * out_stride + n;
-            switch (rows_x - m < 4 ? rows_x - m : 4) {
-            case 1: dequantized_dots(xm, 1, lo, hi, s, o, k, group, om, out_stride); break;
-            case 2: dequantized_dots(xm, 2, lo, hi, s, o, k, group, om, out_stride); break;
-            case 3: dequantized_dots(xm, 3, lo, hi, s, o, k, group, om, out_stride); break;
-            default: dequantized_dots(xm, 4, lo, hi, s, o, k, group, om, out_stride); break;
-            }
-        }
-    }
+    for (int t = 0; t < threads; t++)
+        rows(x, x_sums, rows_x, low, high, scale, offset, n_rows * t / threads,
+             n_rows * (t + 1) / threads, k, out, out_stride);
 }
 
 /* Dequantized weight rows per tile of pc_gemm: a multiple of GEMM_NR, about 55-150 KB of
@@ -353,13 +408,21 @@ void pc_matmul(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t
 }
 #endif
 
-void pc_dequantize(const uint8_t *low, const uint8_t *high, const float *scale,
-                   const float *offset, int64_t rows, int64_t k, int64_t group, float *out,
-                   int threads) {
+/* Rows of W (`rows` of them) as float32 into `out` (k floats a row): row ids[i] into row
+ * i, for i < count, or rows 0..count-1 where ids is NULL (an embedding lookup gathers, a
+ * tile does not). Returns -1, writing nothing, where an id is not a row of W. */
+int pc_dequantize(const uint8_t *low, const uint8_t *high, const float *scale,
+                  const float *offset, int64_t rows, const int64_t *ids, int64_t count,
+                  int64_t k, int64_t group, float *out, int threads) {
     const int64_t plane = k / 2, groups = k / group;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t n = 0; n < rows; n++) {
-        dequantize_row(low + n * plane, high ? high + n * plane : NULL, scale + n * groups,
-                       offset + n * groups, k, group, out + n * k);
+    const dequantize_row_fn row = dequantize_rows[FORMAT_INDEX(group, high)];
+    for (int64_t i = 0; ids && i < count; i++)
+        if (ids[i] < 0 || ids[i] >= rows) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (count > 1)
+    for (int64_t i = 0; i < count; i++) {
+        const int64_t n = ids ? ids[i] : i;
+        row(low + n * plane, high ? high + n * plane : NULL, scale + n * groups,
+            offset + n * groups, k, out + i * k);
     }
+    return 0;
 }

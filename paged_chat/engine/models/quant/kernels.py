@@ -38,7 +38,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.pc_matmul.argtypes = [_P, _I, _P, _P, _P, _P, _I, _I, _I, _P, _I, ctypes.c_int]
     if hasattr(lib, "pc_gemm"):
         lib.pc_gemm.argtypes = lib.pc_matmul.argtypes
-    lib.pc_dequantize.argtypes = [_P, _P, _P, _P, _I, _I, _I, _P, ctypes.c_int]
+    lib.pc_dequantize.argtypes = [_P, _P, _P, _P, _I, _P, _I, _I, _I, _P, ctypes.c_int]
 
 
 _native = NativeLibrary(_SOURCE, _declare)
@@ -58,23 +58,40 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.data_ptr()
 
 
-def dequantize(weight: QuantizedWeight) -> torch.Tensor:
-    """float32 [rows, in_features] of `weight` (a tile, or gathered embedding rows)."""
+def dequantize(weight: QuantizedWeight, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [rows, in_features] of `weight`, or of its rows `ids` (int64, an embedding
+    lookup: gathered and dequantized in one call, where the host's few ops before a step's
+    weights stream in run with cold caches)."""
     lib = library()
-    if lib is None:
-        return weight.dequantize()
-    out = torch.empty(weight.rows, weight.in_features)
-    _dequantize_into(lib, weight, out)
+    if lib is None or ids is not None and ids.device.type != "cpu":
+        return (weight if ids is None else weight.select(ids)).dequantize()
+    if ids is not None and ids.dtype != torch.int64:
+        ids = ids.long()
+    out = torch.empty(weight.rows if ids is None else ids.numel(), weight.in_features)
+    _dequantize_into(lib, weight, out, ids)
     return out
 
 
-def _dequantize_into(lib: ctypes.CDLL, weight: QuantizedWeight, out: torch.Tensor) -> None:
-    lib.pc_dequantize(*_weight_args(weight), out.data_ptr(), torch.get_num_threads())
+def _dequantize_into(lib: ctypes.CDLL, weight: QuantizedWeight, out: torch.Tensor,
+                     ids: torch.Tensor | None = None) -> None:
+    low, high, scale, offset, rows, in_features, group = _weight_args(weight)
+    assert ids is None or ids.dtype == torch.int64 and ids.is_contiguous()
+    if lib.pc_dequantize(low, high, scale, offset, rows,
+                         None if ids is None else ids.data_ptr(),
+                         rows if ids is None else ids.numel(), in_features, group,
+                         out.data_ptr(), torch.get_num_threads()) != 0:
+        raise IndexError(f"a row id is outside the table's {rows} rows")
+
+
+# (group, has a high plane) of every format family, as kernels.c compiles its row kernels
+# (FORMAT_VARIANTS): Q4_0/Q4_1/Q4_K; Q5_*/Q8_0; Q6_K.
+KERNEL_FORMATS = ((32, False), (32, True), (16, True))
 
 
 def _weight_args(weight: QuantizedWeight) -> tuple[int | None, ...]:
     """What every kernel of kernels.c takes for a weight, in its order: the planes',
     scales' and offsets' addresses, rows, in_features, group."""
+    assert (weight.group, weight.high is not None) in KERNEL_FORMATS, weight.format
     return (weight.low.data_ptr(), _pointer(weight.high), weight.scale.data_ptr(),
             weight.offset.data_ptr(), weight.rows, weight.in_features, weight.group)
 

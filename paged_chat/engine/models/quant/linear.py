@@ -91,8 +91,8 @@ class QuantizedEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = weight.rows, weight.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.table.parts[0].select(ids.reshape(-1))
-        return kernels.dequantize(rows).to(self.dtype).view(*ids.shape, self.embedding_dim)
+        rows = kernels.dequantize(self.table.parts[0], ids.reshape(-1))
+        return rows.to(self.dtype).view(*ids.shape, self.embedding_dim)
 
     def as_linear(self) -> QuantizedLinear:
         return self.table

@@ -1,0 +1,76 @@
+"""The bare `paged-chat` command's start: the engine first, then the UI.
+
+A warm start (the model's tokenizer and weights converted and cached) waits on the engine
+child: its interpreter, `import torch` and the engine's imports, the model load. Textual's
+import and the first layout take over a second of their own. So the child is launched
+here, before this module imports Textual (it imports none itself), and the two overlap;
+the app's worker then waits for the child the CLI launched (`PagedChatApp(engine_start=)`),
+and a failed load reaches the status line as it always has.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from paged_chat.settings import Settings, cache_dir
+
+if TYPE_CHECKING:
+    from paged_chat.engine import EngineClient, EngineConfig, StartingClient
+
+DEMO_NUM_BLOCKS = 1536      # --demo's KV pool unless config.toml sizes it
+UI_CORES = 1                # what the UI thread needs while tabs stream: 0.2-0.5 of a core
+
+
+def app_engine_config(settings: Settings, demo: int | None) -> EngineConfig:
+    """`[engine]` as the app runs it: with --demo, a pool the block map shows block by block
+    unless config.toml sizes it."""
+    pool = {}
+    if demo and settings.engine.num_blocks is None and settings.engine.kv_cache_memory is None:
+        pool = {"num_blocks": DEMO_NUM_BLOCKS}
+    return settings.engine_config(**pool)
+
+
+def start_engine(config: EngineConfig, in_a_process: bool = True) -> StartingClient:
+    """The app's engine, on its way: in a process of its own (launched now), its output to a
+    log file (the app owns the terminal), its decode steps leaving a core to the UI thread
+    until a trial finds more threads faster (measured on 2 cores, float32: with 2 threads
+    the app kept 80% of the engine alone, with 1 thread 93%); else on a thread of the app
+    (`[tui] engine_process = false`), started when the app waits for it."""
+    from paged_chat.client_spec import client_spec
+    from paged_chat.engine import start_client
+
+    if not in_a_process:
+        return start_client(client_spec(config, "thread"))
+    return start_client(client_spec(config, "process", log_path=cache_dir() / "engine.log",
+                                    leave_cores=UI_CORES, fork_if_safe=True))
+
+
+def run_app(settings: Settings, demo: int | None = None, serve_port: int | None = None,
+            server: str | None = None) -> None:
+    """The bare `paged-chat` command: open the TUI (with `demo`, N self-chatting tabs; with
+    `serve_port`, the API on its engine too; with `server`, on that remote server's engine)."""
+    engine: EngineClient | None = None
+    engine_start: StartingClient | None = None
+    config: EngineConfig | None = None
+    if server:
+        from paged_chat.client_spec import client_spec
+        from paged_chat.engine import make_client
+
+        engine = make_client(client_spec(None, server=server, api_key=settings.server.api_key,
+                                         model=settings.engine.model))
+    else:
+        config = app_engine_config(settings, demo)
+        engine_start = start_engine(config, settings.tui.engine_process)
+    try:
+        from paged_chat.tui.app import PagedChatApp   # Textual: while the child loads
+
+        app = PagedChatApp(settings, demo=demo, engine=engine, engine_config=config,
+                           engine_start=engine_start, serve_port=serve_port)
+        try:
+            app.run()
+        finally:
+            if app._demo_dir is None:
+                app.store.close()
+    finally:
+        if engine_start is not None:
+            engine_start.cancel()   # the app ended before its worker took the engine
