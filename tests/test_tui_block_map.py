@@ -84,7 +84,7 @@ async def test_escape_sequences_in_text_never_reach_the_terminal():
             yield reply
 
     async with Host().run_test() as pilot:
-        await reply.write(evil)
+        reply.write(evil)
         await reply.finish_stream()
         await pilot.pause()
         assert reply.text == evil                               # exact, for copy
@@ -118,8 +118,9 @@ async def test_long_reply_streams_into_bounded_markdown_chunks():
     async with Host().run_test() as pilot:
         text = paragraph * 30 + fence + paragraph * 10
         for start in range(0, len(text), 37):
-            await reply.write(text[start:start + 37])
-            await hidden.write(text[start:start + 37], render=False)
+            reply.write(text[start:start + 37])
+            await reply.catch_up()   # the app's frame: the shown reply renders
+            hidden.write(text[start:start + 37])   # a hidden tab's gets no frame
         await reply.finish_stream()
         await hidden.finish_stream(render=False)
         assert hidden._chunks[0].source == ""          # nothing rendered while hidden
@@ -148,7 +149,8 @@ async def test_single_line_breaks_in_a_reply_are_shown_as_line_breaks():
 
     async with Host().run_test(size=(80, 24)) as pilot:
         for start in range(0, len(poem), 3):
-            await streamed.write(poem[start:start + 3])
+            streamed.write(poem[start:start + 3])
+            await streamed.catch_up()
         await streamed.finish_stream()
         await pilot.pause()
         for reply in (stored, streamed):

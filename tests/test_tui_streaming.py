@@ -147,3 +147,46 @@ async def test_the_block_map_redraws_only_when_a_cell_changed():
         view.show(_pool([0, 1, 2]), {"tab-a": 0})
         await pilot.pause()
         assert view._strips is not drawn and view.codes[2] == TAB0
+
+
+async def test_a_streaming_reply_renders_only_in_the_panels_frames(chat_model_dir, tmp_path):
+    """Issue 32 item 17: in a real terminal every frame is escape sequences the app writes
+    and the terminal parses, on the engine's cores. The shown reply renders in the engine
+    panel's frames (one screen update for both), never on a clock of its own: between two
+    renders of the reply the panel has drawn, however fast the deltas come."""
+    engine = Engine(EngineConfig(model=str(chat_model_dir), device="cpu", dtype="float32",
+                                 num_blocks=64, block_size=16))
+    client = FedClient(engine)
+    app = PagedChatApp(Settings(chat=ChatSettings(temperature=0.0)), engine=client,
+                       store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
+    async with app.run_test(size=(120, 40)) as pilot:
+        tab = app.active_tab
+        await press(pilot, *"hi", "enter")
+        await wait_until(lambda: tab.streaming and tab.session.turn is not None)
+        reply = tab.query_one(AssistantMessage)
+        events: list[str] = []
+        panel, show_stats, append = app.panel, app.panel.show_stats, reply._append
+
+        def show_and_log(*args):
+            drawn_at = panel._shown_at
+            shown = show_stats(*args)
+            if panel._shown_at != drawn_at:
+                events.append("frame")
+            return shown
+
+        async def append_and_log(fragment: str) -> None:
+            events.append("render")
+            await append(fragment)
+
+        panel.show_stats, reply._append = show_and_log, append_and_log
+        for index in range(80):   # a delta every ~10 ms for ~1 s: several panel frames
+            client.pieces.put_nowait(f"word{index} ")
+            await asyncio.sleep(0.01)
+        await wait_until(lambda: "word79" in shown_words(reply)[-1:])
+        rendered = list(events)
+        client.pieces.put_nowait(None)
+        await wait_until(lambda: not tab.streaming)
+    renders = rendered.count("render")
+    assert renders >= 2, rendered   # it streamed, in several frames
+    assert "render,render" not in ",".join(rendered), rendered   # a frame between any two
+    assert renders <= rendered.count("frame") + 1

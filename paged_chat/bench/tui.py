@@ -29,7 +29,7 @@ import re
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -41,6 +41,8 @@ from paged_chat.conversation import Conversation
 from paged_chat.engine import (ClientSpec, Engine, EngineClient, EngineConfig, SamplingParams,
                                make_client)
 from paged_chat.settings import ChatSettings, Settings
+from paged_chat.tui.app import PagedChatApp
+from paged_chat.tui.start import start_engine
 
 PROFILE_TOP = 12        # functions listed by own time
 ROUNDS = 2              # runs of the engine alone and of each app variant, alternating
@@ -92,56 +94,83 @@ def run_engine_alone(engine: Engine, chats: list[tuple[str | None, str]],
     return {"output_tokens": tokens, "wall_s": wall, "output_tokens_per_s": tokens / wall}
 
 
+class BenchApp(PagedChatApp):
+    """The app as it ships, every turn sampled with the bench's parameters; `script`, if
+    given, runs as a worker once the app is ready (a run in a real terminal drives itself)."""
+
+    def __init__(self, params: SamplingParams,
+                 script: Callable[[BenchApp], Awaitable[None]] | None = None, **options) -> None:
+        super().__init__(**options)
+        self.params = params
+        self.script = script
+
+    def sampling_params(self, sampling: dict) -> SamplingParams:
+        return self.params
+
+    def on_ready(self) -> None:
+        if self.script is not None:
+            self.run_worker(self.script(self), exit_on_error=False)
+
+
+def bench_app(params: SamplingParams, engine: EngineClient | None = None,
+              engine_config: EngineConfig | None = None,
+              script: Callable[[BenchApp], Awaitable[None]] | None = None) -> BenchApp:
+    """The app on `engine` (or one it starts from `engine_config`, as it ships), with a
+    throwaway chat store and no restored tabs."""
+    folder = Path(tempfile.mkdtemp(prefix="paged-chat-bench-tui-"))
+    return BenchApp(params, script, settings=Settings(chat=ChatSettings()), engine=engine,
+                    engine_config=engine_config, store=ChatStore(folder / "chats.db"),
+                    session_path=folder / "tabs.json", restore=False)
+
+
+async def measure(app: BenchApp, chats: list[tuple[str | None, str]],
+                  profile: cProfile.Profile | None = None, typing: bool = False) -> dict:
+    """One turn per tab in the running app (headless or in a terminal); the tabs send at
+    once and the clock stops when the last reply is complete. With `typing`, keys go to the
+    shown tab's prompt while the tabs stream (keypress-to-echo times in the result)."""
+    client = await app.wait_for_engine()
+    client.reset_prefix_cache()
+    tabs = []
+    for index, (system, _) in enumerate(chats):
+        chat = app.store.create_chat(f"Demo {index + 1}", client.info.name, system, {})
+        tabs.append(await app.tabs.open_chat_tab(chat, activate=index == 0, loaded=True))
+    if profile is not None:
+        profile.enable()
+    started, ui_started = time.perf_counter(), time.thread_time()
+    for tab, (_, prompt) in zip(tabs, chats):
+        tab.send(prompt)
+    echoes = await type_while_streaming(app, tabs) if typing else []
+    while any(tab.streaming for tab in tabs):
+        await asyncio.sleep(0.02)
+    wall, ui_cpu = time.perf_counter() - started, time.thread_time() - ui_started
+    if profile is not None:
+        profile.disable()
+    tokens = sum(len(tab.session.turn.token_ids) for tab in tabs)
+    result = {"engine": client.capabilities.where, "output_tokens": tokens, "wall_s": wall,
+              "output_tokens_per_s": tokens / wall, "ui_cpu_per_s": ui_cpu / wall}
+    if echoes:
+        echoes.sort()
+        # nearest-rank p95: never below the median, however few the samples
+        result |= {"keypress_echo_samples": len(echoes),
+                   "keypress_echo_median_ms": 1e3 * statistics.median(echoes),
+                   "keypress_echo_p95_ms": 1e3 * echoes[math.ceil(0.95 * len(echoes)) - 1]}
+    return result
+
+
 def run_app(client: EngineClient, chats: list[tuple[str | None, str]], params: SamplingParams,
             size: tuple[int, int], profile: cProfile.Profile | None = None,
             typing: bool = False) -> dict:
-    """One turn per tab in the real app, headless; the tabs send at once and the clock
-    stops when the last reply is complete. With `typing`, keys go to the shown tab's prompt
-    while the tabs stream (keypress-to-echo times in the result)."""
-    from paged_chat.tui.app import PagedChatApp
-
-    class BenchApp(PagedChatApp):
-        def sampling_params(self, sampling: dict) -> SamplingParams:
-            return params
-
-    client.reset_prefix_cache()
-    folder = Path(tempfile.mkdtemp(prefix="paged-chat-bench-tui-"))
-    store = ChatStore(folder / "chats.db")
-    app = BenchApp(Settings(chat=ChatSettings()), engine=client, store=store,
-                   session_path=folder / "tabs.json", restore=False)
+    """`measure` in the real app run headless (Textual's `run_test`) on `client`."""
+    app = bench_app(params, engine=client)
 
     async def drive() -> dict:
         async with app.run_test(size=size):
-            tabs = []
-            for index, (system, _) in enumerate(chats):
-                chat = store.create_chat(f"Demo {index + 1}", client.info.name, system, {})
-                tabs.append(await app.tabs.open_chat_tab(chat, activate=index == 0, loaded=True))
-            if profile is not None:
-                profile.enable()
-            started, ui_started = time.perf_counter(), time.thread_time()
-            for tab, (_, prompt) in zip(tabs, chats):
-                tab.send(prompt)
-            echoes = await type_while_streaming(app, tabs) if typing else []
-            while any(tab.streaming for tab in tabs):
-                await asyncio.sleep(0.02)
-            wall, ui_cpu = time.perf_counter() - started, time.thread_time() - ui_started
-            if profile is not None:
-                profile.disable()
-            tokens = sum(len(tab.session.turn.token_ids) for tab in tabs)
-            result = {"engine": client.capabilities.where, "output_tokens": tokens, "wall_s": wall,
-                      "output_tokens_per_s": tokens / wall, "ui_cpu_per_s": ui_cpu / wall}
-            if echoes:
-                echoes.sort()
-                # nearest-rank p95: never below the median, however few the samples
-                result |= {"keypress_echo_samples": len(echoes),
-                           "keypress_echo_median_ms": 1e3 * statistics.median(echoes),
-                           "keypress_echo_p95_ms": 1e3 * echoes[math.ceil(0.95 * len(echoes)) - 1]}
-            return result
+            return await measure(app, chats, profile, typing)
 
     try:
         return asyncio.run(drive())
     finally:
-        store.close()
+        app.store.close()
 
 
 async def type_while_streaming(app, tabs: list) -> list[float]:
@@ -192,14 +221,17 @@ def warmed_up(engine: Engine) -> Engine:
     return engine
 
 
-def run_tui_bench(options: TuiBenchOptions, log: Callable[[str], None] = print) -> dict:
-    from paged_chat.tui.start import start_engine
+def engine_config(options: TuiBenchOptions) -> EngineConfig:
+    """The engine the alone runs and the app's engine are built from."""
+    return EngineConfig(model=options.model, device="cpu", dtype=options.dtype,
+                        max_num_seqs=max(options.tabs, 1), threads=options.threads)
 
+
+def run_tui_bench(options: TuiBenchOptions, log: Callable[[str], None] = print) -> dict:
     # By default the engine alone and the app's engine each adapt their thread count, as they
     # ship: the policy must hold up beside the UI (issue 18). A fixed count compares the two at
     # equal threads instead.
-    config = EngineConfig(model=options.model, device="cpu", dtype=options.dtype,
-                          max_num_seqs=max(options.tabs, 1), threads=options.threads)
+    config = engine_config(options)
     engine = on_own_thread(lambda: warmed_up(Engine(config)))
     chats = demo_chats(options.tabs, options.seed)
     params = SamplingParams(temperature=0, max_tokens=options.max_tokens, ignore_eos=True)
@@ -207,7 +239,7 @@ def run_tui_bench(options: TuiBenchOptions, log: Callable[[str], None] = print) 
     with contextlib.ExitStack() as clients:
         process = start_engine(config).result()
         clients.callback(process.shutdown)
-        asyncio.run(_warm_up(process))
+        asyncio.run(warm_up(process))
         on_thread = make_client(ClientSpec("thread", engine=engine))
         clients.callback(on_thread.shutdown)
         rounds: dict[str, list[dict]] = {"engine_alone": [], "app": [], "app_engine_on_a_thread": []}
@@ -234,7 +266,7 @@ def run_tui_bench(options: TuiBenchOptions, log: Callable[[str], None] = print) 
             "profiled_app": profiled, "profile": profile_summary(profile, profiled["wall_s"])}
 
 
-async def _warm_up(client: EngineClient) -> None:
+async def warm_up(client: EngineClient) -> None:
     """One short request, as `warmed_up` does for the engine alone: the first step's one-off
     costs stay out of the timed runs."""
     async for _ in client.stream([1, 2, 3], SamplingParams(temperature=0, max_tokens=2)):

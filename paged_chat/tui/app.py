@@ -335,9 +335,11 @@ class PagedChatApp(ChatActions, App):
         stats = self.engine.stats()
         try:
             self.panel.capabilities = self.engine.capabilities
-            self.panel.show_stats(stats, with_request_owners(self.tabs.tab_infos(), stats.blocks))
+            frame = self.panel.show_stats(stats, with_request_owners(self.tabs.tab_infos(), stats.blocks))
         except NoMatches:  # the panel is being built or torn down
             return
+        if frame:   # the shown tab's streaming reply renders in the panel's frame
+            self.tabs.render_frame()
         self._ticks += 1
         if self._ticks % LABEL_TICKS == 0:   # about once a second
             self.tabs.refresh_streaming_labels()

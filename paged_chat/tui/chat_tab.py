@@ -72,6 +72,7 @@ class ChatTab(TabPane):
         self.engine_trouble = engine_trouble
         self.error: str | None = None
         self._loaded = False                   # the stored messages are mounted
+        self._streaming_reply: AssistantMessage | None = None   # the reply the turn streams into
         self._earlier: list = []               # stored messages not mounted yet
 
     @property
@@ -100,6 +101,13 @@ class ChatTab(TabPane):
 
     def on_mount(self) -> None:
         self.messages.anchor()
+
+    def render_frame(self) -> None:
+        """The app's frame: the streaming reply renders what it has kept since the last one
+        (one Markdown append per frame however many deltas came)."""
+        reply = self._streaming_reply
+        if reply is not None and self.display:
+            self.call_next(reply.catch_up)
 
     async def on_show(self) -> None:
         """Replies that finished while the tab was hidden get their final render now."""
@@ -261,6 +269,7 @@ class ChatTab(TabPane):
                 self.set_title(chat_title(text))
         reply = AssistantMessage(footer="waiting for the model…")
         await messages.mount(reply)
+        self._streaming_reply = reply
         messages.scroll_end(animate=False)
         self.error = None
         try:
@@ -273,17 +282,19 @@ class ChatTab(TabPane):
             label_at = time.monotonic()
             async with aclosing(deltas):
                 async for output in deltas:
-                    # A hidden tab only buffers: its Markdown catches up when it is shown.
-                    await reply.write(output.new_text, render=self.display)
+                    # Kept until the app's next frame (`render_frame`); a hidden tab's until it is shown.
+                    reply.write(output.new_text)
                     if time.monotonic() - label_at >= LABEL_EVERY_S:
                         label_at = time.monotonic()
                         reply.footer = self._footer()
         except asyncio.CancelledError:  # the tab closed, or Esc before the model was ready
             reply.footer = "stopped"
+            self._streaming_reply = None
             self.streaming = False
             raise
         except Exception as error:  # engine errors (step failure, load failure) stay in the tab
             self.error = describe_error(error)
+        self._streaming_reply = None
         await reply.finish_stream(render=self.display)
         turn = self.session.turn
         self.error = self.error or (turn.error if turn is not None else None)

@@ -180,10 +180,12 @@ class EnginePanel(Vertical):
         yield Legend(id="legend")
         yield Static("hover or click a block", id="block-detail")
 
-    def show_stats(self, stats: EngineStats, tabs: Mapping[str, TabInfo]) -> None:
+    def show_stats(self, stats: EngineStats, tabs: Mapping[str, TabInfo]) -> bool:
         """Take a snapshot. The panel redraws at most every `refresh_every_s` (snapshots in
         between are skipped: the UI's share of the CPU stays bounded while the engine is
-        busy), and only the parts whose content changed."""
+        busy), and only the parts whose content changed. True when this call is a frame
+        (the panel's period came round, or the tabs changed): the app renders its streaming
+        replies in the same frames, so the terminal gets one screen update, not two."""
         tabs_changed = tabs != self.tabs
         self.tabs = tabs
         holders = tuple(dict.fromkeys(owner for owner in stats.blocks.request_owners if owner))
@@ -191,13 +193,15 @@ class EnginePanel(Vertical):
             self._legend_holders = holders
             self.query_one(Legend).show(tabs, holders)
         now = time.monotonic()
-        if stats is self.stats or (not tabs_changed and now - self._shown_at < self.refresh_every_s):
-            return
-        self._shown_at = now
+        if not tabs_changed and now - self._shown_at < self.refresh_every_s:
+            return False
+        self._shown_at = now   # a frame even when the snapshot is the last one: replies render
+        if stats is self.stats:
+            return True
         self.stats = stats
         if self.capabilities is not None and not self.capabilities.block_map:
             self._show_remote(stats, self.capabilities.metrics)
-            return
+            return True
         busy = bool(stats.num_running or stats.num_waiting)
         self._history["batch"].append(stats.batch_size if busy else 0)
         self._history["gen"].append(stats.generation_tokens_per_s if busy else 0.0)
@@ -211,6 +215,7 @@ class EnginePanel(Vertical):
         self.query_one(BlockMapView).show(stats.blocks, owner_colour)
         if self.focus_block is not None:
             self._describe()
+        return True
 
     def show_trouble(self, trouble: str) -> None:
         """The engine stopped or does not respond: its last snapshot (a request running,

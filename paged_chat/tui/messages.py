@@ -3,19 +3,19 @@
 A reply streams through Textual's MarkdownStream. To keep the cost of each append bounded
 (Markdown.append re-joins and re-parses from its last block), a long reply is split into
 several Markdown widgets at paragraph breaks outside code fences: each stays small, so
-streaming a reply costs about linear time in its length, not quadratic. The deltas of a
-frame render as one append, and a hidden tab renders nothing until it is shown.
+streaming a reply costs about linear time in its length, not quadratic. A reply keeps what
+it is written until the app's next frame (the engine panel's, ~5 a second: `catch_up`),
+where it renders as one append beside the panel's redraw, so the terminal gets one screen
+update per frame however many tabs stream; a hidden tab renders nothing until it is shown.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-import time
 
 from rich.text import Text
 from textual.containers import Vertical
-from textual.timer import Timer
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
@@ -24,7 +24,6 @@ from paged_chat.tui.fit import SEPARATOR, fit_parts
 from paged_chat.tui.markdown_text import hard_line_breaks
 
 CHUNK_CHARS = 2000   # start a new Markdown widget at the next paragraph break past this
-RENDER_EVERY_S = 0.1  # a streaming reply's frame: the deltas within one render together
 BORDER_CELLS = 6      # of a bubble's outer width, what its bottom border keeps (corners, ends, spaces)
 _FENCE = re.compile(r"^ {0,3}(```|~~~)", re.MULTILINE)
 _CODE_BLOCK = re.compile(r"^ {0,3}(```|~~~)[^\n]*\n(.*?)^ {0,3}\1", re.MULTILINE | re.DOTALL)
@@ -69,10 +68,8 @@ class AssistantMessage(Vertical):
         self._chunks: list[Markdown] = []
         self._chunk_text = ""
         self._stream: MarkdownStream | None = None
-        self._backlog = ""   # written (while hidden, or within this frame), not yet rendered
+        self._backlog = ""   # written since the last frame (or while hidden), not yet rendered
         self._stale = False  # finished while hidden: the final render is still to do
-        self._rendered_at = 0.0        # when the stream last got an append
-        self._frame_timer: Timer | None = None  # renders the frame's backlog when it is due
         self._rendering = asyncio.Lock()  # one render at a time: the turn's and the tab's (shown)
 
     def compose(self):
@@ -103,24 +100,11 @@ class AssistantMessage(Vertical):
         width = self.outer_size.width - BORDER_CELLS if self.outer_size.width else len(self._footer)
         self.border_subtitle = fit_parts(parts, width, ranks).plain
 
-    async def write(self, fragment: str, render: bool = True) -> None:
-        """Stream a fragment of the reply. It renders with the others of its frame (at most
-        one Markdown append per RENDER_EVERY_S, the rest on a timer); with render=False (a
-        hidden tab) it is only kept until a later write, `catch_up` or `finish_stream`."""
+    def write(self, fragment: str) -> None:
+        """Stream a fragment of the reply: it is kept, with the others of its frame, until
+        the next `catch_up` (the app's frame, or the tab being shown) or `finish_stream`."""
         self.text += fragment
         self._backlog += hard_line_breaks(clean(fragment), self._chunk_text + self._backlog)
-        if not render or self._frame_timer is not None:
-            return
-        wait = self._rendered_at + RENDER_EVERY_S - time.monotonic()
-        if wait > 0:
-            self._frame_timer = self.set_timer(wait, self._render_frame)
-            return
-        await self._render_frame()
-
-    async def _render_frame(self) -> None:
-        self._frame_timer = None
-        async with self._rendering:
-            await self._render_backlog()
 
     async def _render_backlog(self) -> None:
         """Append the backlog to the stream: Markdown.append re-parses from the start of the
@@ -128,7 +112,6 @@ class AssistantMessage(Vertical):
         fragment, self._backlog = self._backlog, ""
         if not fragment:
             return
-        self._rendered_at = time.monotonic()
         while (cut := self._chunk_end(fragment)) is not None:
             await self._append(fragment[:cut])
             await self._new_chunk()
@@ -164,9 +147,6 @@ class AssistantMessage(Vertical):
     async def finish_stream(self, render: bool = True) -> None:
         """The reply is complete: flush the stream, then render the last chunk once more from
         its whole text. With render=False (a hidden tab) that waits for `catch_up`."""
-        if self._frame_timer is not None:
-            self._frame_timer.stop()
-            self._frame_timer = None
         async with self._rendering:
             if render:
                 await self._render_backlog()
@@ -190,8 +170,9 @@ class AssistantMessage(Vertical):
             await self._chunks[-1].update(self._chunk_text)
 
     async def catch_up(self) -> None:
-        """Render what a hidden tab kept back (called when the tab is shown): a streaming
-        reply's backlog goes through its stream, a finished one's last chunk is re-rendered."""
+        """Render what was kept back (the app's frame, or a hidden tab being shown): a
+        streaming reply's backlog goes through its stream, a finished one's last chunk is
+        re-rendered."""
         async with self._rendering:
             if self._stale:
                 await self._stop_stream(render=True)

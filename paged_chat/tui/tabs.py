@@ -190,6 +190,13 @@ class ChatTabs(TabbedContent):
         self.active = tab.id
         self.screen.set_focus(tab.prompt)
 
+    def render_frame(self) -> None:
+        """A frame of the app (the engine panel's): the shown tab's streaming reply renders
+        what arrived since the last one; hidden tabs only keep theirs."""
+        tab = self.active_tab
+        if tab is not None:
+            tab.render_frame()
+
     # ---- headers --------------------------------------------------------------------
 
     def refresh_streaming_labels(self) -> None:
