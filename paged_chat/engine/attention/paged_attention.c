@@ -28,8 +28,11 @@
 #define QUERY_TILE 16
 /* Rows of an item from which its blocks' keys are transposed first (prefill tiles). */
 #define TRANSPOSE_MIN_ROWS 8
-/* Key rows a call reads (over sequences and KV heads) from which it runs on threads. */
-#define PARALLEL_MIN_KEYS 8192
+/* Key rows a call reads (over sequences and KV heads) from which it runs on threads: one
+ * chat's decode from about 340 tokens of context at 3 KV heads (SmolLM2-135M's 30 layers,
+ * 2 threads: 1.59 -> 1.22 ms at 400 tokens, 2.84 -> 2.14 ms at 1000, where 8192 kept such
+ * a decode on one thread; scripts/cpu_attention_probe.py's shapes). */
+#define PARALLEL_MIN_KEYS 1024
 
 static void store(const float *new_rows, int64_t token_stride, float *cache,
                   const int64_t *slots, int64_t num_tokens, int64_t kv_heads,
