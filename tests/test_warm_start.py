@@ -143,9 +143,10 @@ def test_an_engine_launched_early_that_fails_says_why_in_the_status_line(tmp_pat
     with pytest.raises(Exception) as failure:
         Engine(EngineConfig(model="no-such-model"))
     expected = f"✖ model failed to load: {describe_error(failure.value)}"
-    app = TmuxApp("no-such-model", tmp_path, max_tokens=8, size=(160, 50))
+    # 250 columns: the status line's whole message ends left of the notification over its
+    # end (at 160 it shows whole only once that has gone, 30 s later).
+    app = TmuxApp("no-such-model", tmp_path, max_tokens=8, size=(250, 50))
     try:
-        # Whole once the notification over the status line's end has gone (30 s).
         app.wait_for(lambda screen: expected in screen, 180)
         app.keys("C-q")
         app.wait_for(lambda screen: "✖" not in screen)

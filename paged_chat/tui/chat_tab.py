@@ -24,6 +24,7 @@ from textual.markup import escape
 from textual.message import Message
 from textual.reactive import reactive
 from textual.widgets import Button, Static, TabPane
+from textual.worker import Worker
 
 from paged_chat.chat_session import ChatSession, chat_title
 from paged_chat.engine.errors import describe_error
@@ -73,6 +74,7 @@ class ChatTab(TabPane):
         self.error: str | None = None
         self._loaded = False                   # the stored messages are mounted
         self._streaming_reply: AssistantMessage | None = None   # the reply the turn streams into
+        self._frame: Worker | None = None      # the last frame's render of it
         self._earlier: list = []               # stored messages not mounted yet
 
     @property
@@ -104,10 +106,15 @@ class ChatTab(TabPane):
 
     def render_frame(self) -> None:
         """The app's frame: the streaming reply renders what it has kept since the last one
-        (one Markdown append per frame however many deltas came)."""
+        (one Markdown append per frame however many deltas came). It renders in a worker,
+        not a callback on this tab's queue: closing the tab cancels the worker, where a
+        callback waiting on the reply's Markdown held the tab's removal up for good. A frame
+        that comes while the last one still renders is skipped (its text waits for the next)."""
         reply = self._streaming_reply
-        if reply is not None and self.display:
-            self.call_next(reply.catch_up)
+        if reply is None or not self.display or (self._frame is not None
+                                                 and not self._frame.is_finished):
+            return
+        self._frame = self.run_worker(reply.catch_up(), group="frame")
 
     async def on_show(self) -> None:
         """Replies that finished while the tab was hidden get their final render now."""
