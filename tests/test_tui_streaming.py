@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 
 import numpy as np
 from textual.widgets.markdown import MarkdownBlock
@@ -73,6 +74,16 @@ class FedClient:
         pass
 
 
+def fed_app(model_dir: Path, tmp_path: Path) -> tuple[PagedChatApp, FedClient]:
+    """The app on a FedClient over the tiny chat model, its chats under tmp_path."""
+    engine = Engine(EngineConfig(model=str(model_dir), device="cpu", dtype="float32",
+                                 num_blocks=64, block_size=16))
+    client = FedClient(engine)
+    app = PagedChatApp(Settings(chat=ChatSettings(temperature=0.0)), engine=client,
+                       store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
+    return app, client
+
+
 def shown_words(reply: AssistantMessage) -> list[str]:
     """The words the reply's Markdown blocks show, in order."""
     return " ".join(block._content.plain for block in reply.query(MarkdownBlock)).split()
@@ -86,11 +97,7 @@ AFTER_RETURN = ["A whispered secret, a whispered secret,\n", "the night is never
 async def test_a_reply_streamed_while_its_tab_was_hidden_shows_all_its_words(chat_model_dir, tmp_path):
     """Issue 15 item 1: send a prompt, switch away with Alt+Left while the reply streams,
     switch back with Alt+Right: the paragraph that streamed meanwhile keeps its first lines."""
-    engine = Engine(EngineConfig(model=str(chat_model_dir), device="cpu", dtype="float32",
-                                 num_blocks=64, block_size=16))
-    client = FedClient(engine)
-    app = PagedChatApp(Settings(chat=ChatSettings(temperature=0.0)), engine=client,
-                       store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
+    app, client = fed_app(chat_model_dir, tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
         await press(pilot, "ctrl+n")
         await wait_until(lambda: len(app.chat_tabs) == 2 and app.focused is app.chat_tabs[1].prompt)
@@ -154,11 +161,7 @@ async def test_a_streaming_reply_renders_only_in_the_panels_frames(chat_model_di
     and the terminal parses, on the engine's cores. The shown reply renders in the engine
     panel's frames (one screen update for both), never on a clock of its own: between two
     renders of the reply the panel has drawn, however fast the deltas come."""
-    engine = Engine(EngineConfig(model=str(chat_model_dir), device="cpu", dtype="float32",
-                                 num_blocks=64, block_size=16))
-    client = FedClient(engine)
-    app = PagedChatApp(Settings(chat=ChatSettings(temperature=0.0)), engine=client,
-                       store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
+    app, client = fed_app(chat_model_dir, tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
         tab = app.active_tab
         await press(pilot, *"hi", "enter")
