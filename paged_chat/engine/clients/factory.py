@@ -83,7 +83,7 @@ def start_client(spec: ClientSpec) -> StartingClient:
     from paged_chat.engine.clients.process_transport import ProcessTransport
 
     assert spec.config is not None
-    interval = {} if spec.stats_interval_s is None else {"stats_interval_s": spec.stats_interval_s}
+    interval = _stats_interval(spec)
     transport = ProcessTransport(spec.config, spec.on_progress, spec.log_path, spec.leave_cores,
                                  fork_if_safe=spec.fork_if_safe, **interval)
     transport.launch()
@@ -123,9 +123,14 @@ class StartingClient:
             self.launched.abandon()
 
 
+def _stats_interval(spec: ClientSpec) -> dict[str, float]:
+    """The spec's stats interval as a transport's keyword, or none (its own default)."""
+    return {} if spec.stats_interval_s is None else {"stats_interval_s": spec.stats_interval_s}
+
+
 def _build(spec: ClientSpec) -> EngineClient:
     """A client over a thread or a server (a child process is launched by `start_client`)."""
-    interval = {} if spec.stats_interval_s is None else {"stats_interval_s": spec.stats_interval_s}
+    interval = _stats_interval(spec)
     if is_url(spec.transport):
         from paged_chat.engine.clients.remote import RemoteClient
 
