@@ -62,7 +62,7 @@ def linear_struct(layer: QuantizedLinear) -> LinearStruct:
     """A layer's parts as decode_layer.c takes them: the addresses and sizes its
     LayerMatmul already reads, and each part's first output column."""
     linear = LinearStruct(parts=len(layer.parts), in_features=layer.in_features,
-                     out_features=layer.out_features)
+                          out_features=layer.out_features)
     for index, (args, column) in enumerate(zip(layer.matmul.args, layer.matmul.columns)):
         low, high, scale, offset, rows, _, group = args
         linear.low[index], linear.high[index] = low, high
