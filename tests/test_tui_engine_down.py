@@ -39,8 +39,11 @@ async def test_a_killed_then_a_stopped_engine_child_is_told_restarted_and_quit_f
                              timeout=60)
 
             os.kill(pids[0], signal.SIGKILL)
-            await wait_until(lambda: "stopped" in status(app), what=lambda: status(app))
+            # Until the reader has seen the exit, the heartbeat's silence may read "not
+            # responding" for a moment: the dead child's own line is the one to wait for.
+            await wait_until(lambda: "exit code" in status(app), what=lambda: status(app))
             assert "ready" not in status(app) and "exit code -9" in status(app)
+            assert "has stopped" in status(app)
             assert "f5 restarts it" in status(app)
             numbers = text_of(app.query_one("#numbers"))
             assert "running 1" not in numbers and "stopped" in numbers
