@@ -330,6 +330,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
     parser.add_argument("--model", default=defaults.model)
     parser.add_argument("--dtype", default="auto", help="as the app ships: bfloat16 where the CPU has bf16 dot products, else float32")
+    parser.add_argument("--threads", type=int, help="a fixed torch thread count for the engine alone "
+                        "and the app's engine (default: each adapts its own, as it ships)")
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--json", type=Path, help="write the report here")
     parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
@@ -342,7 +344,7 @@ def main(argv: list[str] | None = None) -> None:
                   args.headless)
         return
     options = TuiBenchOptions(model=args.model, tabs=args.tabs, max_tokens=args.max_tokens,
-                              dtype=args.dtype)
+                              dtype=args.dtype, threads=args.threads)
     terminals = tuple(name.strip() for name in args.terminal.split(","))
     if not set(terminals) <= set(TERMINALS):
         parser.error(f"--terminal: one or more of {', '.join(TERMINALS)}")
