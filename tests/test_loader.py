@@ -20,11 +20,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from paged_chat.engine.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.loader import (
     MODEL_ALIASES,
-    PLAIN_CHATML_TEMPLATE,
     ModelSource,
     load_model_source,
     resolve_alias_path,
 )
+from paged_chat.engine.models.tokenizer_source import PLAIN_CHATML_TEMPLATE
 from tiny_models import (BOS_ID, EOS_ID, SYSTEM_CHATML, TINY, VOCAB, PagedSequence, build_tiny_model,
                          hf_folder, tiny_gguf, tiny_tokenizer, write_gguf)
 

@@ -49,6 +49,36 @@ def test_a_warm_start_imports_nothing_a_cached_gguf_does_not_use(smollm2_source)
     assert tokens == cold.generate([[1, 2, 3]], params)[0].token_ids   # as the engine built cold
 
 
+def _maps_tokenizers(pid: int) -> bool:
+    """Whether process `pid` has loaded the tokenizers library (any tokenizer loads it)."""
+    with open(f"/proc/{pid}/maps") as maps:
+        return "/tokenizers/" in maps.read()
+
+
+async def test_a_warm_engine_child_leaves_the_tokenizer_to_its_app(smollm2_source):
+    """On a warm start the child names the saved tokenizer and the app loads it (the child
+    imports torch and loads the weights meanwhile): the child loads none until a text
+    prompt needs one, and the app's is the model's, template and all."""
+    config = EngineConfig(model="smollm2-135m", device="cpu", num_blocks=64,
+                          cache_dir=os.environ["PAGED_CHAT_CACHE_DIR"])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    client = start_client(ClientSpec("process", config)).result()
+    try:
+        pid = client.transport.pid
+        assert client.info.chat_template == smollm2_source.chat_template
+        text = "The capital of France is"
+        ids = smollm2_source.tokenizer.encode(text)
+        assert client.info.tokenizer.encode(text) == ids
+        from_ids = [out async for out in client.stream(ids, params)]
+        assert not _maps_tokenizers(pid), "the child loaded a tokenizer no request needed"
+        from_text = [out async for out in client.stream(text, params)]   # the child's own, now
+        assert _maps_tokenizers(pid)
+        assert ([t for out in from_text for t in out.new_token_ids]
+                == [t for out in from_ids for t in out.new_token_ids])
+    finally:
+        client.shutdown()
+
+
 def _resident_bytes() -> int:
     with open("/proc/self/status") as status:
         line = next(line for line in status if line.startswith("VmRSS:"))

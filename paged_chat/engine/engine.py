@@ -19,6 +19,7 @@ import itertools
 import random
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -41,6 +42,8 @@ from paged_chat.engine.stats import EngineStats, KVTierStats, StepMetrics
 from paged_chat.engine.structured_output import StructuredOutputManager
 from paged_chat.engine.threads import StepThreads
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # How long a step with nothing to run (every request waiting for KV) waits for a tier read.
 _IDLE_READ_WAIT_S = 0.01
@@ -48,10 +51,16 @@ _IDLE_READ_WAIT_S = 0.01
 
 class Engine:
     def __init__(self, config: EngineConfig, source: ModelSource | None = None,
-                 on_progress: ProgressHook | None = None) -> None:
+                 on_progress: ProgressHook | None = None, tokenizer_on_demand: bool = False
+                 ) -> None:
         """`on_progress(stage, done, total)` hears how a slow start-up stage advances (a
         GGUF's first conversion; on CUDA, compiling the kernels and capturing CUDA graphs).
-        Nothing of `source` but its tokenizer and config is kept."""
+        Nothing of `source` but its tokenizer and config is kept.
+
+        `tokenizer_on_demand`: the tokenizer loads only when a text prompt or a grammar
+        needs it (an engine child whose app loads its own copy from
+        `source.tokenizer_source.saved_folder`); `info` then has no tokenizer and no chat
+        template, and EOS is the model config's, which has a GGUF's converted tokenizer's."""
         self.config = config
         # First, so its first look at the machine's load spans the model's loading.
         self.threads = StepThreads.from_setting(config.threads)
@@ -60,8 +69,7 @@ class Engine:
         source = source or load_model_source(config.model, config.cache_dir, on_progress)
         self.model_name = source.name
         self.model_config = source.config
-        self.tokenizer = source.tokenizer
-        self.chat_template = source.chat_template
+        self._tokenizer_source = source.tokenizer_source
         with out_of_memory(f"loading the weights onto {self.device}", "the model does not fit; "
                            "use a smaller model or dtype, or device='cpu'"):
             model = load_model(source, self.dtype, self.device, config.cache_dir,
@@ -84,8 +92,9 @@ class Engine:
         self.kv_transfer = KVTransfer(self.kv_cache, self.runner)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens)
-        self.eos_token_ids = frozenset(source.config.eos_token_ids) | (
-            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        self.eos_token_ids = frozenset(source.config.eos_token_ids)
+        if not tokenizer_on_demand and self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids |= {self.tokenizer.eos_token_id}
         self.requests: dict[str, Request] = {}
         self._structured_output: StructuredOutputManager | None = None  # on first use
         self.metrics = StepMetrics()
@@ -93,11 +102,20 @@ class Engine:
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)
         self.info = ModelInfo(
-            name=self.model_name, tokenizer=self.tokenizer, chat_template=self.chat_template,
+            name=self.model_name, tokenizer=None if tokenizer_on_demand else self.tokenizer,
+            chat_template="" if tokenizer_on_demand else self.chat_template,
             device=self.device.type, dtype=dtype_name(self.dtype), num_blocks=self.num_blocks,
             block_size=self.block_size, max_model_len=self.max_model_len,
             num_parameters=num_parameters, weights=weights, weight_bytes=weight_bytes,
             generation_defaults=generation_defaults(source))
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._tokenizer_source.tokenizer
+
+    @property
+    def chat_template(self) -> str:
+        return self._tokenizer_source.chat_template
 
     # ---- requests -------------------------------------------------------------------
 
@@ -114,7 +132,8 @@ class Engine:
         params = params or SamplingParams()
         if request_id is not None and not (isinstance(request_id, str) and request_id):
             raise ValueError(f"request_id={request_id!r} is invalid: expected a non-empty string")
-        token_ids = prompt_token_ids(prompt, self.tokenizer, self.model_config.vocab_size)
+        token_ids = prompt_token_ids(prompt, self.tokenizer if isinstance(prompt, str) else None,
+                                     self.model_config.vocab_size)
         if request_id is None:
             request_id = next(free for free in (f"req-{n}" for n in self._ids) if free not in self.requests)
         elif request_id in self.requests:

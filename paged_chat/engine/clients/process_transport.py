@@ -16,8 +16,9 @@ main thread, so its OpenMP pool is the only one, and runs the same loop as the t
 transport (engine_loop.py) over one duplex pipe:
 
     parent -> child   Add, Abort, ResetPrefixCache, Shutdown       (engine_loop's commands)
-    child -> parent   _Progress while loading, _Tokenizer once the model's source is read,
-                      then _Ready (ModelInfo less its tokenizer, first stats) or
+    child -> parent   _Progress while loading, _Tokenizer once the model's source is read
+                      (the tokenizer, or the folder it is saved in), then _Ready
+                      (ModelInfo less its tokenizer, first stats) or
                       _LoadFailed; then per step _Outputs, every stats_interval_s _Stats,
                       _RequestFailed, _StepFailed, and last _Stopped
 
@@ -89,14 +90,19 @@ class _Progress:
 
 @dataclass(slots=True)
 class _Tokenizer:
-    """Sent before the weights load: the parent unpickles it (0.15-0.3 s) meanwhile."""
+    """Sent before the weights load. Where the model's tokenizer is saved (a GGUF's warm
+    start), its folder: the parent loads it from there meanwhile, and the child never
+    loads it unless a request needs it (tokenizer_source.py). Else the tokenizer itself,
+    which the parent unpickles (0.15-0.3 s) meanwhile."""
 
-    tokenizer: Any
+    tokenizer: Any = None
+    saved_folder: Path | None = None
 
 
 @dataclass(slots=True)
 class _Ready:
-    info: ModelInfo   # its tokenizer None: the _Tokenizer before it has it
+    info: ModelInfo   # its tokenizer None (and its template "" when the parent loads the
+                      # tokenizer itself): the _Tokenizer before it says where they are
     stats: EngineStats
 
 
@@ -260,8 +266,10 @@ class ProcessTransport:
     # ---- the parent's threads ---------------------------------------------------------
 
     def _wait_until_ready(self) -> tuple[ModelInfo, EngineStats]:
+        from paged_chat.engine.models.tokenizer_source import chat_template_of, load_saved_tokenizer
+
         assert self._process is not None
-        tokenizer = None
+        tokenizer, loaded_here = None, False
         while True:
             try:
                 message = self._conn.recv()
@@ -273,12 +281,17 @@ class ProcessTransport:
                 if self.on_progress is not None:
                     self.on_progress(message.stage, message.done, message.total)
             elif isinstance(message, _Tokenizer):
-                tokenizer = message.tokenizer
+                loaded_here = message.saved_folder is not None
+                tokenizer = (load_saved_tokenizer(message.saved_folder) if loaded_here
+                             else message.tokenizer)
             elif isinstance(message, _LoadFailed):
                 raise message.error
             else:
                 assert tokenizer is not None, "the child sends its tokenizer first"
-                return dataclasses.replace(message.info, tokenizer=tokenizer), message.stats
+                template = (chat_template_of(tokenizer, message.info.name) if loaded_here
+                            else message.info.chat_template)
+                return (dataclasses.replace(message.info, tokenizer=tokenizer,
+                                            chat_template=template), message.stats)
 
     def _write(self) -> None:
         while (command := self._commands.get()) is not None:
@@ -361,8 +374,11 @@ def _child_main(conn: Connection, beats: Connection, config: EngineConfig,
 
     try:
         source = load_model_source(config.model, config.cache_dir, progress)
-        conn.send(_Tokenizer(source.tokenizer))
-        engine = Engine(config, source, on_progress=progress)
+        saved_folder = source.tokenizer_source.saved_folder
+        conn.send(_Tokenizer(saved_folder=saved_folder) if saved_folder is not None
+                  else _Tokenizer(source.tokenizer))
+        engine = Engine(config, source, on_progress=progress,
+                        tokenizer_on_demand=saved_folder is not None)
     except BaseException as error:
         conn.send(_LoadFailed(_portable(error)))
         return

@@ -9,7 +9,6 @@ Tensors are dequantized one at a time (large ones in row chunks) when the model 
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 import shutil
@@ -18,12 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from typing import TYPE_CHECKING
+
 import gguf
 import numpy as np
 import torch
-import transformers
-from transformers import PreTrainedTokenizerBase
-from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from paged_chat.engine.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.checkpoint import Checkpoint, StoredTensor, read_exact
@@ -32,7 +30,11 @@ from paged_chat.engine.models.model_config import SUPPORTED_ARCHITECTURES
 from paged_chat.engine.models.quant import BLOCK_FORMATS
 from paged_chat.engine.models.quant.layout import QuantizedWeight
 from paged_chat.engine.models.tensor_names import gguf_to_hf_name
+from paged_chat.engine.models.tokenizer_source import load_saved_tokenizer, saved_tokenizer_folder
 from paged_chat.engine.regular_files import open_regular
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # GGUF architecture -> HF model_type. llama.cpp stores Mistral models as "llama".
 GGUF_ARCHITECTURES: dict[str, str] = {
@@ -138,18 +140,25 @@ def read_gguf(path: Path) -> GGUFModel:
     return GGUFModel(hf_config, checkpoint, _header_digest(path, header.data_offset))
 
 
+def gguf_tokenizer_folder(header_digest: str, cache_dir: Path | None) -> Path | None:
+    """The saved copy of a GGUF's converted tokenizer, where one is (None: convert it)."""
+    if cache_dir is None:
+        return None
+    folder = saved_tokenizer_folder(cache_dir, header_digest)
+    return folder if folder.is_dir() else None
+
+
 def load_gguf_tokenizer(path: Path, header_digest: str,
                         cache_dir: Path | None) -> PreTrainedTokenizerBase:
     """Build the tokenizer from GGUF metadata, converting once and reusing a saved copy.
 
     The transformers conversion re-reads the whole vocabulary (seconds); the saved
-    tokenizer.json loads in a fraction of that. The copy is keyed by the whole header, so
-    a template edited in place is never served stale; `cache_dir` None keeps no copy.
+    tokenizer.json loads in a fraction of that (`saved_tokenizer_folder` says where it is
+    kept); `cache_dir` None keeps no copy.
     """
-    key = hashlib.sha256(f"{transformers.__version__}:{header_digest}".encode()).hexdigest()
-    cached = cache_dir / "tokenizers" / key[:32] if cache_dir is not None else None
-    if cached is not None and cached.is_dir():
-        return _load_saved_tokenizer(cached)
+    saved = gguf_tokenizer_folder(header_digest, cache_dir)
+    if saved is not None:
+        return load_saved_tokenizer(saved)
     from transformers import AutoTokenizer  # 1-3 s of imports: only a first conversion pays
 
     try:
@@ -160,25 +169,9 @@ def load_gguf_tokenizer(path: Path, header_digest: str,
             f"{path}: cannot build a tokenizer from its GGUF metadata ({reason}); use a GGUF "
             f"file made by a recent llama.cpp convert_hf_to_gguf.py, or the HF model folder"
         ) from exc
-    if cached is not None:
-        _save_atomically(tokenizer, cached)
+    if cache_dir is not None:
+        _save_atomically(tokenizer, saved_tokenizer_folder(cache_dir, header_digest))
     return tokenizer
-
-
-def _load_saved_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
-    """A converted tokenizer saved by `_save_atomically`, as the class it was saved as.
-    The generic tokenizers-backed class (what a GGUF converts to) is loaded directly:
-    AutoTokenizer would pick the same class, after importing every model's tokenizer and
-    config mappings (1-3 s of a warm start on 2 cores)."""
-    try:
-        saved_class = json.loads((folder / "tokenizer_config.json").read_bytes()).get("tokenizer_class")
-    except (OSError, ValueError, AttributeError):  # a damaged copy: AutoTokenizer says what is wrong
-        saved_class = None
-    if saved_class == TokenizersBackend.__name__:
-        return TokenizersBackend.from_pretrained(folder)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(folder)
 
 
 def _field(header: GGUFHeader, key: str) -> Any:

@@ -18,16 +18,20 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from huggingface_hub import is_offline_mode, snapshot_download
 from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
-from transformers import PreTrainedTokenizerBase
 
 from paged_chat.engine.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.checkpoint import Checkpoint, SafetensorsFile
-from paged_chat.engine.models.gguf_file import GGUFCheckpoint, load_gguf_tokenizer, read_gguf
+from paged_chat.engine.models.gguf_file import (
+    GGUFCheckpoint,
+    gguf_tokenizer_folder,
+    load_gguf_tokenizer,
+    read_gguf,
+)
 from paged_chat.engine.models.llama import LlamaForCausalLM
 from paged_chat.engine.models.model_config import (
     TEXT_DECODER_DEFAULTS,
@@ -44,7 +48,11 @@ from paged_chat.engine.models.weight_cache import (
     combine_checksums,
     entry_tensors,
 )
+from paged_chat.engine.models.tokenizer_source import TokenizerSource, load_saved_tokenizer
 from paged_chat.engine.regular_files import open_regular
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # on_progress(stage, done, total): called as a slow load advances (one call per tensor).
 ProgressHook = Callable[[str, int, int], None]
@@ -83,14 +91,6 @@ MODEL_ALIASES: dict[str, ModelAlias] = {
     )
 }
 
-# Used when a tokenizer has none: the plain ChatML most small chat models were tuned on.
-PLAIN_CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
-
 # org/name, as the hub spells repo ids.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # What an HF folder needs; skips duplicate weight formats (pytorch_model.bin, consolidated.*).
@@ -105,7 +105,9 @@ class ModelSource:
     model, `hf_config` and `checkpoint` are its text decoder's, as a text-only model has them.
 
     `header_digest` identifies a GGUF file's contents (its converted tokenizer and weights
-    are cached under it); None for HF folders, which are read directly.
+    are cached under it); None for HF folders, which are read directly. The tokenizer and
+    chat template come from `tokenizer_source`: a GGUF's saved tokenizer loads on first use
+    (an engine child may never need it), any other is loaded here.
     """
 
     name: str
@@ -113,9 +115,16 @@ class ModelSource:
     config: ModelConfig
     hf_config: dict[str, Any]
     checkpoint: Checkpoint
-    tokenizer: PreTrainedTokenizerBase
-    chat_template: str
+    tokenizer_source: TokenizerSource
     header_digest: str | None = None
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.tokenizer_source.tokenizer
+
+    @property
+    def chat_template(self) -> str:
+        return self.tokenizer_source.chat_template
 
 
 _GGUF_MAGIC = b"GGUF"
@@ -137,7 +146,7 @@ def load_model_source(spec: str, cache_dir: Path | str | None = None,
         hf_config = text_decoder_config(folder_config)
         vision_language = folder_config["model_type"] in TEXT_DECODER_DEFAULTS
         checkpoint = _read_safetensors(path, vision_language)
-        tokenizer = _load_folder_tokenizer(path)
+        tokenizer_source = TokenizerSource.loaded(name, _load_folder_tokenizer(path))
         if vision_language:
             warnings.warn(f"{name} is a vision-language model: paged-chat runs its text "
                           f"decoder only, images are not supported", stacklevel=2)
@@ -146,13 +155,18 @@ def load_model_source(spec: str, cache_dir: Path | str | None = None,
         hf_config, checkpoint = gguf_model.hf_config, gguf_model.checkpoint
         header_digest = gguf_model.header_digest
         config = _model_config(hf_config, path)
-        report("preparing the tokenizer", 0, 1)
-        tokenizer = load_gguf_tokenizer(path, header_digest, cache)
-        report("preparing the tokenizer", 1, 1)
+        saved = gguf_tokenizer_folder(header_digest, cache)
+        if saved is not None:
+            tokenizer_source = TokenizerSource(name, lambda: load_saved_tokenizer(saved), saved)
+        else:
+            report("preparing the tokenizer", 0, 1)
+            tokenizer = load_gguf_tokenizer(path, header_digest, cache)
+            report("preparing the tokenizer", 1, 1)
+            tokenizer_source = TokenizerSource.loaded(name, tokenizer)
     _check_shapes(config, checkpoint, path)
     return ModelSource(name=name, path=path, config=config, hf_config=hf_config,
-                       checkpoint=checkpoint, tokenizer=tokenizer,
-                       chat_template=_chat_template(tokenizer, name), header_digest=header_digest)
+                       checkpoint=checkpoint, tokenizer_source=tokenizer_source,
+                       header_digest=header_digest)
 
 
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
@@ -430,17 +444,3 @@ def _check_shapes(config: ModelConfig, checkpoint: Checkpoint, path: Path) -> No
         raise ModelLoadError(
             f"{path}: weights do not match the model config ({'; '.join(problems[:3])}; "
             f"{len(problems)} problems in all): the files are incomplete or from different models")
-
-
-def _chat_template(tokenizer: PreTrainedTokenizerBase, name: str) -> str:
-    """The tokenizer's template, or plain ChatML (set on the tokenizer too) with a warning."""
-    template = tokenizer.chat_template
-    if isinstance(template, dict):  # several named templates: the default one is for chat
-        template = template.get("default")
-    if not template:
-        warnings.warn(
-            f"{name}: the tokenizer has no chat template; using a plain ChatML template",
-            stacklevel=3)
-        template = PLAIN_CHATML_TEMPLATE
-        tokenizer.chat_template = template
-    return template
