@@ -193,3 +193,35 @@ async def test_a_streaming_reply_renders_only_in_the_panels_frames(chat_model_di
     assert renders >= 2, rendered   # it streamed, in several frames
     assert "render,render" not in ",".join(rendered), rendered   # a frame between any two
     assert renders <= rendered.count("frame") + 1
+
+
+async def test_a_streaming_paragraph_lays_the_screen_out_only_when_it_grows_a_line(
+        chat_model_dir, tmp_path):
+    """Issue 32 item 17: any new text of a Markdown block re-lays the whole screen out and
+    repaints it (25-40 ms at 160x50), and a streaming reply's last paragraph gets new text
+    at every frame. Words that stay on its last line ask for no layout; the word that wraps
+    asks for one, and the paragraph is a line taller."""
+    app, client = fed_app(chat_model_dir, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        tab = app.active_tab
+        await press(pilot, *"hi", "enter")
+        await wait_until(lambda: tab.streaming and tab.session.turn is not None)
+        reply = tab.query_one(AssistantMessage)
+
+        async def feed(piece: str) -> None:
+            client.pieces.put_nowait(piece)
+            await wait_until(lambda: shown_words(reply) == tab.session.turn.text.split()
+                             and tab.session.turn.text.endswith(piece))
+
+        await feed("One ")
+        paragraph = reply.query(MarkdownBlock).only_one()
+        await wait_until(lambda: paragraph.content_size.height == 1)
+        layouts = paragraph._layout_updates
+        for word in ("short", "words", "on", "one", "line "):
+            await feed(f"{word} ")
+        assert paragraph._layout_updates == layouts and paragraph.content_size.height == 1
+        await feed("and then a long run of words that cannot fit beside them " * 2)
+        await wait_until(lambda: paragraph.content_size.height >= 2)
+        assert paragraph._layout_updates > layouts
+        client.pieces.put_nowait(None)
+        await wait_until(lambda: not tab.streaming)

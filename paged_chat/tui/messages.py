@@ -7,6 +7,8 @@ streaming a reply costs about linear time in its length, not quadratic. A reply 
 it is written until the app's next frame (the engine panel's, ~5 a second: `catch_up`),
 where it renders as one append beside the panel's redraw, so the terminal gets one screen
 update per frame however many tabs stream; a hidden tab renders nothing until it is shown.
+A frame re-lays the screen out only when the reply's last paragraph grows a line
+(`ReplyParagraph`): most frames only add words to one.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import re
 
 from rich.text import Text
 from textual.containers import Vertical
+from textual.content import Content
 from textual.widgets import Markdown, Static
-from textual.widgets.markdown import MarkdownStream
+from textual.widgets.markdown import MarkdownBlock, MarkdownStream
 
 from paged_chat.text import sanitize_for_terminal as clean
 from paged_chat.tui.fit import SEPARATOR, fit_parts
@@ -36,6 +39,27 @@ def code_blocks(markdown: str) -> list[str]:
 
 def _inside_fence(text: str) -> bool:
     return len(_FENCE.findall(text)) % 2 == 1
+
+
+class ReplyParagraph(Markdown.BLOCKS["paragraph_open"]):
+    """A paragraph whose new text asks for a layout only if its height changes. Textual
+    re-lays the whole screen out for any new text of a block (Static.update), then repaints
+    every widget: 25-40 ms at 160x50 on 2 cores, at each frame of a streaming reply, where
+    most frames only add words to its last line."""
+
+    def set_content(self, content: Content) -> None:
+        width, height = self.content_size
+        if width and content.get_height(self.styles, width) == height:
+            self._content = content
+            self.update(content, layout=False)
+        else:
+            super().set_content(content)
+
+
+class ReplyMarkdown(Markdown):
+    """A reply's Markdown, its paragraphs ReplyParagraphs."""
+
+    BLOCKS: dict[str, type[MarkdownBlock]] = Markdown.BLOCKS | {"paragraph_open": ReplyParagraph}
 
 
 class UserMessage(Static):
@@ -74,7 +98,7 @@ class AssistantMessage(Vertical):
 
     def compose(self):
         shown = hard_line_breaks(clean(self.text))
-        markdown = Markdown(shown or None)
+        markdown = ReplyMarkdown(shown or None)
         self._chunks.append(markdown)
         self._chunk_text = shown
         yield markdown
@@ -139,7 +163,7 @@ class AssistantMessage(Vertical):
 
     async def _new_chunk(self) -> None:
         await self._stop_stream(render=True)
-        markdown = Markdown()
+        markdown = ReplyMarkdown()
         self._chunks.append(markdown)
         self._chunk_text = ""
         await self.mount(markdown)
