@@ -364,8 +364,9 @@ def dense_windowed_reference(batch: Batch, caches: tuple[torch.Tensor, torch.Ten
     return out.to(DEVICE)
 
 
-# (prefix, new): decodes past and within the window, a chunk mid-block, a fresh prompt.
-WINDOW_SEQS = [(100, 1), (7, 1), (37, 1), (21, 19), (0, 40), (45, 3)]
+# (prefix, new): decodes past and within the window, a chunk mid-block, a fresh prompt
+# (ending mid-block and mid query block; its length multiplies the interpreter's work).
+WINDOW_SEQS = [(100, 1), (7, 1), (37, 1), (21, 19), (0, 23), (45, 3)]
 
 
 @pytest.mark.parametrize("window", [1, 10, 13, 20, 500])
