@@ -16,6 +16,7 @@ from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.models.loader import MODEL_ALIASES
 from paged_chat.engine.models.weight_cache import list_cached_weights
 from helpers import REPO
+from test_loader import read_weights
 
 pytestmark = pytest.mark.slow
 
@@ -66,6 +67,15 @@ def test_second_chat_turn_reuses_the_history(engine):
     second = engine.generate([follow_up], greedy)[0]
     assert len(follow_up) - second.num_cached_tokens <= 16 + len(
         engine.tokenizer.encode("<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n"))
+
+
+def test_alias_weights_match_transformers_gguf_loader(smollm2_source, smollm2_reference) -> None:
+    """transformers un-permutes q/k itself: equal weights validate ours on real data."""
+    reference = smollm2_reference.state_dict()
+    weights = read_weights(smollm2_source)
+    assert set(weights) == set(reference) - {"lm_head.weight"}
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, reference[name]), name
 
 
 def test_alias_table_names_the_install_command():
