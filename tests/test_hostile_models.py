@@ -11,11 +11,13 @@ from __future__ import annotations
 import errno
 import json
 import os
-import select
+import queue
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -58,25 +60,43 @@ class LoaderUnderLimit:
 
     def __init__(self) -> None:
         self.process: subprocess.Popen | None = None
+        self.lines: queue.Queue[str] = queue.Queue()   # its stdout, read on a thread
+        self.errors = None   # its stderr, in a file: never a full pipe that blocks it
+
+    def _start(self) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        self.errors = tempfile.TemporaryFile("w+")
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _LOADER_UNDER_LIMIT.format(limit=MEMORY_LIMIT)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors, text=True, env=env)
+        self.lines = queue.Queue()
+        threading.Thread(target=self._read, args=(self.process.stdout, self.lines), daemon=True).start()
+
+    @staticmethod
+    def _read(stdout, lines: queue.Queue) -> None:
+        for line in stdout:
+            lines.put(line)
+        lines.put("")   # it exited
 
     def load(self, path: Path) -> str:
         """Build an engine on `path`; the loader's one line about it (no newline in the path)."""
         if self.process is None or self.process.poll() is not None:
-            env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-            self.errors = tempfile.TemporaryFile("w+")   # never a full pipe that blocks it
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", _LOADER_UNDER_LIMIT.format(limit=MEMORY_LIMIT)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors, text=True,
-                env=env)
+            self._start()
         self.process.stdin.write(f"{path}\n")
         self.process.stdin.flush()
-        ready, _, _ = select.select([self.process.stdout], [], [], TIMEOUT_S)
-        line = self.process.stdout.readline() if ready else ""
+        deadline = time.monotonic() + TIMEOUT_S
+        line = "printed by the load, not its verdict"
+        try:
+            while line and not line.startswith(("REFUSED", "LOADED")):
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            line = None
         if not line:
             self.process.kill()
             self.process.wait()
             self.errors.seek(0)
-            pytest.fail(f"the load of {path} {'died' if ready else 'hung'}: {self.errors.read()[-2000:]}")
+            pytest.fail(f"the load of {path} {'hung' if line is None else 'died'}: "
+                        f"{self.errors.read()[-2000:]}")
         return line.strip()
 
     def close(self) -> None:
