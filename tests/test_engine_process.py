@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -48,10 +49,21 @@ def own_process_engine(chat_model_dir, spare_process_engines):
     else:
         engine = make_client(ClientSpec("process", engine_config(chat_model_dir)))
     yield engine
-    if engine.running and engine.last_error is None and idle(engine):
+    if engine.running and engine.last_error is None and settles(engine):
         spare_process_engines.append(engine)
     else:
         engine.shutdown()
+
+
+def settles(engine: LocalClient, within_s: float = 10.0) -> bool:
+    """Whether the child's stats say idle within `within_s` (they arrive a moment after the
+    last delta)."""
+    deadline = time.monotonic() + within_s
+    while not idle(engine):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 async def collect(engine, prompt, params=SHORT, owner=None) -> list:
