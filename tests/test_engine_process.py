@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -29,11 +30,40 @@ def process_engine(chat_model_dir):
     engine.shutdown()
 
 
+@pytest.fixture(scope="module")
+def spare_process_engines() -> list[LocalClient]:
+    """Engines a test left running with no request (a restarted child serves as a new one:
+    its own process, its load done): the next test that needs one of its own takes it
+    instead of waiting seconds for a child to start."""
+    spare: list[LocalClient] = []
+    yield spare
+    for engine in spare:
+        engine.shutdown()
+
+
 @pytest.fixture
-def own_process_engine(chat_model_dir):
-    engine = make_client(ClientSpec("process", engine_config(chat_model_dir)))
+def own_process_engine(chat_model_dir, spare_process_engines):
+    """A process engine for this test alone, which it may shut down, restart or kill."""
+    if spare_process_engines:
+        engine = spare_process_engines.pop()
+    else:
+        engine = make_client(ClientSpec("process", engine_config(chat_model_dir)))
     yield engine
-    engine.shutdown()
+    if engine.running and engine.last_error is None and settles(engine):
+        spare_process_engines.append(engine)
+    else:
+        engine.shutdown()
+
+
+def settles(engine: LocalClient, within_s: float = 10.0) -> bool:
+    """Whether the child's stats say idle within `within_s` (they arrive a moment after the
+    last delta)."""
+    deadline = time.monotonic() + within_s
+    while not idle(engine):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 async def collect(engine, prompt, params=SHORT, owner=None) -> list:

@@ -11,9 +11,13 @@ from __future__ import annotations
 import errno
 import json
 import os
+import queue
 import struct
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 import types
 from pathlib import Path
 
@@ -30,29 +34,83 @@ from tiny_models import hf_folder, tiny_gguf
 MEMORY_LIMIT = 6 << 30  # address space: torch's own mappings fit, a hostile allocation not
 TIMEOUT_S = 60
 
-_LOAD_UNDER_LIMIT = """
-import resource, sys
+# One loader process serves the module's loads (its imports take seconds; a load of these
+# files, a fraction of one): a path per line in, one line of verdict out per path.
+_LOADER_UNDER_LIMIT = """
+import gc, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
 from paged_chat.engine import Engine, EngineConfig
 from paged_chat.engine.errors import PagedChatError
-try:
-    engine = Engine(EngineConfig(model=sys.argv[1], device="cpu", dtype="float32",
-                                 kv_cache_memory="1MiB"))
-except PagedChatError as error:
-    print("REFUSED", error)
-else:
-    print("LOADED", engine.max_model_len, engine.runner.model.rope_cos.shape[0])
+for line in sys.stdin:
+    try:
+        engine = Engine(EngineConfig(model=line.rstrip("\\n"), device="cpu", dtype="float32",
+                                     kv_cache_memory="1MiB"))
+    except PagedChatError as error:
+        print("REFUSED", error, flush=True)
+    else:
+        print("LOADED", engine.max_model_len, engine.runner.model.rope_cos.shape[0], flush=True)
+        del engine
+        gc.collect()
 """
 
 
-def load_under_limit(path: Path) -> str:
-    """Build an engine on `path` in a subprocess under MEMORY_LIMIT; its one line of output."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-c", _LOAD_UNDER_LIMIT.format(limit=MEMORY_LIMIT), str(path)],
-        capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
-    assert result.returncode == 0, result.stderr[-2000:]
-    return result.stdout.strip().splitlines()[-1]
+class LoaderUnderLimit:
+    """A process that builds an engine on each path it is sent, under MEMORY_LIMIT; started
+    again after a load that killed it or ran past TIMEOUT_S."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen | None = None
+        self.lines: queue.Queue[str] = queue.Queue()   # its stdout, read on a thread
+        self.errors = None   # its stderr, in a file: never a full pipe that blocks it
+
+    def _start(self) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        self.errors = tempfile.TemporaryFile("w+")
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _LOADER_UNDER_LIMIT.format(limit=MEMORY_LIMIT)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors, text=True, env=env)
+        self.lines = queue.Queue()
+        threading.Thread(target=self._read, args=(self.process.stdout, self.lines), daemon=True).start()
+
+    @staticmethod
+    def _read(stdout, lines: queue.Queue) -> None:
+        for line in stdout:
+            lines.put(line)
+        lines.put("")   # it exited
+
+    def load(self, path: Path) -> str:
+        """Build an engine on `path`; the loader's one line about it (no newline in the path)."""
+        if self.process is None or self.process.poll() is not None:
+            self._start()
+        self.process.stdin.write(f"{path}\n")
+        self.process.stdin.flush()
+        deadline = time.monotonic() + TIMEOUT_S
+        line = "printed by the load, not its verdict"
+        try:
+            while line and not line.startswith(("REFUSED", "LOADED")):
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            line = None
+        if not line:
+            self.process.kill()
+            self.process.wait()
+            self.errors.seek(0)
+            pytest.fail(f"the load of {path} {'hung' if line is None else 'died'}: "
+                        f"{self.errors.read()[-2000:]}")
+        return line.strip()
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.stdin.close()
+            self.process.wait(30)
+            self.errors.close()
+
+
+@pytest.fixture(scope="module")
+def loader() -> LoaderUnderLimit:
+    shared = LoaderUnderLimit()
+    yield shared
+    shared.close()
 
 
 def minimal_gguf(path: Path, build) -> Path:
@@ -65,23 +123,23 @@ def minimal_gguf(path: Path, build) -> Path:
     return path
 
 
-def test_metadata_array_claiming_2_to_the_40_items_is_refused_at_once(tmp_path: Path) -> None:
+def test_metadata_array_claiming_2_to_the_40_items_is_refused_at_once(tmp_path: Path, loader) -> None:
     """A 133-byte file whose array claims 2^40 items hung `ask -m` and `paged-chat models`."""
     path = _hostile_array_gguf(tmp_path / "array.gguf")
     assert len(path.read_bytes()) < 200
-    line = load_under_limit(path)
+    line = loader.load(path)
     assert line.startswith("REFUSED") and "not a readable GGUF file" in line
     assert "array of 1099511627776 items" in line
 
 
-def test_tensor_claiming_more_bytes_than_the_file_holds_is_refused(tmp_path: Path) -> None:
+def test_tensor_claiming_more_bytes_than_the_file_holds_is_refused(tmp_path: Path, loader) -> None:
     path = minimal_gguf(tmp_path / "tensor.gguf", lambda w: w.add_tensor(
         "token_embd.weight", np.zeros((4, 32), dtype=np.float32)))
     data = path.read_bytes()
     dims = struct.pack("<IQQ", 2, 32, 4)
     assert data.count(dims) == 1
     path.write_bytes(data.replace(dims, struct.pack("<IQQ", 2, 32, 1 << 40)))
-    line = load_under_limit(path)
+    line = loader.load(path)
     assert line.startswith("REFUSED") and "past the end" in line
 
 
@@ -89,25 +147,25 @@ def test_tensor_claiming_more_bytes_than_the_file_holds_is_refused(tmp_path: Pat
     ("block_count", 2**32 - 1, "num_hidden_layers=4294967295"),
     ("attention.head_count", 0, "num_attention_heads=0"),
 ])
-def test_gguf_header_numbers_out_of_bounds_are_refused(tmp_path: Path, key: str, value: int,
-                                                        named: str) -> None:
+def test_gguf_header_numbers_out_of_bounds_are_refused(tmp_path: Path, loader, key: str,
+                                                        value: int, named: str) -> None:
     path, _, _ = tiny_gguf(tmp_path, tokenizer=False)
     data = path.read_bytes()
     old = _u32_field(f"llama.{key}", _read_u32(data, f"llama.{key}"))
     assert data.count(old) == 1
     path.write_bytes(data.replace(old, _u32_field(f"llama.{key}", value)))
-    line = load_under_limit(path)
+    line = loader.load(path)
     assert line.startswith("REFUSED") and str(path) in line and named in line
 
 
-def test_rope_tables_are_sized_from_the_effective_max_model_len(tmp_path: Path) -> None:
+def test_rope_tables_are_sized_from_the_effective_max_model_len(tmp_path: Path, loader) -> None:
     """context_length 2^31 sized the RoPE tables (tens of GB) before the pool capped
     max_model_len; they follow the engine's max_model_len now."""
     path, _, _ = tiny_gguf(tmp_path)
     data = path.read_bytes()
     old = _u32_field("llama.context_length", _read_u32(data, "llama.context_length"))
     path.write_bytes(data.replace(old, _u32_field("llama.context_length", 2**31)))
-    verdict, max_model_len, table = load_under_limit(path).split()
+    verdict, max_model_len, table = loader.load(path).split()
     assert verdict == "LOADED" and int(table) == int(max_model_len) < 2**20
 
 
