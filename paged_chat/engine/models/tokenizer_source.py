@@ -60,10 +60,6 @@ class TokenizerSource:
         return source
 
     @property
-    def is_loaded(self) -> bool:
-        return self._tokenizer is not None
-
-    @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
         self._ensure_loaded()
         assert self._tokenizer is not None
