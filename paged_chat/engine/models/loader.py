@@ -420,10 +420,8 @@ def _read_safetensors(folder: Path, vision_language: bool) -> Checkpoint:
 
 
 def _load_folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer  # seconds of imports a GGUF's start does without
-
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return load_saved_tokenizer(folder)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ModelLoadError(
             f"cannot load a tokenizer from {folder} ({_first_line(exc)}): the folder needs "
