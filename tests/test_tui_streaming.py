@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import numpy as np
+import pytest
 from textual.widgets.markdown import MarkdownBlock
 
 from paged_chat.chat_store import ChatStore
@@ -225,3 +226,33 @@ async def test_a_streaming_paragraph_lays_the_screen_out_only_when_it_grows_a_li
         assert paragraph._layout_updates > layouts
         client.pieces.put_nowait(None)
         await wait_until(lambda: not tab.streaming)
+
+
+@pytest.mark.timeout(90)   # on the old code the close itself never returned
+async def test_closing_a_tab_never_waits_on_a_replys_render(chat_model_dir, tmp_path, monkeypatch):
+    """A tab shown again renders its replies (`catch_up`); closing it must not wait for that
+    render (in the full suite a streaming tab closed from its confirm dialog stayed, its
+    removal held up behind a handler awaiting the reply's Markdown). A render that never
+    ends stands in for the one that hung."""
+    app, client = fed_app(chat_model_dir, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        tab = app.active_tab
+        await press(pilot, *"hi", "enter")
+        await wait_until(lambda: tab.streaming)
+        client.pieces.put_nowait("A reply. ")
+        client.pieces.put_nowait(None)
+        await wait_until(lambda: not tab.streaming)
+        await press(pilot, "ctrl+n")
+        await wait_until(lambda: len(app.chat_tabs) == 2 and app.active_tab is app.chat_tabs[1])
+        rendering = asyncio.Event()
+
+        async def render_forever(reply: AssistantMessage) -> None:
+            rendering.set()
+            await asyncio.Event().wait()
+
+        monkeypatch.setattr(AssistantMessage, "catch_up", render_forever)
+        await press(pilot, "alt+left")
+        await wait_until(lambda: app.active_tab is tab and rendering.is_set())
+        await press(pilot, "ctrl+w")
+        await wait_until(lambda: not tab.is_attached, timeout=20)
+        assert app.chat_tabs == [app.active_tab] and app.active_tab is not tab

@@ -116,8 +116,14 @@ class ChatTab(TabPane):
             return
         self._frame = self.run_worker(reply.catch_up(), group="frame")
 
-    async def on_show(self) -> None:
-        """Replies that finished while the tab was hidden get their final render now."""
+    def on_show(self) -> None:
+        """Replies that streamed or finished while the tab was hidden render now, in a worker
+        of this tab, as a frame's render does and for the same reason: a handler on this
+        tab's queue waiting on a reply's Markdown holds the tab's removal up for good (a
+        dismissed dialog shows the tab again; its Ctrl+W confirm is one)."""
+        self.run_worker(self._catch_up_replies(), group="show")
+
+    async def _catch_up_replies(self) -> None:
         for reply in self.query(AssistantMessage):
             await reply.catch_up()
 
