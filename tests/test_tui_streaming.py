@@ -243,7 +243,10 @@ async def test_closing_a_tab_never_waits_on_a_replys_render(chat_model_dir, tmp_
         client.pieces.put_nowait(None)
         await wait_until(lambda: not tab.streaming)
         await press(pilot, "ctrl+n")
-        await wait_until(lambda: len(app.chat_tabs) == 2 and app.active_tab is app.chat_tabs[1])
+        # Hidden on screen, not only in the tabs' state: a tab the compositor never saw hidden
+        # gets no Show event when it is chosen again.
+        await wait_until(lambda: len(app.chat_tabs) == 2 and app.active_tab is app.chat_tabs[1]
+                         and not tab.region)
         rendering = asyncio.Event()
 
         async def render_forever(reply: AssistantMessage) -> None:
