@@ -24,6 +24,7 @@ from paged_chat.engine.stats import BlockMap
 from paged_chat.settings import ChatSettings, Settings
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.block_map import TAB0, BlockMapView
+from paged_chat.tui.chat_tab import ChatTab
 from paged_chat.tui.messages import AssistantMessage
 from helpers import wait_until
 from tui_helpers import press
@@ -83,6 +84,14 @@ def fed_app(model_dir: Path, tmp_path: Path) -> tuple[PagedChatApp, FedClient]:
     app = PagedChatApp(Settings(chat=ChatSettings(temperature=0.0)), engine=client,
                        store=ChatStore(tmp_path / "chats.db"), session_path=tmp_path / "s.json")
     return app, client
+
+
+async def streaming_reply(app: PagedChatApp, pilot) -> tuple[ChatTab, AssistantMessage]:
+    """Send "hi" in the active tab; its tab and its reply once the turn streams."""
+    tab = app.active_tab
+    await press(pilot, *"hi", "enter")
+    await wait_until(lambda: tab.streaming and tab.session.turn is not None)
+    return tab, tab.query_one(AssistantMessage)
 
 
 def shown_words(reply: AssistantMessage) -> list[str]:
@@ -164,10 +173,7 @@ async def test_a_streaming_reply_renders_only_in_the_panels_frames(chat_model_di
     renders of the reply the panel has drawn, however fast the deltas come."""
     app, client = fed_app(chat_model_dir, tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
-        tab = app.active_tab
-        await press(pilot, *"hi", "enter")
-        await wait_until(lambda: tab.streaming and tab.session.turn is not None)
-        reply = tab.query_one(AssistantMessage)
+        tab, reply = await streaming_reply(app, pilot)
         events: list[str] = []
         panel, show_stats, append = app.panel, app.panel.show_stats, reply._append
 
@@ -204,10 +210,7 @@ async def test_a_streaming_paragraph_lays_the_screen_out_only_when_it_grows_a_li
     asks for one, and the paragraph is a line taller."""
     app, client = fed_app(chat_model_dir, tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
-        tab = app.active_tab
-        await press(pilot, *"hi", "enter")
-        await wait_until(lambda: tab.streaming and tab.session.turn is not None)
-        reply = tab.query_one(AssistantMessage)
+        tab, reply = await streaming_reply(app, pilot)
 
         async def feed(piece: str) -> None:
             client.pieces.put_nowait(piece)
