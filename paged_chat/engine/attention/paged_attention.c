@@ -34,17 +34,6 @@
  * a decode on one thread; scripts/cpu_attention_probe.py's shapes). */
 #define PARALLEL_MIN_KEYS 1024
 
-static void store(const float *new_rows, int64_t token_stride, float *cache,
-                  const int64_t *slots, int64_t num_tokens, int64_t kv_heads,
-                  int64_t head_stride, int64_t dim) {
-    for (int64_t t = 0; t < num_tokens; t++) {
-        if (slots[t] < 0) continue;
-        for (int64_t h = 0; h < kv_heads; h++)
-            memcpy(cache + h * head_stride + slots[t] * dim, new_rows + t * token_stride + h * dim,
-                   (size_t)dim * sizeof(float));
-    }
-}
-
 static inline float dot(const float *a, const float *b, int64_t dim) {
     float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
@@ -185,8 +174,129 @@ static inline void attend_block(const float *values, int64_t first, int64_t last
     }
 }
 
-/* query [T, heads, dim] (token stride q_stride), key/value [T, kv_heads, dim] (token
- * strides k_stride, v_stride), out [T, heads, dim] contiguous. */
+/* One call's attention: query [T, heads, dim] (token stride q_stride), key/value
+ * [T, kv_heads, dim] (token strides k_stride, v_stride), out [T, heads, dim] contiguous. */
+typedef struct {
+    const float *query, *key, *value;
+    int64_t q_stride, k_stride, v_stride;
+    float *key_cache, *value_cache;
+    int64_t num_blocks, block_size;
+    const int64_t *slot_mapping;
+    int64_t num_tokens;
+    const int32_t *query_start, *seq_lens, *block_tables;
+    int64_t table_width, num_seqs, heads, kv_heads, dim;
+    float scale;
+    int64_t window;
+    float *out;
+} pa_problem;
+
+/* The step's new K/V of tokens [first, last) into their slots (slot -1: nothing stored). */
+static void pa_store(const pa_problem *p, int64_t first, int64_t last) {
+    const int64_t head_stride = p->num_blocks * p->block_size * p->dim;
+    for (int64_t t = first; t < last; t++) {
+        if (p->slot_mapping[t] < 0) continue;
+        const int64_t at = p->slot_mapping[t] * p->dim;
+        for (int64_t h = 0; h < p->kv_heads; h++) {
+            memcpy(p->key_cache + h * head_stride + at, p->key + t * p->k_stride + h * p->dim,
+                   (size_t)p->dim * sizeof(float));
+            memcpy(p->value_cache + h * head_stride + at,
+                   p->value + t * p->v_stride + h * p->dim, (size_t)p->dim * sizeof(float));
+        }
+    }
+}
+
+/* The work items: first_item[s] is sequence s's first (num_seqs + 1 entries, the last the
+ * count), a sequence's items its tiles of QUERY_TILE new tokens times its KV heads. */
+static int64_t pa_items(const pa_problem *p, int64_t *first_item) {
+    first_item[0] = 0;
+    for (int64_t s = 0; s < p->num_seqs; s++) {
+        const int64_t new_tokens = p->query_start[s + 1] - p->query_start[s];
+        first_item[s + 1] = first_item[s]
+                            + (new_tokens + QUERY_TILE - 1) / QUERY_TILE * p->kv_heads;
+    }
+    return first_item[p->num_seqs];
+}
+
+/* Floats of an item's workspace (pa_attend_item). */
+static int64_t pa_workspace_floats(const pa_problem *p) {
+    const int64_t rows = QUERY_TILE * (p->heads / p->kv_heads);
+    return rows * p->dim + 2 * rows + (1 + p->dim) * p->block_size;
+}
+
+/* Work item `item` into p->out; `*seq` is where the search for its sequence starts (the
+ * last item's, as items come in order on a thread). */
+static void pa_attend_item(const pa_problem *p, const int64_t *first_item, int64_t item,
+                           int64_t *seq, float *workspace) {
+    const int64_t group = p->heads / p->kv_heads, dim = p->dim, block_size = p->block_size;
+    const int64_t rows = QUERY_TILE * group, window = p->window;
+    float *acc = workspace, *max = acc + rows * dim, *sum = max + rows, *scores = sum + rows;
+    float *transposed = scores + block_size;
+    int64_t s = *seq;
+    while (first_item[s + 1] <= item) s++;
+    while (first_item[s] > item) s--;
+    *seq = s;
+    const int64_t local = item - first_item[s];
+    const int64_t tile = local / p->kv_heads, h = local % p->kv_heads;
+    const int64_t new_tokens = p->query_start[s + 1] - p->query_start[s];
+    const int64_t seq_len = p->seq_lens[s];
+    const int64_t first_token = tile * QUERY_TILE;
+    const int64_t count = new_tokens - first_token < QUERY_TILE
+                          ? new_tokens - first_token : QUERY_TILE;
+    const int64_t first_pos = seq_len - new_tokens + first_token;
+    const int64_t last_pos = first_pos + count - 1;
+    const int64_t lowest = window > 0 && first_pos - window + 1 > 0 ? first_pos - window + 1 : 0;
+    const int32_t *table = p->block_tables + s * p->table_width;
+    for (int64_t r = 0; r < count * group; r++) {
+        max[r] = -INFINITY;
+        sum[r] = 0.0f;
+        memset(acc + r * dim, 0, (size_t)dim * sizeof(float));
+    }
+    for (int64_t b = lowest / block_size; b <= last_pos / block_size; b++) {
+        const int64_t at = (h * p->num_blocks + table[b]) * block_size * dim;
+        const float *keys = p->key_cache + at, *values = p->value_cache + at;
+        const int64_t base = b * block_size;
+        const float *keys_t = NULL;
+        if (count * group >= TRANSPOSE_MIN_ROWS) {
+            for (int64_t o = 0; o < block_size; o++)
+                for (int64_t d = 0; d < dim; d++)
+                    transposed[d * block_size + o] = keys[o * dim + d];
+            keys_t = transposed;
+        }
+        for (int64_t j = 0; j < count; j++) {
+            const int64_t pos = first_pos + j;
+            const int64_t low = window > 0 && pos - window + 1 > base ? pos - window + 1 : base;
+            const int64_t high = pos < base + block_size - 1 ? pos : base + block_size - 1;
+            if (low > high) continue;
+            const int64_t token = p->query_start[s] + first_token + j;
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t r = j * group + g;
+                score_block(p->query + token * p->q_stride + (h * group + g) * dim, keys,
+                            keys_t, block_size, low - base, high - base, dim, p->scale,
+                            scores);
+                attend_block(values, low - base, high - base, dim, scores, max + r, sum + r,
+                             acc + r * dim);
+            }
+        }
+    }
+    for (int64_t j = 0; j < count; j++) {
+        const int64_t token = p->query_start[s] + first_token + j;
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t r = j * group + g;
+            const float inverse = 1.0f / sum[r];
+            float *o = p->out + (token * p->heads + h * group + g) * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; d++) o[d] = acc[r * dim + d] * inverse;
+        }
+    }
+}
+
+/* Key rows a problem reads over every sequence and KV head: its work, roughly. */
+static int64_t pa_keys_read(const pa_problem *p) {
+    int64_t keys = 0;
+    for (int64_t s = 0; s < p->num_seqs; s++) keys += (int64_t)p->seq_lens[s] * p->kv_heads;
+    return keys;
+}
+
 void pa_attention(const float *query, int64_t q_stride, const float *key, int64_t k_stride,
                   const float *value, int64_t v_stride, float *key_cache, float *value_cache,
                   int64_t num_blocks, int64_t block_size, const int64_t *slot_mapping,
@@ -194,89 +304,23 @@ void pa_attention(const float *query, int64_t q_stride, const float *key, int64_
                   const int32_t *block_tables, int64_t table_width, int64_t num_seqs,
                   int64_t heads, int64_t kv_heads, int64_t dim, float scale, int64_t window,
                   float *out, int threads) {
-    const int64_t head_stride = num_blocks * block_size * dim, group = heads / kv_heads;
-    store(key, k_stride, key_cache, slot_mapping, num_tokens, kv_heads, head_stride, dim);
-    store(value, v_stride, value_cache, slot_mapping, num_tokens, kv_heads, head_stride, dim);
+    const pa_problem p = {query, key, value, q_stride, k_stride, v_stride, key_cache,
+                          value_cache, num_blocks, block_size, slot_mapping, num_tokens,
+                          query_start, seq_lens, block_tables, table_width, num_seqs, heads,
+                          kv_heads, dim, scale, window, out};
+    pa_store(&p, 0, num_tokens);
     int64_t *first_item = malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
-    first_item[0] = 0;
-    for (int64_t s = 0; s < num_seqs; s++) {
-        const int64_t new_tokens = query_start[s + 1] - query_start[s];
-        first_item[s + 1] = first_item[s] + (new_tokens + QUERY_TILE - 1) / QUERY_TILE * kv_heads;
-    }
-    const int64_t items = first_item[num_seqs];
-    int64_t keys_read = 0;  /* the work, roughly: key rows read over every item */
-    for (int64_t s = 0; s < num_seqs; s++) keys_read += (int64_t)seq_lens[s] * kv_heads;
+    const int64_t items = pa_items(&p, first_item);
     /* A fork/join costs more than a small step's attention saves; on a loaded machine a
      * region also waits for a descheduled thread. */
-#pragma omp parallel num_threads(threads) if (items > 1 && keys_read >= PARALLEL_MIN_KEYS)
+#pragma omp parallel num_threads(threads) if (items > 1 && pa_keys_read(&p) >= PARALLEL_MIN_KEYS)
     {
-        const int64_t rows = QUERY_TILE * group;
-        float *acc = malloc((size_t)(rows * dim + 2 * rows + (1 + dim) * block_size)
-                            * sizeof(float));
-        float *max = acc + rows * dim, *sum = max + rows, *scores = sum + rows;
-        float *transposed = scores + block_size;
-        int64_t s = 0;
+        float *workspace = malloc((size_t)pa_workspace_floats(&p) * sizeof(float));
+        int64_t seq = 0;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < items; item++) {
-            while (first_item[s + 1] <= item) s++;
-            while (first_item[s] > item) s--;
-            const int64_t local = item - first_item[s];
-            const int64_t tile = local / kv_heads, h = local % kv_heads;
-            const int64_t new_tokens = query_start[s + 1] - query_start[s];
-            const int64_t seq_len = seq_lens[s];
-            const int64_t first_token = tile * QUERY_TILE;
-            const int64_t count = new_tokens - first_token < QUERY_TILE
-                                  ? new_tokens - first_token : QUERY_TILE;
-            const int64_t first_pos = seq_len - new_tokens + first_token;
-            const int64_t last_pos = first_pos + count - 1;
-            const int64_t lowest = window > 0 && first_pos - window + 1 > 0
-                                   ? first_pos - window + 1 : 0;
-            const int32_t *table = block_tables + s * table_width;
-            for (int64_t r = 0; r < count * group; r++) {
-                max[r] = -INFINITY;
-                sum[r] = 0.0f;
-                memset(acc + r * dim, 0, (size_t)dim * sizeof(float));
-            }
-            for (int64_t b = lowest / block_size; b <= last_pos / block_size; b++) {
-                const int64_t at = (h * num_blocks + table[b]) * block_size * dim;
-                const float *keys = key_cache + at, *values = value_cache + at;
-                const int64_t base = b * block_size;
-                const float *keys_t = NULL;
-                if (count * group >= TRANSPOSE_MIN_ROWS) {
-                    for (int64_t o = 0; o < block_size; o++)
-                        for (int64_t d = 0; d < dim; d++)
-                            transposed[d * block_size + o] = keys[o * dim + d];
-                    keys_t = transposed;
-                }
-                for (int64_t j = 0; j < count; j++) {
-                    const int64_t pos = first_pos + j;
-                    const int64_t low = window > 0 && pos - window + 1 > base
-                                        ? pos - window + 1 : base;
-                    const int64_t high = pos < base + block_size - 1 ? pos : base + block_size - 1;
-                    if (low > high) continue;
-                    const int64_t token = query_start[s] + first_token + j;
-                    for (int64_t g = 0; g < group; g++) {
-                        const int64_t r = j * group + g;
-                        score_block(query + token * q_stride + (h * group + g) * dim, keys,
-                                    keys_t, block_size, low - base, high - base, dim, scale,
-                                    scores);
-                        attend_block(values, low - base, high - base, dim, scores, max + r,
-                                     sum + r, acc + r * dim);
-                    }
-                }
-            }
-            for (int64_t j = 0; j < count; j++) {
-                const int64_t token = query_start[s] + first_token + j;
-                for (int64_t g = 0; g < group; g++) {
-                    const int64_t r = j * group + g;
-                    const float inverse = 1.0f / sum[r];
-                    float *o = out + (token * heads + h * group + g) * dim;
-#pragma omp simd
-                    for (int64_t d = 0; d < dim; d++) o[d] = acc[r * dim + d] * inverse;
-                }
-            }
-        }
-        free(acc);
+        for (int64_t item = 0; item < items; item++)
+            pa_attend_item(&p, first_item, item, &seq, workspace);
+        free(workspace);
     }
     free(first_item);
 }

@@ -269,21 +269,24 @@ FORMAT_VARIANTS(MATMUL_ROWS)
 #define MATMUL_ROWS_ENTRY(G, H) matmul_rows_##G##_##H,
 static const matmul_rows_fn matmul_rows[] = {FORMAT_VARIANTS(MATMUL_ROWS_ENTRY)};
 
+/* The sums of x's groups of `group` floats (k / group of them): what code_dot takes for
+ * one row of x, computed once per product, not once per weight row. */
+static void x_group_sums(const float *x, int64_t k, int64_t group, float *sums) {
+    for (int64_t g = 0; g < k / group; g++) {
+        float sum = 0.0f;
+        for (int64_t i = 0; i < group; i++) sum += x[g * group + i];
+        sums[g] = sum;
+    }
+}
+
 /* out[m, n] (row stride out_stride) = sum_k x[m, k] * W[n, k], for m < rows_x; k is a
- * multiple of 32. Weight rows are split evenly over the threads; for one row of x, the
- * group sums of x that code_dot takes are computed once here. */
+ * multiple of 32. Weight rows are split evenly over the threads. */
 void pc_matmul(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *high,
                const float *scale, const float *offset, int64_t n_rows, int64_t k,
                int64_t group, float *out, int64_t out_stride, int threads) {
-    const int64_t groups = k / group;
     const matmul_rows_fn rows = matmul_rows[FORMAT_INDEX(group, high)];
-    float x_sums[rows_x == 1 ? groups : 1];
-    if (rows_x == 1)
-        for (int64_t g = 0; g < groups; g++) {
-            float sum = 0.0f;
-            for (int64_t i = 0; i < group; i++) sum += x[g * group + i];
-            x_sums[g] = sum;
-        }
+    float x_sums[rows_x == 1 ? k / group : 1];
+    if (rows_x == 1) x_group_sums(x, k, group, x_sums);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int t = 0; t < threads; t++)
         rows(x, x_sums, rows_x, low, high, scale, offset, n_rows * t / threads,
@@ -342,10 +345,28 @@ static void (*const dot_blocks[GEMM_MR])(const float *, const float *, int, int6
                                          int64_t) = {dot_block_1, dot_block_2, dot_block_3,
                                                      dot_block_4};
 
-/* `pc_matmul` for many rows of x (compute-bound): per tile of GEMM_TILE_ROWS weight rows,
- * the rows are dequantized once into a buffer (padded with zero rows to a multiple of
- * GEMM_NR), then every block of GEMM_MR rows of x is multiplied with it by dot_block.
- * Tiles are split over the threads. */
+/* Tile `t` of pc_gemm: weight rows [t * GEMM_TILE_ROWS, +GEMM_TILE_ROWS) dequantized once
+ * into `w` (GEMM_TILE_ROWS * k floats, padded with zero rows to a multiple of GEMM_NR),
+ * then every block of GEMM_MR rows of x multiplied with it by dot_block. */
+static void gemm_tile(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *high,
+                      const float *scale, const float *offset, int64_t n_rows, int64_t k,
+                      int64_t group, int64_t t, float *w, float *out, int64_t out_stride) {
+    const int64_t n0 = t * GEMM_TILE_ROWS;
+    const int64_t count = n_rows - n0 < GEMM_TILE_ROWS ? n_rows - n0 : GEMM_TILE_ROWS;
+    dequantize_tile(low, high, scale, offset, n0, count,
+                    (count + GEMM_NR - 1) / GEMM_NR * GEMM_NR, k, group, w);
+    for (int64_t m = 0; m < rows_x; m += GEMM_MR) {
+        const float *xm = x + m * k;
+        const int mr = rows_x - m < GEMM_MR ? (int)(rows_x - m) : GEMM_MR;
+        for (int64_t r = 0; r < count; r += GEMM_NR) {
+            const int nr = count - r < GEMM_NR ? (int)(count - r) : GEMM_NR;
+            dot_blocks[mr - 1](xm, w + r * k, nr, k, out + m * out_stride + n0 + r, out_stride);
+        }
+    }
+}
+
+/* `pc_matmul` for many rows of x (compute-bound), by tiles of GEMM_TILE_ROWS weight rows
+ * (gemm_tile), split over the threads. */
 void pc_gemm(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *high,
              const float *scale, const float *offset, int64_t n_rows, int64_t k,
              int64_t group, float *out, int64_t out_stride, int threads) {
@@ -354,21 +375,9 @@ void pc_gemm(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *
     {
         float *w = aligned_alloc(64, GEMM_TILE_ROWS * k * sizeof(float));
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tiles; t++) {
-            const int64_t n0 = t * GEMM_TILE_ROWS;
-            const int64_t count = n_rows - n0 < GEMM_TILE_ROWS ? n_rows - n0 : GEMM_TILE_ROWS;
-            dequantize_tile(low, high, scale, offset, n0, count,
-                            (count + GEMM_NR - 1) / GEMM_NR * GEMM_NR, k, group, w);
-            for (int64_t m = 0; m < rows_x; m += GEMM_MR) {
-                const float *xm = x + m * k;
-                const int mr = rows_x - m < GEMM_MR ? (int)(rows_x - m) : GEMM_MR;
-                for (int64_t r = 0; r < count; r += GEMM_NR) {
-                    const int nr = count - r < GEMM_NR ? (int)(count - r) : GEMM_NR;
-                    float *o = out + m * out_stride + n0 + r;
-                    dot_blocks[mr - 1](xm, w + r * k, nr, k, o, out_stride);
-                }
-            }
-        }
+        for (int64_t t = 0; t < tiles; t++)
+            gemm_tile(x, rows_x, low, high, scale, offset, n_rows, k, group, t, w, out,
+                      out_stride);
         free(w);
     }
 }
