@@ -1,7 +1,11 @@
 """engine/models/fused_decode.py: a decode step's layers as one C call. It calls the
-kernels the per-op path calls, in the same order, so the default model's greedy tokens
-and their log-probabilities are bit for bit the same with and without it, at batches
-whose products take either CPU kernel (pc_matmul up to 4 rows, pc_gemm above)."""
+kernels the per-op path calls, on the same rows, so the default model's greedy tokens and
+their log-probabilities are bit for bit the same with and without it, at batches whose
+products take either CPU kernel (pc_matmul up to 4 rows, pc_gemm above), and on any
+number of threads: its chunks of work go to whichever thread takes them first (more
+threads than cores here, so some start late or are descheduled and others take their
+share), and a chunk run twice, or not at all, or before the phase it reads from ended,
+would change the numbers."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import pytest
 
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.models.fused_decode import FusedDecode
+from paged_chat.engine.threads import StepThreads
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a robot",
            "A paged KV cache", "List three prime numbers:", "Water boils at",
@@ -30,8 +35,12 @@ def run(engine: Engine, prompts: list[str]) -> list[tuple[list[int], list[float]
     return [(out.token_ids, [entry.logprob for entry in out.logprobs]) for out in outputs]
 
 
-@pytest.mark.parametrize("batch", [1, 3, 7])
-def test_fused_decode_steps_equal_the_per_op_path_bit_for_bit(engine, batch, monkeypatch):
+@pytest.mark.parametrize("batch, threads", [(1, None), (3, None), (7, None), (1, 3), (7, 3),
+                                           (7, 8), (1, 1)])
+def test_fused_decode_steps_equal_the_per_op_path_bit_for_bit(engine, batch, threads,
+                                                              monkeypatch):
+    if threads is not None:
+        monkeypatch.setattr(engine, "threads", StepThreads.from_setting(threads))
     model = engine.runner.model
     fused = model.fused_decode
     calls = []

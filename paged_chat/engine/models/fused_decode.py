@@ -6,7 +6,9 @@ prefill chunks where the backend attends them itself). The results are bit for b
 Python path's (the same kernels in the same order); the Python, dispatch and ctypes work
 between the ~20 calls of a layer is what goes (measured in the closing note of issue 30),
 and one call for all the layers, not one each: between the weights' reads, the host's
-code runs with cold caches (~10x a warm call's time).
+code runs with cold caches (~10x a warm call's time). Its threads take the step's work in
+chunks rather than even shares that each op's end waits for, so a thread another process
+deschedules holds the step up for one chunk, not for every op (decode_layer.c).
 
 What a layer holds (weights' addresses, shapes, its KV cache) is written once into a C
 struct; what a step shares (metadata, scratch rows) into another, once per step.
@@ -52,7 +54,9 @@ class _Step(ctypes.Structure):
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    lib.dl_decode_layers.argtypes = [_P, _I, _P, _P, _P]
+    if hasattr(lib, "dl_decode_layers"):   # AVX2 builds only
+        lib.dl_decode_layers.argtypes = [_P, _I, _P, _P, _P]
+        lib.dl_decode_layers.restype = ctypes.c_int
 
 
 _native = NativeLibrary(Path(__file__).with_name("decode_layer.c"), _declare)
@@ -100,11 +104,10 @@ class FusedDecode:
     @classmethod
     def for_model(cls, layers) -> FusedDecode | None:
         """The fused step for `layers` (fused ops already on), or None where it does not
-        compute them exactly: a layer it does not fit, or no AVX2 build (its products
-        above a few rows would not be LayerMatmul's)."""
+        compute them exactly: a layer it does not fit, or no AVX2 build (it is built for
+        AVX2 only: its products are LayerMatmul's AVX2 kernels)."""
         lib = _native.load()
-        kernel_lib = kernels.library()
-        if (lib is None or kernel_lib is None or not hasattr(kernel_lib, "pc_gemm")
+        if (lib is None or not hasattr(lib, "dl_decode_layers")
                 or not all(_fits(layer) for layer in layers)):
             return None
         return cls(layers, lib)
@@ -159,6 +162,7 @@ class FusedDecode:
                      torch.get_num_threads())
         out = torch.empty(tokens, self.hidden)
         layers = self._layer_structs(kv_cache, attention)
-        self.lib.dl_decode_layers(layers, len(layers), ctypes.addressof(step), x.data_ptr(),
-                                  out.data_ptr())
+        if self.lib.dl_decode_layers(layers, len(layers), ctypes.addressof(step), x.data_ptr(),
+                                     out.data_ptr()) != 0:
+            raise MemoryError("no memory for the fused decode step's schedule")
         return out, x
