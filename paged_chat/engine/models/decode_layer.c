@@ -72,10 +72,6 @@ typedef struct {
  * phases before it wrote, and each phase's chunks write disjoint rows (or columns). */
 enum { INPUT_NORM, QKV, ROPE_STORE, ATTEND, O_PROJ, POST_NORM, GATE_UP, SILU, DOWN, PHASES };
 
-/* Weight rows of a chunk of a few-rows product (pc_matmul's kernel): ~40 KB of 8-bit
- * weights at the default model's widths, a few microseconds. A product of more rows
- * (pc_gemm's) takes a tile of GEMM_TILE_ROWS a chunk. */
-#define STREAM_CHUNK_ROWS 64
 /* Chunks of a pointwise phase per thread: rows split finer than the threads, for the
  * balance, not so fine that a chunk is less than its claim. */
 #define ROW_CHUNKS_PER_THREAD 4
@@ -137,7 +133,8 @@ static pa_problem dl_problem(const dl_layer *layer, const dl_step *step) {
 
 static int dl_gemm(const dl_step *step) { return step->tokens > step->stream_max_rows; }
 
-/* The chunks of a product by `w`: each part's weight rows, a chunk's worth at a time. */
+/* The chunks of a product by `w`: each part's weight rows, STREAM_CHUNK_ROWS at a time
+ * where pc_matmul's kernel computes it, a tile of GEMM_TILE_ROWS where pc_gemm's does. */
 static int64_t dl_matmul_chunks(const dl_linear *w, const dl_step *step) {
     const int64_t rows = dl_gemm(step) ? GEMM_TILE_ROWS : STREAM_CHUNK_ROWS;
     int64_t chunks = 0;

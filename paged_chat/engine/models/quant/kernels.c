@@ -279,18 +279,27 @@ static void x_group_sums(const float *x, int64_t k, int64_t group, float *sums) 
     }
 }
 
+/* Weight rows of a chunk of pc_matmul's: ~40 KB of 8-bit weights at the default model's
+ * widths, a few microseconds. Chunks, not even shares, go to the threads: a thread that
+ * another process deschedules holds the product up for its chunk, not for its share. */
+#define STREAM_CHUNK_ROWS 64
+
 /* out[m, n] (row stride out_stride) = sum_k x[m, k] * W[n, k], for m < rows_x; k is a
- * multiple of 32. Weight rows are split evenly over the threads. */
+ * multiple of 32. */
 void pc_matmul(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *high,
                const float *scale, const float *offset, int64_t n_rows, int64_t k,
                int64_t group, float *out, int64_t out_stride, int threads) {
     const matmul_rows_fn rows = matmul_rows[FORMAT_INDEX(group, high)];
     float x_sums[rows_x == 1 ? k / group : 1];
     if (rows_x == 1) x_group_sums(x, k, group, x_sums);
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int t = 0; t < threads; t++)
-        rows(x, x_sums, rows_x, low, high, scale, offset, n_rows * t / threads,
-             n_rows * (t + 1) / threads, k, out, out_stride);
+    const int64_t chunks = (n_rows + STREAM_CHUNK_ROWS - 1) / STREAM_CHUNK_ROWS;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t chunk = 0; chunk < chunks; chunk++) {
+        const int64_t begin = chunk * STREAM_CHUNK_ROWS;
+        rows(x, x_sums, rows_x, low, high, scale, offset, begin,
+             begin + STREAM_CHUNK_ROWS < n_rows ? begin + STREAM_CHUNK_ROWS : n_rows, k, out,
+             out_stride);
+    }
 }
 
 /* Dequantized weight rows per tile of pc_gemm: a multiple of GEMM_NR, about 55-150 KB of
@@ -366,7 +375,7 @@ static void gemm_tile(const float *x, int64_t rows_x, const uint8_t *low, const 
 }
 
 /* `pc_matmul` for many rows of x (compute-bound), by tiles of GEMM_TILE_ROWS weight rows
- * (gemm_tile), split over the threads. */
+ * (gemm_tile), each to the next thread free (as pc_matmul's chunks). */
 void pc_gemm(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *high,
              const float *scale, const float *offset, int64_t n_rows, int64_t k,
              int64_t group, float *out, int64_t out_stride, int threads) {
@@ -374,7 +383,7 @@ void pc_gemm(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *
 #pragma omp parallel num_threads(threads)
     {
         float *w = aligned_alloc(64, GEMM_TILE_ROWS * k * sizeof(float));
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tiles; t++)
             gemm_tile(x, rows_x, low, high, scale, offset, n_rows, k, group, t, w, out,
                       out_stride);
