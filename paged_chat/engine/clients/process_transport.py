@@ -266,7 +266,7 @@ class ProcessTransport:
     # ---- the parent's threads ---------------------------------------------------------
 
     def _wait_until_ready(self) -> tuple[ModelInfo, EngineStats]:
-        from paged_chat.engine.models.tokenizer_source import chat_template_of, load_saved_tokenizer
+        from paged_chat.engine.models.tokenizer_source import TokenizerSource, load_saved_tokenizer
 
         assert self._process is not None
         tokenizer, loaded_here = None, False
@@ -288,8 +288,8 @@ class ProcessTransport:
                 raise message.error
             else:
                 assert tokenizer is not None, "the child sends its tokenizer first"
-                template = (chat_template_of(tokenizer, message.info.name) if loaded_here
-                            else message.info.chat_template)
+                template = (TokenizerSource.loaded(message.info.name, tokenizer).chat_template
+                            if loaded_here else message.info.chat_template)
                 return (dataclasses.replace(message.info, tokenizer=tokenizer,
                                             chat_template=template), message.stats)
 
