@@ -193,7 +193,7 @@ class FakeMachine:
 def test_steps_run_on_no_more_cores_than_other_processes_leave_free(monkeypatch):
     """Prefill steps take the free cores as they are; decode steps drop to them at once and
     try no more while the load lasts (each trial step on more would cost many times over),
-    then climb back by trials once it is gone."""
+    and go back to the count the trials chose once it is gone."""
     monkeypatch.setattr("paged_chat.engine.threads.available_cores", lambda: 2)
     clock = FakeClock()
     machine = FakeMachine(clock)
@@ -211,9 +211,27 @@ def test_steps_run_on_no_more_cores_than_other_processes_leave_free(monkeypatch)
     assert steps.for_step(decode_only=False).next_count() == 1
     machine.run(1.0, ours=2.0, others=0.0)         # they stopped
     assert steps.for_step(decode_only=False).next_count() == 2
+    assert steps.decode.count == 2                 # no trial needed to get back
     clock.now += steps.decode.recheck_s
     run_steps(steps.for_step(decode_only=True), clock, {2: 0.001, 1: 0.002}, steps=8)
     assert steps.decode.count == 2
+
+
+def test_a_trial_compares_only_steps_of_one_size():
+    """Steps of one sequence make an eighth of the tokens of steps of eight in about the same
+    time. A trial whose arms got different sizes (the batch changed at every step, in time
+    with the arms) compared those and dropped to one thread beside an app whose tabs were
+    starting and finishing turns; now it starts over at each new size and ends undecided."""
+    policy, clock = make_policy()
+    step_seconds = {2: 0.05, 1: 0.06}          # two threads are faster at any batch
+    for size in [1, 8] * 20:                   # the batch changes in time with the arms
+        count = policy.next_count()
+        clock.now += step_seconds[count]
+        policy.record(count, size, step_seconds[count])
+    assert policy.count == 2
+    clock.now += policy.recheck_s
+    run_steps(policy, clock, {2: 0.05 / 8, 1: 0.06 / 8}, steps=8)   # a batch of 8 throughout
+    assert policy.count == 2 and not policy.in_trial
 
 
 def test_no_proc_stat_means_no_load_and_a_fixed_count_means_no_measuring():

@@ -11,7 +11,10 @@ fewer. No fixed count is right on every machine at every moment, so the policy m
   (whichever comes first: the load on a machine changes while the engine runs), it runs a
   trial: `trial_steps` steps alternating between the current count and a neighbouring one (half as many, or back up towards the maximum), so
   both arms see the same mix of prefill and decode work, and keeps whichever produced
-  tokens faster by more than `margin` (`margin_more` for more threads).
+  tokens faster by more than `margin` (`margin_more` for more threads). Only steps of one
+  size compare (a step of one sequence makes a fraction of the tokens a step of eight
+  does in nearly the same time): a step of another size starts the trial over on it, until
+  the trial has run `trial_steps` twice over, when it ends undecided.
 - The two mistakes do not cost the same. Too few threads on a quiet machine costs at most
   the ratio of the counts; too many on a busy one makes steps many times slower, and so does
   every trial of more threads there. So more threads must win by a wider margin, and each
@@ -51,8 +54,12 @@ def available_cores() -> int:
 class ThreadPolicy:
     """Chooses the thread count of each step; `record` feeds back what each step did.
 
-    Invariant: `1 <= count <= max_threads`; a trial's arms are `count` and `_candidate`,
-    which differ; outside a trial `_candidate` is None.
+    `chosen` is the count the trials settled on; steps run on `count`, which is `chosen`
+    under the `ceiling`, so a load that lowered the ceiling and went takes the count back
+    where the trials left it.
+
+    Invariant: `1 <= count == min(chosen, ceiling) <= max_threads`; a trial's arms are
+    `count` and `_candidate`, which differ; outside a trial `_candidate` is None.
     """
 
     max_threads: int
@@ -68,18 +75,22 @@ class ThreadPolicy:
     clock: Callable[[], float] = time.monotonic
     count: int = 0
     ceiling: int = 0    # the most threads trials may try now (0: max_threads); see set_ceiling
+    chosen: int = 0
     _steps_to_trial: int = 0
     _trial_due: float = 0.0
     _candidate: int | None = None
     _trial_index: int = 0
     _arms: dict[int, list[float]] = field(default_factory=dict)  # count -> [tokens, seconds]
+    _trial_tokens: int = 0   # the size of the steps the trial compares (0: none yet)
+    _trial_seen: int = 0     # steps the trial ran, of any size
     _tried_lower_last: bool = False
     _backoff: int = 1   # how many recheck intervals before the next trial of more threads
 
     def __post_init__(self) -> None:
         assert self.max_threads >= 1 and self.trial_steps >= 2 and self.recheck_steps >= 0
-        self.count = self.count or self.max_threads
+        self.chosen = self.chosen or self.count or self.max_threads
         self.ceiling = self.ceiling or self.max_threads
+        self.count = min(self.chosen, self.ceiling)
 
     @classmethod
     def from_setting(cls, threads: int | str | None) -> "ThreadPolicy":
@@ -100,7 +111,7 @@ class ThreadPolicy:
         if not self.adaptive:
             return
         self.ceiling = max(1, min(self.max_threads, ceiling))
-        self.count = min(self.count, self.ceiling)
+        self.count = min(self.chosen, self.ceiling)
         if self._candidate is not None and self._candidate > self.ceiling:
             self._candidate = None   # a trial it may no longer run: the next one comes as due
 
@@ -129,6 +140,13 @@ class ThreadPolicy:
         if self._candidate is None:
             self._steps_to_trial -= 1
             return
+        self._trial_seen += 1
+        if num_tokens != self._trial_tokens:
+            if self._trial_tokens and self._trial_seen > 2 * self.trial_steps:
+                self._candidate = None
+                self._schedule_next_trial(1)
+                return
+            self._trial_tokens, self._arms, self._trial_index = num_tokens, {}, 0
         arm = self._arms.setdefault(threads, [0.0, 0.0])
         arm[0] += num_tokens
         arm[1] += seconds
@@ -155,6 +173,7 @@ class ThreadPolicy:
             return
         self._tried_lower_last = candidate < self.count
         self._candidate, self._trial_index, self._arms = candidate, 0, {}
+        self._trial_tokens = self._trial_seen = 0
 
     def _finish_trial(self) -> None:
         assert self._candidate is not None
@@ -162,7 +181,8 @@ class ThreadPolicy:
         current = _rate(self._arms.get(self.count))
         candidate = _rate(self._arms.get(self._candidate))
         if candidate > current * (1 + (self.margin_more if more else self.margin)):
-            self.count, self._backoff = self._candidate, 1
+            self.chosen = self.count = self._candidate
+            self._backoff = 1
         elif more:
             self._backoff = min(2 * self._backoff, self.max_backoff)
         self._candidate = None
@@ -262,7 +282,8 @@ class StepThreads:
         this machine needs them: an app's UI thread); trials still move up to more threads
         where those run faster. A fixed count is left as it is."""
         if self.decode.adaptive:
-            self.decode.count = max(1, self.decode.max_threads - cores)
+            self.decode.chosen = max(1, self.decode.max_threads - cores)
+            self.decode.set_ceiling(self.decode.ceiling)
 
     def for_step(self, decode_only: bool) -> ThreadPolicy:
         if self.load is not None:

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from paged_chat.engine import EngineClient, EngineConfig, StartingClient
 
 DEMO_NUM_BLOCKS = 1536      # --demo's KV pool unless config.toml sizes it
-UI_CORES = 1                # what the UI thread needs while tabs stream: 0.2-0.5 of a core
 
 
 def app_engine_config(settings: Settings, demo: int | None) -> EngineConfig:
@@ -42,7 +41,7 @@ def start_engine(config: EngineConfig, in_a_process: bool = True) -> StartingCli
     if not in_a_process:
         return start_client(client_spec(config, "thread"))
     return start_client(client_spec(config, "process", log_path=cache_dir() / "engine.log",
-                                    leave_cores=UI_CORES, fork_if_safe=True))
+                                    fork_if_safe=True))
 
 
 def run_app(settings: Settings, demo: int | None = None, serve_port: int | None = None,
