@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from paged_chat.conversation import Conversation
-from paged_chat.engine import Engine, EngineConfig, SamplingParams
+from paged_chat.engine import Engine, SamplingParams
 from paged_chat.engine.models.loader import MODEL_ALIASES
 from paged_chat.engine.models.weight_cache import list_cached_weights
 from helpers import REPO
@@ -25,9 +25,10 @@ PROMPTS = ["The history of the Roman Empire", "def fibonacci(n):",
            "Once upon a time, in a small village,", "The three primary colors are"]
 
 
-@pytest.fixture(scope="module")
-def engine(smollm2_source) -> Engine:
-    return Engine(EngineConfig(device="cpu", dtype="float32", num_blocks=256), source=smollm2_source)
+@pytest.fixture
+def engine(smollm2_engine) -> Engine:
+    """The session's engine on the default model (its tests leave it without a request)."""
+    return smollm2_engine
 
 
 def test_greedy_tokens_match_transformers_on_the_gguf(engine, smollm2_reference):

@@ -5,6 +5,8 @@ generates, aborts what is left, sends its block map over, and every way the chil
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -172,8 +174,9 @@ async def test_a_message_the_parent_cannot_take_ends_the_streams_instead_of_hang
 def test_the_child_exits_when_its_parent_is_killed(chat_model_dir):
     """A parent killed outright runs no clean-up; its end of the pipe closes with it, and the
     child must not linger holding the model and the KV pool."""
+    config = json.dumps(dataclasses.asdict(engine_config(chat_model_dir)))
     parent = subprocess.Popen(
-        [sys.executable, "-c", PARENT_SCRIPT, str(chat_model_dir)], stdout=subprocess.PIPE, text=True,
+        [sys.executable, "-c", PARENT_SCRIPT, config], stdout=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     try:
         child_pid = int(parent.stdout.readline())
@@ -184,13 +187,15 @@ def test_the_child_exits_when_its_parent_is_killed(chat_model_dir):
     wait_for(lambda: not child_alive(child_pid), what="the engine process to exit with its parent")
 
 
+# The parent imports what an app would before its engine starts, not the tests' helpers
+# (torch and hypothesis: seconds of imports that have nothing to do with being killed).
 PARENT_SCRIPT = """
+import json
 import sys
 import time
-from paged_chat.engine import ClientSpec, make_client
-from helpers import engine_config, wait_for, wait_until
+from paged_chat.engine import ClientSpec, EngineConfig, make_client
 if __name__ == "__main__":
-    engine = make_client(ClientSpec("process", engine_config(sys.argv[1])))
+    engine = make_client(ClientSpec("process", EngineConfig(**json.loads(sys.argv[1]))))
     print(engine.transport.pid, flush=True)
     time.sleep(600)
 """
