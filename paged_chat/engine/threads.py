@@ -54,12 +54,12 @@ def available_cores() -> int:
 class ThreadPolicy:
     """Chooses the thread count of each step; `record` feeds back what each step did.
 
-    `chosen` is the count the trials settled on; steps run on `count`, which is `chosen`
-    under the `ceiling`, so a load that lowered the ceiling and went takes the count back
-    where the trials left it.
+    `chosen` is the count the trials settled on (a fixed policy's count); steps run on
+    `count`, which is `chosen` under the `ceiling`, so a load that lowered the ceiling and
+    went takes the count back where the trials left it.
 
-    Invariant: `1 <= count == min(chosen, ceiling) <= max_threads`; a trial's arms are
-    `count` and `_candidate`, which differ; outside a trial `_candidate` is None.
+    Invariant: `1 <= count <= max_threads`; a trial's arms are `count` and `_candidate`,
+    which differ; outside a trial `_candidate` is None.
     """
 
     max_threads: int
@@ -73,9 +73,8 @@ class ThreadPolicy:
     give_up: float = 0.5
     decide_after: int = 4
     clock: Callable[[], float] = time.monotonic
-    count: int = 0
+    chosen: int = 0     # 0: max_threads
     ceiling: int = 0    # the most threads trials may try now (0: max_threads); see set_ceiling
-    chosen: int = 0
     _steps_to_trial: int = 0
     _trial_due: float = 0.0
     _candidate: int | None = None
@@ -88,9 +87,13 @@ class ThreadPolicy:
 
     def __post_init__(self) -> None:
         assert self.max_threads >= 1 and self.trial_steps >= 2 and self.recheck_steps >= 0
-        self.chosen = self.chosen or self.count or self.max_threads
+        self.chosen = self.chosen or self.max_threads
         self.ceiling = self.ceiling or self.max_threads
-        self.count = min(self.chosen, self.ceiling)
+
+    @property
+    def count(self) -> int:
+        """The count steps run on outside a trial: `chosen`, under the ceiling."""
+        return min(self.chosen, self.ceiling)
 
     @classmethod
     def from_setting(cls, threads: int | str | None) -> "ThreadPolicy":
@@ -111,7 +114,6 @@ class ThreadPolicy:
         if not self.adaptive:
             return
         self.ceiling = max(1, min(self.max_threads, ceiling))
-        self.count = min(self.chosen, self.ceiling)
         if self._candidate is not None and self._candidate > self.ceiling:
             self._candidate = None   # a trial it may no longer run: the next one comes as due
 
@@ -181,8 +183,7 @@ class ThreadPolicy:
         current = _rate(self._arms.get(self.count))
         candidate = _rate(self._arms.get(self._candidate))
         if candidate > current * (1 + (self.margin_more if more else self.margin)):
-            self.chosen = self.count = self._candidate
-            self._backoff = 1
+            self.chosen, self._backoff = self._candidate, 1
         elif more:
             self._backoff = min(2 * self._backoff, self.max_backoff)
         self._candidate = None
@@ -283,12 +284,11 @@ class StepThreads:
         where those run faster. A fixed count is left as it is."""
         if self.decode.adaptive:
             self.decode.chosen = max(1, self.decode.max_threads - cores)
-            self.decode.set_ceiling(self.decode.ceiling)
 
     def for_step(self, decode_only: bool) -> ThreadPolicy:
         if self.load is not None:
             free = max(1, min(self.prefill.max_threads,
                               round(self.prefill.max_threads - self.load.update())))
-            self.prefill.count = free
+            self.prefill.chosen = free
             self.decode.set_ceiling(free)
         return self.decode if decode_only else self.prefill
