@@ -15,9 +15,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
-
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import gguf
 import numpy as np
@@ -30,7 +28,7 @@ from paged_chat.engine.models.model_config import SUPPORTED_ARCHITECTURES
 from paged_chat.engine.models.quant import BLOCK_FORMATS
 from paged_chat.engine.models.quant.layout import QuantizedWeight
 from paged_chat.engine.models.tensor_names import gguf_to_hf_name
-from paged_chat.engine.models.tokenizer_source import load_saved_tokenizer, saved_tokenizer_folder
+from paged_chat.engine.models.tokenizer_source import saved_tokenizer_folder
 from paged_chat.engine.regular_files import open_regular
 
 if TYPE_CHECKING:
@@ -150,15 +148,10 @@ def gguf_tokenizer_folder(header_digest: str, cache_dir: Path | None) -> Path | 
 
 def load_gguf_tokenizer(path: Path, header_digest: str,
                         cache_dir: Path | None) -> PreTrainedTokenizerBase:
-    """Build the tokenizer from GGUF metadata, converting once and reusing a saved copy.
-
-    The transformers conversion re-reads the whole vocabulary (seconds); the saved
-    tokenizer.json loads in a fraction of that (`saved_tokenizer_folder` says where it is
-    kept); `cache_dir` None keeps no copy.
+    """Build the tokenizer from GGUF metadata and save a copy under `cache_dir` (None: no
+    copy). The transformers conversion re-reads the whole vocabulary (seconds); the saved
+    tokenizer.json, found by `gguf_tokenizer_folder` next time, loads in a fraction of that.
     """
-    saved = gguf_tokenizer_folder(header_digest, cache_dir)
-    if saved is not None:
-        return load_saved_tokenizer(saved)
     from transformers import AutoTokenizer  # 1-3 s of imports: only a first conversion pays
 
     try:
