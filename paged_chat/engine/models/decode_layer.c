@@ -133,12 +133,21 @@ static pa_problem dl_problem(const dl_layer *layer, const dl_step *step) {
 
 static int dl_gemm(const dl_step *step) { return step->tokens > step->stream_max_rows; }
 
-/* The chunks of a product by `w`: each part's weight rows, STREAM_CHUNK_ROWS at a time
- * where pc_matmul's kernel computes it, a tile of GEMM_TILE_ROWS where pc_gemm's does. */
+/* Weight rows of a chunk of a product: STREAM_CHUNK_ROWS where pc_matmul's kernel computes
+ * it, a tile of GEMM_TILE_ROWS where pc_gemm's does. */
+static int64_t dl_chunk_rows(const dl_step *step) {
+    return dl_gemm(step) ? GEMM_TILE_ROWS : STREAM_CHUNK_ROWS;
+}
+
+/* The chunks of part `p` of a product by `w`. */
+static int64_t dl_part_chunks(const dl_linear *w, int64_t p, const dl_step *step) {
+    return (w->rows[p] + dl_chunk_rows(step) - 1) / dl_chunk_rows(step);
+}
+
+/* The chunks of a product by `w`: each part's in turn. */
 static int64_t dl_matmul_chunks(const dl_linear *w, const dl_step *step) {
-    const int64_t rows = dl_gemm(step) ? GEMM_TILE_ROWS : STREAM_CHUNK_ROWS;
     int64_t chunks = 0;
-    for (int64_t p = 0; p < w->parts; p++) chunks += (w->rows[p] + rows - 1) / rows;
+    for (int64_t p = 0; p < w->parts; p++) chunks += dl_part_chunks(w, p, step);
     return chunks;
 }
 
@@ -146,11 +155,10 @@ static int64_t dl_matmul_chunks(const dl_linear *w, const dl_step *step) {
  * for the step's rows; `phase` names the product for the worker's cached group sums. */
 static void dl_matmul_chunk(const dl_linear *w, const dl_step *step, const float *x,
                             float *out, int64_t chunk, int64_t phase, dl_worker *worker) {
-    const int gemm = dl_gemm(step);
-    const int64_t rows = gemm ? GEMM_TILE_ROWS : STREAM_CHUNK_ROWS, k = w->in_features;
+    const int64_t rows = dl_chunk_rows(step), k = w->in_features;
     int64_t p = 0;
-    for (; chunk >= (w->rows[p] + rows - 1) / rows; p++) chunk -= (w->rows[p] + rows - 1) / rows;
-    if (gemm) {
+    for (; chunk >= dl_part_chunks(w, p, step); p++) chunk -= dl_part_chunks(w, p, step);
+    if (dl_gemm(step)) {
         gemm_tile(x, step->tokens, w->low[p], w->high[p], w->scale[p], w->offset[p],
                   w->rows[p], k, w->group[p], chunk, worker->tile, out + w->column[p],
                   w->out_features);
@@ -328,13 +336,13 @@ int dl_decode_layers(const dl_layer *const *layers, int64_t count, const dl_step
                      float *residual, float *out) {
     const int threads = step->threads > 0 ? step->threads : 1;
     const int64_t phases = count * PHASES, stride = (phases + 7) / 8 * 8;
-    int64_t widest = 0, attention_floats = 0;
+    int64_t widest = 0, attention_floats = 0;   /* the longest row of x a product reads */
     for (int64_t i = 0; i < count; i++) {
         const dl_layer *layer = layers[i];
+        const dl_linear *linears[] = {&layer->qkv, &layer->o, &layer->gate_up, &layer->down};
+        for (int l = 0; l < 4; l++)
+            if (linears[l]->in_features > widest) widest = linears[l]->in_features;
         const pa_problem problem = dl_problem(layer, step);
-        const int64_t wider = layer->down.in_features > layer->qkv.in_features
-                              ? layer->down.in_features : layer->qkv.in_features;
-        widest = wider > widest ? wider : widest;
         if (pa_workspace_floats(&problem) > attention_floats)
             attention_floats = pa_workspace_floats(&problem);
     }
