@@ -240,9 +240,7 @@ async def test_closing_a_tab_never_waits_on_a_replys_render(chat_model_dir, tmp_
     ends stands in for the one that hung."""
     app, client = fed_app(chat_model_dir, tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
-        tab = app.active_tab
-        await press(pilot, *"hi", "enter")
-        await wait_until(lambda: tab.streaming)
+        tab, _ = await streaming_reply(app, pilot)
         client.pieces.put_nowait("A reply. ")
         client.pieces.put_nowait(None)
         await wait_until(lambda: not tab.streaming)
