@@ -27,7 +27,7 @@ from paged_chat.chat_store import ChatStore
 from paged_chat.engine import EngineConfig
 from paged_chat.text import sanitize_for_terminal as clean
 from paged_chat.tui.actions import ACTIONS, StoredChats
-from paged_chat.tui.dialogs import ChatSettingsScreen, HelpScreen, TextPromptScreen
+from paged_chat.tui.dialogs import ChatSettingsScreen, ConfirmScreen, HelpScreen, TextPromptScreen
 from helpers import blocks_owned, engine_config, wait_until
 from paged_chat.tui.markdown_text import hard_line_breaks
 from paged_chat.tui.messages import ErrorMessage, UserMessage
@@ -462,11 +462,15 @@ async def test_dialogs_rename_settings_close(engine, tmp_path):
         await type_prompt(pilot, "long reply")
         await wait_until(lambda: tab.session.turn is not None and len(tab.session.turn.token_ids) > 2)
         await press(pilot, "ctrl+w")
-        await wait_until(lambda: app.screen.__class__.__name__ == "ConfirmScreen")
+        await wait_until(lambda: isinstance(app.screen, ConfirmScreen))
+        declined = app.screen
         await press(pilot, "n")
+        # As a user would, answer the second question once it shows: a "y" that comes while
+        # the declined dialog is still leaving answers nothing, and the second waits on.
+        await wait_until(lambda: declined not in app.screen_stack)
         assert tab.is_attached and tab.streaming
         await press(pilot, "ctrl+w")
-        await wait_until(lambda: app.screen.__class__.__name__ == "ConfirmScreen")
+        await wait_until(lambda: isinstance(app.screen, ConfirmScreen))
         await press(pilot, "y")
         await wait_until(lambda: not tab.is_attached)
         assert len(app.chat_tabs) == 1                           # a fresh tab replaced it
