@@ -433,6 +433,19 @@ async def test_regenerate_copy_and_broadcast(engine, tmp_path):
         assert [m.text for m in app.chat_tabs[1].query(UserMessage)] == ["both"]
 
 
+async def test_a_tab_chosen_right_after_ctrl_n_stays_chosen(engine, tmp_path):
+    """Alt+Left right behind Ctrl+N: the new tab's focus, reported a few queues late,
+    switched back to the new tab (in the full suite the Alt+Left seemed lost)."""
+    app = make_app(engine, tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        first = app.active_tab
+        await wait_until(lambda: app.focused is first.prompt)
+        await press(pilot, "ctrl+n", "alt+left")
+        await wait_until(lambda: len(app.chat_tabs) == 2 and app.focused is first.prompt)
+        await pilot.pause()   # nothing streams: the screen settles, late messages land
+        assert app.active_tab is first and app.focused is first.prompt
+
+
 @pytest.mark.timeout(120)
 async def test_dialogs_rename_settings_close(engine, tmp_path):
     app = make_app(engine, tmp_path, make_settings(max_tokens=2000))

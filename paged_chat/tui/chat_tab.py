@@ -17,7 +17,7 @@ from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
 from rich.text import Text
-from textual import events, on, work
+from textual import on, work
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.markup import escape
@@ -126,14 +126,6 @@ class ChatTab(TabPane):
     async def _catch_up_replies(self) -> None:
         for reply in self.query(AssistantMessage):
             await reply.catch_up()
-
-    def _on_descendant_focus(self, event: events.DescendantFocus) -> None:
-        """TabPane switches the tabs to a pane whose widget gets the focus; a stale
-        programmatic focus landing in a hidden tab (one the user just left) must not
-        switch back to it."""
-        event.prevent_default()  # instead of TabPane's handler
-        if self.display:
-            self.post_message(self.Focused(self))
 
     def _info_text(self) -> Text:
         """System prompt and sampling overrides; wraps (never cut) on a narrow terminal."""

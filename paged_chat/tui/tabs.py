@@ -234,6 +234,14 @@ class ChatTabs(TabbedContent):
 
     # ---- what the tabs report -----------------------------------------------------------
 
+    def _on_tab_pane_focused(self, event: TabPane.Focused) -> None:
+        """TabbedContent shows the pane a widget was focused in; here only the tab bar and
+        the app's actions switch tabs. That focus message comes a few queues late: a switch
+        made meanwhile (Ctrl+N, then Alt+Left at once) was undone by the new tab's focus,
+        and a stale focus landing in a tab the user just left switched back to it."""
+        event.prevent_default()   # instead of TabbedContent's handler
+        event.stop()
+
     @on(ChatTab.Changed)
     def _tab_changed(self, event: ChatTab.Changed) -> None:
         if event.tab.is_attached:
