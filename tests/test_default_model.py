@@ -96,23 +96,12 @@ def probe_load(cache_dir: Path) -> dict:
 def test_loads_stream_lean_and_the_second_reads_the_converted_weights(tmp_path):
     """Peak RSS of a load (imports excluded) stays within 1.3x the model's bf16 bytes plus
     a fixed allowance (the tokenizer, the KV pool, allocator slack); the second start reads
-    the converted weights; a corrupted entry is rebuilt, byte for byte the entry the second
-    start read (so a start after it reads it as the second did). Times are printed, not
+    the converted weights. (A damaged entry rebuilt, never trusted: test_weight_cache, on
+    tiny models: here a third start would cost a conversion more.) Times are printed, not
     asserted."""
-    runs = [probe_load(tmp_path)]
-    runs.append(probe_load(tmp_path))
-    [entry] = list_cached_weights(tmp_path / "weights")
-    converted = entry.path.read_bytes()
-    data = bytearray(converted)
-    data[len(data) // 2] ^= 0x01
-    entry.path.write_bytes(bytes(data))
-    runs.append(probe_load(tmp_path))
-
-    assert [run["stages"][-1] for run in runs] == [
-        "converting weights", "loading cached weights", "converting weights"]
-    assert "loading cached weights" in runs[2]["stages"], "the corrupt entry was not tried"
-    [rebuilt] = list_cached_weights(tmp_path / "weights")
-    assert rebuilt.path == entry.path and rebuilt.path.read_bytes() == converted
+    runs = [probe_load(tmp_path), probe_load(tmp_path)]
+    assert [run["stages"][-1] for run in runs] == ["converting weights", "loading cached weights"]
+    assert len(list_cached_weights(tmp_path / "weights")) == 1
     for run in runs:
         print(f"load {run['seconds']:.1f} s, peak RSS {run['peak_rss'] - run['baseline_rss']:,} B "
               f"over {run['baseline_rss']:,} B, bf16 weights {run['bf16_bytes']:,} B")
