@@ -535,9 +535,11 @@ def bench(ctx: typer.Context,
           chats: Annotated[int, typer.Option("--chats", min=1, help="Concurrent chats.")] = 32,
           min_output: Annotated[int, typer.Option(min=1, help="Shortest reply, tokens.")] = 32,
           max_output: Annotated[int, typer.Option(min=1, help="Longest reply, tokens.")] = 256,
-          dtype: Annotated[str, typer.Option(help="float32, bfloat16 or float16.")] = "bfloat16",
+          dtype: Annotated[str, typer.Option(
+              help="paged-chat's: auto (as it ships), float32, bfloat16 or float16.")] = "auto",
           baseline_dtype: Annotated[str | None, typer.Option(
-              help="The baselines' dtype (default: --dtype).")] = None,
+              help="The HF baselines' (default: --dtype; auto: bfloat16 where the CPU has bf16 "
+                   "dot products, else float32).")] = None,
           threads: Annotated[int, typer.Option(min=1, help="torch threads for every system.")] = 2,
           block_size: Annotated[int, typer.Option(help="KV block size, tokens (paged-chat and hf-cb).")] = 16,
           systems: Annotated[str, typer.Option(

@@ -109,6 +109,7 @@ def test_bench_command(chat_model_dir, tmp_path):
                                       "--no-scenarios", "--json", str(out)])
     assert result.exit_code == 0, result.output
     assert "paged-chat" in result.stdout and "hf-seq" in result.stdout
+    assert "dtypes: paged-chat float32, the HF baselines float32" in result.stdout
     assert [s["system"] for s in json.loads(out.read_text())["systems"]] == ["paged-chat", "hf-seq"]
     bad = CliRunner().invoke(app, ["bench", "--model", str(chat_model_dir), "--systems", "vllm"])
     assert bad.exit_code == 1 and "unknown system" in bad.output

@@ -331,3 +331,20 @@ def test_what_is_held_is_counted_and_fingerprinted_as_held(tmp_path, monkeypatch
     assert model_fingerprint(model.weight_tensors()) != model_fingerprint(dense.weight_tensors())
     assert sorted(model.held_formats().split("+")) == ["Q4_0", "Q4_1", "Q8_0"]
     assert dense.held_formats() == "float32"
+
+
+def test_auto_dtype_runs_quantized_weights_in_float32_on_a_bf16_cpu(tmp_path, monkeypatch,
+                                                                    tiny_model_dir):
+    """On a CPU with bf16 dot products (AVX512-BF16, AMX), "auto" chose bf16 for every model:
+    a quantized GGUF then converted its activations around each layer and lost the fused
+    float32 step (1.6-1.8x slower on a Sapphire Rapids). It runs float32 now; an HF folder,
+    whose dense weights bf16 halves, stays bf16; "dequantize" reads the GGUF dense."""
+    from paged_chat.engine import dtypes
+
+    monkeypatch.setattr(dtypes, "_cpu_has_native_bf16", lambda: True)
+    config = dict(device="cpu", dtype="auto", num_blocks=16)
+    quantized = Engine(EngineConfig(model=str(quantized_tiny_gguf(tmp_path, monkeypatch)), **config))
+    assert quantized.info.dtype == "float32"
+    dequantized = Engine(EngineConfig(model=quantized.config.model, weights="dequantize", **config))
+    assert dequantized.info.dtype == "bfloat16"
+    assert Engine(EngineConfig(model=str(tiny_model_dir), **config)).info.dtype == "bfloat16"

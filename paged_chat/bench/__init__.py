@@ -38,7 +38,7 @@ from paged_chat.bench.systems import SYSTEMS, SystemResult, run_system
 from paged_chat.bench.tier_resume import tier_resume
 from paged_chat.bench.workload import SYSTEM_PROMPT, chat_workload
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
-from paged_chat.engine.dtypes import TORCH_DTYPES
+from paged_chat.engine.dtypes import dtype_name, resolve_dtype
 from paged_chat.engine.models.loader import load_model_source
 
 
@@ -48,8 +48,8 @@ class BenchOptions:
     num_chats: int = 32
     min_output: int = 32
     max_output: int = 256
-    dtype: str = "bfloat16"
-    baseline_dtype: str | None = None
+    dtype: str = "auto"                 # paged-chat's, as it ships unless set
+    baseline_dtype: str | None = None   # the HF baselines' (None: as `dtype`; "auto": their best)
     threads: int = 2
     systems: tuple[str, ...] = SYSTEMS
     seed: int = 0
@@ -87,7 +87,7 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
         return engine
 
     engine = on_own_thread(warmed_up_engine)  # each system's torch work on its own thread
-    baseline_dtype = TORCH_DTYPES[options.baseline_dtype or options.dtype]
+    baseline_dtype = resolve_dtype(options.baseline_dtype or options.dtype, torch.device("cpu"))
     results: list[SystemResult] = []
     for name, busy in [(name, busy) for name in options.systems
                        for busy in sorted({0, options.contention})]:
@@ -106,7 +106,8 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
         "chats": len(workload.prompts), "prompt_tokens": workload.num_prompt_tokens,
         "shared_system_prompt_tokens": workload.system_prompt_tokens,
         "output_tokens": workload.num_output_tokens},
-        "systems": [r.summary() for r in results]}
+        "systems": [r.summary() for r in results],
+        "dtypes": {"paged-chat": engine.info.dtype, "baselines": dtype_name(baseline_dtype)}}
     reference = next((r for r in results if r.name == "hf-seq"), None)
     for result, summary in zip(results, report["systems"]):
         if reference is not None:

@@ -22,6 +22,8 @@ def format_report(report: dict) -> str:
     lines = ["  ".join(cell.rjust(width) for cell, width in zip(row, widths)) for row in rows]
     lines += [f"  {summary['system']}: {_describe(summary)}" for summary in report["systems"]]
     paged = next((s for s in report["systems"] if s["system"] == "paged-chat"), None)
+    lines.append(f"dtypes: paged-chat {report['dtypes']['paged-chat']}, the HF baselines "
+                 f"{report['dtypes']['baselines']}")
     if paged:
         lines.append(f"paged-chat: peak batch {paged['peak_batch_size']}, preemptions "
                      f"{paged['preemptions']}, prefix-cache hit tokens {paged['prefix_cache_hit_tokens']}, "
@@ -86,9 +88,9 @@ def plot(report: dict, path: str) -> None:
     bars.bar([s["system"] for s in systems], [s["output_tokens_per_s"] for s in systems],
              color=["#d9534f" if s["system"] == "paged-chat" else "#8c8c8c" for s in systems])
     bars.set_ylabel("output tokens/s")
-    options = report["options"]
-    bars.set_title(f"{report['workload']['chats']} concurrent chats: paged-chat {options['dtype']}, "
-                   f"baselines {options['baseline_dtype'] or options['dtype']}")
+    dtypes = report["dtypes"]
+    bars.set_title(f"{report['workload']['chats']} concurrent chats: paged-chat {dtypes['paged-chat']}, "
+                   f"baselines {dtypes['baselines']}")
     paged = next((s for s in systems if s["system"] == "paged-chat"), None)
     if paged:
         times, in_use, cached, running = zip(*paged["timeline"])

@@ -67,7 +67,7 @@ class TuiBenchOptions:
     model: str = "smollm2-135m"
     tabs: int = 8
     max_tokens: int = 96
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     threads: int | None = None          # torch threads of the engine, alone and in the app
                                         # (None: each adapts them itself, as it ships)
     seed: int = 0

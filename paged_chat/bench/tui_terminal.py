@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tabs", type=int, default=defaults.tabs)
     parser.add_argument("--max-tokens", type=int, default=defaults.max_tokens)
     parser.add_argument("--model", default=defaults.model)
-    parser.add_argument("--dtype", default="auto", help="as the app ships: bfloat16 where the CPU has bf16 dot products, else float32")
+    parser.add_argument("--dtype", default="auto", help="as the app ships unless set")
     parser.add_argument("--threads", type=int, help="a fixed torch thread count for the engine alone "
                         "and the app's engine (default: each adapts its own, as it ships)")
     parser.add_argument("--rounds", type=int, default=ROUNDS)

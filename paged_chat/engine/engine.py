@@ -31,7 +31,7 @@ from paged_chat.engine.kv_cache_manager import KVCacheManager
 from paged_chat.engine.kv_tier import build_kv_tier, model_fingerprint
 from paged_chat.engine.kv_transfer import KVTransfer
 from paged_chat.engine.models.loader import (ModelSource, ProgressHook, generation_defaults,
-                                             load_model, load_model_source)
+                                             holds_quantized, load_model, load_model_source)
 from paged_chat.engine.output_processor import OutputProcessor
 from paged_chat.engine.prompt import prompt_token_ids
 from paged_chat.engine.request import (EngineCoreOutput, FinishReason, Request, RequestOutput,
@@ -65,8 +65,9 @@ class Engine:
         # First, so its first look at the machine's load spans the model's loading.
         self.threads = StepThreads.from_setting(config.threads)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
         source = source or load_model_source(config.model, config.cache_dir, on_progress)
+        self.dtype = resolve_dtype(config.dtype, self.device,
+                                   holds_quantized(source, self.device, config.weights))
         self.model_name = source.name
         self.model_config = source.config
         self._tokenizer_source = source.tokenizer_source

@@ -40,6 +40,7 @@ from paged_chat.engine.models.model_config import (
     merged_token_ids,
     text_decoder_config,
 )
+from paged_chat.engine.models.quant import BLOCK_FORMATS
 from paged_chat.engine.models.tensor_names import text_decoder_tensors
 from paged_chat.engine.models.weight_cache import (
     EntryLayout,
@@ -169,6 +170,14 @@ def load_model_source(spec: str, cache_dir: Path | str | None = None,
                        header_digest=header_digest)
 
 
+def holds_quantized(source: ModelSource, device: torch.device | str, weights: str = "quantized") -> bool:
+    """Whether `load_model` keeps some of `source`'s weights in their quantized format: a
+    GGUF with a tensor in a format quant/ keeps, on the CPU, with weights="quantized"."""
+    return (weights == "quantized" and isinstance(source.checkpoint, GGUFCheckpoint)
+            and torch.device(device).type == "cpu"
+            and any(t.dtype in BLOCK_FORMATS for t in source.checkpoint.tensors.values()))
+
+
 def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
                cache_dir: Path | str | None = None, cache_bytes: int = 0,
                on_progress: ProgressHook | None = None,
@@ -185,8 +194,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     """
     report = on_progress or _no_progress
     model = LlamaForCausalLM.empty(source.config, dtype, device)
-    quantize = (weights == "quantized" and isinstance(source.checkpoint, GGUFCheckpoint)
-                and torch.device(device).type == "cpu")
+    quantize = holds_quantized(source, device, weights)
     if quantize:
         model.quantize({name: t.dtype for name, t in source.checkpoint.tensors.items()})
     if source.header_digest is None or cache_dir is None:
