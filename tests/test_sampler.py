@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_chat.engine.request import SamplingParams
-from paged_chat.engine.sampler import (SamplingBatch, apply_penalties, apply_top_k_top_p,
-                                       counter_uniforms, greedy_tokens, sample)
+from paged_chat.engine.sampler import (SamplingBatch, apply_min_p, apply_penalties,
+                                       apply_top_k_top_p, counter_uniforms, greedy_tokens, sample)
 
 CPU = torch.device("cpu")
 
@@ -171,7 +171,8 @@ def full_sort_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) ->
     return out
 
 
-@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])  # flat (huge nucleus) to peaked
+# flat (huge nucleus) to peaked; 100: most of exp(x - max) would be denormal (_EXP_FLOOR)
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0, 100.0])
 def test_candidate_top_k_top_p_equals_a_full_sort(scale: float) -> None:
     """The widening candidate search must keep exactly what a full sort keeps."""
     gen = torch.Generator().manual_seed(3)
@@ -182,6 +183,26 @@ def test_candidate_top_k_top_p_equals_a_full_sort(scale: float) -> None:
     got = apply_top_k_top_p(logits, build(params, logits))
     assert torch.equal(got.isfinite(), full_sort_top_k_top_p(logits, params).isfinite())
     assert torch.equal(got[got.isfinite()], logits[got.isfinite()])
+
+
+@pytest.mark.parametrize("temperature", [0.2, 1.0])
+def test_a_draw_among_the_kept_candidates_picks_what_the_whole_vocabulary_would(
+        temperature: float) -> None:
+    """The draw takes a truncated row's token from its candidates only: with the same
+    uniforms, the inverse CDF over the whole vocabulary, the dropped tokens at -inf (the
+    sampler before it), picks the same tokens, truncated rows and others alike."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(64, 3000, generator=gen) * 4
+    kinds = [SamplingParams(temperature=temperature, top_p=0.9),
+             SamplingParams(temperature=temperature, top_k=20, top_p=0.95),
+             SamplingParams(temperature=temperature, min_p=0.05),
+             SamplingParams(temperature=temperature)]
+    params = [kinds[row % len(kinds)] for row in range(len(logits))]
+    batch = build(params, logits, seeds=list(range(100, 164)), output_indices=list(range(64)))
+    scaled = logits / temperature
+    cdf = apply_top_k_top_p(apply_min_p(scaled, batch), batch).double().softmax(-1).cumsum(-1)
+    whole = torch.searchsorted(cdf, (batch.uniforms * cdf[:, -1])[:, None]).squeeze(1)
+    assert torch.equal(sample(logits, batch), whole)
 
 
 def test_a_rows_draw_does_not_depend_on_the_rest_of_the_batch() -> None:

@@ -26,6 +26,12 @@ _MUL1 = 0xBF58476D1CE4E5B9
 _MUL2 = 0x94D049BB133111EB
 _MIN_CANDIDATES = 64  # first guess at how many top tokens hold every row's top-p nucleus
 _GROWTH = 16  # then 1024 candidates, then (past a quarter of the vocabulary) all of them
+# exp() below this is a float32 denormal (or 0), which x86 computes ~100x slower (microcode
+# assists): at temperature 0.2 most of a 49,152-token vocabulary lands there, and one exp
+# over [8, vocab] took ~6 ms, two thirds of the sampler's time. Such a term is under float32's
+# resolution of any row's sum (whose largest term is 1): a sum takes it as exp(_EXP_FLOOR), a
+# CDF as 0.
+_EXP_FLOOR = -87.0
 
 
 def _int64(x: int) -> int:
@@ -187,8 +193,26 @@ def apply_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits.masked_fill(logits < floor, float("-inf"))
 
 
+def _log_sum_exp(x: torch.Tensor) -> torch.Tensor:
+    """logsumexp over each row, with no term under exp(_EXP_FLOOR)."""
+    row_max = x.amax(dim=-1)
+    return (x - row_max[:, None]).clamp_(min=_EXP_FLOOR).exp_().sum(dim=-1).log_() + row_max
+
+
 def apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Keep each truncated row's top-k tokens, then the nucleus of their renormalised probs.
+    """Each truncated row's logits with every token outside its top-k, then outside the
+    nucleus of their renormalised probs, at -inf (what the draw keeps, as logits)."""
+    if batch.top_k is None and batch.top_p is None:
+        return logits
+    values, indices = kept_candidates(logits, batch)
+    dropped = torch.ones_like(logits, dtype=torch.bool).scatter_(-1, indices, values.isneginf())
+    return logits.masked_fill(dropped & batch.truncated[:, None], float("-inf"))
+
+
+def kept_candidates(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top candidates: their logits, -inf where a truncated row drops them (past
+    its top-k, then outside the nucleus of their renormalised probs), and their token ids.
+    A truncated row keeps no token outside them. Needs top-k or top-p on in the batch.
 
     A full sort of [32, 49152] logits costs 50-100 ms on CPU (a whole decode step), while
     the kept set is almost always small. So sort only the top `k` candidates (`topk`, ~2 ms
@@ -196,15 +220,13 @@ def apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
     truncated row's kept set provably ends inside them: its top-k fits, or the candidates'
     mass reaches its top_p.
     """
-    if batch.top_k is None and batch.top_p is None:
-        return logits
     vocab = logits.shape[-1]
     top_k = batch.top_k if batch.top_k is not None else torch.full_like(batch.truncated, vocab,
                                                                          dtype=torch.int64)
     top_p = (batch.top_p if batch.top_p is not None
              else torch.full_like(batch.temperature, math.inf))
     k = min(vocab, max(_MIN_CANDIDATES, int(top_k.masked_fill(top_k >= vocab, 0).max())))
-    full_log_z = logits.logsumexp(dim=-1)
+    full_log_z = _log_sum_exp(logits)
     while True:
         values, indices = logits.topk(k, dim=-1)
         outside_top_k = torch.arange(k, device=logits.device) >= top_k[:, None]
@@ -221,9 +243,36 @@ def apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
     # drop every token, and the draw over no token is NaN.
     outside_top_p = mass - probs >= top_p[:, None]
     outside_top_p[:, 0] = False
-    values = values.masked_fill(outside_top_p, float("-inf"))
-    dropped = torch.ones_like(logits, dtype=torch.bool).scatter_(-1, indices, values.isneginf())
-    return logits.masked_fill(dropped & batch.truncated[:, None], float("-inf"))
+    return values.masked_fill(outside_top_p, float("-inf")), indices
+
+
+def draw(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Each row's token drawn from `scaled` (temperature and min-p applied): a truncated
+    row's from its kept candidates in token-id order, the other rows' from the whole
+    vocabulary. Every other token has a zero-width step in a truncated row's CDF over the
+    vocabulary, so its draw among the candidates picks the token that one would; the
+    whole-vocabulary softmax, mask and sum per row cost more than the rest of sampling."""
+    if batch.top_k is None and batch.top_p is None:
+        return _inverse_cdf(scaled, batch.uniforms)
+    values, indices = kept_candidates(scaled, batch)
+    by_id = indices.argsort(dim=-1)
+    ids = indices.gather(1, by_id)
+    picked = ids.gather(1, _inverse_cdf(values.gather(1, by_id), batch.uniforms)[:, None]).squeeze(1)
+    if bool(batch.truncated.all()):
+        return picked
+    return torch.where(batch.truncated, picked, _inverse_cdf(scaled, batch.uniforms))
+
+
+def _inverse_cdf(x: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the index of the first entry whose cumulative weight exp(x) reaches the row's
+    uniform times the total: a weight of 0 (-inf) never owns a step. The CDF is summed in
+    float32, in place: a float64 copy of [32, 49152] costs more than the rest of sampling
+    (fresh pages), and float32 moves < 1e-3 of the probability mass, far below bf16 logits'
+    own error."""
+    shifted = x - x.amax(dim=-1, keepdim=True)
+    cdf = shifted.masked_fill_(shifted < _EXP_FLOOR, float("-inf")).exp_().cumsum_(dim=-1)
+    targets = (uniforms * cdf[:, -1]).to(cdf.dtype)
+    return torch.searchsorted(cdf, targets[:, None]).squeeze(1)
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
@@ -266,11 +315,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Pick one token per row: `[num_seqs, vocab]` logits of any float dtype -> int64 `[num_seqs]`.
 
     The draw is inverse-CDF sampling with the row's counter-based uniform u: the first token
-    whose cumulative probability reaches u * total. One uniform per row instead of one per
-    vocabulary entry keeps the hashing negligible. A token with zero probability never owns
-    a step of the CDF, so filtered tokens are never picked. The CDF is summed in float32, in
-    place: a float64 copy of [32, 49152] costs more than the rest of sampling (fresh pages),
-    and float32 moves < 1e-3 of the probability mass, far below bf16 logits' own error.
+    whose cumulative probability reaches u * total (`draw`). One uniform per row instead of
+    one per vocabulary entry keeps the hashing negligible. A token with zero probability
+    never owns a step of the CDF, so filtered tokens are never picked.
     The constrained rows' logits are masked in place (`apply_token_bitmask`); the logprob
     rows' TokenLogprobs are left in `batch.logprobs`.
     """
@@ -279,17 +326,14 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
     if batch.all_greedy:
         sampled = greedy_tokens(logits)
-        drawn_from = logits
     else:
-        drawn_from = apply_top_k_top_p(apply_min_p(logits / batch.temperature[:, None], batch), batch)
-        cdf = drawn_from.softmax(dim=-1).cumsum_(dim=-1)
-        targets = (batch.uniforms * cdf[:, -1]).to(cdf.dtype)
-        sampled = torch.searchsorted(cdf, targets[:, None]).squeeze(1)
+        scaled = apply_min_p(logits / batch.temperature[:, None], batch)
+        sampled = draw(scaled, batch)
         if batch.greedy is not None:
             sampled = torch.where(batch.greedy, greedy_tokens(logits), sampled)
     if batch.logprob_rows is not None:
         rows = batch.logprob_rows
-        seen = drawn_from[rows]
+        seen = logits[rows] if batch.all_greedy else apply_top_k_top_p(scaled, batch)[rows]
         if batch.greedy is not None:
             seen = torch.where(batch.greedy[rows, None], logits[rows], seen)
         batch.logprobs = token_logprobs(seen, sampled[rows].clamp(max=logits.shape[-1] - 1),
