@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from paged_chat.engine import EngineConfig
-from paged_chat.engine.threads import MachineLoad, StepThreads, ThreadPolicy, available_cores
+from paged_chat.engine.threads import (MachineLoad, StepThreads, ThreadPolicy, available_cores,
+                                       free_cores)
 
 
 class FakeClock:
@@ -202,6 +203,8 @@ def test_steps_run_on_no_more_cores_than_other_processes_leave_free(monkeypatch)
     steps.decode.clock = clock
     machine.run(5.0, ours=1.0, others=0.1)         # loading the model on a quiet machine
     assert steps.for_step(decode_only=False).next_count() == 2
+    machine.run(1.0, ours=1.0, others=0.6)         # an app's UI lays out its tabs' new turns
+    assert steps.for_step(decode_only=False).next_count() == 2
     machine.run(2.0, ours=1.0, others=1.3)         # two busy processes start
     assert steps.for_step(decode_only=False).next_count() == 1
     assert steps.load.others == pytest.approx(1.3)
@@ -215,6 +218,14 @@ def test_steps_run_on_no_more_cores_than_other_processes_leave_free(monkeypatch)
     clock.now += steps.decode.recheck_s
     run_steps(steps.for_step(decode_only=True), clock, {2: 0.001, 1: 0.002}, steps=8)
     assert steps.decode.count == 2
+
+
+def test_a_core_counts_as_taken_from_four_fifths_of_it_used():
+    """A bursty load of half a core (an app's UI) leaves every core to a prefill, which runs
+    faster on them than without the one it shares (perf: CORE_TAKEN_AT)."""
+    assert [free_cores(2, others) for others in (0.0, 0.5, 0.79, 0.8, 1.3, 1.8, 2.5)] == [
+        2, 2, 2, 1, 1, 1, 1]
+    assert [free_cores(16, others) for others in (0.7, 3.5, 3.9, 15.0)] == [16, 13, 12, 1]
 
 
 def test_a_trial_compares_only_steps_of_one_size():
