@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from paged_chat.engine import ClientSpec, EngineDeadError, LocalClient, SamplingParams, make_client
+from paged_chat.engine.clients.engine_loop import Add, Shutdown, serve_engine
 from paged_chat.engine.clients.thread_transport import GIL_SWITCH_INTERVAL_S
 from helpers import wait_until
 
@@ -99,6 +100,31 @@ async def test_shutdown_ends_open_streams(make_engine):
         await asyncio.wait_for(task, 30)
     with pytest.raises(EngineDeadError):
         await collect(engine, [5])
+
+
+def test_requests_that_come_together_start_in_one_step(make_engine):
+    """Tabs that send at once reach an idle engine ms apart (each encodes and stores its
+    prompt first). The loop gathers them into its first step, one prefill for them all; it
+    stepped on the first alone, and the others waited for that whole step."""
+    engine = make_engine()
+    arriving = [[Add(f"r{index}", [5 + index, 6, 7, 8], SHORT, None)] for index in range(1, 4)]
+    first_step: list[list[str]] = []
+
+    def receive(block: bool) -> list:
+        if block:
+            return [Shutdown("done")] if first_step else [Add("r0", [5, 6, 7, 8], SHORT, None)]
+        return arriving.pop(0) if arriving else []
+
+    class Events:
+        def on_outputs(self, outputs) -> None:
+            if not first_step:
+                first_step.append(sorted(output.request_id for output in outputs))
+
+        def on_stats(self, stats) -> None:
+            pass
+
+    assert serve_engine(engine, receive, Events(), stats_interval_s=1.0) == "done"
+    assert first_step == [["r0", "r1", "r2", "r3"]]
 
 
 def test_the_engine_thread_wins_the_gil_back_quickly(make_engine):

@@ -47,6 +47,15 @@ class Shutdown:
 
 Command = Add | Abort | ResetPrefixCache | Shutdown
 
+# Requests sent together (tabs that send at once, a broadcast, `ask --file`) arrive ms apart:
+# each is encoded and stored before it goes (~2 ms a tab), and a busy UI thread holds up the
+# thread that sends them. Waking from idle for a request, the loop takes those that keep
+# coming within BURST_GAP_S of the last, for at most BURST_MAX_S, into its first step: one
+# prefill of them all, where the first alone held the others back by its whole step (8 tabs:
+# 146 + 343 ms of prefill against 380 together). A lone request waits BURST_GAP_S more.
+BURST_GAP_S = 0.01
+BURST_MAX_S = 0.1
+
 
 class LoopEvents(Protocol):
     """What the loop reports, from the thread that runs it."""
@@ -75,7 +84,10 @@ def serve_engine(engine: Engine, receive: Callable[[bool], list[Command]], event
         idle = not engine.has_unfinished()
         if idle:
             events.on_stats(engine.stats())
-        for command in receive(idle):
+        commands = receive(idle)
+        if idle and any(isinstance(command, Add) for command in commands):
+            commands += _rest_of_burst(receive)
+        for command in commands:
             if isinstance(command, Shutdown):  # the cached prefixes stay valid
                 engine.abort_all()
                 events.on_stats(engine.stats())
@@ -95,6 +107,19 @@ def serve_engine(engine: Engine, receive: Callable[[bool], list[Command]], event
         if now - last_publish >= stats_interval_s:
             events.on_stats(engine.stats())
             last_publish = now
+
+
+def _rest_of_burst(receive: Callable[[bool], list[Command]]) -> list[Command]:
+    """The commands that follow within BURST_GAP_S of each other, for at most BURST_MAX_S."""
+    deadline = time.monotonic() + BURST_MAX_S
+    commands: list[Command] = []
+    while time.monotonic() < deadline:
+        time.sleep(BURST_GAP_S)
+        more = receive(False)
+        if not more:
+            break
+        commands += more
+    return commands
 
 
 def _apply(engine: Engine, command: Add | Abort | ResetPrefixCache, events: LoopEvents) -> None:
