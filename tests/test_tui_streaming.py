@@ -232,6 +232,60 @@ async def test_a_streaming_paragraph_lays_the_screen_out_only_when_it_grows_a_li
         await wait_until(lambda: not tab.streaming)
 
 
+async def test_tabs_that_send_at_once_reach_the_engine_together(chat_model_dir, tmp_path):
+    """Issue 32 item 17: each tab's request went out only once its turn's views had mounted,
+    behind every other tab's mounts, so the engine got the first alone and prefilled it
+    before the others came (8 tabs: 62-95 ms after the sends). The requests go first now:
+    when the last tab's stream starts, none of the four replies has mounted."""
+    app, client = fed_app(chat_model_dir, tmp_path)
+    mounted_when_sent: list[int] = []
+    stream = client.stream
+
+    def recording_stream(*args, **kwargs):
+        mounted_when_sent.append(sum(reply.is_mounted for reply in app.query(AssistantMessage)))
+        return stream(*args, **kwargs)
+
+    client.stream = recording_stream
+    async with app.run_test(size=(120, 40)) as pilot:
+        for _ in range(3):
+            await press(pilot, "ctrl+n")
+        await wait_until(lambda: len(app.chat_tabs) == 4)
+        for tab in app.chat_tabs:
+            assert tab.send("hi")
+        await wait_until(lambda: len(mounted_when_sent) == 4)
+        for _ in range(4):
+            client.pieces.put_nowait(None)
+        await wait_until(lambda: not any(tab.streaming for tab in app.chat_tabs))
+    assert mounted_when_sent == [0, 0, 0, 0]
+
+
+async def test_a_hidden_tabs_reply_footer_waits_until_it_is_shown(chat_model_dir, tmp_path):
+    """Issue 32 item 17: every streaming tab refreshed its reply's footer twice a second on
+    a clock of its own, shown or not; only the shown tab's does, in the panel's frames, and
+    a hidden one's when it is shown."""
+    app, client = fed_app(chat_model_dir, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        tab, reply = await streaming_reply(app, pilot)
+        for index in range(400):   # until the footer shows the turn's figures (a frame)
+            client.pieces.put_nowait(f"first{index} ")
+            await asyncio.sleep(0.025)
+            if "ttft" in reply.footer:
+                break
+        assert "ttft" in reply.footer, reply.footer
+        await press(pilot, "ctrl+n")
+        await wait_until(lambda: len(app.chat_tabs) == 2 and not tab.region)
+        hidden_footer = reply.footer
+        for index in range(40):   # ~1 s of deltas, two of the old clock's refreshes
+            client.pieces.put_nowait(f"word{index} ")
+            await asyncio.sleep(0.025)
+        await wait_until(lambda: tab.session.turn.text.endswith("word39 "))
+        assert reply.footer == hidden_footer
+        await press(pilot, "alt+left")
+        await wait_until(lambda: reply.footer != hidden_footer and "ttft" in reply.footer)
+        client.pieces.put_nowait(None)
+        await wait_until(lambda: not tab.streaming)
+
+
 @pytest.mark.timeout(90)   # on the old code the close itself never returned
 async def test_closing_a_tab_never_waits_on_a_replys_render(chat_model_dir, tmp_path, monkeypatch):
     """A tab shown again renders its replies (`catch_up`); closing it must not wait for that

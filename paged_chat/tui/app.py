@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from paged_chat.server import ApiServer
     from paged_chat.tui.chat_tab import ChatTab
 
-LABEL_TICKS = 10            # polls between refreshes of streaming tabs' headers
+LABELS_EVERY_S = 1.0        # how often streaming tabs' headers (TTFT, tokens/s) refresh
 WIDE_FROM = 112   # columns from which the engine panel (48) leaves the prompt 60 or more
 QUIT_GRACE_S = 1.0     # what a quitting app gives a busy engine child before killing it
 RESTART_GRACE_S = 5.0  # ... and a restart (a stopped or hung child is killed at once)
@@ -97,7 +97,7 @@ class PagedChatApp(ChatActions, App):
         self._last_engine_error: str | None = None
         self._restarting = False            # F5: the engine is being restarted
         self._shown_trouble: str | None = None   # what the status line says is wrong with the engine
-        self._ticks = 0
+        self._labels_at = 0.0    # when the streaming tabs' headers last refreshed
         self.keymap: dict[str, str] = {}   # [tui.keys] as applied: action -> its keys
 
     # ---- layout ---------------------------------------------------------------------
@@ -343,11 +343,11 @@ class PagedChatApp(ChatActions, App):
             frame = self.panel.show_stats(stats, with_request_owners(self.tabs.tab_infos(), stats.blocks))
         except NoMatches:  # the panel is being built or torn down
             return
-        if frame:   # the shown tab's streaming reply renders in the panel's frame
+        if frame:   # the shown tab's streaming reply and the tab headers draw in the panel's frame
             self.tabs.render_frame()
-        self._ticks += 1
-        if self._ticks % LABEL_TICKS == 0:   # about once a second
-            self.tabs.refresh_streaming_labels()
+            if time.monotonic() - self._labels_at >= LABELS_EVERY_S:
+                self._labels_at = time.monotonic()
+                self.tabs.refresh_streaming_labels()
         error = self.engine.last_error
         if error and error != self._last_engine_error:
             self._last_engine_error = error
