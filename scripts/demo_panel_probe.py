@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""`paged-chat --demo 8` in tmux at 160x50, read as issue 32 read it: the engine panel's
+`gen` tokens/s, READINGS readouts EVERY_S apart once the demo has run WARM_S, their median
+against the engine alone on the same 8 demo chats (`bench.tui.run_engine_alone`: their
+first turns, greedy, 96 tokens each, as `python -m paged_chat.bench.tui_terminal` runs it).
+
+The demo is not the engine alone's workload: its tabs pause 0.3-2 s between turns and start
+new chats, so its batch is often under 8 and its replies stop at EOS. The ratio says what a
+user watching the demo sees; `bench.tui_terminal` compares like with like.
+
+Each tree given runs in turn, round by round (A B A B ...), as the user runs it: the
+console script `paged-chat` of one venv, under the tree's PYTHONPATH, with the user's cache
+dir (warm), an empty config (or --config) and a throwaway data dir. The engine alone runs in
+a process of its own under the same tree, after each demo.
+
+    python scripts/demo_panel_probe.py /tmp/base /work/main [--rounds 2] [--config F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+READY = re.compile(r"● \S+ · cpu · (\w+) · [\d,]+ blocks")
+GEN = re.compile(r"gen ([\d,]+)")
+BATCH = re.compile(r"batch\s+(\d+) seqs")
+WARM_S = 15.0
+READINGS = 5
+EVERY_S = 4.0
+BOUND_S = 180.0
+ALONE = ("import json; from paged_chat.bench.own_thread import on_own_thread; "
+         "from paged_chat.bench.tui import TuiBenchOptions, demo_chats, engine_config, "
+         "run_engine_alone, warmed_up; from paged_chat.engine import Engine, SamplingParams; "
+         "options = TuiBenchOptions(dtype={dtype!r}); "
+         "engine = on_own_thread(lambda: warmed_up(Engine(engine_config(options)))); "
+         "params = SamplingParams(temperature=0, max_tokens=options.max_tokens, ignore_eos=True); "
+         "print(json.dumps(on_own_thread(lambda: run_engine_alone(engine, demo_chats(8, 0), params))))")
+
+
+def tmux(socket: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["tmux", "-L", socket, *args], capture_output=True, text=True)
+
+
+def demo_readouts(tree: Path, venv: Path, data_dir: Path, config: Path) -> tuple[str, list[int], list[int]]:
+    """(the dtype the status line names, `gen` readouts, `batch` readouts) of one demo run."""
+    socket = f"demo-panel-probe-{os.getpid()}"
+    env = {"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "PAGED_CHAT_DATA_DIR": str(data_dir),
+           "PAGED_CHAT_CONFIG": str(config), "TERM": "xterm-256color"}
+    launched = tmux(socket, "new-session", "-d", "-s", "probe", "-x", "160", "-y", "50",
+                    *[arg for key, value in env.items() for arg in ("-e", f"{key}={value}")],
+                    f"cd {tree} && {venv / 'bin' / 'paged-chat'} --demo 8")
+    assert launched.returncode == 0, launched.stderr
+    started = time.monotonic()
+    try:
+        while not (ready := READY.search(screen := tmux(socket, "capture-pane", "-p").stdout)):
+            if time.monotonic() - started > BOUND_S:
+                raise SystemExit(f"{tree}: not ready after {BOUND_S:.0f} s:\n{screen}")
+            time.sleep(0.5)
+        time.sleep(WARM_S)
+        gens, batches = [], []
+        for _ in range(READINGS):
+            screen = tmux(socket, "capture-pane", "-p").stdout
+            gens.append(int(GEN.search(screen).group(1).replace(",", "")))
+            batches.append(int(BATCH.search(screen).group(1)))
+            time.sleep(EVERY_S)
+        return ready.group(1), gens, batches
+    finally:
+        tmux(socket, "send-keys", "C-q")
+        time.sleep(2)
+        tmux(socket, "kill-server")
+
+
+def engine_alone(tree: Path, venv: Path, dtype: str) -> float:
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", ALONE.format(dtype=dtype)], cwd=tree,
+                         env=os.environ | {"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"},
+                         capture_output=True, text=True, check=True).stdout
+    return float(re.search(r'"output_tokens_per_s": ([\d.]+)', out).group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trees", nargs="+", type=Path, help="source trees (A B ...)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--config", type=Path, help="a config.toml for every tree (default: empty)")
+    parser.add_argument("--venv", type=Path, default=Path(sys.prefix))
+    args = parser.parse_args()
+    trees = [tree.resolve() for tree in args.trees]
+    with tempfile.TemporaryDirectory(prefix="demo-panel-probe-") as scratch:
+        config = args.config or Path(scratch) / "config.toml"
+        config.touch()
+        for round_ in range(args.rounds):
+            for index, tree in enumerate(trees):
+                data = Path(scratch) / f"{round_}-{index}"
+                data.mkdir()
+                load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+                dtype, gens, batches = demo_readouts(tree, args.venv, data, config)
+                alone = engine_alone(tree, args.venv, dtype)
+                gen = statistics.median(gens)
+                print(f"round {round_ + 1} {tree} ({dtype}): panel gen {gens} (median {gen:.0f}), "
+                      f"batch {batches}; engine alone {alone:.1f} tok/s; {100 * gen / alone:.0f}% "
+                      f"(load before {load})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
