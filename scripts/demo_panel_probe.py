@@ -4,9 +4,12 @@
 against the engine alone on the same 8 demo chats (`bench.tui.run_engine_alone`: their
 first turns, greedy, 96 tokens each, as `python -m paged_chat.bench.tui_terminal` runs it).
 
-The demo is not the engine alone's workload: its tabs pause 0.3-2 s between turns and start
-new chats, so its batch is often under 8 and its replies stop at EOS. The ratio says what a
-user watching the demo sees; `bench.tui_terminal` compares like with like.
+The demo is not that workload: its tabs sample (the model's temperature and top-p), stop at
+EOS, carry each chat on for three turns (longer contexts) and pause 0.3-2 s between turns,
+so its batch is often under 8. So each tree also runs the demo without its UI: the same
+autopilots, sampling and engine process as the app's, their turns through the engine client
+(`headless_demo` below), read off `stats()` at the same times. The app against that is what
+the UI costs the demo.
 
 Each tree given runs in turn, round by round (A B A B ...), as the user runs it: the
 console script `paged-chat` of one venv, under the tree's PYTHONPATH, with the user's cache
@@ -44,6 +47,54 @@ ALONE = ("import json; from paged_chat.bench.own_thread import on_own_thread; "
          "print(json.dumps(on_own_thread(lambda: run_engine_alone(engine, demo_chats(8, 0), params))))")
 
 
+HEADLESS_DEMO = """
+import asyncio, json, sys, time
+from paged_chat.conversation import Conversation
+from paged_chat.settings import Settings
+from paged_chat.tui.demo import demo_tabs
+from paged_chat.tui.start import app_engine_config, start_engine
+from paged_chat.tui.tabs import DEMO_SAMPLING
+
+async def chat(client, system, autopilot, params):
+    info = client.info
+    conversation = Conversation(info.tokenizer, info.chat_template, system)
+    prompt = autopilot.first_prompt()
+    while True:
+        ids = conversation.next_prompt_ids(prompt)
+        reply, text = [], ""
+        async for out in client.stream(ids, params):
+            reply += out.new_token_ids
+            text += out.new_text
+        conversation.add_reply(ids, reply, text)
+        autopilot.turns += 1
+        await asyncio.sleep(autopilot.pause_s())
+        if autopilot.turns >= autopilot.turns_per_chat:
+            autopilot.turns = 0
+            conversation = Conversation(info.tokenizer, info.chat_template, system)
+        prompt = autopilot.next_prompt()
+
+async def main(warm_s, readings, every_s):
+    settings = Settings()
+    client = start_engine(app_engine_config(settings, 8)).result()
+    params = settings.sampling_params(settings.model_sampling(client.info.generation_defaults),
+                                      **DEMO_SAMPLING)
+    tasks = [asyncio.create_task(chat(client, system, autopilot, params))
+             for _, system, autopilot in demo_tabs(8, seed=int(time.time()))]
+    await asyncio.sleep(warm_s)
+    gens = []
+    for _ in range(int(readings)):
+        gens.append(round(client.stats().generation_tokens_per_s))
+        await asyncio.sleep(every_s)
+    for task in tasks:
+        task.cancel()
+    client.shutdown()
+    print(json.dumps(gens))
+
+if __name__ == "__main__":
+    asyncio.run(main(*map(float, sys.argv[1:4])))
+"""
+
+
 def tmux(socket: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["tmux", "-L", socket, *args], capture_output=True, text=True)
 
@@ -77,6 +128,16 @@ def demo_readouts(tree: Path, venv: Path, data_dir: Path, config: Path) -> tuple
         tmux(socket, "kill-server")
 
 
+def headless_demo(tree: Path, venv: Path, scratch: Path) -> list[int]:
+    """`gen` readouts of the demo's chats driven without the UI (HEADLESS_DEMO)."""
+    script = scratch / "headless_demo.py"
+    script.write_text(HEADLESS_DEMO)
+    out = subprocess.run([str(venv / "bin" / "python"), str(script), str(WARM_S), str(READINGS),
+                          str(EVERY_S)], cwd=tree, capture_output=True, text=True, check=True,
+                         env=os.environ | {"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"}).stdout
+    return [int(gen) for gen in re.findall(r"\d+", out.strip().splitlines()[-1])]
+
+
 def engine_alone(tree: Path, venv: Path, dtype: str) -> float:
     out = subprocess.run([str(venv / "bin" / "python"), "-c", ALONE.format(dtype=dtype)], cwd=tree,
                          env=os.environ | {"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"},
@@ -102,10 +163,12 @@ def main() -> None:
                 load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
                 dtype, gens, batches = demo_readouts(tree, args.venv, data, config)
                 alone = engine_alone(tree, args.venv, dtype)
-                gen = statistics.median(gens)
+                headless = headless_demo(tree, args.venv, Path(scratch))
+                gen, without_ui = statistics.median(gens), statistics.median(headless)
                 print(f"round {round_ + 1} {tree} ({dtype}): panel gen {gens} (median {gen:.0f}), "
-                      f"batch {batches}; engine alone {alone:.1f} tok/s; {100 * gen / alone:.0f}% "
-                      f"(load before {load})", flush=True)
+                      f"batch {batches}; engine alone {alone:.1f} tok/s: {100 * gen / alone:.0f}%; "
+                      f"the demo without its UI {headless} (median {without_ui:.0f}): "
+                      f"{100 * gen / without_ui:.0f}% (load before {load})", flush=True)
 
 
 if __name__ == "__main__":
