@@ -204,7 +204,13 @@ def apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
     nucleus of their renormalised probs, at -inf (what the draw keeps, as logits)."""
     if batch.top_k is None and batch.top_p is None:
         return logits
-    values, indices = kept_candidates(logits, batch)
+    return _drop_all_but(logits, kept_candidates(logits, batch), batch)
+
+
+def _drop_all_but(logits: torch.Tensor, kept: tuple[torch.Tensor, torch.Tensor],
+                  batch: SamplingBatch) -> torch.Tensor:
+    """`logits` with every token a truncated row does not keep (`kept_candidates`) at -inf."""
+    values, indices = kept
     dropped = torch.ones_like(logits, dtype=torch.bool).scatter_(-1, indices, values.isneginf())
     return logits.masked_fill(dropped & batch.truncated[:, None], float("-inf"))
 
@@ -246,15 +252,17 @@ def kept_candidates(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.T
     return values.masked_fill(outside_top_p, float("-inf")), indices
 
 
-def draw(scaled: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def draw(scaled: torch.Tensor, batch: SamplingBatch,
+         kept: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """Each row's token drawn from `scaled` (temperature and min-p applied): a truncated
-    row's from its kept candidates in token-id order, the other rows' from the whole
-    vocabulary. Every other token has a zero-width step in a truncated row's CDF over the
-    vocabulary, so its draw among the candidates picks the token that one would; the
-    whole-vocabulary softmax, mask and sum per row cost more than the rest of sampling."""
-    if batch.top_k is None and batch.top_p is None:
+    row's from its kept candidates (`kept`, None when no row truncates) in token-id order,
+    the other rows' from the whole vocabulary. Every other token has a zero-width step in a
+    truncated row's CDF over the vocabulary, so its draw among the candidates picks the
+    token that one would; the whole-vocabulary softmax, mask and sum per row cost more than
+    the rest of sampling."""
+    if kept is None:
         return _inverse_cdf(scaled, batch.uniforms)
-    values, indices = kept_candidates(scaled, batch)
+    values, indices = kept
     by_id = indices.argsort(dim=-1)
     ids = indices.gather(1, by_id)
     picked = ids.gather(1, _inverse_cdf(values.gather(1, by_id), batch.uniforms)[:, None]).squeeze(1)
@@ -328,12 +336,17 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         sampled = greedy_tokens(logits)
     else:
         scaled = apply_min_p(logits / batch.temperature[:, None], batch)
-        sampled = draw(scaled, batch)
+        kept = (None if batch.top_k is None and batch.top_p is None
+                else kept_candidates(scaled, batch))
+        sampled = draw(scaled, batch, kept)
         if batch.greedy is not None:
             sampled = torch.where(batch.greedy, greedy_tokens(logits), sampled)
     if batch.logprob_rows is not None:
         rows = batch.logprob_rows
-        seen = logits[rows] if batch.all_greedy else apply_top_k_top_p(scaled, batch)[rows]
+        if batch.all_greedy:
+            seen = logits[rows]
+        else:
+            seen = (scaled if kept is None else _drop_all_but(scaled, kept, batch))[rows]
         if batch.greedy is not None:
             seen = torch.where(batch.greedy[rows, None], logits[rows], seen)
         batch.logprobs = token_logprobs(seen, sampled[rows].clamp(max=logits.shape[-1] - 1),
