@@ -132,17 +132,20 @@ def headless_demo(tree: Path, venv: Path, scratch: Path) -> list[int]:
     """`gen` readouts of the demo's chats driven without the UI (HEADLESS_DEMO)."""
     script = scratch / "headless_demo.py"
     script.write_text(HEADLESS_DEMO)
-    out = subprocess.run([str(venv / "bin" / "python"), str(script), str(WARM_S), str(READINGS),
-                          str(EVERY_S)], cwd=tree, capture_output=True, text=True, check=True,
-                         env=os.environ | {"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"}).stdout
+    out = python_in(tree, venv, str(script), str(WARM_S), str(READINGS), str(EVERY_S))
     return [int(gen) for gen in re.findall(r"\d+", out.strip().splitlines()[-1])]
 
 
 def engine_alone(tree: Path, venv: Path, dtype: str) -> float:
-    out = subprocess.run([str(venv / "bin" / "python"), "-c", ALONE.format(dtype=dtype)], cwd=tree,
-                         env=os.environ | {"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"},
-                         capture_output=True, text=True, check=True).stdout
+    out = python_in(tree, venv, "-c", ALONE.format(dtype=dtype))
     return float(re.search(r'"output_tokens_per_s": ([\d.]+)', out).group(1))
+
+
+def python_in(tree: Path, venv: Path, *args: str) -> str:
+    """The stdout of the venv's python running `args` on `tree`'s code."""
+    return subprocess.run([str(venv / "bin" / "python"), *args], cwd=tree, capture_output=True,
+                          text=True, check=True,
+                          env=os.environ | {"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1"}).stdout
 
 
 def main() -> None:
