@@ -71,6 +71,36 @@ def test_legend_lists_the_chats_holding_blocks_first():
 
 
 @pytest.mark.timeout(30)
+async def test_the_legend_lays_the_screen_out_only_when_its_height_changes():
+    """Issue 32 item 17: the holders change at every turn's start and end (8 demo tabs: 1-2
+    times a second), and each change re-laid the whole screen out. A new order of the same
+    lines only repaints; fewer lines re-lay it."""
+    from textual.app import App
+
+    from paged_chat.tui.legend import Legend
+
+    tabs = {f"tab-{n}": TabInfo(f"Tab {n}", n, lambda rid: None) for n in range(8)}
+
+    class LegendApp(App):
+        def compose(self):
+            yield Legend()
+
+    app = LegendApp()
+    async with app.run_test(size=(45, 20)) as pilot:
+        legend = app.query_one(Legend)
+        legend.show(tabs, ())
+        await pilot.pause()
+        height, layouts = legend.size.height, legend._layout_updates
+        legend.show(tabs, ("tab-6",))
+        await pilot.pause()
+        assert legend._layout_updates == layouts and legend.size.height == height
+        assert legend.render().plain.startswith("█ Tab 6")
+        legend.show({"tab-0": tabs["tab-0"]}, ())
+        await pilot.pause()
+        assert legend._layout_updates > layouts and legend.size.height < height
+
+
+@pytest.mark.timeout(30)
 async def test_escape_sequences_in_text_never_reach_the_terminal():
     from textual.app import App
     from paged_chat.tui.messages import AssistantMessage, UserMessage

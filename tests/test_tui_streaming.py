@@ -232,6 +232,32 @@ async def test_a_streaming_paragraph_lays_the_screen_out_only_when_it_grows_a_li
         await wait_until(lambda: not tab.streaming)
 
 
+async def test_a_tab_header_keeps_its_width_from_one_turn_to_the_next(chat_model_dir, tmp_path):
+    """Issue 32 item 17: a header that changes width re-lays the tab bar out and animates the
+    shown tab's underline (8 demo tabs: 4-5 screen updates a second). The header of a tab
+    that has had a turn keeps one width: at the next turn's start (no figures yet), at its
+    first token and at its end."""
+    app, client = fed_app(chat_model_dir, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        tab, _ = await streaming_reply(app, pilot)
+        header = app.tabs.get_tab(tab.id)
+        client.pieces.put_nowait("one ")
+        client.pieces.put_nowait(None)
+        await wait_until(lambda: not tab.streaming and "t/s" in header.label.plain)
+        widths = {"after the first turn": header.label.cell_length}
+        await press(pilot, *"hi", "enter")
+        await wait_until(lambda: tab.streaming and "t/s" not in header.label.plain)
+        widths["at the next turn's start"] = header.label.cell_length
+        client.pieces.put_nowait("two ")
+        await wait_until(lambda: "t/s" in header.label.plain)
+        widths["with its figures"] = header.label.cell_length
+        client.pieces.put_nowait(None)
+        await wait_until(lambda: not tab.streaming)
+        await pilot.pause()
+        widths["at its end"] = header.label.cell_length
+    assert len(set(widths.values())) == 1, widths
+
+
 async def test_tabs_that_send_at_once_reach_the_engine_together(chat_model_dir, tmp_path):
     """Issue 32 item 17: each tab's request went out only once its turn's views had mounted,
     behind every other tab's mounts, so the engine got the first alone and prefilled it

@@ -84,11 +84,18 @@ class Legend(Widget):
         self._holders: Sequence[str] = ()
 
     def show(self, tabs: Mapping[str, TabInfo], holders: Sequence[str]) -> None:
+        """Show `holders` (the requests holding blocks) by their tabs. The screen is re-laid
+        out only when the legend's height changes: the holders change at every turn's start
+        and end, and a layout pass costs several times a repaint."""
+        width, height = self.content_size
         self._tabs, self._holders = tabs, holders
-        self.refresh(layout=True)
+        self.refresh(layout=self._height(width) != height)
+
+    def _height(self, width: int) -> int:
+        return len(format_legend(self._tabs, self._holders, width).split("\n"))
 
     def get_content_height(self, container, viewport, width: int) -> int:
-        return len(format_legend(self._tabs, self._holders, width).split("\n"))
+        return self._height(width)
 
     def render(self) -> Text:
         return format_legend(self._tabs, self._holders, self.content_size.width)
