@@ -236,7 +236,7 @@ async def test_a_tab_header_keeps_its_width_from_one_turn_to_the_next(chat_model
     """Issue 32 item 17: a header that changes width re-lays the tab bar out and animates the
     shown tab's underline (8 demo tabs: 4-5 screen updates a second). The header of a tab
     that has had a turn keeps one width: at the next turn's start (no figures yet), at its
-    first token and at its end."""
+    first token and at its end; and a new label of the same width lays nothing out."""
     app, client = fed_app(chat_model_dir, tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
         tab, _ = await streaming_reply(app, pilot)
@@ -248,6 +248,7 @@ async def test_a_tab_header_keeps_its_width_from_one_turn_to_the_next(chat_model
         await press(pilot, *"hi", "enter")
         await wait_until(lambda: tab.streaming and "t/s" not in header.label.plain)
         widths["at the next turn's start"] = header.label.cell_length
+        layouts = header._layout_updates
         client.pieces.put_nowait("two ")
         await wait_until(lambda: "t/s" in header.label.plain)
         widths["with its figures"] = header.label.cell_length
@@ -255,7 +256,9 @@ async def test_a_tab_header_keeps_its_width_from_one_turn_to_the_next(chat_model
         await wait_until(lambda: not tab.streaming)
         await pilot.pause()
         widths["at its end"] = header.label.cell_length
+        assert "●" not in header.label.plain
     assert len(set(widths.values())) == 1, widths
+    assert header._layout_updates == layouts   # a label as wide as the last only repaints
 
 
 async def test_tabs_that_send_at_once_reach_the_engine_together(chat_model_dir, tmp_path):
