@@ -101,6 +101,38 @@ async def test_the_legend_lays_the_screen_out_only_when_its_height_changes():
 
 
 @pytest.mark.timeout(30)
+async def test_the_legend_follows_the_chats_holding_blocks_in_the_panels_frames_only():
+    """Issue 32 item 17: the engine sends a snapshot 20 times a second and the panel draws 5
+    frames; the legend drew the holders of any snapshot that changed them, a screen update
+    between two frames at every turn's start and end. It changes in a frame now."""
+    from textual.app import App
+
+    from helpers import snapshot
+    from paged_chat.tui.engine_panel import EnginePanel
+    from paged_chat.tui.legend import Legend
+
+    owners = ["tab-a", "tab-b", "tab-c"]
+    tabs = {owner: TabInfo(owner, n, lambda rid: None) for n, owner in enumerate(owners)}
+
+    class PanelApp(App):
+        def compose(self):
+            yield EnginePanel()
+
+    async with PanelApp().run_test(size=(60, 50)) as pilot:
+        panel = pilot.app.query_one(EnginePanel)
+        legend = panel.query_one(Legend)
+        panel.refresh_every_s = 3600.0
+        assert panel.show_stats(snapshot(0, owners), tabs)   # new tabs: a frame
+        assert legend._holders == tuple(owners)
+        assert not panel.show_stats(snapshot(1, owners[::-1]), tabs)   # between two frames
+        assert legend._holders == tuple(owners)
+        panel.refresh_every_s = 0.0
+        assert panel.show_stats(snapshot(2, owners[::-1]), tabs)
+        assert legend._holders == tuple(owners[::-1])
+        await pilot.pause()
+
+
+@pytest.mark.timeout(30)
 async def test_escape_sequences_in_text_never_reach_the_terminal():
     from textual.app import App
     from paged_chat.tui.messages import AssistantMessage, UserMessage

@@ -188,14 +188,16 @@ class EnginePanel(Vertical):
         replies in the same frames, so the terminal gets one screen update, not two."""
         tabs_changed = tabs != self.tabs
         self.tabs = tabs
-        holders = tuple(dict.fromkeys(owner for owner in stats.blocks.request_owners if owner))
-        if tabs_changed or holders != self._legend_holders:
-            self._legend_holders = holders
-            self.query_one(Legend).show(tabs, holders)
         now = time.monotonic()
         if not tabs_changed and now - self._shown_at < self.refresh_every_s:
             return False
         self._shown_at = now   # a frame even when the snapshot is the last one: replies render
+        # In the frame, not at the snapshot that changed them: the holders change at every
+        # turn's start and end, a screen update of its own when drawn between two frames.
+        holders = tuple(dict.fromkeys(owner for owner in stats.blocks.request_owners if owner))
+        if tabs_changed or holders != self._legend_holders:
+            self._legend_holders = holders
+            self.query_one(Legend).show(tabs, holders)
         if stats is self.stats:
             return True
         self.stats = stats
