@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """`paged-chat --demo 8` in tmux at 160x50, read as issue 32 read it: the engine panel's
-`gen` tokens/s, READINGS readouts EVERY_S apart once the demo has run WARM_S, their median
-against the engine alone on the same 8 demo chats (`bench.tui.run_engine_alone`: their
+`gen` tokens/s, READINGS readouts (or --readings) EVERY_S apart once the demo has run
+WARM_S, their median against the engine alone on the same 8 demo chats (`bench.tui.run_engine_alone`: their
 first turns, greedy, 96 tokens each, as `python -m paged_chat.bench.tui_terminal` runs it).
 
 The demo is not that workload: its tabs sample (the model's temperature and top-p), stop at
@@ -10,6 +10,12 @@ so its batch is often under 8. So each tree also runs the demo without its UI: t
 autopilots, sampling and engine process as the app's, their turns through the engine client
 (`headless_demo` below), read off `stats()` at the same times. The app against that is what
 the UI costs the demo.
+
+A readout is the panel's tokens/s of the last moment: one run's five went from 88 to 192
+as tabs paused and started. So each run also gives its average over the readouts' whole
+window, from the engine's count of generated tokens: the app's off its `/metrics` (the demo
+runs with `--serve` for it: an idle API server on the app's engine), the headless demo's
+off `stats()`.
 
 Each tree given runs in turn, round by round (A B A B ...), as the user runs it: the
 console script `paged-chat` of one venv, under the tree's PYTHONPATH, with the user's cache
@@ -22,18 +28,22 @@ a process of its own under the same tree, after each demo.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 READY = re.compile(r"● \S+ · cpu · (\w+) · [\d,]+ blocks")
 GEN = re.compile(r"gen ([\d,]+)")
 BATCH = re.compile(r"batch\s+(\d+) seqs")
+GENERATED = re.compile(r"^vllm:generation_tokens_total\{[^}]*\} ([\d.e+]+)$", re.MULTILINE)
 WARM_S = 15.0
 READINGS = 5
 EVERY_S = 4.0
@@ -81,14 +91,15 @@ async def main(warm_s, readings, every_s):
     tasks = [asyncio.create_task(chat(client, system, autopilot, params))
              for _, system, autopilot in demo_tabs(8, seed=int(time.time()))]
     await asyncio.sleep(warm_s)
-    gens = []
+    gens, started, generated = [], time.monotonic(), client.stats().generation_tokens_total
     for _ in range(int(readings)):
         gens.append(round(client.stats().generation_tokens_per_s))
         await asyncio.sleep(every_s)
+    average = (client.stats().generation_tokens_total - generated) / (time.monotonic() - started)
     for task in tasks:
         task.cancel()
     client.shutdown()
-    print(json.dumps(gens))
+    print(json.dumps([gens, average]))
 
 if __name__ == "__main__":
     asyncio.run(main(*map(float, sys.argv[1:4])))
@@ -99,41 +110,59 @@ def tmux(socket: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["tmux", "-L", socket, *args], capture_output=True, text=True)
 
 
-def demo_readouts(tree: Path, venv: Path, data_dir: Path, config: Path) -> tuple[str, list[int], list[int]]:
-    """(the dtype the status line names, `gen` readouts, `batch` readouts) of one demo run."""
-    socket = f"demo-panel-probe-{os.getpid()}"
+def demo_readouts(tree: Path, venv: Path, data_dir: Path, config: Path, readings: int
+                  ) -> tuple[str, list[int], list[int], float]:
+    """(the dtype the status line names, `gen` readouts, `batch` readouts, tokens/s over their
+    window) of one demo run."""
+    tmux_socket = f"demo-panel-probe-{os.getpid()}"
+    port = free_port()
     env = {"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "PAGED_CHAT_DATA_DIR": str(data_dir),
            "PAGED_CHAT_CONFIG": str(config), "TERM": "xterm-256color"}
-    launched = tmux(socket, "new-session", "-d", "-s", "probe", "-x", "160", "-y", "50",
+    launched = tmux(tmux_socket, "new-session", "-d", "-s", "probe", "-x", "160", "-y", "50",
                     *[arg for key, value in env.items() for arg in ("-e", f"{key}={value}")],
-                    f"cd {tree} && {venv / 'bin' / 'paged-chat'} --demo 8")
+                    f"cd {tree} && {venv / 'bin' / 'paged-chat'} --demo 8 --serve {port}")
     assert launched.returncode == 0, launched.stderr
     started = time.monotonic()
     try:
-        while not (ready := READY.search(screen := tmux(socket, "capture-pane", "-p").stdout)):
+        while not (ready := READY.search(screen := tmux(tmux_socket, "capture-pane", "-p").stdout)):
             if time.monotonic() - started > BOUND_S:
                 raise SystemExit(f"{tree}: not ready after {BOUND_S:.0f} s:\n{screen}")
             time.sleep(0.5)
         time.sleep(WARM_S)
-        gens, batches = [], []
-        for _ in range(READINGS):
-            screen = tmux(socket, "capture-pane", "-p").stdout
+        gens, batches, started, generated = [], [], time.monotonic(), generated_tokens(port)
+        for _ in range(readings):
+            screen = tmux(tmux_socket, "capture-pane", "-p").stdout
             gens.append(int(GEN.search(screen).group(1).replace(",", "")))
             batches.append(int(BATCH.search(screen).group(1)))
             time.sleep(EVERY_S)
-        return ready.group(1), gens, batches
+        average = (generated_tokens(port) - generated) / (time.monotonic() - started)
+        return ready.group(1), gens, batches, average
     finally:
-        tmux(socket, "send-keys", "C-q")
+        tmux(tmux_socket, "send-keys", "C-q")
         time.sleep(2)
-        tmux(socket, "kill-server")
+        tmux(tmux_socket, "kill-server")
 
 
-def headless_demo(tree: Path, venv: Path, scratch: Path) -> list[int]:
-    """`gen` readouts of the demo's chats driven without the UI (HEADLESS_DEMO)."""
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def generated_tokens(port: int) -> float:
+    """The app's engine's count of generated tokens, off its API server's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as response:
+        return float(GENERATED.search(response.read().decode()).group(1))
+
+
+def headless_demo(tree: Path, venv: Path, scratch: Path, readings: int) -> tuple[list[int], float]:
+    """(`gen` readouts, tokens/s over their window) of the demo's chats driven without the UI
+    (HEADLESS_DEMO)."""
     script = scratch / "headless_demo.py"
     script.write_text(HEADLESS_DEMO)
-    out = python_in(tree, venv, str(script), str(WARM_S), str(READINGS), str(EVERY_S))
-    return [int(gen) for gen in re.findall(r"\d+", out.strip().splitlines()[-1])]
+    out = python_in(tree, venv, str(script), str(WARM_S), str(readings), str(EVERY_S))
+    gens, average = json.loads(out.strip().splitlines()[-1])
+    return gens, average
 
 
 def engine_alone(tree: Path, venv: Path, dtype: str) -> float:
@@ -152,6 +181,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("trees", nargs="+", type=Path, help="source trees (A B ...)")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--readings", type=int, default=READINGS,
+                        help=f"readouts a run, {EVERY_S:.0f} s apart (default {READINGS}, as the issue read it)")
     parser.add_argument("--config", type=Path, help="a config.toml for every tree (default: empty)")
     parser.add_argument("--venv", type=Path, default=Path(sys.prefix))
     args = parser.parse_args()
@@ -164,14 +195,16 @@ def main() -> None:
                 data = Path(scratch) / f"{round_}-{index}"
                 data.mkdir()
                 load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-                dtype, gens, batches = demo_readouts(tree, args.venv, data, config)
+                dtype, gens, batches, average = demo_readouts(tree, args.venv, data, config, args.readings)
                 alone = engine_alone(tree, args.venv, dtype)
-                headless = headless_demo(tree, args.venv, Path(scratch))
+                headless, headless_average = headless_demo(tree, args.venv, Path(scratch), args.readings)
                 gen, without_ui = statistics.median(gens), statistics.median(headless)
                 print(f"round {round_ + 1} {tree} ({dtype}): panel gen {gens} (median {gen:.0f}), "
                       f"batch {batches}; engine alone {alone:.1f} tok/s: {100 * gen / alone:.0f}%; "
                       f"the demo without its UI {headless} (median {without_ui:.0f}): "
-                      f"{100 * gen / without_ui:.0f}% (load before {load})", flush=True)
+                      f"{100 * gen / without_ui:.0f}%; over the window {average:.0f} against "
+                      f"{headless_average:.0f} without the UI: {100 * average / headless_average:.0f}% "
+                      f"(load before {load})", flush=True)
 
 
 if __name__ == "__main__":
