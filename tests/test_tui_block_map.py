@@ -196,6 +196,38 @@ async def test_long_reply_streams_into_bounded_markdown_chunks():
 
 
 @pytest.mark.timeout(60)
+async def test_a_streaming_code_block_lays_the_screen_out_only_when_it_grows_a_line():
+    """Issue 32 item 17: a streaming reply's code block gets new text at every frame, and
+    Textual re-laid the whole screen out for each (25-40 ms at 160x50 on 2 cores). Code
+    added to its last line asks for no layout; a new line asks for one."""
+    from textual.app import App
+    from textual.widgets.markdown import MarkdownFence
+
+    reply = AssistantMessage()
+
+    class Host(App):
+        def compose(self):
+            yield reply
+
+    async with Host().run_test(size=(100, 30)) as pilot:
+        async def frame(piece: str) -> None:   # a piece, and the app's frame
+            reply.write(piece)
+            await reply.catch_up()
+            await pilot.pause()
+
+        await frame("```python\nvalue = 1")
+        code = reply.query_one(MarkdownFence).query_one("#code-content")
+        assert code.content_size.height == 1
+        layouts = code._layout_updates
+        for term in (" + 2", " + 3", " + 4"):
+            await frame(term)
+        assert code.render().plain.rstrip() == "value = 1 + 2 + 3 + 4"
+        assert code._layout_updates == layouts
+        await frame("\nmore = value * 2")
+        assert code._layout_updates > layouts and code.content_size.height == 2
+
+
+@pytest.mark.timeout(60)
 async def test_single_line_breaks_in_a_reply_are_shown_as_line_breaks():
     """A poem stored as `force,\nA gentle lapping` showed `force, A gentle lapping`."""
     from textual.app import App

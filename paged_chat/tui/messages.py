@@ -8,7 +8,8 @@ it is written until the app's next frame (the engine panel's, ~5 a second: `catc
 where it renders as one append beside the panel's redraw, so the terminal gets one screen
 update per frame however many tabs stream; a hidden tab renders nothing until it is shown.
 A frame re-lays the screen out only when the reply's last paragraph grows a line
-(`ReplyParagraph`): most frames only add words to one.
+(`ReplyParagraph`) or its code block a line or a column (`ReplyFence`): most frames only
+add words to one.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import re
 
+from rich.cells import cell_len
 from rich.text import Text
 from textual.containers import Vertical
 from textual.content import Content
-from textual.widgets import Markdown, Static
+from textual.widgets import Label, Markdown, Static
 from textual.widgets.markdown import MarkdownBlock, MarkdownStream
 
 from paged_chat.text import sanitize_for_terminal as clean
@@ -56,10 +58,34 @@ class ReplyParagraph(Markdown.BLOCKS["paragraph_open"]):
             super().set_content(content)
 
 
-class ReplyMarkdown(Markdown):
-    """A reply's Markdown, its paragraphs ReplyParagraphs."""
+class ReplyFence(Markdown.BLOCKS["fence"]):
+    """A code block whose new text asks for a layout only if its size changes (as a
+    ReplyParagraph): a streaming code block gets new text at every frame, most of it on its
+    last line, and Textual re-lays the screen out for each (its Label's update). Its code
+    is as wide as the block until a line is longer (then it scrolls)."""
 
-    BLOCKS: dict[str, type[MarkdownBlock]] = Markdown.BLOCKS | {"paragraph_open": ReplyParagraph}
+    def set_content(self, content: Content) -> None:
+        if self.is_mounted:
+            code = self.query_one("#code-content", Label)
+            lines, longest = _extent(content)
+            if lines == _extent(self._content)[0] and longest <= code.content_size.width:
+                self._content = content
+                code.update(content, layout=False)
+                return
+        super().set_content(content)
+
+
+def _extent(content: Content) -> tuple[int, int]:
+    """The lines of a code block, and the cells of its longest."""
+    lines = content.plain.split("\n")
+    return len(lines), max(cell_len(line) for line in lines)
+
+
+class ReplyMarkdown(Markdown):
+    """A reply's Markdown, its paragraphs ReplyParagraphs and its code blocks ReplyFences."""
+
+    BLOCKS: dict[str, type[MarkdownBlock]] = Markdown.BLOCKS | {
+        "paragraph_open": ReplyParagraph, "fence": ReplyFence, "code_block": ReplyFence}
 
 
 class UserMessage(Static):
