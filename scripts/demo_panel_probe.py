@@ -17,12 +17,18 @@ window, from the engine's count of generated tokens: the app's off its `/metrics
 runs with `--serve` for it: an idle API server on the app's engine), the headless demo's
 off `stats()`.
 
+The demo draws its tabs' prompts and pauses from the clock, so no two runs carry the same
+work; `--seed N` gives the app's demo (through a `sitecustomize` on its PYTHONPATH) and the
+headless demo that seed instead, in every tree and round. Their replies still differ (they
+sample), but not their prompts.
+
 Each tree given runs in turn, round by round (A B A B ...), as the user runs it: the
 console script `paged-chat` of one venv, under the tree's PYTHONPATH, with the user's cache
 dir (warm), an empty config (or --config) and a throwaway data dir. The engine alone runs in
 a process of its own under the same tree, after each demo.
 
-    python scripts/demo_panel_probe.py /tmp/base /work/main [--rounds 2] [--config F]
+    python scripts/demo_panel_probe.py /tmp/base /work/main [--rounds 2] [--readings 5]
+        [--seed N] [--config F]
 """
 
 from __future__ import annotations
@@ -83,13 +89,13 @@ async def chat(client, system, autopilot, params):
             conversation = Conversation(info.tokenizer, info.chat_template, system)
         prompt = autopilot.next_prompt()
 
-async def main(warm_s, readings, every_s):
+async def main(warm_s, readings, every_s, seed):
     settings = Settings()
     client = start_engine(app_engine_config(settings, 8)).result()
     params = settings.sampling_params(settings.model_sampling(client.info.generation_defaults),
                                       **DEMO_SAMPLING)
     tasks = [asyncio.create_task(chat(client, system, autopilot, params))
-             for _, system, autopilot in demo_tabs(8, seed=int(time.time()))]
+             for _, system, autopilot in demo_tabs(8, seed=seed)]
     await asyncio.sleep(warm_s)
     gens, started, generated = [], time.monotonic(), client.stats().generation_tokens_total
     for _ in range(int(readings)):
@@ -102,7 +108,16 @@ async def main(warm_s, readings, every_s):
     print(json.dumps([gens, average]))
 
 if __name__ == "__main__":
-    asyncio.run(main(*map(float, sys.argv[1:4])))
+    seed = int(sys.argv[4]) if len(sys.argv) > 4 else int(time.time())
+    asyncio.run(main(*map(float, sys.argv[1:4]), seed))
+"""
+
+SEEDED = """
+import os, sys
+if "--demo" in sys.argv:
+    import paged_chat.tui.demo as demo
+    drawn = demo.demo_tabs
+    demo.demo_tabs = lambda count, seed=0: drawn(count, int(os.environ["DEMO_PANEL_SEED"]))
 """
 
 
@@ -110,14 +125,19 @@ def tmux(socket: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["tmux", "-L", socket, *args], capture_output=True, text=True)
 
 
-def demo_readouts(tree: Path, venv: Path, data_dir: Path, config: Path, readings: int
-                  ) -> tuple[str, list[int], list[int], float]:
+def demo_readouts(tree: Path, venv: Path, data_dir: Path, config: Path, readings: int,
+                  seed: int | None) -> tuple[str, list[int], list[int], float]:
     """(the dtype the status line names, `gen` readouts, `batch` readouts, tokens/s over their
     window) of one demo run."""
     tmux_socket = f"demo-panel-probe-{os.getpid()}"
     port = free_port()
     env = {"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "PAGED_CHAT_DATA_DIR": str(data_dir),
            "PAGED_CHAT_CONFIG": str(config), "TERM": "xterm-256color"}
+    if seed is not None:
+        hook = data_dir / "seeded"
+        hook.mkdir()
+        (hook / "sitecustomize.py").write_text(SEEDED)
+        env |= {"PYTHONPATH": f"{tree}:{hook}", "DEMO_PANEL_SEED": str(seed)}
     launched = tmux(tmux_socket, "new-session", "-d", "-s", "probe", "-x", "160", "-y", "50",
                     *[arg for key, value in env.items() for arg in ("-e", f"{key}={value}")],
                     f"cd {tree} && {venv / 'bin' / 'paged-chat'} --demo 8 --serve {port}")
@@ -155,12 +175,14 @@ def generated_tokens(port: int) -> float:
         return float(GENERATED.search(response.read().decode()).group(1))
 
 
-def headless_demo(tree: Path, venv: Path, scratch: Path, readings: int) -> tuple[list[int], float]:
+def headless_demo(tree: Path, venv: Path, scratch: Path, readings: int, seed: int | None
+                  ) -> tuple[list[int], float]:
     """(`gen` readouts, tokens/s over their window) of the demo's chats driven without the UI
     (HEADLESS_DEMO)."""
     script = scratch / "headless_demo.py"
     script.write_text(HEADLESS_DEMO)
-    out = python_in(tree, venv, str(script), str(WARM_S), str(readings), str(EVERY_S))
+    out = python_in(tree, venv, str(script), str(WARM_S), str(readings), str(EVERY_S),
+                    *([] if seed is None else [str(seed)]))
     gens, average = json.loads(out.strip().splitlines()[-1])
     return gens, average
 
@@ -183,6 +205,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--readings", type=int, default=READINGS,
                         help=f"readouts a run, {EVERY_S:.0f} s apart (default {READINGS}, as the issue read it)")
+    parser.add_argument("--seed", type=int, help="one seed for every demo (default: the clock's)")
     parser.add_argument("--config", type=Path, help="a config.toml for every tree (default: empty)")
     parser.add_argument("--venv", type=Path, default=Path(sys.prefix))
     args = parser.parse_args()
@@ -195,9 +218,11 @@ def main() -> None:
                 data = Path(scratch) / f"{round_}-{index}"
                 data.mkdir()
                 load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-                dtype, gens, batches, average = demo_readouts(tree, args.venv, data, config, args.readings)
+                dtype, gens, batches, average = demo_readouts(tree, args.venv, data, config, args.readings,
+                                                              args.seed)
                 alone = engine_alone(tree, args.venv, dtype)
-                headless, headless_average = headless_demo(tree, args.venv, Path(scratch), args.readings)
+                headless, headless_average = headless_demo(tree, args.venv, Path(scratch), args.readings,
+                                                           args.seed)
                 gen, without_ui = statistics.median(gens), statistics.median(headless)
                 print(f"round {round_ + 1} {tree} ({dtype}): panel gen {gens} (median {gen:.0f}), "
                       f"batch {batches}; engine alone {alone:.1f} tok/s: {100 * gen / alone:.0f}%; "
