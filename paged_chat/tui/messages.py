@@ -67,18 +67,17 @@ class ReplyFence(Markdown.BLOCKS["fence"]):
     def set_content(self, content: Content) -> None:
         if self.is_mounted:
             code = self.query_one("#code-content", Label)
-            lines, longest = _extent(content)
-            if lines == _extent(self._content)[0] and longest <= code.content_size.width:
+            plain = content.plain
+            if (plain.count("\n") == self._content.plain.count("\n")
+                    and _longest_line(plain) <= code.content_size.width):
                 self._content = content
                 code.update(content, layout=False)
                 return
         super().set_content(content)
 
 
-def _extent(content: Content) -> tuple[int, int]:
-    """The lines of a code block, and the cells of its longest."""
-    lines = content.plain.split("\n")
-    return len(lines), max(cell_len(line) for line in lines)
+def _longest_line(text: str) -> int:
+    return max(cell_len(line) for line in text.split("\n"))
 
 
 class ReplyMarkdown(Markdown):
