@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """`paged-chat --demo 8` in tmux at 160x50, read as issue 32 read it: the engine panel's
 `gen` tokens/s, READINGS readouts (or --readings) EVERY_S apart once the demo has run
-WARM_S, their median against the engine alone on the same 8 demo chats (`bench.tui.run_engine_alone`: their
-first turns, greedy, 96 tokens each, as `python -m paged_chat.bench.tui_terminal` runs it).
+WARM_S, their median against the engine alone on the same 8 demo chats
+(`bench.tui.run_engine_alone`: their first turns, greedy, 96 tokens each, as
+`python -m paged_chat.bench.tui_terminal` runs it).
 
 The demo is not that workload: its tabs sample (the model's temperature and top-p), stop at
 EOS, carry each chat on for three turns (longer contexts) and pause 0.3-2 s between turns,

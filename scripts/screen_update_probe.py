@@ -11,7 +11,7 @@ the demo has run WARM_S and writes its counts after WINDOW_S.
 
 What the shown tab streams decides most of the cost (a list or a code block re-lays its
 reply out line by line), and the demo draws its tabs' prompts from the clock; so the hook
-also gives the demo one seed (--seed) for every tree and round.
+also gives the demo one seed (--seed) for every tree and round, as demo_panel_probe's does.
 
     python scripts/screen_update_probe.py TREE [TREE ...] [--rounds 2]
 """
@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from demo_panel_probe import SEEDED, tmux   # this folder: sys.path[0] when run as a script
 
 WARM_S = 20.0
 WINDOW_S = 30.0
@@ -62,31 +63,24 @@ def _count(out, warm_s, window_s):
                    "signatures": signatures.most_common(12)}, file)
 
 if os.environ.get("SCREEN_UPDATE_PROBE") and "--demo" in sys.argv:
-    import paged_chat.tui.demo as demo
-    drawn = demo.demo_tabs
-    demo.demo_tabs = lambda count, seed=0: drawn(count, int(os.environ["SCREEN_UPDATE_SEED"]))
     threading.Thread(target=_count, daemon=True, args=(
         os.environ["SCREEN_UPDATE_PROBE"], float(os.environ["SCREEN_UPDATE_WARM_S"]),
         float(os.environ["SCREEN_UPDATE_WINDOW_S"]))).start()
 """
 
 
-def tmux(socket: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["tmux", "-L", socket, *args], capture_output=True, text=True)
-
-
 def count_updates(tree: Path, venv: Path, scratch: Path, seed: int) -> dict:
     """The counts of one `--demo 8` run of `tree`."""
     hook = scratch / "hook"
     hook.mkdir(exist_ok=True)
-    (hook / "sitecustomize.py").write_text(COUNTER)
+    (hook / "sitecustomize.py").write_text(SEEDED + COUNTER)
     out, data = scratch / "counts.json", Path(tempfile.mkdtemp(dir=scratch))
     out.unlink(missing_ok=True)
     (data / "config.toml").touch()
     env = {"PYTHONPATH": f"{tree}:{hook}", "HF_HUB_OFFLINE": "1", "TERM": "xterm-256color",
            "PAGED_CHAT_DATA_DIR": str(data), "PAGED_CHAT_CONFIG": str(data / "config.toml"),
            "SCREEN_UPDATE_PROBE": str(out), "SCREEN_UPDATE_WARM_S": str(WARM_S),
-           "SCREEN_UPDATE_WINDOW_S": str(WINDOW_S), "SCREEN_UPDATE_SEED": str(seed)}
+           "SCREEN_UPDATE_WINDOW_S": str(WINDOW_S), "DEMO_PANEL_SEED": str(seed)}
     socket = f"screen-update-probe-{os.getpid()}"
     launched = tmux(socket, "new-session", "-d", "-s", "probe", "-x", "160", "-y", "50",
                     *[arg for key, value in env.items() for arg in ("-e", f"{key}={value}")],
