@@ -40,6 +40,7 @@ def _count(out, warm_s, window_s):
         time.sleep(0.05)
     from textual.screen import Screen
     counts, signatures, started = collections.Counter(), collections.Counter(), [None]
+    seconds_of = collections.Counter()
     update = Screen._on_timer_update
 
     def counted(screen):
@@ -49,10 +50,13 @@ def _count(out, warm_s, window_s):
         names = sorted({type(widget).__name__ for widget in screen._dirty_widgets})
         began = time.perf_counter()
         update(screen)
-        counts["seconds"] += time.perf_counter() - began
+        took = time.perf_counter() - began
+        signature = ("L " if layout else "") + ",".join(names)
+        counts["seconds"] += took
         counts["updates"] += 1
         counts["layouts"] += layout
-        signatures[("L " if layout else "") + ",".join(names)] += 1
+        signatures[signature] += 1
+        seconds_of[signature] += took
 
     Screen._on_timer_update = counted
     time.sleep(warm_s)
@@ -60,7 +64,8 @@ def _count(out, warm_s, window_s):
     time.sleep(window_s)
     with open(out, "w") as file:
         json.dump({"window_s": time.monotonic() - started[0], "counts": counts,
-                   "signatures": signatures.most_common(12)}, file)
+                   "signatures": [(signature, number, seconds_of[signature])
+                                  for signature, number in signatures.most_common(12)]}, file)
 
 if os.environ.get("SCREEN_UPDATE_PROBE") and "--demo" in sys.argv:
     threading.Thread(target=_count, daemon=True, args=(
@@ -115,8 +120,8 @@ def main() -> None:
                 print(f"round {round_ + 1} {tree}: {counts['updates'] / window:.1f} screen updates "
                       f"a second, {counts['layouts'] / window:.1f} with a layout; the UI thread in "
                       f"them {counts['seconds'] / window:.3f} s a second", flush=True)
-                for signature, number in found["signatures"]:
-                    print(f"  {number / window:5.1f}/s  {signature}")
+                for signature, number, seconds in found["signatures"]:
+                    print(f"  {number / window:5.1f}/s {1000 * seconds / number:5.1f} ms  {signature}")
 
 
 if __name__ == "__main__":

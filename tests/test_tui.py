@@ -429,8 +429,9 @@ async def test_regenerate_copy_and_broadcast(engine, tmp_path):
         await press(pilot, *"both", "ctrl+b")
         await wait_until(lambda: all(len(replies(t)) >= 1 for t in app.chat_tabs))
         await wait_until(lambda: idle(app))
-        assert [m.text for m in app.chat_tabs[0].query(UserMessage)][-1] == "both"
         assert [m.text for m in app.chat_tabs[1].query(UserMessage)] == ["both"]
+        await press(pilot, "alt+left")   # the hidden tab's turn shows once the tab is shown
+        await wait_until(lambda: [m.text for m in app.chat_tabs[0].query(UserMessage)][-1] == "both")
 
 
 async def test_a_tab_chosen_right_after_ctrl_n_stays_chosen(engine, tmp_path):
@@ -506,7 +507,10 @@ async def test_palette_help_keymap_and_theme(engine, tmp_path):
     settings = make_settings(theme="gruvbox", keys={"new_chat": "ctrl+t", "help": "f10"})
     app = make_app(engine, tmp_path, settings)
     async with app.run_test(size=(120, 40)) as pilot:
-        assert app.theme == "gruvbox"
+        assert app.theme == "gruvbox" and app.current_theme.name == "gruvbox"
+        app.theme = "textual-light"   # the app finds the theme itself (Textual's way is slow)
+        assert app.current_theme.name == "textual-light" and not app.current_theme.dark
+        app.theme = "gruvbox"
         commands = {command.title: command.help for command in app.get_system_commands(app.screen)}
         assert {description for _, _, _, description, _ in ACTIONS} <= set(commands)
         assert commands["New chat"] == "key: ^t" and commands["Copy the last reply"] == "key: alt+c"

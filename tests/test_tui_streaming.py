@@ -26,7 +26,7 @@ from paged_chat.settings import ChatSettings, Settings
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.block_map import TAB0, BlockMapView
 from paged_chat.tui.chat_tab import ChatTab
-from paged_chat.tui.messages import AssistantMessage
+from paged_chat.tui.messages import AssistantMessage, UserMessage
 from helpers import wait_until
 from tui_helpers import press
 
@@ -103,6 +103,71 @@ def shown_words(reply: AssistantMessage) -> list[str]:
 POEM_START = ["In the night, the moon's beauty,\n", "a whispered silver song,\n"]
 WHILE_HIDDEN = ["over fields of quiet grass,\n", "where the rivers run along.\n"]
 AFTER_RETURN = ["A whispered secret, a whispered secret,\n", "the night is never long.\n"]
+
+
+async def test_a_hidden_tab_mounts_its_turn_only_once_it_is_shown(chat_model_dir, tmp_path):
+    """Issue 32 item 17: a turn mounted its prompt and reply at once, shown or not, and each
+    mount re-laid the whole screen out (8 demo tabs: ~1 layout a second for tabs no one saw).
+    A hidden tab keeps them, with what streamed, until it is shown; then all of it shows,
+    and what streams after."""
+    app, client = fed_app(chat_model_dir, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        hidden = app.active_tab
+        await press(pilot, "ctrl+n")
+        await wait_until(lambda: len(app.chat_tabs) == 2 and app.active_tab is not hidden)
+        layouts = hidden.messages._layout_updates
+        assert hidden.send("moon")
+        for line in POEM_START:
+            client.pieces.put_nowait(line)
+        await wait_until(lambda: hidden.session.turn is not None
+                         and hidden.session.turn.text == "".join(POEM_START))
+        await pilot.pause()
+        assert hidden.messages._layout_updates == layouts
+        assert not hidden.query(UserMessage) and not hidden.query(AssistantMessage)
+        await press(pilot, "alt+left")
+        await wait_until(lambda: app.active_tab is hidden and hidden.query(AssistantMessage))
+        [sent], [reply] = hidden.query(UserMessage), hidden.query(AssistantMessage)
+        assert sent.text == "moon"
+        for line in WHILE_HIDDEN:
+            client.pieces.put_nowait(line)
+        expected = "".join(POEM_START + WHILE_HIDDEN).split()
+        await wait_until(lambda: shown_words(reply) == expected,
+                         what=lambda: f"the reply shows {shown_words(reply)}")
+        client.pieces.put_nowait(None)
+        await wait_until(lambda: not hidden.streaming)
+        assert shown_words(reply) == expected
+
+
+async def test_a_hidden_tabs_finished_turn_shows_once_it_is_shown(chat_model_dir, tmp_path):
+    """The same for a turn that ends while its tab is hidden: shown whole, footer and all."""
+    app, client = fed_app(chat_model_dir, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        hidden = app.active_tab
+        await press(pilot, "ctrl+n")
+        await wait_until(lambda: len(app.chat_tabs) == 2 and app.active_tab is not hidden)
+        assert hidden.send("moon")
+        for line in [*POEM_START, None]:
+            client.pieces.put_nowait(line)
+        await wait_until(lambda: not hidden.streaming)
+        assert not hidden.query(AssistantMessage) and hidden.last_reply() == "".join(POEM_START)
+        await press(pilot, "alt+left")
+        await wait_until(lambda: hidden.query(AssistantMessage)
+                         and shown_words(hidden.query_one(AssistantMessage)) == "".join(POEM_START).split())
+        assert hidden.query_one(AssistantMessage).footer.endswith("done")
+
+
+async def test_the_prompts_cursor_does_not_blink(chat_model_dir, tmp_path):
+    """Issue 32 item 17: the focused prompt's cursor blinked, a screen update of its own
+    twice a second beside the streaming tabs'. It stays drawn."""
+    app, _ = fed_app(chat_model_dir, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        prompt = app.active_tab.prompt
+        await wait_until(lambda: app.focused is prompt)
+        repaints: list[int] = []
+        repaint = prompt.refresh_lines
+        prompt.refresh_lines = lambda *args, **kwargs: (repaints.append(1), repaint(*args, **kwargs))[1]
+        await pilot.pause(1.6)   # three blinks' time: no condition to wait for, an absence
+        assert not repaints and prompt._cursor_visible
 
 
 async def test_a_reply_streamed_while_its_tab_was_hidden_shows_all_its_words(chat_model_dir, tmp_path):
@@ -361,3 +426,4 @@ async def test_a_ready_app_keeps_its_start_up_heap_out_of_full_collections(chat_
         await wait_until(lambda: app.engine is not None)
         assert gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0
+

@@ -127,4 +127,4 @@ def text_of(static) -> str:
 
 
 def replies(tab: ChatTab) -> list[AssistantMessage]:
-    return list(tab.query(AssistantMessage))
+    return tab.replies()

@@ -43,6 +43,8 @@ from paged_chat.tui.start import app_engine_config, start_engine
 from paged_chat.tui.tabs import ChatTabs
 
 if TYPE_CHECKING:
+    from textual.theme import Theme
+
     from paged_chat.engine import (ClientCapabilities, EngineClient, EngineConfig, ModelInfo,
                                    SamplingParams, StartingClient)
     from paged_chat.engine.models.loader import ProgressHook
@@ -128,6 +130,12 @@ class PagedChatApp(ChatActions, App):
     @property
     def active_tab(self) -> ChatTab | None:
         return self.tabs.active_tab
+
+    @property
+    def current_theme(self) -> Theme:
+        """The theme by its name. Textual's copies every registered theme into a new dict to
+        find it, twice for each widget a screen update renders."""
+        return self._registered_themes.get(self.theme) or super().current_theme
 
     @property
     def model_name(self) -> str:

@@ -35,7 +35,7 @@ from paged_chat.tui.messages import AssistantMessage, ErrorMessage, UserMessage,
 from paged_chat.tui.prompt_input import PromptInput
 
 if TYPE_CHECKING:
-    from textual.widget import AwaitMount
+    from textual.widget import AwaitMount, Widget
 
     from paged_chat.engine import EngineClient, SamplingParams
 
@@ -80,6 +80,7 @@ class ChatTab(TabPane):
         self._frame: Worker | None = None      # the last frame's render of it
         self._footer_at = 0.0                  # when a frame last refreshed its footer
         self._earlier: list = []               # stored messages not mounted yet
+        self._unshown: list[Widget] = []       # a hidden tab's new views, mounted once it is shown
 
     @property
     def chat_id(self) -> str:
@@ -119,8 +120,8 @@ class ChatTab(TabPane):
         removal up for good. A frame that comes while the last one still renders is skipped
         (its text waits for the next)."""
         reply = self._streaming_reply
-        if reply is None or not self.display or (self._frame is not None
-                                                 and not self._frame.is_finished):
+        if reply is None or not self.display or self._unshown or (
+                self._frame is not None and not self._frame.is_finished):
             return
         if time.monotonic() - self._footer_at >= FOOTER_EVERY_S:
             self._footer_at = time.monotonic()
@@ -142,6 +143,7 @@ class ChatTab(TabPane):
         self.run_worker(self._catch_up_replies(), group="show")
 
     async def _catch_up_replies(self) -> None:
+        await self._mount_unshown()
         if self._streaming_reply is not None:
             self._refresh_streaming_footer(self._streaming_reply)
         for reply in self.query(AssistantMessage):
@@ -185,6 +187,25 @@ class ChatTab(TabPane):
     def set_title(self, title: str) -> None:
         self.session.rename(title)
         self.post_message(self.Changed(self))
+
+    def _add_views(self, *views: Widget) -> AwaitMount | None:
+        """Mount `views` after the messages if the tab is shown; a hidden tab keeps them until
+        it is (`_mount_unshown`): a mount re-lays the whole screen out, shown or not, and the
+        demo's hidden tabs took ~1 layout a second that no one saw."""
+        if self.display and not self._unshown:
+            return self.messages.mount(*views)
+        self._unshown.extend(views)
+        return None
+
+    async def _mount_unshown(self) -> None:
+        """Mount the views a hidden tab kept back; views added while they mount go after them."""
+        if not self._unshown:
+            return
+        while self._unshown:
+            views = list(self._unshown)
+            await self.messages.mount_all(views)
+            del self._unshown[:len(views)]
+        self.messages.scroll_end(animate=False)
 
     # ---- lazy loading from the store --------------------------------------------------
 
@@ -258,12 +279,17 @@ class ChatTab(TabPane):
             self.workers.cancel_group(self, "turn")
         return True
 
+    def replies(self) -> list[AssistantMessage]:
+        """The tab's replies in order, those a hidden tab keeps back included."""
+        return [*self.query(AssistantMessage),
+                *(view for view in self._unshown if isinstance(view, AssistantMessage))]
+
     def last_reply(self) -> str | None:
-        replies = list(self.query(AssistantMessage))
+        replies = self.replies()
         return replies[-1].text if replies else None
 
     def code_blocks(self) -> list[str]:
-        return [block for reply in self.query(AssistantMessage) for block in code_blocks(reply.text)]
+        return [block for reply in self.replies() for block in code_blocks(reply.text)]
 
     def apply_settings(self, system_prompt: str | None, sampling: dict[str, Any]) -> None:
         """New system prompt and sampling; a new system prompt starts a new context."""
@@ -274,6 +300,7 @@ class ChatTab(TabPane):
 
     async def start_over(self) -> None:
         """Go on in a new chat with the same settings (the demo's tabs do, every few turns)."""
+        self._unshown.clear()
         await self.messages.query(".message").remove()
         client = await self.wait_for_engine()
         self.session.start_over(client.info.name)
@@ -290,24 +317,26 @@ class ChatTab(TabPane):
         broadcast, the demo) reach the engine together. Waiting for the mounts first held
         each request back behind every other tab's (8 tabs: the first went 62 ms after the
         sends, the last 95; now 8-22 ms). The views are awaited before anything is drawn
-        into them."""
+        into them; a hidden tab's wait until it is shown (a reply keeps its text until then)."""
         messages = self.messages
-        mounting: list[AwaitMount] = []
+        views: list[Widget] = []   # the turn's new views
         replaced: AssistantMessage | None = None  # a regenerate's old reply, to show again
         if text is None:  # the last reply (and any error after the last prompt) goes
-            views = list(messages.query(".message"))
-            while views and not isinstance(views[-1], UserMessage):
-                view = views.pop()
+            await self._mount_unshown()
+            shown = list(messages.query(".message"))
+            while shown and not isinstance(shown[-1], UserMessage):
+                view = shown.pop()
                 if isinstance(view, AssistantMessage) and replaced is None:
                     replaced = AssistantMessage(view.text, footer=view.footer)
                 await view.remove()
         else:
             sent = UserMessage(text)
-            mounting.append(messages.mount(sent))
+            views.append(sent)
             if self.title.startswith("Chat ") and self.session.turn is None and not self.session.load():
                 self.set_title(chat_title(text))
         reply = AssistantMessage(footer="waiting for the model…")
-        mounting.append(messages.mount(reply))
+        views.append(reply)
+        mount = self._add_views(*views)
         self.error = None
         try:
             client = await self.wait_for_engine()
@@ -318,8 +347,8 @@ class ChatTab(TabPane):
             reply.footer = "prefilling…"
             async with aclosing(deltas):
                 async for output in deltas:
-                    if mounting:
-                        await self._shown(mounting, reply)
+                    if self._streaming_reply is not reply:
+                        await self._shown(mount, reply)
                     # Kept until the app's next frame (`render_frame`); a hidden tab's until it is shown.
                     reply.write(output.new_text)
         except asyncio.CancelledError:  # the tab closed, or Esc before the model was ready
@@ -329,18 +358,21 @@ class ChatTab(TabPane):
             raise
         except Exception as error:  # engine errors (step failure, load failure) stay in the tab
             self.error = describe_error(error)
-        if mounting:
-            await self._shown(mounting, reply)
+        if self._streaming_reply is not reply:
+            await self._shown(mount, reply)
         self._streaming_reply = None
-        await reply.finish_stream(render=self.display)
+        await reply.finish_stream(render=self.display and not self._unshown)
         turn = self.session.turn
         self.error = self.error or (turn.error if turn is not None else None)
+        withdrawn = turn is not None and turn.withdrawn
+        if self.error or withdrawn:   # views to add or take back: the kept ones first
+            await self._mount_unshown()
         if self.error:
             await messages.mount(ErrorMessage(self.error))
             self.notify(f"{self.title}: {self.error}", severity="error", timeout=8, markup=False)
             if not reply.text:
                 await reply.remove()
-        if turn is not None and turn.withdrawn:
+        if withdrawn:
             # The engine stopped before a word: the turn is not in the chat, so the user's
             # text goes back into the prompt to send again (after F5), or a regenerate's
             # old reply, still the chat's, back on screen.
@@ -357,13 +389,13 @@ class ChatTab(TabPane):
         self.streaming = False
         self.post_message(self.TurnEnded(self))
 
-    async def _shown(self, mounting: list[AwaitMount], reply: AssistantMessage) -> None:
-        """Wait for the turn's views to mount (`mounting` is left empty); the reply then
-        takes the frames."""
-        await asyncio.gather(*mounting)
-        mounting.clear()
+    async def _shown(self, mount: AwaitMount | None, reply: AssistantMessage) -> None:
+        """Wait for the turn's views to mount (None: a hidden tab's wait until it is shown);
+        the reply then takes the frames."""
+        if mount is not None:
+            await mount
+            self.messages.scroll_end(animate=False)
         self._streaming_reply = reply
-        self.messages.scroll_end(animate=False)
 
     def _footer(self) -> str:
         turn = self.session.turn

@@ -115,17 +115,17 @@ class AssistantMessage(Vertical):
         self._footer = footer   # " · "-joined parts (timings, how the reply ended)
         self.border_subtitle = footer
         self._chunks: list[Markdown] = []
-        self._chunk_text = ""
+        self._chunk_text = hard_line_breaks(clean(text))   # what the last chunk shows
         self._stream: MarkdownStream | None = None
         self._backlog = ""   # written since the last frame (or while hidden), not yet rendered
         self._stale = False  # finished while hidden: the final render is still to do
         self._rendering = asyncio.Lock()  # one render at a time: the turn's and the tab's (shown)
 
     def compose(self):
-        shown = hard_line_breaks(clean(self.text))
-        markdown = ReplyMarkdown(shown or None)
+        # Not from `text`: a reply written before it mounts (a hidden tab's) keeps that in
+        # its backlog, for its first frame.
+        markdown = ReplyMarkdown(self._chunk_text or None)
         self._chunks.append(markdown)
-        self._chunk_text = shown
         yield markdown
 
     @property
