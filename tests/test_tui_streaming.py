@@ -427,3 +427,56 @@ async def test_a_ready_app_keeps_its_start_up_heap_out_of_full_collections(chat_
         assert gc.get_freeze_count() > 0
     assert gc.get_freeze_count() == 0
 
+
+async def test_a_screen_update_renders_only_the_widgets_on_its_rows_and_shows_the_same(
+        chat_model_dir, tmp_path):
+    """Issue 32 item 17: for a screen update, Textual rendered every widget whose parent's
+    visible area met the updated area, all their visible rows: a new line in a reply's last
+    paragraph rendered every block of the replies in view and their containers, in full.
+    The app's screen renders only the widgets whose own visible part meets the update, and
+    only its rows; the terminal gets the same escape sequences, for a paragraph, a panel
+    readout, a tab header, the status line, and two far apart in one update."""
+    from types import MethodType
+
+    from textual._compositor import Compositor
+
+    from paged_chat.tui.chat_screen import UpdateCroppedCompositor
+
+    app, client = fed_app(chat_model_dir, tmp_path)
+    async with app.run_test(size=(160, 50)) as pilot:
+        tab, reply = await streaming_reply(app, pilot)
+        for line in [*POEM_START, "\n", *WHILE_HIDDEN, "\n", *AFTER_RETURN]:
+            client.pieces.put_nowait(line)
+        await wait_until(lambda: len(reply.query(MarkdownBlock)) == 3)
+        client.pieces.put_nowait(None)
+        await wait_until(lambda: not tab.streaming)
+        await pilot.pause()
+        compositor = app.screen._compositor
+        assert isinstance(compositor, UpdateCroppedCompositor)
+        paragraph = reply.query(MarkdownBlock).last()
+        areas = {"paragraph": [paragraph.region],
+                 "readout": [app.query_one("#numbers").region],
+                 "header": [app.query_one("ContentTab").region],
+                 "status": [app.query_one("#status").region],
+                 "paragraph and readout": [paragraph.region, app.query_one("#numbers").region]}
+
+        def update(regions: list, renders) -> tuple[str, int]:
+            """The update's escape sequences, and how many widget rows it rendered."""
+            rows: list[int] = []
+            compositor._get_renders = MethodType(
+                lambda self, crop=None: (rows.append(len(r[2])) or r for r in renders(self, crop)),
+                compositor)
+            try:
+                compositor._dirty_regions.update(regions)
+                return compositor.render_partial_update().render_segments(app.console), sum(rows)
+            finally:
+                del compositor._get_renders
+
+        for name, regions in areas.items():
+            cropped, cropped_rows = update(regions, UpdateCroppedCompositor._get_renders)
+            whole, whole_rows = update(regions, Compositor._get_renders)
+            assert cropped == whole, name
+            assert cropped_rows <= whole_rows, name
+        cropped_rows = update(areas["paragraph"], UpdateCroppedCompositor._get_renders)[1]
+        whole_rows = update(areas["paragraph"], Compositor._get_renders)[1]
+        assert cropped_rows < whole_rows / 4, (cropped_rows, whole_rows)

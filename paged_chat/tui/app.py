@@ -34,6 +34,7 @@ from paged_chat.chat_store import ChatStore
 from paged_chat.engine.errors import PagedChatError, describe_error
 from paged_chat.settings import Settings, data_dir
 from paged_chat.tui.actions import ACTIONS, ChatActions, StoredChats, make_bindings
+from paged_chat.tui.chat_screen import ChatScreen
 from paged_chat.tui.chat_search import ChatSearch
 from paged_chat.tui.engine_panel import EnginePanel, with_request_owners
 from paged_chat.tui.fit import SEPARATOR, fit_parts
@@ -114,6 +115,9 @@ class PagedChatApp(ChatActions, App):
             yield EnginePanel(id="engine-panel")
         yield Static(id="status")
         yield KeyFooter()
+
+    def get_default_screen(self) -> ChatScreen:
+        return ChatScreen(id="_default")
 
     @property
     def tabs(self) -> ChatTabs:
