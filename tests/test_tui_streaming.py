@@ -480,3 +480,29 @@ async def test_a_screen_update_renders_only_the_widgets_on_its_rows_and_shows_th
         cropped_rows = update(areas["paragraph"], UpdateCroppedCompositor._get_renders)[1]
         whole_rows = update(areas["paragraph"], Compositor._get_renders)[1]
         assert cropped_rows < whole_rows / 4, (cropped_rows, whole_rows)
+
+
+async def test_a_new_footer_repaints_only_the_replys_bottom_border(chat_model_dir, tmp_path):
+    """Issue 32 item 17: a reply's new footer (a streaming one's, twice a second) repainted
+    the whole bubble, every line of the reply, in a screen update of that size. Only the
+    bottom border's row is repainted now, and it shows the new footer."""
+    from textual.geometry import Region
+
+    app, client = fed_app(chat_model_dir, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        tab, reply = await streaming_reply(app, pilot)
+        lines = POEM_START + WHILE_HIDDEN
+        for line in lines:
+            client.pieces.put_nowait(line)
+        await wait_until(lambda: shown_words(reply) == "".join(lines).split())
+        await pilot.pause()
+        crops: list[Region] = []
+        render_lines = reply.render_lines
+        reply.render_lines = lambda crop: (crops.append(crop), render_lines(crop))[1]
+        reply.footer = "ttft 0.10s · 12 tok · 30.0 tok/s"
+        await wait_until(lambda: crops)
+        width, height = reply.outer_size
+        assert height > 4 and {(crop.y, crop.height) for crop in crops} == {(height - 1, 1)}
+        assert "30.0 tok/s" in render_lines(Region(0, height - 1, width, 1))[0].text
+        client.pieces.put_nowait(None)
+        await wait_until(lambda: not tab.streaming)

@@ -198,9 +198,11 @@ class ChatTab(TabPane):
         return None
 
     async def _mount_unshown(self) -> None:
-        """Mount the views a hidden tab kept back; views added while they mount go after them."""
+        """Mount the views a hidden tab kept back, after the stored ones; views added while
+        they mount go after them."""
         if not self._unshown:
             return
+        await self.ensure_loaded()
         while self._unshown:
             views = list(self._unshown)
             await self.messages.mount_all(views)

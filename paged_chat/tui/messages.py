@@ -21,6 +21,7 @@ from rich.cells import cell_len
 from rich.text import Text
 from textual.containers import Vertical
 from textual.content import Content
+from textual.geometry import Region
 from textual.widgets import Label, Markdown, Static
 from textual.widgets.markdown import MarkdownBlock, MarkdownStream
 
@@ -113,7 +114,7 @@ class AssistantMessage(Vertical):
         self.text = text
         self.border_title = "assistant"
         self._footer = footer   # " · "-joined parts (timings, how the reply ended)
-        self.border_subtitle = footer
+        self._show_footer(footer)
         self._chunks: list[Markdown] = []
         self._chunk_text = hard_line_breaks(clean(text))   # what the last chunk shows
         self._stream: MarkdownStream | None = None
@@ -147,7 +148,18 @@ class AssistantMessage(Vertical):
         parts = self._footer.split(SEPARATOR) if self._footer else []
         ranks = [0 if index == len(parts) - 1 else index + 1 for index in range(len(parts))]
         width = self.outer_size.width - BORDER_CELLS if self.outer_size.width else len(self._footer)
-        self.border_subtitle = fit_parts(parts, width, ranks).plain
+        self._show_footer(fit_parts(parts, width, ranks).plain)
+
+    def _show_footer(self, footer: str) -> None:
+        """The footer in the bottom border, that row repainted: Textual's `border_subtitle`
+        repaints the whole bubble, every line of the reply, where a streaming reply's
+        footer changes twice a second."""
+        self._border_subtitle = Content(footer)   # where the border_subtitle setter keeps it
+        width, height = self.outer_size
+        if not height:
+            self.refresh()
+            return
+        self.refresh(Region(0, height - 1, width, 1).translate(-self.content_offset))
 
     def write(self, fragment: str) -> None:
         """Stream a fragment of the reply: it is kept, with the others of its frame, until
