@@ -433,9 +433,11 @@ async def test_a_screen_update_renders_only_the_widgets_on_its_rows_and_shows_th
     """Issue 32 item 17: for a screen update, Textual rendered every widget whose parent's
     visible area met the updated area, all their visible rows: a new line in a reply's last
     paragraph rendered every block of the replies in view and their containers, in full.
-    The app's screen renders only the widgets whose own visible part meets the update, and
-    only its rows; the terminal gets the same escape sequences, for a paragraph, a panel
-    readout, a tab header, the status line, and two far apart in one update."""
+    The app's screen renders only the widgets whose own visible part meets the update, only
+    its rows, and none of the rows that widgets in front cover whole; the terminal gets the
+    same escape sequences, for a paragraph, a panel readout, a tab header, the status line,
+    two far apart in one update, the chat's whole view (a layout) and the screen. A
+    paragraph's update renders under a quarter of the rows, a layout under half."""
     from types import MethodType
 
     from textual._compositor import Compositor
@@ -458,7 +460,9 @@ async def test_a_screen_update_renders_only_the_widgets_on_its_rows_and_shows_th
                  "readout": [app.query_one("#numbers").region],
                  "header": [app.query_one("ContentTab").region],
                  "status": [app.query_one("#status").region],
-                 "paragraph and readout": [paragraph.region, app.query_one("#numbers").region]}
+                 "paragraph and readout": [paragraph.region, app.query_one("#numbers").region],
+                 "the chat's view (a layout)": [tab.messages.region],
+                 "the screen": [app.screen.region]}
 
         def update(regions: list, renders) -> tuple[str, int]:
             """The update's escape sequences, and how many widget rows it rendered."""
@@ -477,9 +481,10 @@ async def test_a_screen_update_renders_only_the_widgets_on_its_rows_and_shows_th
             whole, whole_rows = update(regions, Compositor._get_renders)
             assert cropped == whole, name
             assert cropped_rows <= whole_rows, name
-        cropped_rows = update(areas["paragraph"], UpdateCroppedCompositor._get_renders)[1]
-        whole_rows = update(areas["paragraph"], Compositor._get_renders)[1]
-        assert cropped_rows < whole_rows / 4, (cropped_rows, whole_rows)
+        for name, share in (("paragraph", 1 / 4), ("the chat's view (a layout)", 1 / 2)):
+            cropped_rows = update(areas[name], UpdateCroppedCompositor._get_renders)[1]
+            whole_rows = update(areas[name], Compositor._get_renders)[1]
+            assert cropped_rows < whole_rows * share, (name, cropped_rows, whole_rows)
 
 
 async def test_a_new_footer_repaints_only_the_replys_bottom_border(chat_model_dir, tmp_path):

@@ -5,8 +5,11 @@ clip) meets the updated area, and every visible row of each: a new line in one p
 a reply rendered each block of every reply in view, and all their containers, in full (a
 fixed ~5 ms an update at 160x50, with 8 tabs streaming 12 updates a second on the cores
 the engine needs). This screen's updates render the widgets whose own visible part meets
-the updated area, and only its rows. What reaches the terminal is the same: the cells of
-an update come from the widgets in front at each of its cells, all of which meet it.
+the updated area, only its rows, and of each widget only the rows that the widgets in
+front of it leave a cell of (the containers behind a chat's messages are covered whole on
+most rows): a layout that moves every line in view renders about half the rows it did.
+What reaches the terminal is the same: each cell of an update comes from the widget in
+front at that cell, which meets the update and is rendered.
 
 `Compositor._get_renders` is Textual's own (textual is pinned, 8.2.8): it yields, front to
 back, each widget's region, its clip and its rendered rows within both; the compositor
@@ -32,11 +35,50 @@ class UpdateCroppedCompositor(Compositor):
             yield from super()._get_renders(crop)
             return
         rows = Region(0, crop.y, self.size.width, crop.height)
+        in_front = RowCover()
         for widget, (region, clip) in self.visible_widgets.items():
             clip = clip.intersection(rows)
             shown = region.intersection(clip)
-            if shown and crop.overlaps(shown):
-                yield region, clip, widget.render_lines(shown.translate((-region.x, -region.y)))
+            if not shown or not crop.overlaps(shown):
+                continue
+            for first, last in in_front.uncovered_runs(shown):
+                band = Region(shown.x, first, shown.width, last - first)
+                yield region, band, widget.render_lines(band.translate((-region.x, -region.y)))
+            in_front.add(shown)
+
+
+class RowCover:
+    """The cells of each row that widgets in front already take, as sorted, merged spans:
+    a widget's row inside them would be rendered for nothing (the compositor keeps, for
+    each cell, the first widget's, front to back)."""
+
+    def __init__(self) -> None:
+        self._spans: dict[int, list[tuple[int, int]]] = {}
+
+    def uncovered_runs(self, area: Region) -> Iterable[tuple[int, int]]:
+        """The runs of `area`'s rows (first, end) with a cell no widget in front takes."""
+        start = None
+        for y in range(area.y, area.bottom):
+            covered = any(x1 <= area.x and area.right <= x2 for x1, x2 in self._spans.get(y, ()))
+            if covered and start is not None:
+                yield start, y
+                start = None
+            elif not covered and start is None:
+                start = y
+        if start is not None:
+            yield start, area.bottom
+
+    def add(self, area: Region) -> None:
+        for y in range(area.y, area.bottom):
+            spans = [*self._spans.get(y, ()), (area.x, area.right)]
+            spans.sort()
+            merged = [spans[0]]
+            for x1, x2 in spans[1:]:
+                if x1 <= merged[-1][1]:
+                    merged[-1] = (merged[-1][0], max(merged[-1][1], x2))
+                else:
+                    merged.append((x1, x2))
+            self._spans[y] = merged
 
 
 class ChatScreen(Screen):
