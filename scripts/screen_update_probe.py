@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """What the UI thread's screen updates cost while `paged-chat --demo 8` runs in tmux at 160x50:
-updates a second, how many re-laid the screen out, the UI thread's time in them, and which
-widgets were dirty in them (an update's "signature"; `L` marks one with a layout).
+updates a second, how many re-laid the screen out, the UI thread's CPU time in them (its
+own, not the wall clock's: beside the engine's threads an update's wall time swings 2x),
+which widgets were dirty in them (an update's "signature"; `L` marks one with a layout), and
+the CPU of the UI thread and of the app's process in all (the engine's process not counted).
 
 Each screen update is a pass over its dirty widgets and escape sequences for the terminal,
 on the cores the engine needs; one with a layout re-renders every widget that moved, often
@@ -35,6 +37,11 @@ BOUND_S = 180.0
 COUNTER = """
 import collections, json, os, sys, threading, time
 
+def _cpu_s(stat):  # user + system CPU seconds of the thread or process of a /proc stat file
+    with open(stat) as file:
+        fields = file.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
 def _count(out, warm_s, window_s):
     while "textual.screen" not in sys.modules:
         time.sleep(0.05)
@@ -48,9 +55,9 @@ def _count(out, warm_s, window_s):
             return update(screen)
         layout = screen._layout_required
         names = sorted({type(widget).__name__ for widget in screen._dirty_widgets})
-        began = time.perf_counter()
+        began = time.thread_time()
         update(screen)
-        took = time.perf_counter() - began
+        took = time.thread_time() - began
         signature = ("L " if layout else "") + ",".join(names)
         counts["seconds"] += took
         counts["updates"] += 1
@@ -60,8 +67,11 @@ def _count(out, warm_s, window_s):
 
     Screen._on_timer_update = counted
     time.sleep(warm_s)
+    ui_thread, process = _cpu_s(f"/proc/self/task/{os.getpid()}/stat"), _cpu_s("/proc/self/stat")
     started[0] = time.monotonic()
     time.sleep(window_s)
+    counts["ui_thread_s"] = _cpu_s(f"/proc/self/task/{os.getpid()}/stat") - ui_thread
+    counts["process_s"] = _cpu_s("/proc/self/stat") - process
     with open(out, "w") as file:
         json.dump({"window_s": time.monotonic() - started[0], "counts": counts,
                    "signatures": [(signature, number, seconds_of[signature])
@@ -118,8 +128,10 @@ def main() -> None:
                 found = count_updates(tree, args.venv, Path(scratch), args.seed)
                 counts, window = found["counts"], found["window_s"]
                 print(f"round {round_ + 1} {tree}: {counts['updates'] / window:.1f} screen updates "
-                      f"a second, {counts['layouts'] / window:.1f} with a layout; the UI thread in "
-                      f"them {counts['seconds'] / window:.3f} s a second", flush=True)
+                      f"a second, {counts['layouts'] / window:.1f} with a layout; the UI thread's "
+                      f"CPU in them {counts['seconds'] / window:.3f} s a second, in all "
+                      f"{counts['ui_thread_s'] / window:.3f}; the app's process "
+                      f"{counts['process_s'] / window:.3f}", flush=True)
                 for signature, number, seconds in found["signatures"]:
                     print(f"  {number / window:5.1f}/s {1000 * seconds / number:5.1f} ms  {signature}")
 

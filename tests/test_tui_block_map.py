@@ -132,6 +132,37 @@ async def test_the_legend_follows_the_chats_holding_blocks_in_the_panels_frames_
         await pilot.pause()
 
 
+@pytest.mark.timeout(60)
+async def test_the_block_map_takes_a_new_themes_colours():
+    """The map keeps its rows' strips and its styles between frames; a new theme (Ctrl+P)
+    left the free blocks in the old theme's background until their rows changed."""
+    from textual.app import App
+
+    from helpers import wait_until
+    from paged_chat.tui.block_map import BlockMapView
+
+    class MapApp(App):
+        CSS = "BlockMapView > .blockmap--free { background: $panel; }"
+
+        def compose(self):
+            yield BlockMapView()
+
+    def free_background(view: BlockMapView):
+        """The background of the map's last cell (a free block) as drawn."""
+        return list(view.render_line(0))[-1].style.bgcolor
+
+    async with MapApp().run_test(size=(40, 10)) as pilot:
+        pilot.app.theme = "textual-dark"
+        view = pilot.app.query_one(BlockMapView)
+        view.show(_block_map(64, {"a/1": [0, 1, 2]}, {"a/1": "a"}), {"a": 0})
+        await pilot.pause()
+        dark = free_background(view)
+        assert dark == view.get_component_rich_style("blockmap--free").bgcolor
+        pilot.app.theme = "textual-light"
+        await wait_until(lambda: free_background(view) != dark, timeout=10)
+        assert free_background(view) == view.get_component_rich_style("blockmap--free").bgcolor
+
+
 @pytest.mark.timeout(30)
 async def test_escape_sequences_in_text_never_reach_the_terminal():
     from textual.app import App

@@ -437,10 +437,13 @@ async def test_a_screen_update_renders_only_the_widgets_on_its_rows_and_shows_th
     its rows, and none of the rows that widgets in front cover whole; the terminal gets the
     same escape sequences, for a paragraph, a panel readout, a tab header, the status line,
     two far apart in one update, the chat's whole view (a layout) and the screen. A
-    paragraph's update renders under a quarter of the rows, a layout under half."""
+    paragraph's update renders under a quarter of the rows, a layout under half, and two
+    far-apart areas (a reply's paragraph and the panel's readout, in one frame) under a
+    tenth: not every row of the box around them."""
     from types import MethodType
 
     from textual._compositor import Compositor
+    from textual.geometry import Region
 
     from paged_chat.tui.chat_screen import UpdateCroppedCompositor
 
@@ -456,11 +459,18 @@ async def test_a_screen_update_renders_only_the_widgets_on_its_rows_and_shows_th
         compositor = app.screen._compositor
         assert isinstance(compositor, UpdateCroppedCompositor)
         paragraph = reply.query(MarkdownBlock).last()
+        block_map = app.query_one(BlockMapView).region
+
+        def map_row(y: int) -> Region:
+            return Region(block_map.x, block_map.y + y, block_map.width, 1)
+
         areas = {"paragraph": [paragraph.region],
                  "readout": [app.query_one("#numbers").region],
                  "header": [app.query_one("ContentTab").region],
                  "status": [app.query_one("#status").region],
                  "paragraph and readout": [paragraph.region, app.query_one("#numbers").region],
+                 "a graph and two rows of the block map": [
+                     app.query_one("#spark-gen").region, map_row(1), map_row(5)],
                  "the chat's view (a layout)": [tab.messages.region],
                  "the screen": [app.screen.region]}
 
@@ -481,7 +491,8 @@ async def test_a_screen_update_renders_only_the_widgets_on_its_rows_and_shows_th
             whole, whole_rows = update(regions, Compositor._get_renders)
             assert cropped == whole, name
             assert cropped_rows <= whole_rows, name
-        for name, share in (("paragraph", 1 / 4), ("the chat's view (a layout)", 1 / 2)):
+        for name, share in (("paragraph", 1 / 4), ("the chat's view (a layout)", 1 / 2),
+                            ("paragraph and readout", 1 / 10)):
             cropped_rows = update(areas[name], UpdateCroppedCompositor._get_renders)[1]
             whole_rows = update(areas[name], Compositor._get_renders)[1]
             assert cropped_rows < whole_rows * share, (name, cropped_rows, whole_rows)

@@ -136,6 +136,16 @@ def cell_grid(codes: np.ndarray, layout: Layout) -> tuple[np.ndarray, np.ndarray
     return grid[:, 0, :], grid[:, 1, :]
 
 
+@dataclass(frozen=True, slots=True)
+class Palette:
+    """The map's styles from the theme: a rich Style (its colour) per code, the pool's
+    background, and the selected cell's."""
+
+    codes: list[Style]
+    pool: Style
+    selected: Style
+
+
 class BlockMapView(Widget):
     """Draws the block map of the last snapshot it was given; reports hover and clicks."""
 
@@ -169,6 +179,9 @@ class BlockMapView(Widget):
         self._strips: list[Strip] | None = None
         self._keys: np.ndarray | None = None   # the cells `_strips` draw (one row each)
         self._hover: tuple[int, ...] = ()
+        # Kept until the CSS changes: Textual drops a widget's component styles at every
+        # refresh, and each changed row is one (6 style lookups a frame, ~1 ms).
+        self._palette: Palette | None = None
 
     def show(self, blocks: BlockMap | None, owner_colour: Mapping[str, int]) -> None:
         """Take a new snapshot's block map; redraws on the next frame the rows whose cells
@@ -206,19 +219,26 @@ class BlockMapView(Widget):
             self._strips = self._build_strips()
         return self._strips[y] if y < len(self._strips) else Strip.blank(self.size.width)
 
-    def _styles(self) -> tuple[list[Style], Style]:
-        """A rich Style (its colour) per code, and the pool's background style."""
-        free = self.get_component_rich_style("blockmap--free")
-        background = free.bgcolor
-        styles = [Style(bgcolor=background)] * NUM_CODES
-        styles[CACHED] = Style(color=self.get_component_rich_style("blockmap--cached").color)
-        styles[RESTORED] = Style(color=self.get_component_rich_style("blockmap--restored").color)
-        styles[SHARED] = Style(color=self.get_component_rich_style("blockmap--shared").color)
-        styles[OTHER] = Style(color=self.get_component_rich_style("blockmap--other").color)
-        for index, colour in enumerate(TAB_COLOURS):
-            styles[TAB0 + index] = Style(color=colour)
-        styles[FREE] = Style(color=background)
-        return styles, Style(bgcolor=background)
+    def notify_style_update(self) -> None:
+        """The CSS changed (a theme, a class): the map's colours come from it."""
+        super().notify_style_update()
+        self._palette = None
+        self._strips = None
+
+    def _theme_palette(self) -> Palette:
+        if self._palette is None:
+            free = self.get_component_rich_style("blockmap--free")
+            background = free.bgcolor
+            styles = [Style(bgcolor=background)] * NUM_CODES
+            for code, name in ((CACHED, "cached"), (RESTORED, "restored"), (SHARED, "shared"),
+                               (OTHER, "other")):
+                styles[code] = Style(color=self.get_component_rich_style(f"blockmap--{name}").color)
+            for index, colour in enumerate(TAB_COLOURS):
+                styles[TAB0 + index] = Style(color=colour)
+            styles[FREE] = Style(color=background)
+            self._palette = Palette(styles, Style(bgcolor=background),
+                                    self.get_component_rich_style("blockmap--selected"))
+        return self._palette
 
     def _build_strips(self) -> list[Strip]:
         width, height = self.size
@@ -243,7 +263,8 @@ class BlockMapView(Widget):
         """The strips of `rows` of the map whose cells are `keys`."""
         width = self.size.width
         half_cells = self.layout_.half
-        styles, pool = self._styles()
+        palette = self._theme_palette()
+        styles, pool = palette.codes, palette.pool
         base = self.rich_style
         pair_cache: dict[int, tuple[str, Style]] = {}
 
@@ -264,7 +285,6 @@ class BlockMapView(Widget):
         selected_cell = None
         if self.selected is not None and self.selected < self.layout_.num_blocks:
             selected_cell = self.layout_.cell_of(self.selected)
-        selected_style = self.get_component_rich_style("blockmap--selected")
         strips = []
         for y in rows:
             row = keys[y]
@@ -278,7 +298,7 @@ class BlockMapView(Widget):
             if selected_cell is not None and selected_cell[1] == y:
                 x = selected_cell[0]
                 left, cell, right = strip.divide([x, x + 1, width])
-                cell = Strip([Segment(s.text, s.style + selected_style) for s in cell], 1)
+                cell = Strip([Segment(s.text, s.style + palette.selected) for s in cell], 1)
                 strip = Strip.join([left, cell, right])
             strips.append(strip)
         return strips
