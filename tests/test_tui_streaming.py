@@ -498,6 +498,32 @@ async def test_a_screen_update_renders_only_the_widgets_on_its_rows_and_shows_th
             assert cropped_rows < whole_rows * share, (name, cropped_rows, whole_rows)
 
 
+async def test_streaming_replies_share_one_markdown_parser(chat_model_dir, tmp_path, monkeypatch):
+    """Issue 32 item 17: Textual's Markdown builds a new parser for each append, so each
+    frame of each streaming reply built one (~0.5 ms). The replies share one now."""
+    import textual.widgets._markdown as textual_markdown
+
+    built: list[tuple] = []
+
+    class CountedParser(textual_markdown.MarkdownIt):
+        def __init__(self, *args, **kwargs) -> None:
+            built.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(textual_markdown, "MarkdownIt", CountedParser)
+    app, client = fed_app(chat_model_dir, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        tab, reply = await streaming_reply(app, pilot)
+        for line in [*POEM_START, "\n", *WHILE_HIDDEN]:
+            client.pieces.put_nowait(line)
+            if line.strip():   # each line in a frame of its own
+                await wait_until(lambda: line.split()[-1] in shown_words(reply))
+        client.pieces.put_nowait(None)
+        await wait_until(lambda: not tab.streaming)
+        assert len(reply.query(MarkdownBlock)) == 2
+    assert built == []
+
+
 async def test_a_new_footer_repaints_only_the_replys_bottom_border(chat_model_dir, tmp_path):
     """Issue 32 item 17: a reply's new footer (a streaming one's, twice a second) repainted
     the whole bubble, every line of the reply, in a screen update of that size. Only the
