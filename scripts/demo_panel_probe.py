@@ -18,6 +18,13 @@ window, from the engine's count of generated tokens: the app's off its `/metrics
 runs with `--serve` for it: an idle API server on the app's engine), the headless demo's
 off `stats()`.
 
+What the batch does to tokens/s, it does not do to a step's time: a decode step reads the
+weights once for all its sequences, so it takes about as long for 5 as for 8 (the app's
+demo: 31 ms at 6.1 sequences a step; the engine alone: 30 ms at 8). So each run also reads
+the last step's milliseconds at each readout, off the panel (`step N ms`) and off the
+headless demo's `stats()`, and compares their medians: the UI's cost without the batch's
+noise (a readout that falls on a prompt's chunk reads long; the median passes over it).
+
 The demo draws its tabs' prompts and pauses from the clock, so no two runs carry the same
 work; `--seed N` gives the app's demo (through a `sitecustomize` on its PYTHONPATH) and the
 headless demo that seed instead, in every tree and round. Their replies still differ (they
@@ -50,6 +57,7 @@ from pathlib import Path
 READY = re.compile(r"● \S+ · cpu · (\w+) · [\d,]+ blocks")
 GEN = re.compile(r"gen ([\d,]+)")
 BATCH = re.compile(r"batch\s+(\d+) seqs")
+STEP = re.compile(r"step ([\d,]+) ms")
 GENERATED = re.compile(r"^vllm:generation_tokens_total\{[^}]*\} ([\d.e+]+)$", re.MULTILINE)
 WARM_S = 15.0
 READINGS = 5
@@ -98,15 +106,17 @@ async def main(warm_s, readings, every_s, seed):
     tasks = [asyncio.create_task(chat(client, system, autopilot, params))
              for _, system, autopilot in demo_tabs(8, seed=seed)]
     await asyncio.sleep(warm_s)
-    gens, started, generated = [], time.monotonic(), client.stats().generation_tokens_total
+    gens, steps, started, generated = [], [], time.monotonic(), client.stats().generation_tokens_total
     for _ in range(int(readings)):
-        gens.append(round(client.stats().generation_tokens_per_s))
+        stats = client.stats()
+        gens.append(round(stats.generation_tokens_per_s))
+        steps.append(round(stats.step_time_s * 1000))
         await asyncio.sleep(every_s)
     average = (client.stats().generation_tokens_total - generated) / (time.monotonic() - started)
     for task in tasks:
         task.cancel()
     client.shutdown()
-    print(json.dumps([gens, average]))
+    print(json.dumps([gens, steps, average]))
 
 if __name__ == "__main__":
     seed = int(sys.argv[4]) if len(sys.argv) > 4 else int(time.time())
@@ -127,9 +137,9 @@ def tmux(socket: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def demo_readouts(tree: Path, venv: Path, data_dir: Path, config: Path, readings: int,
-                  seed: int | None) -> tuple[str, list[int], list[int], float]:
-    """(the dtype the status line names, `gen` readouts, `batch` readouts, tokens/s over their
-    window) of one demo run."""
+                  seed: int | None) -> tuple[str, list[int], list[int], list[int], float]:
+    """(the dtype the status line names, `gen` readouts, `batch` readouts, `step` ms
+    readouts, tokens/s over their window) of one demo run."""
     tmux_socket = f"demo-panel-probe-{os.getpid()}"
     port = free_port()
     env = {"PYTHONPATH": str(tree), "HF_HUB_OFFLINE": "1", "PAGED_CHAT_DATA_DIR": str(data_dir),
@@ -150,14 +160,15 @@ def demo_readouts(tree: Path, venv: Path, data_dir: Path, config: Path, readings
                 raise SystemExit(f"{tree}: not ready after {BOUND_S:.0f} s:\n{screen}")
             time.sleep(0.5)
         time.sleep(WARM_S)
-        gens, batches, started, generated = [], [], time.monotonic(), generated_tokens(port)
+        gens, batches, steps, started, generated = [], [], [], time.monotonic(), generated_tokens(port)
         for _ in range(readings):
             screen = tmux(tmux_socket, "capture-pane", "-p").stdout
             gens.append(int(GEN.search(screen).group(1).replace(",", "")))
             batches.append(int(BATCH.search(screen).group(1)))
+            steps.append(int(STEP.search(screen).group(1).replace(",", "")))
             time.sleep(EVERY_S)
         average = (generated_tokens(port) - generated) / (time.monotonic() - started)
-        return ready.group(1), gens, batches, average
+        return ready.group(1), gens, batches, steps, average
     finally:
         tmux(tmux_socket, "send-keys", "C-q")
         time.sleep(2)
@@ -177,15 +188,15 @@ def generated_tokens(port: int) -> float:
 
 
 def headless_demo(tree: Path, venv: Path, scratch: Path, readings: int, seed: int | None
-                  ) -> tuple[list[int], float]:
-    """(`gen` readouts, tokens/s over their window) of the demo's chats driven without the UI
-    (HEADLESS_DEMO)."""
+                  ) -> tuple[list[int], list[int], float]:
+    """(`gen` readouts, step ms readouts, tokens/s over their window) of the demo's chats
+    driven without the UI (HEADLESS_DEMO)."""
     script = scratch / "headless_demo.py"
     script.write_text(HEADLESS_DEMO)
     out = python_in(tree, venv, str(script), str(WARM_S), str(readings), str(EVERY_S),
                     *([] if seed is None else [str(seed)]))
-    gens, average = json.loads(out.strip().splitlines()[-1])
-    return gens, average
+    gens, steps, average = json.loads(out.strip().splitlines()[-1])
+    return gens, steps, average
 
 
 def engine_alone(tree: Path, venv: Path, dtype: str) -> float:
@@ -219,17 +230,20 @@ def main() -> None:
                 data = Path(scratch) / f"{round_}-{index}"
                 data.mkdir()
                 load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-                dtype, gens, batches, average = demo_readouts(tree, args.venv, data, config, args.readings,
-                                                              args.seed)
+                dtype, gens, batches, steps, average = demo_readouts(tree, args.venv, data, config,
+                                                                     args.readings, args.seed)
                 alone = engine_alone(tree, args.venv, dtype)
-                headless, headless_average = headless_demo(tree, args.venv, Path(scratch), args.readings,
-                                                           args.seed)
+                headless, headless_steps, headless_average = headless_demo(
+                    tree, args.venv, Path(scratch), args.readings, args.seed)
                 gen, without_ui = statistics.median(gens), statistics.median(headless)
+                step, step_without_ui = statistics.median(steps), statistics.median(headless_steps)
                 print(f"round {round_ + 1} {tree} ({dtype}): panel gen {gens} (median {gen:.0f}), "
                       f"batch {batches}; engine alone {alone:.1f} tok/s: {100 * gen / alone:.0f}%; "
                       f"the demo without its UI {headless} (median {without_ui:.0f}): "
                       f"{100 * gen / without_ui:.0f}%; over the window {average:.0f} against "
-                      f"{headless_average:.0f} without the UI: {100 * average / headless_average:.0f}% "
+                      f"{headless_average:.0f} without the UI: {100 * average / headless_average:.0f}%; "
+                      f"step ms {steps} (median {step:.0f}) against {headless_steps} (median "
+                      f"{step_without_ui:.0f}) without the UI: {100 * step_without_ui / step:.0f}% "
                       f"(load before {load})", flush=True)
 
 

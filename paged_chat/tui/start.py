@@ -31,10 +31,10 @@ def app_engine_config(settings: Settings, demo: int | None) -> EngineConfig:
 
 def start_engine(config: EngineConfig, in_a_process: bool = True) -> StartingClient:
     """The app's engine, on its way: in a process of its own (launched now), its output to a
-    log file (the app owns the terminal), its decode steps leaving a core to the UI thread
-    until a trial finds more threads faster (measured on 2 cores, float32: with 2 threads
-    the app kept 80% of the engine alone, with 1 thread 93%); else on a thread of the app
-    (`[tui] engine_process = false`), started when the app waits for it."""
+    log file (the app owns the terminal), its steps on every core as its thread policy
+    finds them faster (beside the UI thread, 2 threads beat 1 since the fused step: 91b9fe2);
+    else on a thread of the app (`[tui] engine_process = false`), started when the app
+    waits for it."""
     from paged_chat.client_spec import client_spec
     from paged_chat.engine import start_client
 
