@@ -67,10 +67,11 @@ def _count(out, warm_s, window_s):
 
     Screen._on_timer_update = counted
     time.sleep(warm_s)
-    ui_thread, process = _cpu_s(f"/proc/self/task/{os.getpid()}/stat"), _cpu_s("/proc/self/stat")
+    main_thread = f"/proc/self/task/{os.getpid()}/stat"
+    ui_thread, process = _cpu_s(main_thread), _cpu_s("/proc/self/stat")
     started[0] = time.monotonic()
     time.sleep(window_s)
-    counts["ui_thread_s"] = _cpu_s(f"/proc/self/task/{os.getpid()}/stat") - ui_thread
+    counts["ui_thread_s"] = _cpu_s(main_thread) - ui_thread
     counts["process_s"] = _cpu_s("/proc/self/stat") - process
     with open(out, "w") as file:
         json.dump({"window_s": time.monotonic() - started[0], "counts": counts,

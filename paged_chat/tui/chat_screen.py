@@ -50,12 +50,9 @@ class UpdateCroppedCompositor(Compositor):
             yield from super()._get_renders(crop)
             return
         areas = [area.intersection(crop) for area in self._updated] or [crop]
-        rows = Region(0, crop.y, self.size.width, crop.height)
         in_front = RowCover()
         for widget, (region, clip) in self.visible_widgets.items():
-            shown = region.intersection(clip.intersection(rows))
-            if not shown or not crop.overlaps(shown):
-                continue
+            shown = region.intersection(clip)
             # Only the rows of the areas this widget meets: no widget behind it needs others.
             for first, end in _merged(sorted((max(area.y, shown.y), min(area.bottom, shown.bottom))
                                              for area in areas if area.overlaps(shown))):
