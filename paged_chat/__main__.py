@@ -1,3 +1,3 @@
-from paged_chat.cli import main
+from paged_chat.cli.main import main
 
 main()

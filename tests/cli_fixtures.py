@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from paged_chat.chat_store import ChatStore
-from paged_chat.cli import CliState, app
+from paged_chat.app.chat_store import ChatStore
+from paged_chat.cli.main import CliState, app
 from paged_chat.engine import Engine
 
 

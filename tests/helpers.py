@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from paged_chat.engine import (Engine, EngineClient, EngineConfig, OutputProcessor, RequestOutput,
                                SamplingParams)
-from paged_chat.engine.request import Request, RequestStatus
-from paged_chat.engine.runner import ModelRunner
-from paged_chat.engine.stats import BlockMap, EngineStats
+from paged_chat.engine.core.request import Request, RequestStatus
+from paged_chat.engine.worker.runner import ModelRunner
+from paged_chat.engine.core.stats import BlockMap, EngineStats
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -39,7 +39,7 @@ from paged_chat.engine import (ClientSpec, Engine, EngineConfig, LocalClient, ma
                                RequestOutput, SamplingParams)
 from paged_chat.engine.models.loader import ModelSource, load_model_source
 from helpers import engine_thread_idle, phase_of, step_as_a_client
-from paged_chat.engine.request import Request
+from paged_chat.engine.core.request import Request
 
 _NUM_SYSTEM_PROMPTS = 4
 _MAX_MESSAGE = 40

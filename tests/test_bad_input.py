@@ -16,10 +16,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paged_chat.conversation import ChatTemplateError, Conversation
+from paged_chat.app.conversation import ChatTemplateError, Conversation
 from paged_chat.engine import ClientSpec, make_client, SamplingParams
-from paged_chat.engine.detokenizer import IncrementalDetokenizer
-from paged_chat.text import sanitize_for_terminal
+from paged_chat.engine.core.detokenizer import IncrementalDetokenizer
+from paged_chat.app.text import sanitize_for_terminal
 from helpers import ESCAPE_IDS, ESCAPE_SOUP, GREEDY, generate, scripted, step_as_a_client
 
 pytestmark = pytest.mark.timeout(300)

@@ -101,7 +101,7 @@ def test_unknown_system_is_rejected(chat_model_dir):
 def test_bench_command(chat_model_dir, tmp_path):
     from typer.testing import CliRunner
 
-    from paged_chat.cli import app
+    from paged_chat.cli.main import app
 
     out = tmp_path / "report.json"
     result = CliRunner().invoke(app, ["bench", "--model", str(chat_model_dir), "--quick",

@@ -10,7 +10,7 @@ import pytest
 
 from paged_chat.bench import BenchOptions, run_bench
 from paged_chat.bench.report import format_report
-from paged_chat.bench.contention import busy_processes
+from benchmarks.contention import busy_processes
 
 
 def gone(pid: int) -> bool:
@@ -85,7 +85,7 @@ def test_contended_run_reports_quiet_and_contended(chat_model_dir):
 
 
 def test_host_overhead_reports_numbers(chat_model_dir):
-    from paged_chat.bench.host_overhead import format_host_overhead, host_overhead
+    from benchmarks.host_overhead import format_host_overhead, host_overhead
     from paged_chat.engine.models.loader import load_model_source
 
     rows = host_overhead(load_model_source(str(chat_model_dir)), batch_sizes=(2, 4),

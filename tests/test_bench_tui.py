@@ -4,7 +4,7 @@ tokens, and the profile sees the app's own work."""
 
 from __future__ import annotations
 
-from paged_chat.bench.tui import TuiBenchOptions, format_tui_report, run_tui_bench
+from benchmarks.tui_headless import TuiBenchOptions, format_tui_report, run_tui_bench
 
 
 def test_tui_scenario_measures_the_app_against_the_engine_alone(chat_model_dir):

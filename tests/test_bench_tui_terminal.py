@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import shutil
 
-from paged_chat.bench.tui import TuiBenchOptions
-from paged_chat.bench.tui_terminal import format_terminal_report, run_terminal_bench
+from benchmarks.tui_headless import TuiBenchOptions
+from benchmarks.tui_terminal import format_terminal_report, run_terminal_bench
 
 
 def test_the_app_in_a_real_terminal_against_the_engine_alone(chat_model_dir):

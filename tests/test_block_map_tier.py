@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 
-from paged_chat.engine.stats import BlockMap, KVTierStats
+from paged_chat.engine.core.stats import BlockMap, KVTierStats
 from paged_chat.tui.block_map import CACHED, FREE, RESTORED, TAB0, block_codes
 from paged_chat.tui.engine_panel import describe_block, format_numbers
 from helpers import snapshot

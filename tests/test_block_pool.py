@@ -7,9 +7,9 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_chat.engine.block_pool import NULL_BLOCK, BlockPool
-from paged_chat.engine.kv_cache_manager import KVCacheManager
-from paged_chat.engine.request import Request, SamplingParams
+from paged_chat.engine.kv.block_pool import NULL_BLOCK, BlockPool
+from paged_chat.engine.kv.kv_cache_manager import KVCacheManager
+from paged_chat.engine.core.request import Request, SamplingParams
 
 BLOCK_SIZE = 4
 

@@ -21,12 +21,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings as hypothesis_settings, strategies as st
 from typer.testing import CliRunner
 
-from paged_chat import chat_session as session_module
-from paged_chat.ask import parse_prompt_file, read_prompt
-from paged_chat.chat_store import ChatStore
-from paged_chat.cli import CliState, app
+from paged_chat.app import chat_session as session_module
+from paged_chat.cli.ask import parse_prompt_file, read_prompt
+from paged_chat.app.chat_store import ChatStore
+from paged_chat.cli.main import CliState, app
 from paged_chat.engine import Engine
-from paged_chat.plain_terminal import UsageError
+from paged_chat.cli.plain_terminal import UsageError
 from helpers import REPO, one_line
 
 
@@ -34,7 +34,7 @@ from helpers import REPO, one_line
 
 
 def test_import_does_not_load_torch_or_textual():
-    code = "import sys, paged_chat.cli; print(sorted({'torch', 'textual', 'transformers'} & set(sys.modules)))"
+    code = "import sys, paged_chat.cli.main; print(sorted({'torch', 'textual', 'transformers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -63,7 +63,7 @@ def test_tui_gets_the_settings_and_demo(cli, monkeypatch):
     fake = type(sys)("paged_chat.tui.start")
     fake.run_app = lambda settings, demo=None, **options: calls.append((settings, demo, options))
     monkeypatch.setitem(sys.modules, "paged_chat.tui.start", fake)
-    monkeypatch.setattr("paged_chat.cli._has_terminal", lambda: True)
+    monkeypatch.setattr("paged_chat.cli.main._has_terminal", lambda: True)
     assert cli("--demo", "3").exit_code == 0
     assert cli().exit_code == 0
     assert cli("--serve", "9000").exit_code == 0
@@ -82,7 +82,7 @@ def test_serve_takes_its_port_optionally(cli, monkeypatch, args, demo, port):
     fake = type(sys)("paged_chat.tui.start")
     fake.run_app = lambda settings, demo=None, **options: calls.append((demo, options["serve_port"]))
     monkeypatch.setitem(sys.modules, "paged_chat.tui.start", fake)
-    monkeypatch.setattr("paged_chat.cli._has_terminal", lambda: True)
+    monkeypatch.setattr("paged_chat.cli.main._has_terminal", lambda: True)
     assert cli(*args).exit_code == 0
     assert calls == [(demo, port)]
 
@@ -259,7 +259,7 @@ def test_a_parallel_continue_that_lost_the_race_is_refused(cli):
 
 
 def test_a_slow_load_draws_one_progress_line_on_stderr(monkeypatch):
-    from paged_chat.ask import load_progress
+    from paged_chat.cli.ask import load_progress
 
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)
@@ -503,7 +503,7 @@ def test_models_lists_aliases_and_the_hf_cache(cli, tmp_path, monkeypatch, chat_
 def test_models_without_an_hf_cache_or_the_alias_package(cli, tmp_path, monkeypatch):
     import huggingface_hub.constants
 
-    from paged_chat.engine.errors import ModelLoadError
+    from paged_chat.engine.core.errors import ModelLoadError
 
     def not_installed(name):
         raise ModelLoadError("not installed")

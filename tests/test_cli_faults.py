@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from paged_chat import ask as ask_module
-from paged_chat.chat_store import MAX_SEARCH_WORDS, ChatStore, StoreFullError
+from paged_chat.cli import ask as ask_module
+from paged_chat.app.chat_store import MAX_SEARCH_WORDS, ChatStore, StoreFullError
 from paged_chat.engine.regular_files import (FileTooLargeError, NotARegularFileError, open_regular,
                                               read_regular)
 from helpers import REPO, WAIT_S, one_line, wait_for, write_manifest
@@ -132,7 +132,7 @@ def test_a_missing_prompt_file_is_a_usage_error_naming_it(cli, tmp_path):
 # reply is still streaming when the signal lands).
 DRIVER = r"""
 import os, sys, time, torch
-from paged_chat.engine.engine import Engine
+from paged_chat.engine.core.engine import Engine
 
 where = sys.argv.pop(1)
 real_init, real_step = Engine.__init__, Engine.step
@@ -155,7 +155,7 @@ def slow_step(self):
 
 Engine.__init__ = slow_load if where == "load" else real_init
 Engine.step = {"step": stuck_step, "slow": slow_step}.get(where, real_step)
-from paged_chat.cli import main
+from paged_chat.cli.main import main
 sys.argv[0] = "paged-chat"
 main()
 """

@@ -11,8 +11,8 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from paged_chat.chat_store import ChatStore
-from paged_chat.cli import app
+from paged_chat.app.chat_store import ChatStore
+from paged_chat.cli.main import app
 
 
 def command_paths(command, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:

@@ -11,7 +11,7 @@ from paged_chat.engine import SamplingParams
 from paged_chat.engine.attention.cpu_backend import CpuAttention, cpu_kernels_available
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.torch_backend import TorchAttention
-from paged_chat.engine.errors import PagedChatError
+from paged_chat.engine.core.errors import PagedChatError
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no C compiler")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from paged_chat.conversation import Conversation
+from paged_chat.app.conversation import Conversation
 from paged_chat.engine import Engine, SamplingParams
 from paged_chat.engine.models.loader import MODEL_ALIASES
 from paged_chat.engine.models.weight_cache import list_cached_weights

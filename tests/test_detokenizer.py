@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from paged_chat.engine.detokenizer import IncrementalDetokenizer, TokenTexts
+from paged_chat.engine.core.detokenizer import IncrementalDetokenizer, TokenTexts
 
 TEXTS = [
     "Hello wörld! Ça va? Привет, мир. naïve café résumé",

@@ -9,7 +9,7 @@ from transformers import GenerationConfig
 
 from helpers import GREEDY, holders_of, owners_of, random_prompts
 from paged_chat.engine import EngineConfig, SamplingParams
-from paged_chat.engine.block_pool import NULL_BLOCK
+from paged_chat.engine.kv.block_pool import NULL_BLOCK
 
 # The reference's counterpart of ignore_eos: no end token at all (min_new_tokens would
 # instead mask the end token's logit and change which token wins).

@@ -16,8 +16,8 @@ import torch
 
 from paged_chat.engine import (ClientSpec, Engine, EngineDeadError, LocalClient, make_client,
                                PagedChatError, SamplingParams)
-from paged_chat.engine.kv_pool_sizing import KVCacheSpec
-from paged_chat.engine.runner import ModelRunner
+from paged_chat.engine.kv.pool_sizing import KVCacheSpec
+from paged_chat.engine.worker.runner import ModelRunner
 from helpers import (GREEDY, client_processor, engine_thread_idle, generate, phase_of,
                      random_prompts, step_as_a_client, wait_until)
 
@@ -216,7 +216,7 @@ async def test_streams_of_a_closed_event_loop_are_aborted(storm_engine):
 
 
 def test_sampling_fault_fails_only_that_request(make_engine, monkeypatch):
-    import paged_chat.engine.runner as runner
+    import paged_chat.engine.worker.runner as runner
 
     sample = runner.sample
 
@@ -424,18 +424,18 @@ def test_out_of_memory_at_start_up_names_the_setting_to_lower(make_engine, monke
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
     with monkeypatch.context() as patch:
-        patch.setattr("paged_chat.engine.engine.load_model", out_of_memory)
+        patch.setattr("paged_chat.engine.core.engine.load_model", out_of_memory)
         with pytest.raises(PagedChatError, match="loading the weights.*smaller model or dtype"):
             make_engine()
     with monkeypatch.context() as patch:
-        patch.setattr("paged_chat.engine.runner.size_kv_pool", out_of_memory)
+        patch.setattr("paged_chat.engine.worker.runner.size_kv_pool", out_of_memory)
         with pytest.raises(PagedChatError, match="lower max_num_batched_tokens"):
             make_engine(num_blocks=None)
     def kv_out_of_memory(nbytes):   # what mapping the CPU pool raises when the kernel refuses
         raise MemoryError(f"cannot map {nbytes} bytes: Cannot allocate memory")
 
     with monkeypatch.context() as patch:
-        patch.setattr("paged_chat.engine.kv_pool_sizing.zeroed_host_memory", kv_out_of_memory)
+        patch.setattr("paged_chat.engine.kv.pool_sizing.zeroed_host_memory", kv_out_of_memory)
         with pytest.raises(PagedChatError, match="allocating the KV cache.*lower num_blocks"):
             make_engine(num_blocks=64)
         with pytest.raises(PagedChatError, match="lower kv_cache_memory"):

@@ -13,7 +13,7 @@ import pytest
 
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.models.fused_decode import FusedDecode
-from paged_chat.engine.threads import StepThreads
+from paged_chat.engine.worker.threads import StepThreads
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a robot",
            "A paged KV cache", "List three prime numbers:", "Water boils at",

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import Gemma3ForConditionalGeneration
 
-from paged_chat.engine.errors import ModelLoadError, UnsupportedModelError
+from paged_chat.engine.core.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.loader import load_model, load_model_source
 from tiny_models import SYSTEM_CHATML, TINY, build_tiny_model, greedy_reference, run_paged, tiny_tokenizer
 
@@ -178,7 +178,7 @@ def test_models_list_shows_a_vision_language_folder_as_text_only(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from huggingface_hub import constants as hub_constants
 
-    from paged_chat.catalog import find_models
+    from paged_chat.app.catalog import find_models
 
     snapshot = tmp_path / "hub" / "models--org--gemma-3-tiny-it" / "snapshots" / ("0" * 40)
     snapshot.mkdir(parents=True)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from paged_chat.engine import EngineConfig
-from paged_chat.engine.kv_pool_sizing import kv_budget, worst_case_sampling
-from paged_chat.engine.sampler import sample
+from paged_chat.engine.kv.pool_sizing import kv_budget, worst_case_sampling
+from paged_chat.engine.worker.sampler import sample
 
 GiB = 2**30
 

@@ -22,15 +22,15 @@ import pytest
 from hypothesis import given, settings, strategies as st
 from typer.testing import CliRunner
 
-from paged_chat import chat_store as store_module
-from paged_chat.ask import OrderedOutput, parse_prompt_file, run_ask
-from paged_chat.chat_session import chat_title
-from paged_chat.chat_store import ChatStore
-from paged_chat.cli import CliState, app
+from paged_chat.app import chat_store as store_module
+from paged_chat.cli.ask import OrderedOutput, parse_prompt_file, run_ask
+from paged_chat.app.chat_session import chat_title
+from paged_chat.app.chat_store import ChatStore
+from paged_chat.cli.main import CliState, app
 from paged_chat.engine import SamplingParams
-from paged_chat.plain_terminal import AskOptions, UsageError
-from paged_chat.settings import load_settings
-from paged_chat.text import StreamSanitizer, sanitize_for_terminal
+from paged_chat.cli.plain_terminal import AskOptions, UsageError
+from paged_chat.app.settings import load_settings
+from paged_chat.app.text import StreamSanitizer, sanitize_for_terminal
 from helpers import ESCAPE_IDS, ESCAPE_SOUP, REPO, one_line, scripted
 
 # A clipboard write (OSC 52), a screen clear and a window title, then some text.
@@ -151,8 +151,8 @@ def test_a_title_never_holds_an_escape_sequence(prompt):
 
 PERMISSIONS = """
 import os, stat
-from paged_chat.chat_store import ChatStore
-from paged_chat.settings import cache_dir
+from paged_chat.app.chat_store import ChatStore
+from paged_chat.app.settings import cache_dir
 
 def mode(path):
     return oct(stat.S_IMODE(os.stat(path).st_mode))
@@ -230,7 +230,7 @@ def test_a_corrupt_store_is_moved_aside_once_when_two_find_it(tmp_path, monkeypa
         store.close()
 
 
-RECOVER = "import sys; from pathlib import Path; from paged_chat.chat_store import ChatStore; ChatStore(Path(sys.argv[1])).close()"
+RECOVER = "import sys; from pathlib import Path; from paged_chat.app.chat_store import ChatStore; ChatStore(Path(sys.argv[1])).close()"
 
 
 def test_six_processes_finding_a_corrupt_store_never_lose_it(tmp_path):

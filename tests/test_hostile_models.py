@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from paged_chat.engine.errors import ModelLoadError, PagedChatError
+from paged_chat.engine.core.errors import ModelLoadError, PagedChatError
 from paged_chat.engine.models.loader import load_model_source
 from helpers import REPO
 from tiny_models import hf_folder, tiny_gguf
@@ -40,7 +40,7 @@ _LOADER_UNDER_LIMIT = """
 import gc, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, ({limit}, {limit}))
 from paged_chat.engine import Engine, EngineConfig
-from paged_chat.engine.errors import PagedChatError
+from paged_chat.engine.core.errors import PagedChatError
 for line in sys.stdin:
     try:
         engine = Engine(EngineConfig(model=line.rstrip("\\n"), device="cpu", dtype="float32",
@@ -225,14 +225,14 @@ def test_cpu_allocation_failure_is_one_line_naming_the_setting(make_engine, monk
                            "can't allocate memory: you tried to allocate 1073741824 bytes.")
 
     with monkeypatch.context() as patch:
-        patch.setattr("paged_chat.engine.engine.load_model", cpu_out_of_memory)
+        patch.setattr("paged_chat.engine.core.engine.load_model", cpu_out_of_memory)
         with pytest.raises(PagedChatError, match="out of memory while loading the weights"):
             make_engine(num_blocks=64)
 
     def refused(*args, **kwargs):
         raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
 
-    monkeypatch.setattr("paged_chat.engine.kv_pool_sizing.mmap",
+    monkeypatch.setattr("paged_chat.engine.kv.pool_sizing.mmap",
                         types.SimpleNamespace(mmap=refused))
     with pytest.raises(PagedChatError, match="out of memory while allocating the KV cache.*"
                                              "lower num_blocks"):
@@ -240,7 +240,7 @@ def test_cpu_allocation_failure_is_one_line_naming_the_setting(make_engine, monk
 
 
 def test_the_cpu_kv_cache_is_checked_against_available_ram(make_engine, monkeypatch):
-    monkeypatch.setattr("paged_chat.engine.kv_pool_sizing.available_ram", lambda: 1 << 16)
+    monkeypatch.setattr("paged_chat.engine.kv.pool_sizing.available_ram", lambda: 1 << 16)
     with pytest.raises(PagedChatError, match="larger than this machine's 0.0 GiB of available "
                                              "RAM: lower num_blocks"):
         make_engine(num_blocks=64)
@@ -252,7 +252,7 @@ def test_models_marks_a_hostile_gguf_unreadable_and_lists_converted_weights(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import huggingface_hub.constants
 
-    from paged_chat.catalog import find_models
+    from paged_chat.app.catalog import find_models
     from paged_chat.engine.models.loader import load_model
 
     snapshot = tmp_path / "hub" / "models--org--bad" / "snapshots" / "abc"

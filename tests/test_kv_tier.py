@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import paged_chat.engine.engine as engine_module
+import paged_chat.engine.core.engine as engine_module
 from paged_chat.engine import Engine, KVTierWarning, SamplingParams
-from paged_chat.engine.kv_cache_manager import hash_block
-from paged_chat.engine.kv_tier import (
+from paged_chat.engine.kv.kv_cache_manager import hash_block
+from paged_chat.engine.kv.tier import (
     ENTRY_SUFFIX,
     TIER_DIR,
     DiskTier,
@@ -32,9 +32,9 @@ from paged_chat.engine.kv_tier import (
     TierLayout,
     clear_disk_tier,
 )
-from paged_chat.engine.request import RequestStatus
-from paged_chat.engine.runner import ModelRunner
-from paged_chat.engine.scheduler import Scheduler
+from paged_chat.engine.core.request import RequestStatus
+from paged_chat.engine.worker.runner import ModelRunner
+from paged_chat.engine.core.scheduler import Scheduler
 from helpers import assert_no_leaks, step_as_a_client
 from soak import run_soak, soak_config
 from tiny_models import build_tiny_model
@@ -467,7 +467,7 @@ def test_clear_disk_tier_deletes_the_entries(tmp_path):
 def test_cache_clear_command(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from paged_chat.cli import app
+    from paged_chat.cli.main import app
 
     monkeypatch.setenv("PAGED_CHAT_CACHE_DIR", str(tmp_path))
     fill_disk_tier(tmp_path, 2)

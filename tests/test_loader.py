@@ -17,7 +17,7 @@ from huggingface_hub import constants as hub_constants
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from paged_chat.engine.errors import ModelLoadError, UnsupportedModelError
+from paged_chat.engine.core.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.loader import (
     MODEL_ALIASES,
     ModelSource,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from paged_chat.engine import SamplingParams
-from paged_chat.engine.sampler import SamplingBatch, sample
+from paged_chat.engine.worker.sampler import SamplingBatch, sample
 
 
 def test_logprobs_are_of_the_distribution_drawn_from() -> None:

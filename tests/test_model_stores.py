@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from paged_chat.cli import CliState, app
-from paged_chat.model_stores import ModelStoreError, find_stored_models, resolve_model_spec
-from paged_chat.settings import Settings
+from paged_chat.cli.main import CliState, app
+from paged_chat.app.model_stores import ModelStoreError, find_stored_models, resolve_model_spec
+from paged_chat.app.settings import Settings
 from helpers import default_gguf, link, write_manifest
 
 @pytest.fixture
@@ -129,7 +129,7 @@ def test_missing_blob_and_broken_manifest_are_one_clear_line(stores, tmp_path):
 
 
 def test_the_loader_knows_a_blob_by_its_gguf_magic(stores, tmp_path):
-    from paged_chat.engine.errors import ModelLoadError
+    from paged_chat.engine.core.errors import ModelLoadError
     from paged_chat.engine.models.loader import _resolve
 
     blob = Path(resolve_model_spec("ollama:smollm2"))

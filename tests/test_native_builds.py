@@ -1,4 +1,4 @@
-"""engine/native.py: a C source is compiled once per machine, and each start says which
+"""engine/native/build.py: a C source is compiled once per machine, and each start says which
 happened (the build logged with its time, a later load logged as nothing compiled)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import tempfile
 
 import pytest
 
-from paged_chat.engine.native import compile_library
+from paged_chat.engine.native.build import compile_library
 
 pytestmark = pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("cc")
                                      or shutil.which("gcc")), reason="no C compiler")
@@ -21,7 +21,7 @@ def test_a_build_is_logged_with_its_time_and_a_second_start_compiles_nothing(
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     source = tmp_path / "probe_kernel.c"
     source.write_text("int probe_answer(void) { return 42; }\n")
-    with caplog.at_level(logging.DEBUG, logger="paged_chat.engine.native"):
+    with caplog.at_level(logging.DEBUG, logger="paged_chat.engine.native.build"):
         assert compile_library(source).probe_answer() == 42
         assert "probe_kernel.c: compiled for this machine in" in caplog.text
         caplog.clear()
@@ -31,13 +31,13 @@ def test_a_build_is_logged_with_its_time_and_a_second_start_compiles_nothing(
 
 
 def test_debug_sends_the_packages_log_lines_to_stderr_for_its_command_only(capsys):
-    from paged_chat.cli import _log_to_stderr
+    from paged_chat.cli.main import _log_to_stderr
 
-    native_logger = logging.getLogger("paged_chat.engine.native")
+    native_logger = logging.getLogger("paged_chat.engine.native.build")
     undo = _log_to_stderr()
     try:
         native_logger.info("a kernel line")
-        assert capsys.readouterr().err == "paged_chat.engine.native: a kernel line\n"
+        assert capsys.readouterr().err == "paged_chat.engine.native.build: a kernel line\n"
     finally:
         undo()
     native_logger.info("after the command")  # a later command in this process: no line
@@ -54,7 +54,7 @@ def test_a_debug_command_leaves_no_handler_behind(cli, tmp_path):
 def test_a_change_to_an_included_c_file_is_a_new_build(tmp_path, monkeypatch, caplog):
     """decode_layer.c builds kernels.c and others into one library: editing one of them
     must not load the library built from the old text."""
-    from paged_chat.engine import native
+    from paged_chat.engine.native import build as native
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(native, "_HEADERS", tmp_path)
@@ -65,6 +65,6 @@ def test_a_change_to_an_included_c_file_is_a_new_build(tmp_path, monkeypatch, ca
     outer.write_text('#include "parts/inner.c"\nint answer(void) { return inner_answer(); }\n')
     assert compile_library(outer).answer() == 1
     inner.write_text("static int inner_answer(void) { return 2; }\n")
-    with caplog.at_level(logging.DEBUG, logger="paged_chat.engine.native"):
+    with caplog.at_level(logging.DEBUG, logger="paged_chat.engine.native.build"):
         assert compile_library(outer).answer() == 2
     assert "outer.c: compiled for this machine in" in caplog.text

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from paged_chat.client_spec import client_spec
+from paged_chat.app.client_spec import client_spec
 from paged_chat.engine import (ClientSpec, EngineCoreOutput, LocalClient, OutputProcessor,
                                SamplingParams, make_client)
 from paged_chat.engine.clients.thread_transport import ThreadTransport

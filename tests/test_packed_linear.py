@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged_chat.engine.kv_tier import model_fingerprint
+from paged_chat.engine.kv.tier import model_fingerprint
 from paged_chat.engine.models.packed_linear import PackedLinear, pack_linears
 from tiny_models import build_tiny_model, load_decoder
 

@@ -165,7 +165,7 @@ def test_triton_kernels_match_a_float64_product_of_gguf_weights(name):
     partial tile of rows, K = 96 a partial tile of K of 64) and every input's neighbours NaN.
     fp32 within 1e-5 relative; bf16 activations no worse than 1.5x a bf16 F.linear."""
     triton_kernels = pytest.importorskip(
-        "paged_chat.engine.models.quant.triton_kernels",
+        "paged_chat.engine.models.quant.triton_dequant",
         reason="the GPU kernels need the triton package (extra 'gpu')")
     in_features = in_features_of(name)
     weight, dense = quantized(name, in_features)
@@ -320,7 +320,7 @@ def test_what_is_held_is_counted_and_fingerprinted_as_held(tmp_path, monkeypatch
     """The header-only estimate `paged-chat models` shows is the bytes a load holds, and
     the KV tier's fingerprint sees the quantized weights (a cache of KV computed with them
     is not the dequantized model's)."""
-    from paged_chat.engine.kv_tier import model_fingerprint
+    from paged_chat.engine.kv.tier import model_fingerprint
     from paged_chat.engine.models.quant import held_nbytes
 
     source = load_model_source(str(quantized_tiny_gguf(tmp_path, monkeypatch)))

@@ -17,9 +17,9 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from paged_chat.chat_session import ChatSession
-from paged_chat.chat_store import ChatStore
-from paged_chat.cli import CliState, app as cli_app
+from paged_chat.app.chat_session import ChatSession
+from paged_chat.app.chat_store import ChatStore
+from paged_chat.cli.main import CliState, app as cli_app
 from paged_chat.engine import (ClientSpec, Engine, EngineClient, EngineDeadError, RemoteClient,
                                RemoteEngineError, SamplingParams, make_client)
 from paged_chat.tui.app import PagedChatApp

@@ -12,9 +12,9 @@ from contextlib import aclosing
 import pytest
 from typer.testing import CliRunner
 
-from paged_chat.chat_session import ChatSession
-from paged_chat.cli import CliState, app as cli_app
-from paged_chat.conversation import Conversation
+from paged_chat.app.chat_session import ChatSession
+from paged_chat.cli.main import CliState, app as cli_app
+from paged_chat.app.conversation import Conversation
 from paged_chat.engine import ClientSpec, SamplingParams, make_client
 from paged_chat.engine.clients.server_tokenizer import ServerTokenizer
 from paged_chat.tui.app import PagedChatApp
@@ -154,13 +154,13 @@ def test_the_tui_takes_its_remote_tokenizer_from_model_or_the_config(fake_vllm, 
                                                                      monkeypatch, how):
     """`paged-chat --server URL` with `--model`, or `[engine] model` in config.toml: that
     local tokenizer where it matches the server's; with neither, the server's own."""
-    import paged_chat.cli
+    import paged_chat.cli.main
 
     fake = fake_vllm()
     config = tmp_path / "config.toml"
     config.write_text(f'[engine]\nmodel = "{chat_model_dir}"\n' if how == "[engine] model" else "")
     opened = []
-    monkeypatch.setattr(paged_chat.cli, "_has_terminal", lambda: True)
+    monkeypatch.setattr(paged_chat.cli.main, "_has_terminal", lambda: True)
     monkeypatch.setattr(PagedChatApp, "run", lambda app: opened.append(app.engine.info.tokenizer_from))
     args = ["--model", str(chat_model_dir)] if how == "--model" else []
     result = CliRunner().invoke(cli_app, ["--config", str(config), "--server", fake.url, *args], obj=no_engine())

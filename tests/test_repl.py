@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from paged_chat.chat_command import Repl
-from paged_chat.chat_store import ChatStore
+from paged_chat.cli.chat import Repl
+from paged_chat.app.chat_store import ChatStore
 from helpers import REPO, default_gguf, link, write_manifest
 
 

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_chat.engine.request import SamplingParams
-from paged_chat.engine.sampler import (SamplingBatch, apply_min_p, apply_penalties,
+from paged_chat.engine.core.request import SamplingParams
+from paged_chat.engine.worker.sampler import (SamplingBatch, apply_min_p, apply_penalties,
                                        apply_top_k_top_p, counter_uniforms, greedy_tokens, sample)
 
 CPU = torch.device("cpu")

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
-from paged_chat.cli import app as cli_app
+from paged_chat.cli.main import app as cli_app
 from paged_chat.engine import SamplingParams
 from paged_chat.server import UnsafeBindError, check_bind
 from helpers import wait_for

@@ -10,10 +10,10 @@ from contextlib import aclosing
 
 import pytest
 
-from paged_chat.chat_session import ChatSession, Turn, chat_title
-from paged_chat.chat_store import ChatMovedOn, ChatStore
+from paged_chat.app.chat_session import ChatSession, Turn, chat_title
+from paged_chat.app.chat_store import ChatMovedOn, ChatStore
 from paged_chat.engine import ClientSpec, Engine, SamplingParams, make_client
-from paged_chat.engine.errors import EngineDeadError
+from paged_chat.engine.core.errors import EngineDeadError
 from helpers import assert_no_leaks, engine_config, step_as_a_client
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -59,7 +59,7 @@ async def test_a_turn_writes_its_rows_and_the_next_turn_starts_from_its_ids(clie
 async def test_a_store_that_fails_mid_reply_costs_one_warning_not_the_reply(client, store, monkeypatch):
     """The disk fills up while a reply streams: the reply goes on to the end, the user is
     told once, and the text is saved as soon as the store takes writes again."""
-    monkeypatch.setattr("paged_chat.chat_session.SAVE_INTERVAL_S", 0.0)
+    monkeypatch.setattr("paged_chat.app.chat_session.SAVE_INTERVAL_S", 0.0)
     warnings: list[str] = []
     session = new_session(store, warnings)
     update, failures = store.update_message, []
@@ -129,7 +129,7 @@ async def test_a_regenerate_whose_engine_stops_before_a_word_keeps_the_old_reply
 
 
 async def test_a_chat_deleted_mid_reply_still_streams_the_reply(client, store, monkeypatch):
-    monkeypatch.setattr("paged_chat.chat_session.SAVE_INTERVAL_S", 0.0)
+    monkeypatch.setattr("paged_chat.app.chat_session.SAVE_INTERVAL_S", 0.0)
     warnings: list[str] = []
     session = new_session(store, warnings)
     shown = []

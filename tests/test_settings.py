@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings as hypothesis_settings, strategies as st
 
 from paged_chat.engine import EngineConfig, SamplingParams
-from paged_chat.settings import (CHAT_SAMPLING_KEYS, ChatSettings, EngineSettings, Settings,
+from paged_chat.app.settings import (CHAT_SAMPLING_KEYS, ChatSettings, EngineSettings, Settings,
                                  SettingsError, cache_dir, config_path, load_settings)
 
 FULL = """\

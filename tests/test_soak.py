@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from paged_chat.engine.block_pool import BlockPool
+from paged_chat.engine.kv.block_pool import BlockPool
 from soak import SoakReport, run_soak, soak_config
 
 SOAK_S = float(os.environ.get("PAGED_CHAT_SOAK_S", "600"))

@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_chat import chat_store as store_module
-from paged_chat.chat_store import ChatNotFound, ChatStore, MessageNotFound, StoreError
-from paged_chat.conversation import Conversation
+from paged_chat.app import chat_store as store_module
+from paged_chat.app.chat_store import ChatNotFound, ChatStore, MessageNotFound, StoreError
+from paged_chat.app.conversation import Conversation
 from helpers import REPO, sqlite
 
 
@@ -272,7 +272,7 @@ def test_a_damaged_database_is_moved_aside(tmp_path):
 WRITER = """
 import sys
 from pathlib import Path
-from paged_chat.chat_store import ChatStore
+from paged_chat.app.chat_store import ChatStore
 
 store = ChatStore(Path(sys.argv[1]))
 chat = store.create_chat("killed mid-stream", "m")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from paged_chat.engine import EngineConfig
-from paged_chat.engine.threads import (MachineLoad, StepThreads, ThreadPolicy, available_cores,
+from paged_chat.engine.worker.threads import (MachineLoad, StepThreads, ThreadPolicy, available_cores,
                                        free_cores)
 
 
@@ -144,7 +144,7 @@ def test_decode_steps_adapt_while_prefill_steps_keep_every_core(monkeypatch):
     """Beside busy processes decode steps run faster on one thread while a prefill chunk
     still gains from both cores: a trial in the prefill must not decide for the decodes,
     and a prefill step is never a trial's slow arm."""
-    monkeypatch.setattr("paged_chat.engine.threads.available_cores", lambda: 2)
+    monkeypatch.setattr("paged_chat.engine.worker.threads.available_cores", lambda: 2)
     steps = StepThreads.from_setting(None)
     clock = FakeClock()
     steps.decode.clock = clock
@@ -157,7 +157,7 @@ def test_decode_steps_adapt_while_prefill_steps_keep_every_core(monkeypatch):
 def test_leaving_a_core_to_a_ui_starts_decode_steps_lower_and_trials_still_climb(monkeypatch):
     """The app's engine leaves a core to the UI thread; where more threads still run much
     faster (a quiet machine, a UI at rest), the first trial takes them back."""
-    monkeypatch.setattr("paged_chat.engine.threads.available_cores", lambda: 2)
+    monkeypatch.setattr("paged_chat.engine.worker.threads.available_cores", lambda: 2)
     steps = StepThreads.from_setting(None)
     clock = FakeClock()
     steps.decode.clock = clock
@@ -195,7 +195,7 @@ def test_steps_run_on_no_more_cores_than_other_processes_leave_free(monkeypatch)
     """Prefill steps take the free cores as they are; decode steps drop to them at once and
     try no more while the load lasts (each trial step on more would cost many times over),
     and go back to the count the trials chose once it is gone."""
-    monkeypatch.setattr("paged_chat.engine.threads.available_cores", lambda: 2)
+    monkeypatch.setattr("paged_chat.engine.worker.threads.available_cores", lambda: 2)
     clock = FakeClock()
     machine = FakeMachine(clock)
     steps = StepThreads.from_setting(None)
@@ -252,7 +252,7 @@ def test_no_proc_stat_means_no_load_and_a_fixed_count_means_no_measuring():
 
 def test_busy_processes_show_up_as_load_on_this_machine():
     """The real /proc/stat: two spinning processes on our cores while this one sleeps."""
-    from paged_chat.bench.contention import busy_processes
+    from benchmarks.contention import busy_processes
 
     load = MachineLoad()
     with busy_processes(2, bound_s=30):

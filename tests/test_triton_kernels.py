@@ -30,7 +30,7 @@ from paged_chat.engine.attention.cpu_backend import CpuAttention, cpu_kernels_av
 from paged_chat.engine.attention.torch_backend import TorchAttention
 from paged_chat.engine.attention import triton_backend  # noqa: E402
 from paged_chat.engine.attention.triton_backend import SHARED_MEMORY_BYTES, TritonAttention
-from paged_chat.engine.attention.triton_kernels import (  # noqa: E402
+from paged_chat.engine.attention.triton_paged_attention import (  # noqa: E402
     MAX_SPLITS, _cache_offsets, choose_num_splits, paged_attention, store_kv)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -291,7 +291,7 @@ def test_engine_picks_the_backend(make_engine, monkeypatch):
 
 
 def _device_check():
-    """scripts/device_check.py as a module (its checks are tested here, on the CPU)."""
+    """benchmarks/device_check.py as a module (its checks are tested here, on the CPU)."""
     path = Path(__file__).resolve().parent.parent / "scripts" / "device_check.py"
     spec = importlib.util.spec_from_file_location("device_check", path)
     module = sys.modules.setdefault("device_check", importlib.util.module_from_spec(spec))

@@ -22,10 +22,10 @@ from textual import events
 from textual._xterm_parser import XTermParser
 from textual.widgets import Tabs
 
-from paged_chat.chat_session import chat_title
-from paged_chat.chat_store import ChatStore
+from paged_chat.app.chat_session import chat_title
+from paged_chat.app.chat_store import ChatStore
 from paged_chat.engine import EngineConfig
-from paged_chat.text import sanitize_for_terminal as clean
+from paged_chat.app.text import sanitize_for_terminal as clean
 from paged_chat.tui.actions import ACTIONS, StoredChats
 from paged_chat.tui.dialogs import ChatSettingsScreen, ConfirmScreen, HelpScreen, TextPromptScreen
 from helpers import blocks_owned, engine_config, wait_until

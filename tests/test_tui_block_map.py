@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from paged_chat.engine.stats import BlockMap
+from paged_chat.engine.core.stats import BlockMap
 from paged_chat.tui.block_map import (CACHED, FREE, SHARED, TAB0, Layout, block_codes, cell_grid,
                                      downsample)
 from paged_chat.tui.engine_panel import TabInfo, describe_block

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from textual.command import CommandPalette
 
-from paged_chat.chat_store import ChatStore
+from paged_chat.app.chat_store import ChatStore
 from paged_chat.tui.actions import StoredChats
 from paged_chat.tui.chat_search import ChatSearch
 from helpers import wait_until

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from paged_chat.chat_store import ChatStore
+from paged_chat.app.chat_store import ChatStore
 from helpers import engine_config, wait_until
 from tui_helpers import TuiTestApp, idle, make_settings, press, replies, text_of, type_prompt
 

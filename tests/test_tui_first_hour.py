@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from textual.geometry import Region
 
-from paged_chat.chat_session import chat_title
+from paged_chat.app.chat_session import chat_title
 from paged_chat.tui.demo import PROMPTS
 from paged_chat.tui.dialogs import ChatSettingsScreen
 from helpers import wait_until

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 from textual.widgets.markdown import MarkdownBlock
 
-from paged_chat.chat_store import ChatStore
+from paged_chat.app.chat_store import ChatStore
 from paged_chat.engine import ClientCapabilities, Engine, EngineConfig, RequestOutput, SamplingParams
-from paged_chat.engine.stats import BlockMap
-from paged_chat.settings import ChatSettings, Settings
+from paged_chat.engine.core.stats import BlockMap
+from paged_chat.app.settings import ChatSettings, Settings
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.block_map import TAB0, BlockMapView
 from paged_chat.tui.chat_tab import ChatTab

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from paged_chat.chat_store import ChatStore
+from paged_chat.app.chat_store import ChatStore
 from paged_chat.tui.actions import ACTIONS
 from helpers import wait_for
 from tmux_app import TmuxApp, needs_tmux, new_tab_shown, tmux

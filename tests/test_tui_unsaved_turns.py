@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from paged_chat.chat_store import StoreFullError
-from paged_chat.engine.errors import EngineDeadError
+from paged_chat.app.chat_store import StoreFullError
+from paged_chat.engine.core.errors import EngineDeadError
 from paged_chat.tui.messages import UserMessage
 from helpers import wait_until
 from tui_helpers import idle, make_app, replies, type_prompt

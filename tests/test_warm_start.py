@@ -1,7 +1,7 @@
 """A warm start (the TUI restarted: the GGUF's tokenizer and weights converted and cached)
 does only what serving needs: no import that a cached GGUF does not use, no memory written
 before a request writes it; and the bare command launches the engine child before it loads
-Textual, so the two overlap (scripts/warm_start_probe.py times it)."""
+Textual, so the two overlap (benchmarks/warm_start_probe.py times it)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch
 
 from paged_chat.engine import ClientSpec, Engine, EngineConfig, SamplingParams, start_client
 from paged_chat.engine.attention.torch_backend import TorchAttention
-from paged_chat.engine.errors import describe_error
-from paged_chat.engine.kv_pool_sizing import KVCacheSpec, allocate_kv_cache
+from paged_chat.engine.core.errors import describe_error
+from paged_chat.engine.kv.pool_sizing import KVCacheSpec, allocate_kv_cache
 from helpers import REPO, engine_config, wait_for
 from tmux_app import TmuxApp, needs_tmux, tmux
 
@@ -123,7 +123,7 @@ if __name__ == "__main__":
         start(process)
 
     multiprocessing.process.BaseProcess.start = noted_start
-    from paged_chat.cli import main
+    from paged_chat.cli.main import main
     main()
 """
 

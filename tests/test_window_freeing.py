@@ -16,11 +16,11 @@ from typer.testing import CliRunner
 
 from engine_fixtures import MISTRAL_WINDOW
 from helpers import assert_no_leaks, blocks_owned, step_as_a_client
-from paged_chat.cli import CliState, app
+from paged_chat.cli.main import CliState, app
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
-from paged_chat.engine.block_pool import NULL_BLOCK
-from paged_chat.engine.kv_cache_manager import KVCacheManager, TierRead, TierReadState, hash_block
-from paged_chat.engine.request import Request
+from paged_chat.engine.kv.block_pool import NULL_BLOCK
+from paged_chat.engine.kv.kv_cache_manager import KVCacheManager, TierRead, TierReadState, hash_block
+from paged_chat.engine.core.request import Request
 from paged_chat.tui.engine_panel import format_numbers
 from tiny_models import build_tiny_model
 

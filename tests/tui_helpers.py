@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from textual import events
 
-from paged_chat.chat_store import ChatStore
+from paged_chat.app.chat_store import ChatStore
 from paged_chat.engine import ClientSpec, LocalClient, make_client
-from paged_chat.settings import ChatSettings, Settings, TuiSettings
+from paged_chat.app.settings import ChatSettings, Settings, TuiSettings
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.block_map import SHARED, TAB0, BlockMapView
 from paged_chat.tui.chat_tab import ChatTab

@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from paged_chat.bench.contention import busy_processes, contention_table
-from paged_chat.bench.host_overhead import host_overhead
+from benchmarks.contention import busy_processes, contention_table
+from benchmarks.host_overhead import host_overhead
 from paged_chat.bench.openai_server import is_openai_system, run_openai_server
 from paged_chat.bench.own_thread import on_own_thread
 from paged_chat.bench.scenarios import decode_step_time, memory_scenarios, roofline
@@ -38,7 +38,7 @@ from paged_chat.bench.systems import SYSTEMS, SystemResult, run_system
 from paged_chat.bench.tier_resume import tier_resume
 from paged_chat.bench.workload import SYSTEM_PROMPT, chat_workload
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
-from paged_chat.engine.dtypes import dtype_name, resolve_dtype
+from paged_chat.engine.core.dtypes import dtype_name, resolve_dtype
 from paged_chat.engine.models.loader import load_model_source
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from paged_chat.bench.contention import format_contention
-from paged_chat.bench.host_overhead import format_host_overhead
+from benchmarks.contention import format_contention
+from benchmarks.host_overhead import format_host_overhead
 from paged_chat.bench.systems import DESCRIPTIONS
 from paged_chat.bench.tier_resume import format_tier_resume
 

@@ -10,11 +10,11 @@ from collections.abc import Callable
 import torch
 
 from paged_chat.bench.workload import SYSTEM_PROMPT, Workload
-from paged_chat.conversation import Conversation
+from paged_chat.app.conversation import Conversation
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
-from paged_chat.engine.dtypes import TORCH_DTYPES
+from paged_chat.engine.core.dtypes import TORCH_DTYPES
 from paged_chat.engine.models.loader import ModelSource
-from paged_chat.engine.threads import available_cores
+from paged_chat.engine.worker.threads import available_cores
 
 
 def memory_scenarios(engine: Engine, source: ModelSource, workload: Workload) -> dict:

@@ -22,7 +22,7 @@ import sys
 import tempfile
 import time
 
-from paged_chat.conversation import Conversation
+from paged_chat.app.conversation import Conversation
 from paged_chat.engine import Engine, EngineConfig, OutputProcessor, RequestOutput, SamplingParams
 from paged_chat.engine.models.loader import ModelSource, load_model_source
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from paged_chat.conversation import Conversation
+from paged_chat.app.conversation import Conversation
 from paged_chat.engine.models.loader import ModelSource
 
 SYSTEM_PROMPT = (

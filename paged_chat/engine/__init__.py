@@ -11,29 +11,29 @@ import importlib
 from typing import TYPE_CHECKING
 
 _EXPORTS = {
-    "BlockMap": "paged_chat.engine.stats",
-    "ClientCapabilities": "paged_chat.engine.clients.protocol",
+    "BlockMap": "paged_chat.engine.core.stats",
+    "ClientCapabilities": "paged_chat.engine.clients.client_protocol",
     "ClientSpec": "paged_chat.engine.clients.factory",
-    "Engine": "paged_chat.engine.engine",
-    "EngineClient": "paged_chat.engine.clients.protocol",
-    "EngineConfig": "paged_chat.engine.config",
-    "EngineCoreOutput": "paged_chat.engine.request",
-    "EngineDeadError": "paged_chat.engine.errors",
-    "EngineStats": "paged_chat.engine.stats",
-    "GrammarError": "paged_chat.engine.structured_output",
-    "KVTierStats": "paged_chat.engine.stats",
-    "KVTierWarning": "paged_chat.engine.errors",
+    "Engine": "paged_chat.engine.core.engine",
+    "EngineClient": "paged_chat.engine.clients.client_protocol",
+    "EngineConfig": "paged_chat.engine.core.config",
+    "EngineCoreOutput": "paged_chat.engine.core.request",
+    "EngineDeadError": "paged_chat.engine.core.errors",
+    "EngineStats": "paged_chat.engine.core.stats",
+    "GrammarError": "paged_chat.engine.worker.structured_output",
+    "KVTierStats": "paged_chat.engine.core.stats",
+    "KVTierWarning": "paged_chat.engine.core.errors",
     "LocalClient": "paged_chat.engine.clients.local",
-    "ModelInfo": "paged_chat.engine.clients.protocol",
-    "ModelLoadError": "paged_chat.engine.errors",
-    "OutputProcessor": "paged_chat.engine.output_processor",
-    "PagedChatError": "paged_chat.engine.errors",
+    "ModelInfo": "paged_chat.engine.clients.client_protocol",
+    "ModelLoadError": "paged_chat.engine.core.errors",
+    "OutputProcessor": "paged_chat.engine.core.output_processor",
+    "PagedChatError": "paged_chat.engine.core.errors",
     "RemoteClient": "paged_chat.engine.clients.remote",
     "RemoteEngineError": "paged_chat.engine.clients.remote",
-    "RequestOutput": "paged_chat.engine.request",
-    "SamplingParams": "paged_chat.engine.request",
+    "RequestOutput": "paged_chat.engine.core.request",
+    "SamplingParams": "paged_chat.engine.core.request",
     "StartingClient": "paged_chat.engine.clients.factory",
-    "TokenLogprob": "paged_chat.engine.request",
+    "TokenLogprob": "paged_chat.engine.core.request",
     "make_client": "paged_chat.engine.clients.factory",
     "start_client": "paged_chat.engine.clients.factory",
 }
@@ -42,17 +42,17 @@ __all__ = sorted(_EXPORTS)
 if TYPE_CHECKING:
     from paged_chat.engine.clients.factory import ClientSpec, StartingClient, make_client, start_client
     from paged_chat.engine.clients.local import LocalClient
-    from paged_chat.engine.clients.protocol import ClientCapabilities, EngineClient, ModelInfo
+    from paged_chat.engine.clients.client_protocol import ClientCapabilities, EngineClient, ModelInfo
     from paged_chat.engine.clients.remote import RemoteClient, RemoteEngineError
-    from paged_chat.engine.config import EngineConfig
-    from paged_chat.engine.engine import Engine
-    from paged_chat.engine.errors import (EngineDeadError, KVTierWarning, ModelLoadError,
+    from paged_chat.engine.core.config import EngineConfig
+    from paged_chat.engine.core.engine import Engine
+    from paged_chat.engine.core.errors import (EngineDeadError, KVTierWarning, ModelLoadError,
                                           PagedChatError)
-    from paged_chat.engine.output_processor import OutputProcessor
-    from paged_chat.engine.request import (EngineCoreOutput, RequestOutput, SamplingParams,
+    from paged_chat.engine.core.output_processor import OutputProcessor
+    from paged_chat.engine.core.request import (EngineCoreOutput, RequestOutput, SamplingParams,
                                            TokenLogprob)
-    from paged_chat.engine.stats import BlockMap, EngineStats, KVTierStats
-    from paged_chat.engine.structured_output import GrammarError
+    from paged_chat.engine.core.stats import BlockMap, EngineStats, KVTierStats
+    from paged_chat.engine.worker.structured_output import GrammarError
 
 
 def __getattr__(name: str):

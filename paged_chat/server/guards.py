@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from paged_chat.engine.errors import PagedChatError
-from paged_chat.server.protocol import error_body
+from paged_chat.engine.core.errors import PagedChatError
+from paged_chat.server.api_types import error_body
 
 # An origin as a browser sends it: scheme, host and an optional port, nothing after.
 _ORIGIN = re.compile(r"(?P<scheme>https?)://(?P<host>\[[0-9a-f:.]+\]|[^/:\[\]\s]+)"

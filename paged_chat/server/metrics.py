@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from paged_chat.engine.clients.protocol import EngineClient
+from paged_chat.engine.clients.client_protocol import EngineClient
 
 
 class EngineCollector(Collector):

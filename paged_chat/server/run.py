@@ -24,8 +24,8 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from paged_chat.engine.clients.protocol import EngineClient
-from paged_chat.engine.errors import EngineDeadError, PagedChatError
+from paged_chat.engine.clients.client_protocol import EngineClient
+from paged_chat.engine.core.errors import EngineDeadError, PagedChatError
 from paged_chat.server.app import build_app
 from paged_chat.server.tool_calls import DefaultToolChoice
 

@@ -29,9 +29,9 @@ from typing import Any
 
 import jinja2
 
-from paged_chat.engine.clients.protocol import EngineClient
-from paged_chat.engine.request import RequestOutput, SamplingParams
-from paged_chat.server.protocol import (ChatCompletionRequest, CompletionRequest,
+from paged_chat.engine.clients.client_protocol import EngineClient
+from paged_chat.engine.core.request import RequestOutput, SamplingParams
+from paged_chat.server.api_types import (ChatCompletionRequest, CompletionRequest,
                                         PromptTokensDetails, SamplingRequest, Usage,
                                         completion_id, envelope)
 from paged_chat.server.structured_request import chat_logprobs, completion_logprobs

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from paged_chat.engine.request import MAX_TOP_LOGPROBS, TokenLogprob
+from paged_chat.engine.core.request import MAX_TOP_LOGPROBS, TokenLogprob
 
 # What a logprob of -inf (a token the grammar or top-k ruled out) is in JSON, as vLLM sends it.
 _NO_CHANCE = -9999.0

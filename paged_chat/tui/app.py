@@ -30,9 +30,9 @@ from textual.containers import Horizontal
 from textual.css.query import NoMatches
 from textual.widgets import Static
 
-from paged_chat.chat_store import ChatStore
-from paged_chat.engine.errors import PagedChatError, describe_error
-from paged_chat.settings import Settings, data_dir
+from paged_chat.app.chat_store import ChatStore
+from paged_chat.engine.core.errors import PagedChatError, describe_error
+from paged_chat.app.settings import Settings, data_dir
 from paged_chat.tui.actions import ACTIONS, ChatActions, StoredChats, make_bindings
 from paged_chat.tui.chat_screen import ChatScreen
 from paged_chat.tui.chat_search import ChatSearch

@@ -27,7 +27,7 @@ from textual.reactive import reactive
 from textual.strip import Strip
 from textual.widget import Widget
 
-from paged_chat.engine.stats import BlockMap
+from paged_chat.engine.core.stats import BlockMap
 
 FREE, CACHED, SHARED, OTHER, RESTORED, TAB0 = 0, 1, 2, 3, 4, 5
 

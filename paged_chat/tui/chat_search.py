@@ -9,7 +9,7 @@ from functools import partial
 from rich.text import Text
 from textual.command import Hit, Hits, Provider
 
-from paged_chat.text import sanitize_for_terminal
+from paged_chat.app.text import sanitize_for_terminal
 
 MAX_HITS = 20
 PREFIX = "Found in chats: "

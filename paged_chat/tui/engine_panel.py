@@ -19,8 +19,8 @@ from textual.containers import Horizontal, Vertical
 from textual.reactive import reactive
 from textual.widgets import Label, Static
 
-from paged_chat.engine.clients.protocol import ClientCapabilities
-from paged_chat.engine.stats import BlockMap, EngineStats
+from paged_chat.engine.clients.client_protocol import ClientCapabilities
+from paged_chat.engine.core.stats import BlockMap, EngineStats
 from paged_chat.tui.block_map import BlockMapView
 from paged_chat.tui.legend import Legend
 from paged_chat.tui.sparkline import Spark

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from paged_chat.settings import Settings, cache_dir
+from paged_chat.app.settings import Settings, cache_dir
 
 if TYPE_CHECKING:
     from paged_chat.engine import EngineClient, EngineConfig, StartingClient
@@ -35,7 +35,7 @@ def start_engine(config: EngineConfig, in_a_process: bool = True) -> StartingCli
     finds them faster (beside the UI thread, 2 threads beat 1 since the fused step: 91b9fe2);
     else on a thread of the app (`[tui] engine_process = false`), started when the app
     waits for it."""
-    from paged_chat.client_spec import client_spec
+    from paged_chat.app.client_spec import client_spec
     from paged_chat.engine import start_client
 
     if not in_a_process:
@@ -52,7 +52,7 @@ def run_app(settings: Settings, demo: int | None = None, serve_port: int | None 
     engine_start: StartingClient | None = None
     config: EngineConfig | None = None
     if server:
-        from paged_chat.client_spec import client_spec
+        from paged_chat.app.client_spec import client_spec
         from paged_chat.engine import make_client
 
         engine = make_client(client_spec(None, server=server, api_key=settings.server.api_key,

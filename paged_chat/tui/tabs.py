@@ -21,13 +21,13 @@ from textual.css.query import NoMatches
 from textual.content import Content
 from textual.widgets import ContentSwitcher, Static, Tab, TabbedContent, TabPane
 
-from paged_chat.chat_session import ChatSession
-from paged_chat.text import sanitize_for_terminal as clean
+from paged_chat.app.chat_session import ChatSession
+from paged_chat.app.text import sanitize_for_terminal as clean
 from paged_chat.tui.chat_tab import ChatTab, EngineTrouble, MakeParams, WaitForEngine
 from paged_chat.tui.engine_panel import TabInfo
 
 if TYPE_CHECKING:
-    from paged_chat.chat_store import ChatStore, StoredChat
+    from paged_chat.app.chat_store import ChatStore, StoredChat
     from paged_chat.tui.demo import Autopilot
     from paged_chat.tui.open_tabs import OpenTabs
 

@@ -5,7 +5,7 @@ online softmax across blocks; float32 caches only.
 Against the torch reference (torch_backend.py) it gathers nothing, builds no masks and
 pads no context to the batch's longest, so nothing is derived per step either: the
 kernel reads the metadata's lengths and tables as they are. Measured by
-scripts/cpu_attention_probe.py (2-core AVX2 EPYC, one thread, SmolLM2-135M's shapes,
+benchmarks/cpu_attention_probe.py (2-core AVX2 EPYC, one thread, SmolLM2-135M's shapes,
 CPU time, loaded machine): decodes 3.6-9.5x faster than the reference's gather + bmm
 (batch 1 to 32, 400 to 2,000 tokens); a 256-token prefill chunk over 256 cached tokens
 0.7x of the reference's gather + SDPA flash kernel. So prefill chunks keep the
@@ -21,7 +21,7 @@ import torch
 
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.torch_backend import TorchAttention
-from paged_chat.engine.native import NativeLibrary
+from paged_chat.engine.native.build import NativeLibrary
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -31,7 +31,7 @@ def _declare(lib: ctypes.CDLL) -> None:
                                  _I, _I, _I, _I, _I, ctypes.c_float, _I, _P, ctypes.c_int]
 
 
-_native = NativeLibrary(Path(__file__).with_name("paged_attention.c"), _declare)
+_native = NativeLibrary(Path(__file__).parents[1] / "native" / "csrc" / "paged_attention.c", _declare)
 
 
 def cpu_kernels_available() -> bool:

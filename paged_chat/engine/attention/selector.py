@@ -9,7 +9,7 @@ import torch
 from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.cpu_backend import CpuAttention, cpu_kernels_available
 from paged_chat.engine.attention.torch_backend import TorchAttention
-from paged_chat.engine.errors import PagedChatError
+from paged_chat.engine.core.errors import PagedChatError
 from paged_chat.engine.models.model_config import ModelConfig
 
 

@@ -9,7 +9,7 @@ tiles, reading their cached prefix from the blocks.
 Tiles, warps and pipeline stages are a function of (kind, head dim, dtype, GPU
 architecture): `tile_config`. Every choice it makes compiles without register spills and
 within the architecture's shared memory on sm_80, sm_86, sm_89 and sm_90, at head dims 64,
-80, 96, 128 and 256 in fp16, bf16 and fp32 (`scripts/device_check.py --compile-only`
+80, 96, 128 and 256 in fp16, bf16 and fp32 (`benchmarks/device_check.py --compile-only`
 checks the whole matrix; CI a part of it).
 """
 
@@ -23,7 +23,7 @@ import triton
 
 from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata
-from paged_chat.engine.attention.triton_kernels import (
+from paged_chat.engine.attention.triton_paged_attention import (
     choose_num_splits, paged_attention, split_workspace, store_kv)
 
 KINDS = ("decode", "prefill")

@@ -15,11 +15,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from paged_chat.engine.request import EngineCoreOutput, SamplingParams
-from paged_chat.engine.stats import EngineStats
+from paged_chat.engine.core.request import EngineCoreOutput, SamplingParams
+from paged_chat.engine.core.stats import EngineStats
 
 if TYPE_CHECKING:   # a client in another process than its Engine never imports torch
-    from paged_chat.engine.engine import Engine
+    from paged_chat.engine.core.engine import Engine
 
 
 @dataclass(slots=True)

@@ -3,7 +3,7 @@ server, the TUI, the benchmarks).
 
 A ClientSpec says which transport and with what: the engine on a thread of this process, in
 a child process, or behind an OpenAI-compatible server's URL. The engine never imports the
-app, so the app turns its settings into a spec itself (paged_chat/client_spec.py).
+app, so the app turns its settings into a spec itself (paged_chat/app/client_spec.py).
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from paged_chat.engine.clients.protocol import EngineClient
-from paged_chat.engine.config import EngineConfig
+from paged_chat.engine.clients.client_protocol import EngineClient
+from paged_chat.engine.core.config import EngineConfig
 
 if TYPE_CHECKING:
     from paged_chat.engine.clients.process_transport import ProcessTransport
-    from paged_chat.engine.engine import Engine
+    from paged_chat.engine.core.engine import Engine
     from paged_chat.engine.models.loader import ProgressHook
 
 LOCAL_TRANSPORTS = ("thread", "process")
@@ -137,7 +137,7 @@ def _build(spec: ClientSpec) -> EngineClient:
         return RemoteClient(spec.transport, spec.api_key, model=spec.remote_model, **interval)
     from paged_chat.engine.clients.local import LocalClient
     from paged_chat.engine.clients.thread_transport import ThreadTransport
-    from paged_chat.engine.engine import Engine
+    from paged_chat.engine.core.engine import Engine
 
     config, on_progress = spec.config, spec.on_progress
     assert spec.engine is not None or config is not None

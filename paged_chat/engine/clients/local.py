@@ -24,12 +24,12 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from paged_chat.engine.clients.engine_loop import Abort, Add, Command, LoopEvents, ResetPrefixCache
-from paged_chat.engine.clients.protocol import ClientCapabilities, ModelInfo
+from paged_chat.engine.clients.client_protocol import ClientCapabilities, ModelInfo
 from paged_chat.engine.clients.streams import Streams
-from paged_chat.engine.errors import EngineDeadError
-from paged_chat.engine.output_processor import OutputProcessor
-from paged_chat.engine.request import EngineCoreOutput, RequestOutput, SamplingParams
-from paged_chat.engine.stats import EngineStats
+from paged_chat.engine.core.errors import EngineDeadError
+from paged_chat.engine.core.output_processor import OutputProcessor
+from paged_chat.engine.core.request import EngineCoreOutput, RequestOutput, SamplingParams
+from paged_chat.engine.core.stats import EngineStats
 
 
 class TransportEvents(LoopEvents, Protocol):

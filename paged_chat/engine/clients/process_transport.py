@@ -67,11 +67,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paged_chat.engine.clients.engine_loop import Command, Shutdown
-from paged_chat.engine.clients.protocol import ModelInfo
-from paged_chat.engine.config import EngineConfig
-from paged_chat.engine.errors import EngineDeadError, PagedChatError, describe_error
-from paged_chat.engine.request import EngineCoreOutput
-from paged_chat.engine.stats import EngineStats
+from paged_chat.engine.clients.client_protocol import ModelInfo
+from paged_chat.engine.core.config import EngineConfig
+from paged_chat.engine.core.errors import EngineDeadError, PagedChatError, describe_error
+from paged_chat.engine.core.request import EngineCoreOutput
+from paged_chat.engine.core.stats import EngineStats
 
 if TYPE_CHECKING:   # the parent never imports torch: the Engine and its loader are the child's
     from paged_chat.engine.clients.local import TransportEvents
@@ -366,7 +366,7 @@ def _child_main(conn: Connection, beats: Connection, config: EngineConfig,
         _log_to(log_path)
     faulthandler.enable()
     from paged_chat.engine.clients.engine_loop import serve_engine
-    from paged_chat.engine.engine import Engine
+    from paged_chat.engine.core.engine import Engine
     from paged_chat.engine.models.loader import load_model_source
 
     def progress(stage: str, done: int, total: int) -> None:

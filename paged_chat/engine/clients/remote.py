@@ -58,13 +58,13 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from paged_chat.engine.clients.engine_loop import Abort, Add, Command
-from paged_chat.engine.clients.protocol import ClientCapabilities, ModelInfo
+from paged_chat.engine.clients.client_protocol import ClientCapabilities, ModelInfo
 from paged_chat.engine.clients.server_tokenizer import PROBE_TEXT, ServerTokenizer
 from paged_chat.engine.clients.streams import Streams
-from paged_chat.engine.errors import ModelLoadError, PagedChatError
-from paged_chat.engine.output_processor import OutputProcessor
-from paged_chat.engine.request import EngineCoreOutput, RequestOutput, SamplingParams
-from paged_chat.engine.stats import BlockMap, EngineStats
+from paged_chat.engine.core.errors import ModelLoadError, PagedChatError
+from paged_chat.engine.core.output_processor import OutputProcessor
+from paged_chat.engine.core.request import EngineCoreOutput, RequestOutput, SamplingParams
+from paged_chat.engine.core.stats import BlockMap, EngineStats
 
 # What each EngineStats field reads from /metrics: vLLM's names, then older vLLM's.
 _GAUGES = {"num_running": ("vllm:num_requests_running",),

@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 
-from paged_chat.engine.errors import PagedChatError
+from paged_chat.engine.core.errors import PagedChatError
 
 # What a local tokenizer must encode as the server does to count as the served model's.
 PROBE_TEXT = "Paged chat, 2026: ¿qué tal?  Ünïcödé 東京 🙂\n\tdef f(x): return x**2"

@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from paged_chat.engine.clients.engine_loop import Abort, Add, Command
-from paged_chat.engine.errors import EngineDeadError
-from paged_chat.engine.request import RequestOutput
+from paged_chat.engine.core.errors import EngineDeadError
+from paged_chat.engine.core.request import RequestOutput
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from paged_chat.engine.errors import ModelLoadError
+from paged_chat.engine.core.errors import ModelLoadError
 from paged_chat.engine.regular_files import open_regular
 
 SAFETENSORS_DTYPES: dict[str, torch.dtype] = {

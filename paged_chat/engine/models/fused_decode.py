@@ -25,7 +25,7 @@ from paged_chat.engine.attention.cpu_backend import CpuAttention
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.models.quant import kernels
 from paged_chat.engine.models.quant.linear import QuantizedLinear
-from paged_chat.engine.native import NativeLibrary
+from paged_chat.engine.native.build import NativeLibrary
 
 MAX_PARTS = 3
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -59,7 +59,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         lib.dl_decode_layers.restype = ctypes.c_int
 
 
-_native = NativeLibrary(Path(__file__).with_name("decode_layer.c"), _declare)
+_native = NativeLibrary(Path(__file__).parents[1] / "native" / "csrc" / "decode_layer.c", _declare)
 
 
 def linear_struct(layer: QuantizedLinear) -> LinearStruct:

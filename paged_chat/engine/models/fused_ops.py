@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from paged_chat.engine.native import NativeLibrary
+from paged_chat.engine.native.build import NativeLibrary
 
 _P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
@@ -22,7 +22,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.fo_silu_and_mul.argtypes = [_P, _I, _I, _P, _T]
 
 
-_native = NativeLibrary(Path(__file__).with_name("fused_ops.c"), _declare)
+_native = NativeLibrary(Path(__file__).parents[1] / "native" / "csrc" / "fused_ops.c", _declare)
 
 
 def available() -> bool:

@@ -21,7 +21,7 @@ import gguf
 import numpy as np
 import torch
 
-from paged_chat.engine.errors import ModelLoadError, UnsupportedModelError
+from paged_chat.engine.core.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.checkpoint import Checkpoint, StoredTensor, read_exact
 from paged_chat.engine.models.gguf_header import GGUFHeader, TensorInfo, read_gguf_header
 from paged_chat.engine.models.model_config import SUPPORTED_ARCHITECTURES

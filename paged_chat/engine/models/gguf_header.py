@@ -19,7 +19,7 @@ from typing import Any
 
 import gguf
 
-from paged_chat.engine.errors import ModelLoadError
+from paged_chat.engine.core.errors import ModelLoadError
 from paged_chat.engine.regular_files import open_regular
 
 _MAGIC = b"GGUF"

@@ -25,7 +25,7 @@ from torch import nn
 
 from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata
-from paged_chat.engine.errors import UnsupportedModelError
+from paged_chat.engine.core.errors import UnsupportedModelError
 from paged_chat.engine.models import fused_ops
 from paged_chat.engine.models.model_config import ModelConfig
 from paged_chat.engine.models.packed_linear import PackedLinear, pack_linears, packs

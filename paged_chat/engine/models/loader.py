@@ -24,7 +24,7 @@ import torch
 from huggingface_hub import is_offline_mode, snapshot_download
 from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
 
-from paged_chat.engine.errors import ModelLoadError, UnsupportedModelError
+from paged_chat.engine.core.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.checkpoint import Checkpoint, SafetensorsFile
 from paged_chat.engine.models.gguf_file import (
     GGUFCheckpoint,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from paged_chat.engine.errors import UnsupportedModelError
+from paged_chat.engine.core.errors import UnsupportedModelError
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from paged_chat.engine.errors import ModelLoadError
+from paged_chat.engine.core.errors import ModelLoadError
 from paged_chat.engine.models.checkpoint import (
     DTYPE_NAMES,
     Checkpoint,

@@ -1,7 +1,7 @@
 """The CPU kernels of kernels.c, built once per machine with the system C compiler and
 called through ctypes (which releases the GIL for the call).
 
-Which kernel runs is chosen per shape, by measurement (scripts/quant_kernel_probe.py, on a
+Which kernel runs is chosen per shape, by measurement (benchmarks/quant_kernel_probe.py, on a
 2-core AVX2 EPYC, float32, SmolLM2-135M's matrices, ms per decode step's linear layers):
 up to `STREAM_MAX_ROWS` rows of activations, `pc_matmul` streams the packed weights once
 and dequantizes them in registers (1 row: 11 ms, 2.8x faster than oneDNN on the
@@ -11,7 +11,7 @@ register-blocked FMAs (32 rows: 76 ms, against 96 for oneDNN on float32 weights 
 for dequantized tiles through MKL; 512 rows: 1.18 against 1.25 s). Without AVX2 that
 path is `tile_matmul`'s: tiles dequantized (in torch ops where nothing is built), then MKL.
 
-The library is built by engine/native.py (once per machine, -march=native).
+The library is built by engine/native/build.py (once per machine, -march=native).
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from pathlib import Path
 import torch
 
 from paged_chat.engine.models.quant.layout import QuantizedWeight
-from paged_chat.engine.native import NativeLibrary
+from paged_chat.engine.native.build import NativeLibrary
 
 STREAM_MAX_ROWS = 4
 # Weight rows per dequantized tile: about 1 MiB of float32, L2-sized on the CPUs measured.
 _TILE_BYTES = 1 << 20
-_SOURCE = Path(__file__).with_name("kernels.c")
+_SOURCE = Path(__file__).parents[2] / "native" / "csrc" / "quant_kernels.c"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 _scratch = threading.local()

@@ -1,0 +1,600 @@
+"""The chat store: chats and their messages in SQLite, shared by the TUI and `paged-chat ask`.
+
+One file, `data_dir()/chats.db`, in WAL mode so a reader (the CLI listing chats) never
+blocks a writer (the TUI streaming a reply), and two processes can use it at once.
+
+Exact history. Each message row keeps the token ids of its turn, so a chat picks up where
+it left off with its prompt ids unchanged and the engine's prefix cache hits:
+- a user row holds the ids that turn added to the prompt: the template's tail after the
+  previous reply, the new user turn and the generation prompt (for the first turn, the
+  whole rendered prompt, system prompt included);
+- an assistant row holds exactly the generated ids, end-of-turn token included.
+Concatenating every row's ids in order gives the chat's history (see
+`Conversation.from_chat`). A reply is written when it starts (finish_reason None) and
+updated as it streams; a row still None when loaded was cut by a crash or kill, and reads
+back as finish_reason "interrupted" with whatever content was committed.
+
+Durability. Every write is one transaction, so a crash or a kill at any moment leaves the
+file readable with every committed message intact (WAL with synchronous=NORMAL: a power
+cut may lose the last commits, a killed process loses nothing committed).
+
+Versions. `PRAGMA user_version` is the schema version; `MIGRATIONS[v]` takes a database
+from version v to v + 1, all in one transaction. A database from a newer paged-chat is
+refused and left byte-for-byte untouched. A corrupt file is never deleted: it is renamed
+aside (`chats.db.corrupt-<time>`, never over an earlier one), an empty store takes its
+place and `ChatStore.notice` says so, with both paths, for the UI to show. Processes that
+find the store corrupt at once take turns (a lock file, `chats.db.lock`), and each looks
+again when its turn comes, so only the first moves the corrupt file and none moves the
+store that replaced it.
+
+Privacy. Chats are personal: chats.db and its -wal and -shm files are created 0600 (SQLite
+gives the -wal and -shm files the database's mode), and looser ones are tightened when
+the store opens, with a notice (the data directory itself is settings.data_dir's).
+
+Read-only stores. A store this process cannot write (a read-only file system, a file
+without write permission) opens read-only, so it can still be listed and shown; a write
+raises StoreError naming it. It is opened immutable, as SQLite can read a WAL database
+on a read-only file system no other way.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import itertools
+import json
+import os
+import sqlite3
+import sys
+import threading
+import time
+import uuid
+from array import array
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from paged_chat.engine.core.errors import PagedChatError
+from paged_chat.app.settings import data_dir, make_private
+
+ROLES = ("system", "user", "assistant")
+INTERRUPTED = "interrupted"
+# A search looks for at most this many different words: each is a subquery, and SQLite's
+# expression tree has a depth limit (2,000 words fail), while a few dozen words already
+# name one chat.
+MAX_SEARCH_WORDS = 64
+
+
+
+def _search_index(index: str, table: str, column: str, key: str) -> tuple[str, ...]:
+    """An FTS5 index of `table.column` (external content: the text is not stored twice),
+    kept in step by triggers, and built from the rows already there."""
+    return (
+        f"CREATE VIRTUAL TABLE {index} USING fts5({column}, content='{table}', "
+        f"content_rowid='{key}', tokenize='unicode61 remove_diacritics 2')",
+        f"""CREATE TRIGGER {index}_insert AFTER INSERT ON {table} BEGIN
+            INSERT INTO {index} (rowid, {column}) VALUES (new.{key}, new.{column});
+        END""",
+        f"""CREATE TRIGGER {index}_delete AFTER DELETE ON {table} BEGIN
+            INSERT INTO {index} ({index}, rowid, {column}) VALUES ('delete', old.{key}, old.{column});
+        END""",
+        f"""CREATE TRIGGER {index}_update AFTER UPDATE OF {column} ON {table} BEGIN
+            INSERT INTO {index} ({index}, rowid, {column}) VALUES ('delete', old.{key}, old.{column});
+            INSERT INTO {index} (rowid, {column}) VALUES (new.{key}, new.{column});
+        END""",
+        f"INSERT INTO {index} ({index}) VALUES ('rebuild')",
+    )
+
+
+# MIGRATIONS[v]: the statements that take the schema from version v to v + 1. Append only:
+# a released migration never changes, so every database walks the same path.
+MIGRATIONS: list[tuple[str, ...]] = [
+    (
+        """CREATE TABLE chats (
+            id TEXT PRIMARY KEY,
+            title TEXT NOT NULL,
+            model TEXT NOT NULL,
+            system_prompt TEXT,
+            sampling TEXT NOT NULL,          -- JSON object of SamplingParams fields
+            created REAL NOT NULL,           -- Unix time
+            updated REAL NOT NULL
+        )""",
+        "CREATE INDEX chats_by_updated ON chats (updated)",
+        """CREATE TABLE messages (
+            id INTEGER PRIMARY KEY AUTOINCREMENT,   -- never reused: UIs hold message ids
+            chat_id TEXT NOT NULL REFERENCES chats (id) ON DELETE CASCADE,
+            role TEXT NOT NULL CHECK (role IN ('system', 'user', 'assistant')),
+            content TEXT NOT NULL,
+            token_ids BLOB NOT NULL,         -- int32, little-endian
+            finish_reason TEXT,              -- NULL on an assistant row: streaming, or cut
+            created REAL NOT NULL,
+            timings TEXT NOT NULL            -- JSON object
+        )""",
+        "CREATE INDEX messages_by_chat ON messages (chat_id, id)",
+    ),
+    _search_index("chat_search", "chats", "title", "rowid")
+    + _search_index("message_search", "messages", "content", "id"),
+]
+
+_CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+_BUSY_TIMEOUT_S = 5.0   # how long a connection waits for another process's lock
+_CHAT_COLUMNS = "id, title, model, system_prompt, sampling, created, updated"
+_MESSAGE_COLUMNS = "id, chat_id, role, content, token_ids, finish_reason, created, timings"
+_FILE_SUFFIXES = ("", "-wal", "-shm")
+# A chat holds search term ?n in its title or in one of its messages.
+_CHAT_HOLDS = ("(rowid IN (SELECT rowid FROM chat_search WHERE chat_search MATCH ?{n}) "
+               "OR id IN (SELECT chat_id FROM messages WHERE id IN "
+               "(SELECT rowid FROM message_search WHERE message_search MATCH ?{n})))")
+
+
+class StoreError(PagedChatError):
+    """The chat store cannot be opened or written (newer schema, unwritable file)."""
+
+
+class StoreWriteError(StoreError):
+    """SQLite could not write to the store (an I/O error, a file system gone read-only):
+    nothing of that write was kept. `path` is the store's file."""
+
+    def __init__(self, message: str, path: Path) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class StoreFullError(StoreWriteError):
+    """The disk (or quota) holding the store is full: nothing of that write was kept."""
+
+
+class ChatNotFound(StoreError, KeyError):
+    """No chat has this id (or, for `resolve_id`, this id prefix)."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0])
+
+
+class ChatMovedOn(StoreError):
+    """A turn was started from a chat that someone else (another `ask -c`, another window)
+    added to in the meantime: saving it would interleave two conversations."""
+
+
+class MessageNotFound(StoreError, KeyError):
+    """No message has this id."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(slots=True)
+class Message:
+    id: int
+    chat_id: str
+    role: str
+    content: str
+    token_ids: list[int]
+    finish_reason: str | None
+    created: float
+    timings: dict
+
+
+@dataclass(slots=True)
+class StoredChat:
+    """One chat as the store keeps it: its row, and its messages once loaded."""
+
+    id: str
+    title: str
+    model: str
+    system_prompt: str | None
+    sampling: dict
+    created: float
+    updated: float
+    messages: list[Message] = field(default_factory=list)  # empty unless loaded
+
+
+class _CorruptDatabase(Exception):
+    pass
+
+
+class ChatStore:
+    """All reads and writes of chats.db. Thread-safe (one connection behind a lock), and
+    safe to use from several processes at once (SQLite's own locking, 5 s busy timeout).
+    `notice` is what the UI should tell the user about opening it (a corrupt file moved
+    aside, files made private), None when there is nothing to say; `read_only` is True
+    for a store that can only be read."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or data_dir() / "chats.db"
+        self.moved_aside: Path | None = None
+        self._lock = threading.RLock()
+        notices = self._prepare_files()
+        self.read_only = not (os.access(self.path, os.W_OK) and os.access(self.path.parent, os.W_OK))
+        try:
+            self._conn = self._open()
+        except _CorruptDatabase as exc:
+            if self.read_only:
+                raise StoreError(f"the chat store {self.path} is corrupt ({exc}) and read-only, "
+                                 "so it cannot be moved aside") from exc
+            with self._exclusive():
+                notices.append(self._recover())
+        self.notice = "; ".join(notices) or None
+
+    def __enter__(self) -> ChatStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ---- chats ------------------------------------------------------------------------
+
+    def create_chat(self, title: str, model: str, system_prompt: str | None = None,
+                    sampling: dict | None = None) -> StoredChat:
+        now = time.time()
+        chat = StoredChat(_new_id(), title, model, system_prompt, dict(sampling or {}), now, now)
+        with self._transaction() as db:
+            db.execute(f"INSERT INTO chats ({_CHAT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                       (chat.id, title, model, system_prompt, json.dumps(chat.sampling),
+                        chat.created, chat.updated))
+        return chat
+
+    def list_chats(self) -> list[StoredChat]:
+        """Every chat, most recently updated first, without messages."""
+        with self._transaction(write=False) as db:
+            rows = db.execute(f"SELECT {_CHAT_COLUMNS} FROM chats ORDER BY updated DESC, rowid DESC")
+            return [_chat(row) for row in rows]
+
+    def search_chats(self, text: str) -> list[StoredChat]:
+        """The chats that hold every word of `text` in their title or messages (as a word
+        or the start of one, case and accents ignored), most recently updated first,
+        without messages. Each word is quoted, so FTS5's syntax characters are searched
+        for as text, never parsed; a word given twice is searched once, and only the first
+        MAX_SEARCH_WORDS different words are searched."""
+        terms = _search_terms(text)
+        if not terms:
+            return []
+        where = " AND ".join(_CHAT_HOLDS.format(n=n) for n in range(1, len(terms) + 1))
+        with self._transaction(write=False) as db:
+            rows = db.execute(f"SELECT {_CHAT_COLUMNS} FROM chats WHERE {where} "
+                              "ORDER BY updated DESC, rowid DESC", terms)
+            return [_chat(row) for row in rows]
+
+    def get_chat(self, chat_id: str) -> StoredChat:
+        """The chat with its messages in order; ChatNotFound if there is none."""
+        with self._transaction(write=False) as db:
+            return self._load_chat(db, chat_id)
+
+    def latest_chat(self) -> StoredChat | None:
+        """The most recently updated chat, with its messages; None when there is none."""
+        with self._transaction(write=False) as db:
+            row = db.execute("SELECT id FROM chats ORDER BY updated DESC, rowid DESC LIMIT 1").fetchone()
+            return None if row is None else self._load_chat(db, row[0])
+
+    def resolve_id(self, prefix: str) -> str:
+        """The id of the one chat whose id starts with `prefix` (so users can type a few
+        characters, as with git); ChatNotFound when none or several match, or when
+        `prefix` is blank (it would match every chat)."""
+        if not prefix.strip():
+            raise ChatNotFound("an empty chat id names no chat: give an id or its first "
+                               "characters (`paged-chat chats` lists them)")
+        with self._transaction(write=False) as db:
+            ids = [row[0] for row in db.execute(
+                "SELECT id FROM chats WHERE substr(id, 1, length(?1)) = ?1 LIMIT 2", (prefix,))]
+        if len(ids) != 1:
+            what = "no chat" if not ids else "several chats"
+            raise ChatNotFound(f"{what} with an id starting {prefix!r}: `paged-chat chats` lists them")
+        return ids[0]
+
+    def rename_chat(self, chat_id: str, title: str) -> None:
+        self._update_chat(chat_id, "title = ?", (title,))
+
+    def update_chat_settings(self, chat_id: str, system_prompt: str | None, sampling: dict) -> None:
+        self._update_chat(chat_id, "system_prompt = ?, sampling = ?", (system_prompt, json.dumps(sampling)))
+
+    def fork_chat(self, chat_id: str, title: str | None = None) -> StoredChat:
+        """A new chat with a copy of every message, token ids included, so the fork's next
+        prompt shares the original's cached blocks."""
+        new_id, now = _new_id(), time.time()
+        with self._transaction() as db:
+            source = db.execute("SELECT title FROM chats WHERE id = ?", (chat_id,)).fetchone()
+            if source is None:
+                raise ChatNotFound(f"no chat with id {chat_id!r} to fork")
+            db.execute(f"INSERT INTO chats ({_CHAT_COLUMNS}) SELECT ?, ?, model, system_prompt, "
+                       "sampling, ?, ? FROM chats WHERE id = ?",
+                       (new_id, title or f"{source[0]} (fork)", now, now, chat_id))
+            db.execute("INSERT INTO messages (chat_id, role, content, token_ids, finish_reason, "
+                       "created, timings) SELECT ?, role, content, token_ids, finish_reason, "
+                       "created, timings FROM messages WHERE chat_id = ? ORDER BY id",
+                       (new_id, chat_id))
+        return self.get_chat(new_id)
+
+    def delete_chat(self, chat_id: str) -> None:
+        """Delete the chat and its messages."""
+        with self._transaction() as db:
+            if db.execute("DELETE FROM chats WHERE id = ?", (chat_id,)).rowcount == 0:
+                raise ChatNotFound(f"no chat with id {chat_id!r} to delete")
+
+    # ---- messages ---------------------------------------------------------------------
+
+    def add_message(self, chat_id: str, role: str, content: str, token_ids: list[int],
+                    finish_reason: str | None = None, timings: dict | None = None,
+                    after: int | None = None) -> Message:
+        """Append a message (see the module docstring for which token ids it holds).
+
+        `after` is the id of the chat's last message as the writer last saw it (0: none):
+        if the chat has moved on since, nothing is written and ChatMovedOn is raised.
+        """
+        if role not in ROLES:
+            raise ValueError(f"message role {role!r} is invalid: expected one of {', '.join(ROLES)}")
+        message = Message(0, chat_id, role, content, list(token_ids), finish_reason,
+                          time.time(), dict(timings or {}))
+        with self._transaction() as db:
+            self._touch(db, "id = ?", chat_id, message.created)
+            if after is not None:
+                last = db.execute("SELECT coalesce(max(id), 0) FROM messages WHERE chat_id = ?",
+                                  (chat_id,)).fetchone()[0]
+                if last != after:
+                    raise ChatMovedOn(f"chat {chat_id} gained a message while this turn was "
+                                      "being prepared (another `ask -c` or window?): nothing "
+                                      "was saved; run it again to continue from the latest")
+            cursor = db.execute(
+                f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?)",
+                (chat_id, role, content, _pack(message.token_ids), finish_reason,
+                 message.created, json.dumps(message.timings)))
+            message.id = cursor.lastrowid
+        return message
+
+    def delete_messages_from(self, chat_id: str, first_id: int) -> None:
+        """Delete the chat's messages from `first_id` on: a turn withdrawn whole (its
+        engine stopped before it said a word, so it holds nothing but what was sent)."""
+        with self._transaction() as db:
+            db.execute("DELETE FROM messages WHERE chat_id = ? AND id >= ?", (chat_id, first_id))
+
+    def update_message(self, message_id: int, content: str, token_ids: list[int],
+                       finish_reason: str | None, timings: dict | None = None) -> None:
+        """Replace a message's content and ids (a streaming reply); timings=None keeps them."""
+        with self._transaction() as db:
+            cursor = db.execute(
+                "UPDATE messages SET content = ?, token_ids = ?, finish_reason = ?, "
+                "timings = coalesce(?, timings) WHERE id = ?",
+                (content, _pack(token_ids), finish_reason,
+                 None if timings is None else json.dumps(timings), message_id))
+            if cursor.rowcount == 0:
+                raise MessageNotFound(f"no message with id {message_id}")
+            self._touch(db, "id = (SELECT chat_id FROM messages WHERE id = ?)", message_id, time.time())
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
+
+    # ---- internals --------------------------------------------------------------------
+
+    @staticmethod
+    def _load_chat(db: sqlite3.Connection, chat_id: str) -> StoredChat:
+        row = db.execute(f"SELECT {_CHAT_COLUMNS} FROM chats WHERE id = ?", (chat_id,)).fetchone()
+        if row is None:
+            raise ChatNotFound(f"no chat with id {chat_id!r}: `paged-chat chats` lists them")
+        chat = _chat(row)
+        rows = db.execute(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE chat_id = ? ORDER BY id",
+                          (chat_id,))
+        chat.messages = [_message(row) for row in rows]
+        return chat
+
+    def _update_chat(self, chat_id: str, assignments: str, values: tuple) -> None:
+        with self._transaction() as db:
+            db.execute(f"UPDATE chats SET {assignments} WHERE id = ?", (*values, chat_id))
+            self._touch(db, "id = ?", chat_id, time.time())
+
+    @staticmethod
+    def _touch(db: sqlite3.Connection, where: str, key: object, now: float) -> None:
+        if db.execute(f"UPDATE chats SET updated = ? WHERE {where}", (now, key)).rowcount == 0:
+            raise ChatNotFound(f"no chat with id {key!r}: `paged-chat chats` lists them")
+
+    @contextmanager
+    def _transaction(self, write: bool = True) -> Iterator[sqlite3.Connection]:
+        """One transaction: all of it commits or none of it does. Writers take the write
+        lock up front (IMMEDIATE), so they wait on the busy timeout instead of failing on
+        upgrade; readers get one consistent snapshot across their statements."""
+        if write and self.read_only:
+            raise StoreError(f"cannot save to the chat store {self.path}: it is read-only (no "
+                             "write permission, or a read-only file system)")
+        with self._lock:
+            try:
+                self._conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+                try:
+                    yield self._conn
+                    self._conn.execute("COMMIT")
+                except BaseException:
+                    if self._conn.in_transaction:  # SQLite may have rolled back already
+                        self._conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.OperationalError as exc:
+                if not write:
+                    raise
+                raise self._write_error(exc) from exc
+
+    def _write_error(self, exc: sqlite3.OperationalError) -> StoreWriteError:
+        """The precise error for a write SQLite refused (the disk full, an I/O error)."""
+        name = getattr(exc, "sqlite_errorname", None)
+        if name == "SQLITE_FULL":
+            return StoreFullError(f"the disk holding the chat store {self.path} is full",
+                                  self.path)
+        return StoreWriteError(f"cannot write to the chat store {self.path}: {exc}", self.path)
+
+    def _prepare_files(self) -> list[str]:
+        """Check the path, create a missing database file private, and make existing ones
+        private; the notices of what was tightened."""
+        if self.path.is_dir():
+            raise StoreError(f"the chat store {self.path} is a directory, not a file: move it "
+                             "away, or set PAGED_CHAT_DATA_DIR to use another store")
+        try:
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if not self.path.exists():
+                self._create()
+        except OSError as exc:
+            raise StoreError(f"cannot create the chat store {self.path}: {exc.strerror}") from exc
+        files = [self.path.with_name(self.path.name + suffix) for suffix in _FILE_SUFFIXES]
+        return [notice for file in files if file.exists() and (notice := make_private(file, 0o600))]
+
+    def _create(self) -> None:
+        """An empty database file, private (SQLite would create it with the umask's mode)."""
+        os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600))
+
+    def _recover(self) -> str:
+        """Under the recovery lock: open the store if another process has already set it
+        right, else move the corrupt file aside and start an empty one; the notice."""
+        try:
+            self._conn = self._open()
+            return (f"the chat store {self.path} was corrupt: another paged-chat moved it aside "
+                    "and started an empty one")
+        except _CorruptDatabase as exc:
+            self.moved_aside = self._move_aside()
+            self._create()
+            self._conn = self._open()
+            return (f"the chat store {self.path} is corrupt ({exc}): moved it to "
+                    f"{self.moved_aside} and started an empty one")
+
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold `chats.db.lock` (an advisory lock every paged-chat process takes here)."""
+        lock = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(lock)
+
+    def _open(self) -> sqlite3.Connection:
+        """Connect, check the file, and migrate it to the current schema.
+
+        The version is read before anything writes (switching to WAL writes the header),
+        so a newer database is refused untouched.
+        """
+        target, uri = self.path, False
+        if self.read_only:
+            target, uri = f"{self.path.resolve().as_uri()}?mode=ro&immutable=1", True
+        conn = sqlite3.connect(target, timeout=_BUSY_TIMEOUT_S, isolation_level=None,
+                               check_same_thread=False, uri=uri)
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > len(MIGRATIONS):
+                raise StoreError(
+                    f"{self.path} was written by a newer paged-chat (schema version {version}; "
+                    f"this one reads up to {len(MIGRATIONS)}): upgrade paged-chat, or set "
+                    "PAGED_CHAT_DATA_DIR to use another store; the file was left untouched")
+            check = conn.execute("PRAGMA quick_check").fetchone()[0]
+            if check != "ok":
+                raise _CorruptDatabase(f"integrity check: {check}")
+            if self.read_only:
+                if version < len(MIGRATIONS):
+                    raise StoreError(f"the chat store {self.path} is read-only and needs an "
+                                     "upgrade (or is empty): make it writable once")
+                return conn
+            _set_wal_mode(conn)
+            conn.execute("PRAGMA synchronous = NORMAL")
+            conn.execute("PRAGMA foreign_keys = ON")
+            self._migrate(conn)
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            if getattr(exc, "sqlite_errorname", None) in _CORRUPT:
+                raise _CorruptDatabase(str(exc)) from exc
+            raise StoreError(f"cannot open the chat store {self.path}: {exc}") from exc
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    @staticmethod
+    def _migrate(conn: sqlite3.Connection) -> None:
+        """Walk the schema forward, all steps in one transaction (another process may have
+        migrated meanwhile, so the version is read again under the write lock)."""
+        if conn.execute("PRAGMA user_version").fetchone()[0] >= len(MIGRATIONS):
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            for statements in MIGRATIONS[version:]:
+                for statement in statements:
+                    conn.execute(statement)
+            if version < len(MIGRATIONS):
+                conn.execute(f"PRAGMA user_version = {len(MIGRATIONS)}")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def _move_aside(self) -> Path:
+        """Rename the corrupt file (and its WAL and shared-memory files) out of the way, to
+        a name no earlier corrupt file has (under the recovery lock, so none can race)."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for attempt in itertools.count(1):
+            target = self.path.with_name(f"{self.path.name}.corrupt-{stamp}"
+                                         + (f"-{attempt}" if attempt > 1 else ""))
+            if not any(target.with_name(target.name + suffix).exists() for suffix in _FILE_SUFFIXES):
+                break
+        for suffix in _FILE_SUFFIXES:
+            source = self.path.with_name(self.path.name + suffix)
+            if source.exists():
+                source.rename(target.with_name(target.name + suffix))
+        return target
+
+
+def _set_wal_mode(conn: sqlite3.Connection) -> None:
+    """Switch to WAL, waiting for other processes as any statement does: the switch needs
+    the database to itself, and SQLite answers "database is locked" at once, without its
+    busy wait, while another process opening the same store holds a lock."""
+    give_up = time.monotonic() + _BUSY_TIMEOUT_S
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode = WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorname", None) != "SQLITE_BUSY" or time.monotonic() > give_up:
+                raise
+            time.sleep(0.02)
+
+
+def _new_id() -> str:
+    """12 hex digits: short enough to type (a unique prefix will do), 48 random bits."""
+    return uuid.uuid4().hex[:12]
+
+
+def search_words(text: str) -> list[str]:
+    """The words of `text` a search looks for, in order: each once (case ignored, as the
+    index ignores it), without those that hold no letter or digit (there is nothing in
+    them to find)."""
+    words: dict[str, str] = {}
+    for word in text.split():
+        if any(char.isalnum() for char in word):
+            words.setdefault(word.casefold(), word)
+    return list(words.values())
+
+
+def _search_terms(text: str) -> list[str]:
+    """The first MAX_SEARCH_WORDS search words of `text`, each a quoted FTS5 prefix query
+    ("word"*)."""
+    return ['"' + word.replace('"', '""') + '"*' for word in search_words(text)[:MAX_SEARCH_WORDS]]
+
+
+def _chat(row: tuple) -> StoredChat:
+    chat_id, title, model, system_prompt, sampling, created, updated = row
+    return StoredChat(chat_id, title, model, system_prompt, json.loads(sampling), created, updated)
+
+
+def _message(row: tuple) -> Message:
+    message_id, chat_id, role, content, token_ids, finish_reason, created, timings = row
+    if role == "assistant" and finish_reason is None:
+        finish_reason = INTERRUPTED
+    return Message(message_id, chat_id, role, content, _unpack(token_ids), finish_reason,
+                   created, json.loads(timings))
+
+
+def _pack(token_ids: list[int]) -> bytes:
+    packed = array("i", token_ids)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _unpack(blob: bytes) -> list[int]:
+    unpacked = array("i")
+    unpacked.frombytes(blob)
+    if sys.byteorder == "big":
+        unpacked.byteswap()
+    return unpacked.tolist()

@@ -1,0 +1,122 @@
+"""Conversation: chat messages and the exact token ids behind them, kept across turns.
+
+The engine's prefix cache hashes token ids, so a chat's next prompt must start with the
+very ids the engine already holds: the previous prompt and the generated reply, end of
+turn included. The next prompt is those ids plus the tokens of what the template renders
+after them (its tail after the reply, the new user turn and the generation prompt), never
+a re-tokenization of the whole text. Only the new tokens get prefilled.
+
+How a turn goes (the TUI and `paged-chat ask` both do this):
+
+    conversation = Conversation.from_chat(chat, engine.tokenizer, engine.chat_template)
+    prompt_ids = conversation.next_prompt_ids(user_text)
+    store.add_message(chat.id, "user", user_text, conversation.added_ids(prompt_ids))
+    ... stream the reply for prompt_ids ...
+    conversation.add_reply(prompt_ids, reply_ids, reply_text)
+    store.add_message(chat.id, "assistant", reply_text, reply_ids, finish_reason)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import jinja2
+
+from paged_chat.engine.core.errors import PagedChatError
+
+if TYPE_CHECKING:
+    from paged_chat.app.chat_store import StoredChat
+
+
+class ChatTemplateError(PagedChatError):
+    """The model's chat template refused the conversation (many refuse a system turn)."""
+
+
+@dataclass(slots=True)
+class Conversation:
+    """One chat's messages (`{"role", "content"}` dicts, system prompt excluded) and its
+    history ids (`token_ids`: every prompt and reply token so far, in order)."""
+
+    tokenizer: Any
+    chat_template: str
+    system_prompt: str | None = None
+    messages: list[dict[str, str]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    _pending: list[dict[str, str]] = field(default_factory=list)
+
+    @classmethod
+    def from_chat(cls, chat: StoredChat, tokenizer: Any, chat_template: str) -> Conversation:
+        """Rebuild a stored chat: its messages, and its history ids as the concatenation of
+        every row's ids (see paged_chat.app.chat_store). A user message with no reply after it (the
+        reply never started) gets an empty one, so the turns keep alternating; the next
+        prompt then closes that empty reply, exactly as the stored ids already imply. A turn
+        the engine refused outright (an error before any token, e.g. a prompt past
+        max_model_len) stays in the store but out of the context, or every later turn would
+        fail the same way."""
+        conversation = cls(tokenizer, chat_template, chat.system_prompt)
+        messages = chat.messages
+        refused = {i for pair in range(len(messages) - 1) for i in (pair, pair + 1)
+                   if messages[pair].role == "user" and messages[pair + 1].role == "assistant"
+                   and messages[pair + 1].finish_reason == "error" and not messages[pair + 1].token_ids}
+        for index, message in enumerate(messages):
+            if index in refused:
+                continue
+            conversation.messages.append({"role": message.role, "content": message.content})
+            conversation.token_ids.extend(message.token_ids)
+            following = messages[index + 1] if index + 1 < len(messages) else None
+            if message.role == "user" and (following is None or following.role != "assistant"):
+                conversation.messages.append({"role": "assistant", "content": ""})
+        return conversation
+
+    def next_prompt_ids(self, user_text: str) -> list[int]:
+        """The prompt for a new user message: the history ids + the ids of what is new.
+
+        When the rendered chat no longer starts with the history's text (the system prompt
+        or the template changed, or a reply does not survive a decode round trip), the
+        whole chat is encoded afresh, with a warning: still the right prompt, but the
+        prefix cache misses.
+        """
+        turn = {"role": "user", "content": user_text}
+        self._pending = [turn]
+        full = self._render(self.messages + [turn])
+        if not self.token_ids:
+            return self._encode(full)
+        history = self.tokenizer.decode(self.token_ids, skip_special_tokens=False)
+        if not full.startswith(history):
+            warnings.warn("the chat no longer matches its stored token ids (a changed system "
+                          "prompt or template?): re-encoding it, so the prefix cache misses")
+            return self._encode(full)
+        return self.token_ids + self._encode(full[len(history):])
+
+    def added_ids(self, prompt_ids: Sequence[int]) -> list[int]:
+        """What `prompt_ids` (from next_prompt_ids) adds to the history: the ids a user row
+        of the store holds. Call it before add_reply. When the chat had to be re-encoded
+        this is the whole prompt (the stored rows then re-encode once more when loaded)."""
+        known = len(self.token_ids)
+        if list(prompt_ids[:known]) == self.token_ids:
+            return list(prompt_ids[known:])
+        return list(prompt_ids)
+
+    def add_reply(self, prompt_ids: Sequence[int], reply_ids: Sequence[int], reply_text: str) -> None:
+        """Record the turn the engine just answered: its exact prompt and reply ids (end of
+        turn included). A cut reply is recorded the same way, with what it had."""
+        self.messages.extend(self._pending)
+        self.messages.append({"role": "assistant", "content": reply_text})
+        self._pending = []
+        self.token_ids = list(prompt_ids) + list(reply_ids)
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        if self.system_prompt:
+            messages = [{"role": "system", "content": self.system_prompt}] + messages
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, chat_template=self.chat_template, tokenize=False,
+                add_generation_prompt=True)
+        except jinja2.TemplateError as error:
+            raise ChatTemplateError(f"the model's chat template failed: {error}") from error
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)

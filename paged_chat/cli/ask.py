@@ -1,0 +1,426 @@
+"""`paged-chat ask`: one-shot chat on the command line, and batches of prompts.
+
+stdout carries only answers (streamed, flushed per delta) or JSON; everything else
+(loading, warnings, stats, errors) goes to stderr, so `ask` composes in pipes. Every
+prompt is a ChatSession turn (paged_chat.app.chat_session, as in the TUI) through the
+in-process engine client; several prompts (`--file`) all go into the one engine at once
+and are answered in input order: the earliest unfinished answer streams live while later
+ones are held until their turn.
+
+Ctrl+C, SIGTERM (`timeout`, `kill`) and SIGHUP (the terminal went away) stop the replies
+between steps (their blocks freed): the partial answers stay on stdout and are saved with
+finish_reason "abort", and the exit code is 128 + the signal's number (130, 143, 129), as a
+shell reports a process that signal ended. A second signal cancels at once, as does
+STOP_GRACE_S without the replies ending (an engine stuck in a step is not waited for).
+
+On a terminal, stdout shows the model's text sanitized (no escape sequences, no control
+characters); piped, it is exact. What `ask` shares with `chat` (options, loading, the
+chat to continue, stop signals, stderr) is in paged_chat.cli.plain_terminal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, aclosing, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TextIO
+
+from paged_chat.app.chat_session import ChatSession, Turn, chat_title
+from paged_chat.engine.regular_files import NotARegularFileError, open_regular
+from paged_chat.cli.plain_terminal import (STOP_SIGNALS, AskOptions, EngineFactory, ReceivedSignals,
+                                       UsageError, chat_to_continue, configure, load_client,
+                                       model_sampling, model_spec, ready_words, say, stop_signals,
+                                       turn_stats_line, warn,
+                                       warnings_to_stderr)
+from paged_chat.app.settings import chat_sampling
+from paged_chat.app.text import StreamSanitizer, check_text
+
+if TYPE_CHECKING:
+    from paged_chat.engine import EngineClient, SamplingParams
+    from paged_chat.app.settings import Settings
+
+
+# Under the cache dir: turns the chat store refused, one Markdown file each.
+UNSAVED_DIR = "unsaved"
+
+
+@dataclass(slots=True)
+class FilePrompt:
+    """One prompt of `ask --file`: a plain line, or a JSONL object {"prompt", "system"?}."""
+
+    prompt: str
+    system: str | None = None
+
+
+def read_prompt(argument: str | None, stdin: TextIO | None) -> str:
+    """The prompt: piped stdin first, then the argument, a blank line apart (like `llm`).
+
+    A terminal stdin is never read (it would wait for input), so a missing prompt is an
+    error, never a hang. Returns "" when there is no prompt at all.
+    """
+    argument = _valid_text(argument or "", "the prompt argument")
+    piped = ""
+    if stdin is not None and not stdin.isatty():
+        try:
+            piped = _valid_text(stdin.read(), "stdin")  # surrogates: a surrogateescape stdin
+        except UnicodeDecodeError as exc:
+            raise UsageError(f"stdin is not UTF-8 text ({exc.reason})") from exc
+    return "\n\n".join(part for part in (piped.strip(), argument.strip()) if part)
+
+
+@contextmanager
+def open_prompt_file(name: str) -> Iterator[TextIO]:
+    """The --file `name` to read prompts from: stdin for "-", else a regular file (a FIFO
+    or a device is a usage error, never opened in a way that could wait), closed after."""
+    if name == "-":
+        yield sys.stdin
+        return
+    try:
+        raw = open_regular(Path(name).expanduser())
+    except OSError as exc:
+        reason = str(exc) if isinstance(exc, NotARegularFileError) else f"{name}: {exc.strerror}"
+        raise UsageError(f"cannot read the prompt file: {reason}") from None
+    with io.TextIOWrapper(raw, encoding="utf-8") as file:
+        yield file
+
+
+def read_prompt_file(file: TextIO) -> list[FilePrompt]:
+    """The prompts of the --file `file` (see `parse_prompt_file`); a file that is not
+    UTF-8 is a usage error naming it, as non-UTF-8 stdin is."""
+    name = "stdin" if file.name in ("-", "<stdin>") else f"the prompt file {file.name}"
+    try:
+        text = _valid_text(file.read(), name)
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{name} is not UTF-8 text ({exc.reason})") from exc
+    return parse_prompt_file(text)
+
+
+def parse_prompt_file(text: str) -> list[FilePrompt]:
+    """The prompts of a --file: JSONL when the first non-blank line is a JSON object (then
+    every line must be one, with a "prompt" string and optionally a "system" string),
+    else one prompt per line. Blank lines and a leading byte-order mark are skipped.
+    UsageError names the bad line."""
+    lines = [(number, line) for number, line in
+             enumerate(text.removeprefix("\ufeff").splitlines(), start=1) if line.strip()]
+    if not lines:
+        raise UsageError("the prompt file has no prompts")
+    if not _is_json_object(lines[0][1]):
+        return [FilePrompt(_valid_text(line.strip(), f"line {number} of the prompt file"))
+                for number, line in lines]
+    return [_json_prompt(number, line) for number, line in lines]
+
+
+def _json_value(line: str) -> Any:
+    """json.loads, where nesting too deep for the parser is a ValueError like any bad JSON."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def _is_json_object(line: str) -> bool:
+    try:
+        return isinstance(_json_value(line), dict)
+    except ValueError:
+        return False
+
+
+def _json_prompt(number: int, line: str) -> FilePrompt:
+    try:
+        item = _json_value(line)
+    except ValueError as exc:
+        raise UsageError(f"line {number} of the prompt file is not JSON ({exc}); a JSONL file "
+                         "holds one object per line") from exc
+    prompt = item.get("prompt") if isinstance(item, dict) else None
+    system = item.get("system") if isinstance(item, dict) else None
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise UsageError(f'line {number} of the prompt file needs a non-empty "prompt" string')
+    if system is not None and not isinstance(system, str):
+        raise UsageError(f'line {number} of the prompt file: "system" must be a string')
+    where = f"line {number} of the prompt file"
+    return FilePrompt(_valid_text(prompt, f'{where}: "prompt"'),
+                      None if system is None else _valid_text(system, f'{where}: "system"'))
+
+
+def structured_output_options(json_schema: TextIO | None, choice: str | None) -> dict[str, Any]:
+    """The SamplingParams fields of --json-schema FILE and --choice a,b,c (a UsageError names
+    a file that is no JSON object, an empty choice, or both options)."""
+    if json_schema is not None and choice is not None:
+        raise UsageError("give --json-schema or --choice, not both")
+    if choice is not None:
+        choices = [item.strip() for item in choice.split(",")]
+        if not all(choices):
+            raise UsageError(f"--choice {choice!r}: expected comma-separated non-empty strings")
+        return {"choice": choices}
+    if json_schema is None:
+        return {}
+    try:
+        schema = json.loads(json_schema.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise UsageError(f"--json-schema {json_schema.name}: not JSON: {error}") from error
+    if not isinstance(schema, dict):
+        raise UsageError(f"--json-schema {json_schema.name}: a JSON schema is an object, "
+                         f"not {type(schema).__name__}")
+    return {"json_schema": schema}
+
+
+def check_text_options(options: AskOptions) -> None:
+    """The options that reach the tokenizer or the store hold text: a UsageError names
+    the one that does not (undecodable bytes in argv), before anything loads."""
+    _valid_text(options.system or "", "--system")
+    _valid_text(options.chat_id or "", "--chat")
+
+
+def _valid_text(text: str, what: str) -> str:
+    try:
+        return check_text(text, what)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+@dataclass(slots=True, eq=False)
+class Answer:
+    """One prompt of this run: its chat session and what its JSON object leads with."""
+
+    index: int
+    session: ChatSession
+    user_text: str
+    params: SamplingParams
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def turn(self) -> Turn:
+        assert self.session.turn is not None, "the answer has not started"
+        return self.session.turn
+
+    def to_json(self, load_s: float) -> dict[str, Any]:
+        turn, timings = self.turn, self.turn.timings()
+        return {**self.meta, "text": turn.text, "finish_reason": turn.finish_reason,
+                "error": turn.error, "prompt_tokens": len(turn.prompt_ids),
+                "cached_tokens": turn.num_cached_tokens,
+                "tier_cached_tokens": turn.num_tier_cached_tokens,
+                "completion_tokens": len(turn.token_ids),
+                "timings": {"load_s": round(load_s, 3), "ttft_s": timings["ttft_s"],
+                            "total_s": timings["total_s"], "tokens_per_s": timings["tokens_per_s"]}}
+
+class OrderedOutput:
+    """Writes answers to stdout in input order while they finish in any order: the earliest
+    unfinished answer streams live, later ones are held until it is done. Plain text puts
+    a blank line between answers; JSON writes one object per line as each one's turn comes.
+    On a terminal the text is sanitized as it streams, each answer on its own, so a
+    sequence the model leaves open never reaches into the next answer."""
+
+    def __init__(self, count: int, as_json: bool, stdout: TextIO) -> None:
+        self.count = count
+        self.as_json = as_json
+        self.stdout = stdout
+        self.current = 0
+        self.held: dict[int, list[str]] = {}
+        self.done: dict[int, dict[str, Any]] = {}
+        self.sanitizer = StreamSanitizer() if stdout.isatty() else None
+
+    def delta(self, index: int, text: str) -> None:
+        if self.as_json or not text:
+            return
+        if index == self.current:
+            self._write(text)
+        else:
+            self.held.setdefault(index, []).append(text)
+
+    def finished(self, index: int, as_json: dict[str, Any]) -> None:
+        self.done[index] = as_json
+        while self.current in self.done:
+            self._end_of_answer()
+            finished = self.done.pop(self.current)
+            self._write(json.dumps(finished, ensure_ascii=False) + "\n" if self.as_json else "\n")
+            self.current += 1
+            if self.current < self.count and not self.as_json:
+                self._write("\n" + "".join(self.held.pop(self.current, [])))
+
+    def _write(self, text: str) -> None:
+        if self.sanitizer is not None:
+            text = self.sanitizer.feed(text)
+        self.stdout.write(text)
+        self.stdout.flush()
+
+    def _end_of_answer(self) -> None:
+        if self.sanitizer is not None:
+            self.stdout.write(self.sanitizer.flush())
+
+
+def run_ask(options: AskOptions, settings: Settings, make_engine: EngineFactory,
+            stdin: TextIO | None) -> int:
+    """Answer the prompt (or the --file prompts); return the exit status: 0, 1 when a
+    request failed (its error is on stderr), 130 on Ctrl+C."""
+    if options.file is not None:
+        return _run_batch(options, settings, make_engine)
+    return _run_turn(options, settings, make_engine, stdin)
+
+
+def _run_turn(options: AskOptions, settings: Settings, make_engine: EngineFactory,
+              stdin: TextIO | None) -> int:
+    """One chat turn: a new chat, or the next turn of a stored one (-c, --chat)."""
+    from paged_chat.app.chat_store import ChatStore
+    from paged_chat.app.conversation import Conversation
+
+    user_text = read_prompt(options.prompt, stdin)
+    if not user_text:
+        raise UsageError('no prompt: give one as an argument or on stdin, or use --file '
+                         '(e.g. paged-chat ask "Why is the sky blue?")')
+    continuing = options.continue_chat or options.chat_id is not None
+    with ExitStack() as cleanup, warnings_to_stderr():
+        store = cleanup.enter_context(ChatStore()) if options.save or continuing else None
+        if store is not None and store.notice:
+            warn(store.notice)
+        chat = chat_to_continue(options, store) if continuing else None
+        engine_overrides = options.engine if chat is None else {**options.engine, "model": chat.model}
+        sampling = {**(chat.sampling if chat else {}), **options.sampling}
+        config = configure(settings, engine_overrides, sampling)
+        client, load_s = load_client(make_engine, config, options)
+        params = model_sampling(settings, client, sampling)
+        system = options.system or settings.chat.system_prompt
+        if options.save:
+            chat = chat or store.create_chat(chat_title((options.prompt or "").strip() or user_text),
+                                             model_spec(config.model), system,
+                                             chat_sampling(params))
+            session = ChatSession(store, chat, on_warning=warn)
+        else:
+            info = client.info
+            conversation = (Conversation.from_chat(chat, info.tokenizer, info.chat_template)
+                            if chat is not None else None)
+            session = ChatSession(system_prompt=system, conversation=conversation)
+        meta = {"model": config.model, "chat_id": session.chat_id}
+        answer = Answer(0, session, user_text, params, meta)
+        code = _answer(client, [answer], options, load_s)
+        if session.unsaved is not None:
+            say(f"Error: {unsaved_reply_line(answer, session.unsaved)}")
+            return code or 1
+        return code
+
+
+def unsaved_reply_line(answer: Answer, error: Exception) -> str:
+    """Keep a reply the store refused (a full disk) in a recovery file in the cache dir (often
+    another file system; the chat store's own directory is full), the prompt with it; the
+    line that says why it is not in the chat and where it is."""
+    from paged_chat.engine.core.errors import describe_error
+    from paged_chat.app.settings import cache_dir
+
+    turn = answer.turn
+    text = (f"# Unsaved turn of chat {answer.session.chat_id} ({answer.session.title})\n\n"
+            f"## User\n\n{turn.user_text}\n\n## Assistant\n\n{turn.text}\n")
+    why = f"the reply was not saved to the chat ({describe_error(error)})"
+    try:
+        folder = cache_dir() / UNSAVED_DIR
+        folder.mkdir(mode=0o700, exist_ok=True)
+        path = folder / f"{answer.session.chat_id}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.md"
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w",
+                  encoding="utf-8") as file:
+            file.write(text)
+    except OSError as exc:
+        return f"{why}, nor to a recovery file ({exc.strerror}): it is only in the output above"
+    return f"{why}: it is kept in {path}"
+
+
+def _run_batch(options: AskOptions, settings: Settings, make_engine: EngineFactory) -> int:
+    """--file: every prompt a one-shot chat, all through the engine at once; not saved."""
+    if options.prompt or options.continue_chat or options.chat_id is not None:
+        raise UsageError("--file runs its own prompts: drop the PROMPT argument, -c and --chat")
+    prompts = read_prompt_file(options.file)
+    config = configure(settings, options.engine, options.sampling)
+    with warnings_to_stderr():
+        client, load_s = load_client(make_engine, config, options)
+        params = model_sampling(settings, client, options.sampling)
+        answers = [Answer(index, ChatSession(system_prompt=item.system or options.system
+                                             or settings.chat.system_prompt),
+                          item.prompt, params,
+                          {"index": index, "prompt": item.prompt, "model": config.model})
+                   for index, item in enumerate(prompts)]
+        return _answer(client, answers, options, load_s)
+
+
+def _answer(client: EngineClient, answers: list[Answer], options: AskOptions, load_s: float) -> int:
+    """Stream every answer through the engine together; the exit status."""
+    output = OrderedOutput(len(answers), options.json, sys.stdout)
+    signals = ReceivedSignals()
+    try:
+        signals = asyncio.run(_stream_all(client, answers, output, load_s))
+        stats = client.stats()
+    finally:
+        if not signals.overdue:  # else the engine is stuck in a step: the CLI exits past it
+            client.shutdown()
+    if options.stats:
+        _print_stats(answers, ready_words(options, client, load_s), stats.num_preemptions,
+                     client.info.weights)
+        if stats.blocks_freed_by_window:
+            say(f"{stats.blocks_freed_by_window} KV blocks freed behind the sliding window")
+    failed = [answer for answer in answers if answer.turn.finish_reason == "error"]
+    for answer in failed:
+        say(f"Error: {f'prompt {answer.index + 1}: ' if len(answers) > 1 else ''}{answer.turn.error}")
+    return STOP_SIGNALS[signals[0]] if signals else 1 if failed else 0
+
+
+async def _stream_all(client: EngineClient, answers: list[Answer], output: OrderedOutput,
+                      load_s: float) -> ReceivedSignals:
+    """Run the answers' turns at once; the stop signals received meanwhile."""
+
+    async def answer_one(answer: Answer) -> None:
+        async with aclosing(answer.session.send(client, answer.user_text, answer.params)) as deltas:
+            async for delta in deltas:
+                output.delta(answer.index, delta.new_text)
+        output.finished(answer.index, answer.to_json(load_s))
+
+    def stop_all() -> None:
+        for answer in answers:
+            answer.session.stop()
+
+    with stop_signals(stop_all) as received:
+        try:
+            await asyncio.gather(*(answer_one(answer) for answer in answers))
+        except asyncio.CancelledError:  # a second signal: every turn was saved as stopped
+            if not received:
+                raise
+    return received
+
+
+def load_progress() -> Callable[[str, int, int], None]:
+    """A one-line progress bar on stderr for a slow model load (a GGUF's first conversion),
+    redrawn at most ten times a second."""
+    drawn = {"at": 0.0, "stage": ""}
+
+    def show(stage: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if stage == drawn["stage"] and done < total and now - drawn["at"] < 0.1:
+            return
+        drawn.update(at=now, stage=stage)
+        filled = 30 * done // max(total, 1)
+        end = "\n" if done >= total else ""
+        sys.stderr.write(f"\r{stage} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}{end}")
+        sys.stderr.flush()
+
+    return show
+
+
+def _print_stats(answers: list[Answer], ready: str, preemptions: int, weights: str) -> None:
+    held = f", weights held: {weights}" if weights else ""
+    if len(answers) == 1:
+        say(turn_stats_line(answers[0].turn, ready) + held)
+        return
+    for answer in answers:
+        say(f"[{answer.index + 1}] {turn_stats_line(answer.turn, ready)}")
+    turns = [answer.turn for answer in answers]
+    started = min(turn.submitted_at for turn in turns)
+    ended = max(turn.finished_at or started for turn in turns)
+    generated = sum(len(turn.token_ids) for turn in turns)
+    rate = generated / (ended - started) if ended > started else 0.0
+    known = [turn.num_cached_tokens for turn in turns if turn.num_cached_tokens is not None]
+    cached = f"{sum(known)}" if len(known) == len(turns) else "unknown"
+    say(f"{len(answers)} prompts: {generated} tokens generated in {ended - started:.2f} s "
+        f"({rate:.1f} tokens/s together), {cached} prompt tokens from the prefix cache, "
+        f"{preemptions} preemptions{held}")

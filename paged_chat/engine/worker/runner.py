@@ -1,0 +1,358 @@
+"""ModelRunner: owns the model and the KV cache; turns a scheduled step into flat batch
+tensors, runs the model, samples; copies whole blocks in and out for the KV tier.
+
+Set-up, in nano-vllm's ModelRunner order: size the pool (on CUDA by profiling the largest
+step: the warm-up that measures what a step takes), allocate it, then, for a backend whose
+kernels compile (Triton on CUDA), compile every variant and capture the decode graphs; on
+the CPU, pack the weights for oneDNN and switch the model to its fused C ops
+(`EngineConfig.fused_ops`).
+
+The KV cache is one preallocated tensor `[layers, 2, *attention.kv_cache_shape(...)]`
+(keys and values of every layer, in the attention backend's layout) of `num_blocks + 1`
+blocks: block 0 is the null block (`block_pool.NULL_BLOCK`), where padding and released
+table entries point. Per step the runner builds, on the host with numpy and sent in one
+copy (`AttentionMetadata.build`): token ids, positions, slot mapping, query offsets, context
+lengths, block tables and the rows to compute logits for: the model computes them only for
+the rows that sample (the last token of each sequence whose known tokens are all computed
+after this step).
+
+Sampling faults stay with their request: a row whose logits are not finite, or a batch
+whose sampling raises, yields an exception in that row's place (the batch is then sampled
+row by row to find the culprits) and the engine finishes only those requests with an error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from paged_chat.engine.attention.metadata import AttentionMetadata, StagingBuffer
+from paged_chat.engine.attention.selector import select_attention
+from paged_chat.engine.kv.block_id_rows import BlockIdRows
+from paged_chat.engine.core.config import EngineConfig
+from paged_chat.engine.core.errors import out_of_memory
+from paged_chat.engine.kv.pool_sizing import (
+    KVCacheSpec,
+    allocate_kv_cache,
+    longest_sequence,
+    size_kv_pool,
+)
+from paged_chat.engine.models.llama import LlamaForCausalLM
+from paged_chat.engine.models.loader import ProgressHook
+from paged_chat.engine.models.model_config import ModelConfig
+from paged_chat.engine.core.request import Request, SamplingParams, TokenLogprob
+from paged_chat.engine.worker.sampler import SamplingBatch, sample
+from paged_chat.engine.core.scheduler import ScheduledRequest
+from paged_chat.engine.worker.structured_output import fill_token_bitmask
+
+
+# Batch sizes a decode step's CUDA graph is captured for (plus max_num_seqs); a step runs in
+# the smallest that holds it.
+GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+@dataclass(slots=True)
+class _DecodeGraph:
+    """A captured decode step: `meta`'s tensors are its inputs, `logits` its output."""
+
+    graph: torch.cuda.CUDAGraph
+    meta: AttentionMetadata
+    logits: torch.Tensor
+# The cache is [layers, 2, kv_heads, blocks, block_size, head_dim] (AttentionBackend.kv_cache_shape).
+_BLOCK_AXIS = 3
+
+
+class SamplingError(Exception):
+    """One request's sampling went wrong; the engine finishes that request with an error."""
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
+                 device: torch.device, dtype: torch.dtype,
+                 on_progress: ProgressHook | None = None) -> None:
+        """Size and allocate the KV pool for `model` (its weights loaded, in `dtype` on
+        `device`) and make it ready to serve (see the module docstring). `num_blocks` and
+        `max_model_len` say what came of it: the blocks requests can use, and the longest
+        sequence, which the model and the pool both bound."""
+        self.model = model
+        self.block_size = config.block_size
+        self.attention = select_attention(config.attention_backend, model_config, device, dtype)
+        self.device = device
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        spec = KVCacheSpec(model_config.num_layers, self.block_size, self.attention, dtype, device)
+        model_len = min(config.max_model_len or model_config.max_position_embeddings,
+                        model_config.max_position_embeddings)
+        with out_of_memory("profiling a step to size the KV cache",
+                           "lower max_num_batched_tokens (the largest step)"):
+            self.num_blocks = config.num_blocks or size_kv_pool(spec, config, model, model_len)
+        # A request can never outgrow the pool: it is the one bound nothing can preempt. With
+        # a sliding window on every layer the pool holds only the window of each request.
+        longest = longest_sequence(self.num_blocks, self.block_size,
+                                   model_config.window_of_every_layer, self.max_num_batched_tokens)
+        self.max_model_len = model_len if longest is None else min(model_len, longest)
+        model.build_rope_tables(self.max_model_len)
+        self.kv_cache = allocate_kv_cache(spec, self.num_blocks, config)
+        self.last_forward_s = 0.0
+        # The stepping thread's CPU time in the sampler's math last step (on a GPU, its
+        # launches): what `bench --host-overhead` takes away to leave the host's own work.
+        self.last_sample_cpu_s = 0.0
+        # The last step's TokenLogprobs per sampled item (as `execute` returns tokens), None
+        # for one that asked for none; None when none did.
+        self.last_logprobs: list[TokenLogprob | None] | None = None
+        # Every request's block table as ids, written by the KV manager as tables change.
+        self.block_id_rows = BlockIdRows()
+        self._staging = StagingBuffer(self.device)
+        self._graphs: dict[int, _DecodeGraph] = {}
+        self._graph_width = 0
+        self._graph_staging: StagingBuffer | None = None
+        if self.attention.compiles_kernels and device.type == "cuda":
+            self.warm_up(on_progress)
+            if not config.enforce_eager:
+                self.capture_decode_graphs(config.max_num_seqs, on_progress or _no_progress)
+        if device.type == "cpu":
+            model.pack_for_cpu()    # last: nothing reads a packed weight
+            if config.fused_ops:
+                model.use_fused_ops()
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> list[int | Exception]:
+        """Run one step; return the sampled token of each scheduled item that samples, in order,
+        or the exception that sampling that item raised.
+
+        `scheduled` must list single-token items first (the scheduler sorts it so). An
+        exception from the forward propagates: it concerns the whole batch.
+        """
+        samplers = [item for item in scheduled if item.samples]
+        block_tables = self.block_id_rows.array([item.request.request_id for item in scheduled])
+        self.last_sample_cpu_s = 0.0
+        self.last_logprobs = None
+        started = time.perf_counter()
+        graph_batch = self._graph_batch(scheduled)
+        if graph_batch is None:
+            meta = self._prepare(scheduled, block_tables)
+            input_ids, logits_indices = meta.extra
+            logits = self.model(input_ids, meta.positions, self.kv_cache, meta, self.attention,
+                                logits_indices)
+        else:
+            logits = self._replay(graph_batch, scheduled, block_tables)
+        self.last_forward_s = time.perf_counter() - started
+        if not samplers:
+            return []
+        try:
+            return self._sample(logits, samplers)
+        except Exception:  # find the rows at fault; the others keep their tokens
+            return self._sample_rows(logits, samplers)
+
+    @torch.inference_mode()
+    def run_dummy_step(self, query_lens: list[int], seq_lens: list[int]) -> None:
+        """A forward over made-up tokens, no sampling: what warm-up and profiling run. Its
+        K/V go to blocks 0, 1, 2... of the pool, which holds nothing yet: every block is
+        written by the request that owns it before anything reads it."""
+        num_blocks = self.kv_cache.shape[_BLOCK_AXIS]
+        tables = [[block % num_blocks for block in range(-(-length // self.block_size))]
+                  for length in seq_lens]
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.block_size,
+                                       self.device, staging=self._staging)
+        self.model(torch.zeros_like(meta.positions), meta.positions, self.kv_cache, meta,
+                   self.attention, meta.query_start_loc[1:].long() - 1)
+
+    def warm_up(self, on_progress: ProgressHook | None = None) -> None:
+        """Compile every kernel variant this configuration can reach before serving, so none
+        compiles mid-chat (a pause of a second or more each on a GPU).
+
+        The Triton kernels take the split count and the sliding window at run time, so a
+        launch's variant depends only on its kind (decode or prefill) and on whether a
+        split merge runs; two steps reach them all: the largest prefill the token budget
+        allows, and one decode at the longest context (split when a GPU would split it).
+        """
+        report = on_progress or _no_progress
+        longest = self.max_model_len
+        budget = min(self.max_num_batched_tokens, longest)
+        steps = [([budget], [budget]), ([1], [longest])]
+        report("compiling kernels", 0, len(steps))
+        for done, (query_lens, seq_lens) in enumerate(steps, 1):
+            self.run_dummy_step(query_lens, seq_lens)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            report("compiling kernels", done, len(steps))
+
+    # ---- CUDA graphs of decode steps -------------------------------------------------
+
+    def capture_decode_graphs(self, max_batch: int, on_progress: ProgressHook) -> None:
+        """Capture one CUDA graph of a whole decode step (every layer, logits of every row) per
+        batch-size bucket up to `max_batch`, largest first, in one shared memory pool.
+
+        A graph replays fixed kernels on fixed addresses: its inputs are the views of a
+        staging buffer of its own (`_graph_meta` lays a bucket's arrays out the same way at
+        every step, the tables `ceil(max_model_len / block_size)` wide, the batch padded
+        with decodes that store nothing), and its splits are planned for `max_model_len`.
+        Only the Triton backend qualifies (its launches read lengths on the device; the
+        torch backend reads them on the host). Not yet run on a GPU: off by default
+        (`EngineConfig.enforce_eager`).
+        """
+        assert self.device.type == "cuda" and self.attention.compiles_kernels
+        self._graph_width = -(-self.max_model_len // self.block_size)
+        self._graph_staging = StagingBuffer(self.device)
+        buckets = sorted({b for b in GRAPH_BATCH_SIZES if b < max_batch} | {max_batch},
+                         reverse=True)
+        pool = torch.cuda.graph_pool_handle()
+        for done, batch in enumerate(buckets):
+            on_progress("capturing CUDA graphs", done, len(buckets))
+            meta = self._graph_meta(batch, [], [], [])
+            self.attention.plan_graph(meta, self.kv_cache, self.max_model_len)
+            input_ids, logits_indices = meta.extra
+            with torch.inference_mode():
+                # An eager run first: lazy initialisation (cuBLAS handles, the split
+                # workspace, which the graph then reuses) must not happen during capture.
+                self.model(input_ids, meta.positions, self.kv_cache, meta, self.attention,
+                           logits_indices)
+                torch.cuda.synchronize(self.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self.model(input_ids, meta.positions, self.kv_cache, meta,
+                                        self.attention, logits_indices)
+            self._graphs[batch] = _DecodeGraph(graph, meta, logits)
+        on_progress("capturing CUDA graphs", len(buckets), len(buckets))
+
+    def _graph_batch(self, scheduled: list[ScheduledRequest]) -> int | None:
+        """The captured bucket this step replays in: every item a single token, and few enough."""
+        if not self._graphs or len(scheduled) > max(self._graphs) or any(
+                item.num_new_tokens != 1 for item in scheduled):
+            return None
+        return min(batch for batch in self._graphs if batch >= len(scheduled))
+
+    def _graph_meta(self, batch: int, seq_lens: list[int], block_tables: Sequence[Sequence[int]],
+                    token_ids: list[int]) -> AttentionMetadata:
+        """A decode step's inputs in bucket `batch`'s fixed layout of the graph staging buffer."""
+        tokens = np.zeros(batch, dtype=np.int64)
+        tokens[:len(token_ids)] = token_ids
+        return AttentionMetadata.build(
+            [1] * len(seq_lens), seq_lens, block_tables, self.block_size, self.device,
+            table_width=self._graph_width, pad_to=batch,
+            extra=(tokens, np.arange(batch, dtype=np.int64)), staging=self._graph_staging)
+
+    def _replay(self, batch: int, scheduled: list[ScheduledRequest],
+                block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Logits of the sampling rows of a decode step, by replaying its bucket's graph."""
+        captured = self._graphs[batch]
+        requests = [item.request for item in scheduled]
+        meta = self._graph_meta(batch, [r.num_computed_tokens + 1 for r in requests],
+                                block_tables,
+                                [r.all_token_ids[r.num_computed_tokens] for r in requests])
+        assert meta.block_tables.data_ptr() == captured.meta.block_tables.data_ptr(), \
+            "a graph's inputs moved: the staging buffer grew after capture"
+        captured.graph.replay()
+        samples = [row for row, item in enumerate(scheduled) if item.samples]
+        if len(samples) == len(scheduled):
+            return captured.logits[:len(samples)]
+        return captured.logits[torch.tensor(samples, device=self.device)]
+
+    # ---- whole blocks, for the KV tier (kv_transfer) ---------------------------------
+
+    def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """A copy of whole blocks' KV on the CPU, [blocks, layers, 2, kv_heads, block_size,
+        head_dim], that no later step touches (a KV tier keeps it)."""
+        index = torch.tensor(block_ids, device=self.device)
+        return self.kv_cache.movedim(_BLOCK_AXIS, 0)[index].cpu()
+
+    def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
+        """Put whole blocks' KV (as `read_blocks` returns it) into the cache."""
+        index = torch.tensor(block_ids, device=self.device)
+        blocks = self.kv_cache.movedim(_BLOCK_AXIS, 0)
+        blocks.index_copy_(0, index, kv.to(self.device, self.kv_cache.dtype))
+
+    def _sample_rows(self, logits: torch.Tensor, samplers: list[ScheduledRequest]
+                     ) -> list[int | Exception]:
+        """Sample row by row, each row's fault in its place; logprobs as `_sample`'s."""
+        tokens: list[int | Exception] = []
+        logprobs: list[TokenLogprob | None] = []
+        for row, item in enumerate(samplers):
+            self.last_logprobs = None
+            try:
+                tokens.append(self._sample(logits[row:row + 1], [item])[0])
+            except Exception as error:
+                tokens.append(error)
+            logprobs.append(self.last_logprobs[0] if self.last_logprobs else None)
+        self.last_logprobs = logprobs if any(logprobs) else None
+        return tokens
+
+    def _sample(self, logits: torch.Tensor, samplers: list[ScheduledRequest]
+                ) -> list[int | Exception]:
+        """Sample the rows together. A row whose logits hold NaN or inf (an overflowing model)
+        gets a SamplingError instead of a token: its draw is meaningless (NaN probabilities
+        give an id past the vocabulary), and fed back as input it would fail the next forward
+        for the whole batch. Checking the chosen logit finds it at the cost of one gather:
+        argmax picks a NaN or +inf when there is one, and a draw over NaN leaves the vocabulary.
+        """
+        vocab_size = logits.shape[-1]
+        batch = self._sampling_batch(samplers, vocab_size)
+        started = time.thread_time()
+        tokens = sample(logits, batch)
+        self.last_sample_cpu_s = time.thread_time() - started
+        if batch.logprobs is not None:
+            self.last_logprobs = [None] * len(samplers)
+            for row, logprob in zip(batch.logprob_rows.tolist(), batch.logprobs):
+                self.last_logprobs[row] = logprob
+        chosen = logits.gather(1, tokens.clamp(max=vocab_size - 1)[:, None]).squeeze(1)
+        bad = (tokens >= vocab_size) | ~torch.isfinite(chosen)
+        if not bad.any():
+            return tokens.tolist()
+        return [SamplingError("the model's logits for this request are not finite (NaN or inf)")
+                if token < 0 else token for token in torch.where(bad, -1, tokens).tolist()]
+
+    def _prepare(self, scheduled: list[ScheduledRequest], block_tables: Sequence[Sequence[int]]
+                 ) -> AttentionMetadata:
+        """The step's metadata, its token ids and logits rows (`meta.extra`) on the device,
+        built with numpy on the host and sent in one copy through the runner's staging
+        buffer (whose device side, block tables included, is rewritten in place)."""
+        starts = [item.request.num_computed_tokens for item in scheduled]
+        counts = [item.num_new_tokens for item in scheduled]
+        token_ids = np.fromiter(itertools.chain.from_iterable(
+            item.request.all_token_ids[start:start + count]
+            for item, start, count in zip(scheduled, starts, counts)), dtype=np.int64)
+        samples = np.fromiter((item.samples for item in scheduled), dtype=bool,
+                              count=len(scheduled))
+        logits_indices = np.cumsum(counts)[samples] - 1
+        return AttentionMetadata.build(
+            counts, [start + count for start, count in zip(starts, counts)], block_tables,
+            self.block_size, self.device, extra=(token_ids, logits_indices),
+            staging=self._staging)
+
+    def _sampling_batch(self, samplers: list[ScheduledRequest], vocab_size: int) -> SamplingBatch:
+        requests = [item.request for item in samplers]
+        params = [request.params for request in requests]
+        batch = self._base_sampling_batch(requests, params, vocab_size)
+        constrained = [row for row, request in enumerate(requests) if request.grammar is not None]
+        if constrained:
+            batch.bitmask_rows = torch.tensor(constrained, device=self.device)
+            batch.token_bitmask = fill_token_bitmask([requests[row].grammar for row in constrained],
+                                                     vocab_size, self.device)
+        wanting = [row for row, p in enumerate(params) if p.wants_logprobs]
+        if wanting:
+            batch.logprob_rows = torch.tensor(wanting, device=self.device)
+            batch.num_top_logprobs = max(params[row].top_logprobs for row in wanting)
+        return batch
+
+    def _base_sampling_batch(self, requests: list[Request], params: list[SamplingParams],
+                             vocab_size: int) -> SamplingBatch:
+        if (greedy_only := SamplingBatch.greedy_only(params)) is not None:
+            return greedy_only  # the other columns are not read: do not gather them
+        penalised = any(p.uses_penalties for p in params)
+        return SamplingBatch.build(
+            params=params,
+            seeds=[request.sampling_seed for request in requests],
+            output_indices=[request.num_output_tokens for request in requests],
+            token_histories=[request.all_token_ids for request in requests] if penalised else None,
+            prompt_lens=[request.num_prompt_tokens for request in requests] if penalised else None,
+            vocab_size=vocab_size,
+            device=self.device,
+        )
+
+
+def _no_progress(stage: str, done: int, total: int) -> None:
+    """A ProgressHook that hears nothing."""

@@ -1,0 +1,354 @@
+"""Batched token sampling: penalties, greedy, temperature, min-p / top-k / top-p, seeded draws.
+
+One pass of torch ops over the whole batch, no Python loop over requests in `sample`. The
+order follows vLLM: penalties -> grammar bitmask (constrained rows) -> greedy argmax ->
+temperature -> min-p, top-k, top-p -> draw; then, for the rows that ask, the logprobs of
+the distribution each token was drawn from.
+
+Randomness is counter-based: a row's draw is a splitmix64 hash of (seed, output_index), so a
+request's tokens depend only on its own seed and position, never on which other requests
+share the batch, and a preempted request that recomputes a step draws the same token again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from paged_chat.engine.core.request import SamplingParams, TokenLogprob
+
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's stream increment
+_MUL1 = 0xBF58476D1CE4E5B9
+_MUL2 = 0x94D049BB133111EB
+_MIN_CANDIDATES = 64  # first guess at how many top tokens hold every row's top-p nucleus
+_GROWTH = 16  # then 1024 candidates, then (past a quarter of the vocabulary) all of them
+# exp() below this is a float32 denormal (or 0), which x86 computes ~100x slower (microcode
+# assists): at temperature 0.2 most of a 49,152-token vocabulary lands there, and one exp
+# over [8, vocab] took ~6 ms, two thirds of the sampler's time. Such a term is under float32's
+# resolution of any row's sum (whose largest term is 1): a sum takes it as exp(_EXP_FLOOR), a
+# CDF as 0.
+_EXP_FLOOR = -87.0
+
+
+def _int64(x: int) -> int:
+    """Reinterpret the low 64 bits of `x` as a signed int64 (torch has no uint64 math)."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift: torch's `>>` on int64 is arithmetic, so mask off the sign copies."""
+    return (z >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output function: a bijection on 64-bit words with full avalanche.
+
+    int64 multiplication wraps modulo 2^64, which is exactly the unsigned arithmetic wanted.
+    """
+    z = z + _int64(_GOLDEN)
+    z = (z ^ _shr(z, 30)) * _int64(_MUL1)
+    z = (z ^ _shr(z, 27)) * _int64(_MUL2)
+    return z ^ _shr(z, 31)
+
+
+def counter_uniforms(seeds: torch.Tensor, output_indices: torch.Tensor) -> torch.Tensor:
+    """One uniform strictly inside (0, 1) per (seed, output_index) pair, float64.
+
+    Hashing twice keeps distinct pairs apart (seed s at index i+1 is not seed s+1 at index i).
+    52 bits plus a half step give values in [2^-53, 1 - 2^-53], each exact in float64.
+    """
+    bits = _shr(_mix64(_mix64(seeds) + output_indices), 12)
+    return (bits.double() + 0.5) * 2.0**-52
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling settings as tensors on the logits' device, built once per step.
+
+    Penalty tensors are None when no row uses a penalty; `min_p`, `top_k` and `top_p` are None
+    when no row uses that filter, so `sample` skips the work.
+    """
+
+    all_greedy: bool  # lets the caller skip everything but argmax
+    greedy: torch.Tensor | None  # bool [n]; None when no row is greedy, or all are
+    temperature: torch.Tensor | None  # float32 [n], 1.0 on greedy rows; None when all greedy
+    uniforms: torch.Tensor | None  # float64 [n], see counter_uniforms; None when all greedy
+    min_p: torch.Tensor | None  # float32 [n], 0 where off
+    top_k: torch.Tensor | None  # int64 [n], vocab_size where off
+    top_p: torch.Tensor | None  # float32 [n], inf where off (rounding may make mass reach 1)
+    truncated: torch.Tensor | None  # bool [n]: sampled rows with top-k or top-p on; None when all greedy
+    repetition_penalty: torch.Tensor | None  # float32 [n]
+    frequency_penalty: torch.Tensor | None  # float32 [n]
+    presence_penalty: torch.Tensor | None  # float32 [n]
+    seen: torch.Tensor | None  # bool [n, vocab]: token occurs in prompt or output
+    output_counts: torch.Tensor | None  # float32 [n, vocab]: occurrences in the output
+    # The constrained rows (int64 [m]) and their grammars' bitmask (int32 [m, ceil(vocab/32)],
+    # structured_output.fill_token_bitmask); None when no row is constrained.
+    bitmask_rows: torch.Tensor | None = None
+    token_bitmask: torch.Tensor | None = None
+    # The rows that want logprobs (int64 [r]) and how many top tokens the most demanding asks
+    # for; `sample` leaves their TokenLogprobs, in that order, in `logprobs`.
+    logprob_rows: torch.Tensor | None = None
+    num_top_logprobs: int = 0
+    logprobs: list[TokenLogprob] | None = None
+
+    @classmethod
+    def greedy_only(cls, params: list[SamplingParams]) -> SamplingBatch | None:
+        """The batch of rows that are all greedy without penalties (the common case: `sample`
+        then reads nothing but `all_greedy`), or None when some row needs more."""
+        if not all(p.greedy and not p.uses_penalties for p in params):
+            return None
+        return cls(all_greedy=True, greedy=None, temperature=None, uniforms=None, min_p=None,
+                   top_k=None, top_p=None, truncated=None, repetition_penalty=None,
+                   frequency_penalty=None, presence_penalty=None, seen=None, output_counts=None)
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], seeds: list[int], output_indices: list[int],
+              token_histories: list[list[int]] | None, prompt_lens: list[int] | None,
+              vocab_size: int, device: torch.device) -> SamplingBatch:
+        """Gather the rows' settings into tensors.
+
+        `seeds` are the requests' `sampling_seed`; `output_indices` the number of tokens each
+        has generated so far. `token_histories` (prompt + output ids) and `prompt_lens` are
+        needed only when some row uses a penalty.
+        """
+        if not len(seeds) == len(output_indices) == len(params):
+            raise ValueError(f"SamplingBatch.build: {len(params)} params, {len(seeds)} seeds, "
+                             f"{len(output_indices)} output indices: expected equal lengths")
+
+        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        if (greedy_only := cls.greedy_only(params)) is not None:
+            return greedy_only
+        greedy = [p.greedy for p in params]
+        penalised = any(p.uses_penalties for p in params)
+        top_k = [min(p.top_k or vocab_size, vocab_size) for p in params]
+        batch = cls(
+            all_greedy=all(greedy),
+            greedy=column(greedy, torch.bool) if any(greedy) else None,
+            temperature=column([p.temperature or 1.0 for p in params], torch.float32),
+            uniforms=counter_uniforms(column([_int64(s) for s in seeds], torch.int64),
+                                      column(output_indices, torch.int64)),
+            min_p=(column([p.min_p for p in params], torch.float32)
+                   if any(p.min_p > 0 for p in params) else None),
+            top_k=column(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
+            top_p=(column([p.top_p if p.top_p < 1 else math.inf for p in params], torch.float32)
+                   if any(p.top_p < 1 for p in params) else None),
+            truncated=column([not g and (k < vocab_size or p.top_p < 1)
+                              for p, g, k in zip(params, greedy, top_k)], torch.bool),
+            repetition_penalty=None, frequency_penalty=None, presence_penalty=None,
+            seen=None, output_counts=None,
+        )
+        if penalised:
+            if token_histories is None or prompt_lens is None:
+                raise ValueError("SamplingBatch.build: a request uses penalties, so "
+                                 "token_histories and prompt_lens are required")
+            batch.repetition_penalty = column([p.repetition_penalty for p in params],
+                                              torch.float32)
+            batch.frequency_penalty = column([p.frequency_penalty for p in params], torch.float32)
+            batch.presence_penalty = column([p.presence_penalty for p in params], torch.float32)
+            batch.seen, batch.output_counts = _token_stats(token_histories, prompt_lens,
+                                                           vocab_size, device)
+        return batch
+
+
+def _token_stats(histories: list[list[int]], prompt_lens: list[int], vocab_size: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seen-mask (prompt + output) and output counts, scattered from all histories at once."""
+    lengths = torch.tensor([len(h) for h in histories], dtype=torch.int64, device=device)
+    rows = torch.repeat_interleave(torch.arange(len(histories), device=device), lengths)
+    tokens = torch.tensor(list(itertools.chain.from_iterable(histories)), dtype=torch.int64,
+                          device=device)
+    position = torch.arange(len(tokens), device=device) - (lengths.cumsum(0) - lengths)[rows]
+    is_output = position >= torch.tensor(prompt_lens, dtype=torch.int64, device=device)[rows]
+    seen = torch.zeros(len(histories), vocab_size, dtype=torch.bool, device=device)
+    seen[rows, tokens] = True
+    counts = torch.zeros(len(histories), vocab_size, device=device)
+    counts.index_put_((rows[is_output], tokens[is_output]),
+                      torch.ones(len(tokens), device=device)[is_output], accumulate=True)
+    return seen, counts
+
+
+def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition (prompt + output), then frequency and presence (output) penalties, as vLLM."""
+    if batch.seen is None:
+        return logits
+    rep = batch.repetition_penalty[:, None]
+    logits = torch.where(batch.seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    logits = logits - batch.frequency_penalty[:, None] * batch.output_counts
+    return logits - batch.presence_penalty[:, None] * (batch.output_counts > 0)
+
+
+def apply_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Drop tokens with p < min_p * p_max, i.e. logit < max_logit + log(min_p): no softmax."""
+    if batch.min_p is None:
+        return logits
+    floor = logits.amax(dim=-1, keepdim=True) + torch.log(batch.min_p)[:, None]
+    return logits.masked_fill(logits < floor, float("-inf"))
+
+
+def _log_sum_exp(x: torch.Tensor) -> torch.Tensor:
+    """logsumexp over each row, with no term under exp(_EXP_FLOOR)."""
+    row_max = x.amax(dim=-1)
+    return (x - row_max[:, None]).clamp_(min=_EXP_FLOOR).exp_().sum(dim=-1).log_() + row_max
+
+
+def apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Each truncated row's logits with every token outside its top-k, then outside the
+    nucleus of their renormalised probs, at -inf (what the draw keeps, as logits)."""
+    if batch.top_k is None and batch.top_p is None:
+        return logits
+    return _drop_all_but(logits, kept_candidates(logits, batch), batch)
+
+
+def _drop_all_but(logits: torch.Tensor, kept: tuple[torch.Tensor, torch.Tensor],
+                  batch: SamplingBatch) -> torch.Tensor:
+    """`logits` with every token a truncated row does not keep (`kept_candidates`) at -inf."""
+    values, indices = kept
+    dropped = torch.ones_like(logits, dtype=torch.bool).scatter_(-1, indices, values.isneginf())
+    return logits.masked_fill(dropped & batch.truncated[:, None], float("-inf"))
+
+
+def kept_candidates(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's top candidates: their logits, -inf where a truncated row drops them (past
+    its top-k, then outside the nucleus of their renormalised probs), and their token ids.
+    A truncated row keeps no token outside them. Needs top-k or top-p on in the batch.
+
+    A full sort of [32, 49152] logits costs 50-100 ms on CPU (a whole decode step), while
+    the kept set is almost always small. So sort only the top `k` candidates (`topk`, ~2 ms
+    for 64) and widen `k` (in the end to the whole vocabulary: the plain sort) until every
+    truncated row's kept set provably ends inside them: its top-k fits, or the candidates'
+    mass reaches its top_p.
+    """
+    vocab = logits.shape[-1]
+    top_k = batch.top_k if batch.top_k is not None else torch.full_like(batch.truncated, vocab,
+                                                                         dtype=torch.int64)
+    top_p = (batch.top_p if batch.top_p is not None
+             else torch.full_like(batch.temperature, math.inf))
+    k = min(vocab, max(_MIN_CANDIDATES, int(top_k.masked_fill(top_k >= vocab, 0).max())))
+    full_log_z = _log_sum_exp(logits)
+    while True:
+        values, indices = logits.topk(k, dim=-1)
+        outside_top_k = torch.arange(k, device=logits.device) >= top_k[:, None]
+        values = values.masked_fill(outside_top_k, float("-inf"))
+        # rows with top-k on have it inside the candidates: renormalise over it, as vLLM does
+        log_z = torch.where(top_k < vocab, values.logsumexp(dim=-1), full_log_z)
+        probs = (values - log_z[:, None]).exp()
+        mass = probs.cumsum(dim=-1)
+        covered = (top_k <= k) | (mass[:, -1] >= top_p)
+        if k == vocab or bool((covered | ~batch.truncated).all()):
+            break
+        k = k * _GROWTH if k * _GROWTH <= vocab // 4 else vocab
+    # The most probable token is always kept: a tiny top_p (1e-300 is 0 in float32) would
+    # drop every token, and the draw over no token is NaN.
+    outside_top_p = mass - probs >= top_p[:, None]
+    outside_top_p[:, 0] = False
+    return values.masked_fill(outside_top_p, float("-inf")), indices
+
+
+def draw(scaled: torch.Tensor, batch: SamplingBatch,
+         kept: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """Each row's token drawn from `scaled` (temperature and min-p applied): a truncated
+    row's from its kept candidates (`kept`, None when no row truncates) in token-id order,
+    the other rows' from the whole vocabulary. Every other token has a zero-width step in a
+    truncated row's CDF over the vocabulary, so its draw among the candidates picks the
+    token that one would; the whole-vocabulary softmax, mask and sum per row cost more than
+    the rest of sampling."""
+    if kept is None:
+        return _inverse_cdf(scaled, batch.uniforms)
+    values, indices = kept
+    by_id = indices.argsort(dim=-1)
+    ids = indices.gather(1, by_id)
+    picked = ids.gather(1, _inverse_cdf(values.gather(1, by_id), batch.uniforms)[:, None]).squeeze(1)
+    if bool(batch.truncated.all()):
+        return picked
+    return torch.where(batch.truncated, picked, _inverse_cdf(scaled, batch.uniforms))
+
+
+def _inverse_cdf(x: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row, the index of the first entry whose cumulative weight exp(x) reaches the row's
+    uniform times the total: a weight of 0 (-inf) never owns a step. The CDF is summed in
+    float32, in place: a float64 copy of [32, 49152] costs more than the rest of sampling
+    (fresh pages), and float32 moves < 1e-3 of the probability mass, far below bf16 logits'
+    own error."""
+    shifted = x - x.amax(dim=-1, keepdim=True)
+    cdf = shifted.masked_fill_(shifted < _EXP_FLOOR, float("-inf")).exp_().cumsum_(dim=-1)
+    targets = (uniforms * cdf[:, -1]).to(cdf.dtype)
+    return torch.searchsorted(cdf, targets[:, None]).squeeze(1)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
+                        ) -> torch.Tensor:
+    """Set to -inf, in place, the logits of `rows` that their bitmask disallows (bit j of word
+    w clear: token 32 * w + j is not allowed); returns `logits`. A sampled token is always an
+    allowed one, so masking in place leaves nothing the caller reads of it wrong."""
+    vocab = logits.shape[-1]
+    assert bitmask.shape == (len(rows), (vocab + 31) // 32), (bitmask.shape, len(rows), vocab)
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+    return logits
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> list[TokenLogprob]:
+    """Each row's chosen token's log-probability under `logits` and its `num_top` likeliest
+    tokens: `logits` [r, vocab] as the draw saw them, `tokens` int64 [r]."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+    if num_top == 0:
+        return [TokenLogprob(lp, [], []) for lp in chosen]
+    top = logprobs.topk(num_top, dim=-1)
+    return [TokenLogprob(lp, ids, values) for lp, ids, values
+            in zip(chosen, top.indices.tolist(), top.values.tolist())]
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax as int64: the first maximum, or the first NaN (torch's rule too).
+
+    On the CPU numpy's argmax does it: it is vectorised, torch's CPU argmax is not (one
+    thread over [256, 49152] float32 logits: ~4 ms against ~20 ms).
+    """
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return torch.from_numpy(np.argmax(logits.detach().numpy(), axis=-1))
+    return logits.argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Pick one token per row: `[num_seqs, vocab]` logits of any float dtype -> int64 `[num_seqs]`.
+
+    The draw is inverse-CDF sampling with the row's counter-based uniform u: the first token
+    whose cumulative probability reaches u * total (`draw`). One uniform per row instead of
+    one per vocabulary entry keeps the hashing negligible. A token with zero probability
+    never owns a step of the CDF, so filtered tokens are never picked.
+    The constrained rows' logits are masked in place (`apply_token_bitmask`); the logprob
+    rows' TokenLogprobs are left in `batch.logprobs`.
+    """
+    logits = apply_penalties(logits.float(), batch)
+    if batch.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
+    if batch.all_greedy:
+        sampled = greedy_tokens(logits)
+    else:
+        scaled = apply_min_p(logits / batch.temperature[:, None], batch)
+        kept = (None if batch.top_k is None and batch.top_p is None
+                else kept_candidates(scaled, batch))
+        sampled = draw(scaled, batch, kept)
+        if batch.greedy is not None:
+            sampled = torch.where(batch.greedy, greedy_tokens(logits), sampled)
+    if batch.logprob_rows is not None:
+        rows = batch.logprob_rows
+        if batch.all_greedy:
+            seen = logits[rows]
+        else:
+            seen = (scaled if kept is None else _drop_all_but(scaled, kept, batch))[rows]
+        if batch.greedy is not None:
+            seen = torch.where(batch.greedy[rows, None], logits[rows], seen)
+        batch.logprobs = token_logprobs(seen, sampled[rows].clamp(max=logits.shape[-1] - 1),
+                                        batch.num_top_logprobs)
+    return sampled
