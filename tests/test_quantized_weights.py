@@ -339,7 +339,7 @@ def test_auto_dtype_runs_quantized_weights_in_float32_on_a_bf16_cpu(tmp_path, mo
     a quantized GGUF then converted its activations around each layer and lost the fused
     float32 step (1.6-1.8x slower on a Sapphire Rapids). It runs float32 now; an HF folder,
     whose dense weights bf16 halves, stays bf16; "dequantize" reads the GGUF dense."""
-    from paged_chat.engine import dtypes
+    from paged_chat.engine.core import dtypes
 
     monkeypatch.setattr(dtypes, "_cpu_has_native_bf16", lambda: True)
     config = dict(device="cpu", dtype="auto", num_blocks=16)

@@ -416,7 +416,7 @@ def test_warm_up_leaves_no_kernel_variant_to_compile(make_engine, monkeypatch):
     chunks mid-block launches no kernel variant the warm-up did not: nothing compiles mid-chat.
     Splits are planned as for a 132-SM GPU (the interpreter would never split), from 32
     keys on (not 512), to keep the interpreter's work small."""
-    from paged_chat.engine.attention import triton_kernels
+    from paged_chat.engine.attention import triton_paged_attention as triton_kernels
 
     monkeypatch.setattr(triton_backend, "_num_sms", lambda device: 132)
     monkeypatch.setattr(triton_kernels, "MIN_KEYS_PER_SPLIT", 16)
