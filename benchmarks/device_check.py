@@ -87,12 +87,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import triton  # noqa: E402
 
-from paged_chat.engine.attention import triton_kernels  # noqa: E402
+from paged_chat.engine.attention import triton_paged_attention as triton_kernels  # noqa: E402
 from paged_chat.engine.attention.metadata import AttentionMetadata  # noqa: E402
 from paged_chat.engine.attention.torch_backend import TorchAttention  # noqa: E402
 from paged_chat.engine.attention.triton_backend import (  # noqa: E402
     SHARED_MEMORY_BYTES, TileConfig, TritonAttention, device_arch)
-from paged_chat.engine.models.quant import triton_kernels as quant_triton_kernels  # noqa: E402
+from paged_chat.engine.models.quant import triton_dequant as quant_triton_kernels  # noqa: E402
 from paged_chat.engine.models.quant.layout import QuantizedWeight  # noqa: E402
 
 

@@ -51,7 +51,7 @@ class OpCounter(TorchDispatchMode):
 
 def count_triton_launches(counts: collections.Counter[str]) -> None:
     """Wrap the module's kernels so each launch is counted by kernel name."""
-    from paged_chat.engine.attention import triton_kernels
+    from paged_chat.engine.attention import triton_paged_attention as triton_kernels
 
     for name in ("_store_kv_kernel", "_paged_attention_kernel", "_merge_splits_kernel"):
         kernel = getattr(triton_kernels, name)

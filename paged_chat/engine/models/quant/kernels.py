@@ -114,7 +114,7 @@ class LayerMatmul:
         """`out` (a view with unit column stride) = x @ W.T; float32 x and out on the CPU
         (x contiguous), any activation dtype on a GPU (out in x's)."""
         if x.device.type == "cuda":
-            from paged_chat.engine.models.quant import triton_kernels
+            from paged_chat.engine.models.quant import triton_dequant as triton_kernels
 
             for part, column in zip(self.parts, self.columns):
                 triton_kernels.matmul(x, part, out[:, column:column + part.rows])
