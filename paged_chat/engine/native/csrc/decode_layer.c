@@ -1,5 +1,5 @@
 /* A Llama decoder layer's whole step in one C call (float32, CPU, quantized linear layers,
- * paged attention by attention/paged_attention.c), for steps whose every sequence the
+ * paged attention by paged_attention.c), for steps whose every sequence the
  * attention kernel attends itself. It runs the bodies of the kernels the layer's Python
  * forward calls one at a time (llama.py: DecoderLayer with fused ops), in the same order
  * on the same rows, so its results are bit for bit theirs. What it saves:
@@ -21,10 +21,8 @@
  *     residual += attended @ Wo.T; normed = rms_norm(residual) post_attention_layernorm
  *     out = silu_and_mul(normed @ Wgate_up.T) @ Wdown.T        mlp
  */
-#include "quant_kernels.c"
-#include "fused_ops.c"
-#include "paged_attention.c"
-
+#include <stdint.h>
+#include <stdlib.h>
 #include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -37,9 +35,14 @@
 #include <sched.h>
 #endif
 
+#include "fused_ops.h"
+#include "paged_attention.h"
+#include "quant_kernels.h"
+
 #define DL_MAX_PARTS 3
 
-/* One quantized linear layer: its parts (kernels.c's layout), output columns side by side. */
+/* One quantized linear layer: its parts (quant_kernels.c's layout), output columns side by
+ * side. The three structs are mirrored by bindings.py, checked against dl_*_size. */
 typedef struct {
     const uint8_t *low[DL_MAX_PARTS], *high[DL_MAX_PARTS];
     const float *scale[DL_MAX_PARTS], *offset[DL_MAX_PARTS];
@@ -66,6 +69,10 @@ typedef struct {
     float *normed, *qkv, *attended, *gate_up, *mid;
     int threads;
 } dl_step;
+
+int64_t dl_linear_size(void) { return (int64_t)sizeof(dl_linear); }
+int64_t dl_layer_size(void) { return (int64_t)sizeof(dl_layer); }
+int64_t dl_step_size(void) { return (int64_t)sizeof(dl_step); }
 
 #ifdef __AVX2__
 /* The phases of a layer's step, in order: every chunk of one reads what the chunks of the
@@ -159,18 +166,18 @@ static void dl_matmul_chunk(const dl_linear *w, const dl_step *step, const float
     int64_t p = 0;
     for (; chunk >= dl_part_chunks(w, p, step); p++) chunk -= dl_part_chunks(w, p, step);
     if (dl_gemm(step)) {
-        gemm_tile(x, step->tokens, w->low[p], w->high[p], w->scale[p], w->offset[p],
-                  w->rows[p], k, w->group[p], chunk, worker->tile, out + w->column[p],
-                  w->out_features);
+        pc_gemm_tile(x, step->tokens, w->low[p], w->high[p], w->scale[p], w->offset[p],
+                     w->rows[p], k, w->group[p], chunk, worker->tile, out + w->column[p],
+                     w->out_features);
         return;
     }
     if (step->tokens == 1 && worker->sums_of != phase * DL_MAX_PARTS + p) {
-        x_group_sums(x, k, w->group[p], worker->sums);
+        pc_x_group_sums(x, k, w->group[p], worker->sums);
         worker->sums_of = phase * DL_MAX_PARTS + p;
     }
     const int64_t begin = chunk * rows;
     const int64_t end = begin + rows < w->rows[p] ? begin + rows : w->rows[p];
-    matmul_rows[FORMAT_INDEX(w->group[p], w->high[p])](
+    pc_matmul_rows[FORMAT_INDEX(w->group[p], w->high[p])](
         x, worker->sums, step->tokens, w->low[p], w->high[p], w->scale[p], w->offset[p],
         begin, end, k, out + w->column[p], w->out_features);
 }
