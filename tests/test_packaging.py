@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import site
+import stat
 import subprocess
 import sys
 import venv
@@ -75,5 +76,6 @@ def test_a_non_editable_install_answers_on_the_native_kernels_from_outside_the_r
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert "tokens/s" in result.stderr
-    built = {path.name for path in tmp_path.rglob("*.so") if "kernel" in str(path.parent)}
-    assert built, f"no native kernel was built: {result.stderr}"
+    kernels = home / "cache" / "kernels"
+    assert stat.S_IMODE(kernels.stat().st_mode) == 0o700
+    assert list(kernels.glob("paged-chat-kernels-*.so")), f"no native build: {result.stderr}"
