@@ -1,12 +1,13 @@
-"""Paged attention on the CPU by one C kernel per layer (native/csrc/paged_attention.c): the new K/V
-stored and the decodes attended in one call, each K/V block read once, in place, with an
-online softmax across blocks; float32 caches only.
+"""Paged attention on the CPU by one C kernel per layer (native/csrc/paged_attention.c):
+the new K/V stored and the decodes attended in one call, each K/V block read once, in
+place, with an online softmax across blocks; float32 caches only.
 
 Against the torch reference (torch_backend.py) it gathers nothing, builds no masks and
 pads no context to the batch's longest, so nothing is derived per step either: the
 kernel reads the metadata's lengths and tables as they are. Prefill chunks keep the
-reference's path (its SDPA flash kernel is the faster there: benchmarks/
-cpu_attention_probe.py) unless `prefill_in_kernel` (the kernel attends them exactly too).
+reference's path, whose SDPA flash kernel is the faster there
+(benchmarks/cpu_attention_probe.py), unless `prefill_in_kernel` (the kernel attends them
+exactly too).
 """
 
 from __future__ import annotations

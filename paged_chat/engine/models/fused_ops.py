@@ -1,5 +1,5 @@
-"""The decoder's pointwise work as one C call each (native/csrc/fused_ops.c), float32 on the CPU:
-residual add + RMSNorm, RoPE in place, SiLU-and-mul. The model uses them where
+"""The decoder's pointwise work as one C call each (native/csrc/fused_ops.c), float32 on
+the CPU: residual add + RMSNorm, RoPE in place, SiLU-and-mul. The model uses them where
 `available()` says the kernels built, unless EngineConfig.fused_ops is off; the torch ops
 in llama.py stay the reference (and the path for other dtypes and devices).
 """

@@ -175,7 +175,6 @@ static inline void attend_block(const float *values, int64_t first, int64_t last
     }
 }
 
-/* The step's new K/V of tokens [first, last) into their slots (slot -1: nothing stored). */
 void pa_store(const pa_problem *p, int64_t first, int64_t last) {
     const int64_t head_stride = p->num_blocks * p->block_size * p->dim;
     for (int64_t t = first; t < last; t++) {
@@ -202,7 +201,6 @@ int64_t pa_items(const pa_problem *p, int64_t *first_item) {
     return first_item[p->num_seqs];
 }
 
-/* Floats of an item's workspace (pa_attend_item). */
 int64_t pa_workspace_floats(const pa_problem *p) {
     const int64_t rows = QUERY_TILE * (p->heads / p->kv_heads);
     return rows * p->dim + 2 * rows + (1 + p->dim) * p->block_size;
