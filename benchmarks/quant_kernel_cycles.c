@@ -4,7 +4,7 @@
  * at the nominal clock, not the boosted one: compare figures from one machine only).
  *
  *   cc -O3 -march=native -o /tmp/cycles benchmarks/quant_kernel_cycles.c \
- *       paged_chat/engine/native/csrc/quant_kernels.c
+ *       -Ipaged_chat/engine/native/csrc paged_chat/engine/native/csrc/quant_kernels.c
  *   /tmp/cycles ROWS_OF_W K HIGH_PLANE(0|1) ROWS_OF_X     e.g. /tmp/cycles 64 1024 0 1
  */
 #include <stdint.h>
@@ -12,9 +12,7 @@
 #include <stdlib.h>
 #include <x86intrin.h>
 
-void pc_matmul(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *high,
-               const float *scale, const float *offset, int64_t n_rows, int64_t k,
-               int64_t group, float *out, int64_t out_stride, int threads);
+#include "quant_kernels.h"
 
 int main(int argc, char **argv) {
     if (argc != 5) {

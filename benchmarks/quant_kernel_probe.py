@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from paged_chat.engine.models import fused_decode
 from paged_chat.engine.models.loader import load_model, load_model_source
 from paged_chat.engine.models.quant import kernels
+from paged_chat.engine.native import bindings
 from paged_chat.engine.native.build import compile_library
 
 
@@ -84,12 +85,13 @@ def main() -> None:
     print(f"decode-step linear layers: {len(layers)} quantized ({quantized.held_formats()}, "
           f"{quantized_bytes / 1e6:.0f} MB) vs {len(dense_layers)} float32 packed "
           f"({dense_bytes / 1e6:.0f} MB)")
-    fused = compile_library(Path(__file__).with_name("linear_step.c"))
+    fused = compile_library("linear-step", [Path(__file__).with_name("linear_step.c"),
+                                            *bindings.SOURCES])
     if fused is not None:
         fused.ls_products.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                       ctypes.c_int]
-    structs = (fused_decode.LinearStruct * len(layers))(
+    structs = (bindings.LinearStruct * len(layers))(
         *[fused_decode.linear_struct(layer) for layer in layers])
     kernel_runs = {"stream (pc_matmul)": kernels.stream_matmul,
                    "gemm (pc_gemm)": kernels.gemm_matmul,

@@ -22,6 +22,10 @@ os.environ["PAGED_CHAT_CACHE_DIR"] = str(_TEST_HOME / "cache")
 os.environ["PAGED_CHAT_DATA_DIR"] = str(_TEST_HOME / "data")
 os.environ["PAGED_CHAT_CONFIG"] = str(_TEST_HOME / "config" / "config.toml")
 
+from paged_chat.engine.native.build import use_cache_dir  # noqa: E402
+
+use_cache_dir(_TEST_HOME / "cache")  # the native build too, for engines given no cache_dir
+
 if not torch.cuda.is_available():
     # Without a GPU the Triton kernels run interpreted. Triton reads this when it defines a
     # kernel (its own helpers included), so it is set before anything imports triton.

@@ -62,3 +62,29 @@ def test_a_model_it_does_not_compute_exactly_keeps_the_per_op_path(chat_model_di
     engine = Engine(EngineConfig(model=str(chat_model_dir), device="cpu", dtype="float32",
                                  num_blocks=64))
     assert engine.runner.model.fused_decode is None
+
+
+def test_the_fused_step_asks_the_attention_backend_whether_it_applies():
+    """Not the backend's class: any backend that says the native kernel attends the whole
+    step gets it, and the reference backend never does."""
+    import torch
+
+    from paged_chat.engine.attention.backend import AttentionBackend
+    from paged_chat.engine.attention.cpu_backend import CpuAttention
+    from paged_chat.engine.attention.metadata import AttentionMetadata
+    from paged_chat.engine.attention.torch_backend import TorchAttention
+
+    tables = torch.tensor([[1, 2], [3, 4]], dtype=torch.int32)
+    decodes = AttentionMetadata.build([1, 1], [5, 9], tables, 16, torch.device("cpu"))
+    mixed = AttentionMetadata.build([1, 4], [5, 9], tables, 16, torch.device("cpu"))
+
+    class DeclaresNative(AttentionBackend):
+        def native_attends_step(self, meta: AttentionMetadata) -> bool:
+            return True
+
+    shape = (4, 2, 8, 8 ** -0.5)
+    assert FusedDecode.applies(DeclaresNative(*shape), mixed)
+    assert not FusedDecode.applies(TorchAttention(*shape), decodes)
+    assert FusedDecode.applies(CpuAttention(*shape), decodes)
+    assert not FusedDecode.applies(CpuAttention(*shape), mixed)
+    assert FusedDecode.applies(CpuAttention(*shape, prefill_in_kernel=True), mixed)

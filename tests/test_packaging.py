@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import site
+import stat
 import subprocess
 import sys
 import venv
@@ -57,7 +58,10 @@ def test_a_non_editable_install_answers_on_the_native_kernels_from_outside_the_r
     fresh_site = Path(subprocess.check_output(
         [fresh_python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
         text=True).strip())
-    (fresh_site / "dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    # Every site-packages this interpreter imports from: its own, and any a .pth adds.
+    dependencies = dict.fromkeys([*site.getsitepackages(),
+                                  *(p for p in sys.path if p.endswith("site-packages"))])
+    (fresh_site / "dependencies.pth").write_text("\n".join(dependencies) + "\n")
     subprocess.run([fresh_python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
                     str(wheel)], check=True, capture_output=True)
     home = tmp_path / "home"
@@ -75,5 +79,6 @@ def test_a_non_editable_install_answers_on_the_native_kernels_from_outside_the_r
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert "tokens/s" in result.stderr
-    built = {path.name for path in tmp_path.rglob("*.so") if "kernel" in str(path.parent)}
-    assert built, f"no native kernel was built: {result.stderr}"
+    kernels = home / "cache" / "kernels"
+    assert stat.S_IMODE(kernels.stat().st_mode) == 0o700
+    assert list(kernels.glob("paged-chat-kernels-*.so")), f"no native build: {result.stderr}"

@@ -22,6 +22,7 @@ from paged_chat.engine.models.quant import BLOCK_FORMATS, kernels
 from paged_chat.engine.models.quant.layout import QuantizedWeight
 from paged_chat.engine.models.quant.linear import QuantizedEmbedding, QuantizedLinear
 from paged_chat.engine.models.weight_cache import list_cached_weights
+from paged_chat.engine.native import bindings
 import tiny_models
 from tiny_models import PagedSequence, tiny_gguf
 
@@ -78,8 +79,8 @@ def test_the_layout_dequantizes_exactly_as_gguf(name):
 
 # The C kernels as built for this machine, the same source without AVX2 (its portable
 # loops, what other CPUs run), and none (the torch fallback).
-KERNEL_BUILDS = {"native": lambda: kernels.library(),
-                 "portable": lambda: kernels.build((["-O3", "-mno-avx2", "-fopenmp"],)),
+KERNEL_BUILDS = {"native": lambda: bindings.library(),
+                 "portable": lambda: bindings.build((["-O3", "-mno-avx2", "-fopenmp"],)),
                  "torch-fallback": lambda: None}
 
 
@@ -93,7 +94,7 @@ def test_float32_matmul_matches_a_float64_product_of_gguf_weights(name, build, m
         pytest.skip("no C compiler: every shape runs the torch fallback")
     library = KERNEL_BUILDS[build]()
     assert (library is None) == (build == "torch-fallback"), "the C kernels did not build"
-    monkeypatch.setattr(kernels, "library", lambda: library)
+    monkeypatch.setattr(bindings, "library", lambda: library)
     in_features = in_features_of(name)
     weight, dense = quantized(name, in_features)
     layer = QuantizedLinear([weight])
@@ -138,7 +139,7 @@ def test_each_cpu_kernel_computes_ragged_shapes_and_writes_only_its_columns(name
     """Every CPU kernel, whichever shapes `matmul` gives it: 71 weight rows (pc_gemm's
     tiles of 24 and blocks of 3 both end part-way), 1-13 rows of x (its blocks of 4 too),
     neighbour weight rows NaN, into a view of a wider NaN output that must keep its NaNs."""
-    if kernels.library() is None:
+    if bindings.library() is None:
         pytest.skip("no C compiler: only the torch fallback runs here")
     in_features = in_features_of(name)
     weight, dense = quantized(name, in_features)
@@ -226,7 +227,7 @@ def test_an_embedding_gathers_dequantized_rows_and_ties_the_output_projection(na
     """One format of each family the C kernels compile for; ids repeated, out of order,
     the first and last rows, of int32 and int64."""
     library = KERNEL_BUILDS[build]()
-    monkeypatch.setattr(kernels, "library", lambda: library)
+    monkeypatch.setattr(bindings, "library", lambda: library)
     weight, dense = quantized(name, in_features_of(name))
     embedding = QuantizedEmbedding(weight, torch.float32)
     for ids in (torch.tensor([[3, 0], [weight.rows - 1, 3]]),
@@ -240,7 +241,7 @@ def test_an_embedding_gathers_dequantized_rows_and_ties_the_output_projection(na
 @pytest.mark.parametrize("build", ["native", "torch-fallback"])
 def test_an_embedding_refuses_an_id_outside_its_table(build, monkeypatch):
     library = KERNEL_BUILDS[build]()
-    monkeypatch.setattr(kernels, "library", lambda: library)
+    monkeypatch.setattr(bindings, "library", lambda: library)
     weight, _ = quantized("Q4_1", 96)
     embedding = QuantizedEmbedding(weight, torch.float32)
     for bad in (weight.rows, -1 - weight.rows):

@@ -33,6 +33,12 @@ class AttentionBackend:
         """Shape of one layer's key (or value) cache."""
         return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
 
+    def native_attends_step(self, meta: AttentionMetadata) -> bool:
+        """Whether this backend is the native library's paged attention and attends every
+        sequence of the step `meta` describes (then the fused decode step may run the
+        layers, attention included, in C)."""
+        return False
+
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  key_cache: torch.Tensor, value_cache: torch.Tensor,
                  meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:

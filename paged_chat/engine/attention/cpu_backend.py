@@ -1,42 +1,30 @@
-"""Paged attention on the CPU by one C kernel per layer (paged_attention.c): the new K/V
-stored and the decodes attended in one call, each K/V block read once, in place, with an
-online softmax across blocks; float32 caches only.
+"""Paged attention on the CPU by one C kernel per layer (native/csrc/paged_attention.c):
+the new K/V stored and the decodes attended in one call, each K/V block read once, in
+place, with an online softmax across blocks; float32 caches only.
 
 Against the torch reference (torch_backend.py) it gathers nothing, builds no masks and
 pads no context to the batch's longest, so nothing is derived per step either: the
-kernel reads the metadata's lengths and tables as they are. Measured by
-benchmarks/cpu_attention_probe.py (2-core AVX2 EPYC, one thread, SmolLM2-135M's shapes,
-CPU time, loaded machine): decodes 3.6-9.5x faster than the reference's gather + bmm
-(batch 1 to 32, 400 to 2,000 tokens); a 256-token prefill chunk over 256 cached tokens
-0.7x of the reference's gather + SDPA flash kernel. So prefill chunks keep the
-reference's path unless `prefill_in_kernel` (the kernel attends them exactly too).
+kernel reads the metadata's lengths and tables as they are. Prefill chunks keep the
+reference's path, whose SDPA flash kernel is the faster there
+(benchmarks/cpu_attention_probe.py), unless `prefill_in_kernel` (the kernel attends them
+exactly too).
 """
 
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.torch_backend import TorchAttention
-from paged_chat.engine.native.build import NativeLibrary
-
-_P, _I = ctypes.c_void_p, ctypes.c_int64
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.pa_attention.argtypes = [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I, _P, _I, _P, _P, _P,
-                                 _I, _I, _I, _I, _I, ctypes.c_float, _I, _P, ctypes.c_int]
-
-
-_native = NativeLibrary(Path(__file__).parents[1] / "native" / "csrc" / "paged_attention.c", _declare)
+from paged_chat.engine.native import bindings
+from paged_chat.engine.native.bindings import PagedAttentionProblem
 
 
 def cpu_kernels_available() -> bool:
     """Whether the kernel builds on this machine (a C compiler is there)."""
-    return _native.load() is not None
+    return bindings.library() is not None
 
 
 class CpuAttention(TorchAttention):
@@ -48,10 +36,15 @@ class CpuAttention(TorchAttention):
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.prefill_in_kernel = prefill_in_kernel
 
+    def native_attends_step(self, meta: AttentionMetadata) -> bool:
+        """The kernel attends every sequence of the step: all decodes, or prefill chunks too
+        where `prefill_in_kernel`."""
+        return self.prefill_in_kernel or meta.num_decodes == meta.num_seqs
+
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                  key_cache: torch.Tensor, value_cache: torch.Tensor,
                  meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
-        lib = _native.load()
+        lib = bindings.library()
         assert lib is not None, "CpuAttention needs the C kernel: check cpu_kernels_available()"
         assert key_cache.dtype == torch.float32 and key_cache.is_contiguous()
         query, key, value = (_rows(t) for t in (query, key, value))
@@ -59,14 +52,17 @@ class CpuAttention(TorchAttention):
         in_kernel = meta.num_seqs if self.prefill_in_kernel else meta.num_decodes
         tables = meta.block_tables
         assert tables.is_contiguous() and meta.slot_mapping.dtype == torch.int64
-        lib.pa_attention(query.data_ptr(), query.stride(0), key.data_ptr(), key.stride(0),
-                         value.data_ptr(), value.stride(0), key_cache.data_ptr(),
-                         value_cache.data_ptr(), key_cache.shape[1], key_cache.shape[2],
-                         meta.slot_mapping.data_ptr(), query.shape[0],
-                         meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
-                         tables.data_ptr(), tables.shape[1], in_kernel, self.num_heads,
-                         self.num_kv_heads, self.head_dim, self.scale, sliding_window or 0,
-                         out.data_ptr(), torch.get_num_threads())
+        problem = PagedAttentionProblem(
+            query=query.data_ptr(), key=key.data_ptr(), value=value.data_ptr(),
+            q_stride=query.stride(0), k_stride=key.stride(0), v_stride=value.stride(0),
+            key_cache=key_cache.data_ptr(), value_cache=value_cache.data_ptr(),
+            num_blocks=key_cache.shape[1], block_size=key_cache.shape[2],
+            slot_mapping=meta.slot_mapping.data_ptr(), num_tokens=query.shape[0],
+            query_start=meta.query_start_loc.data_ptr(), seq_lens=meta.seq_lens.data_ptr(),
+            block_tables=tables.data_ptr(), table_width=tables.shape[1], num_seqs=in_kernel,
+            heads=self.num_heads, kv_heads=self.num_kv_heads, dim=self.head_dim,
+            scale=self.scale, window=sliding_window or 0, out=out.data_ptr())
+        lib.pa_attention(ctypes.byref(problem), torch.get_num_threads())
         for seq in range(in_kernel, meta.num_seqs):
             start, end = meta.query_start_loc_list[seq], meta.query_start_loc_list[seq + 1]
             out[start:end] = self._prefill(query[start:end], key_cache, value_cache, meta, seq,

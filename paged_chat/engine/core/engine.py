@@ -38,6 +38,7 @@ from paged_chat.engine.core.request import (EngineCoreOutput, FinishReason, Requ
                                        SamplingParams, TokenLogprob)
 from paged_chat.engine.worker.runner import ModelRunner
 from paged_chat.engine.core.scheduler import Scheduler
+from paged_chat.engine.native.build import use_cache_dir
 from paged_chat.engine.core.stats import EngineStats, KVTierStats, StepMetrics
 from paged_chat.engine.worker.structured_output import StructuredOutputManager
 from paged_chat.engine.worker.threads import StepThreads
@@ -62,6 +63,8 @@ class Engine:
         `source.tokenizer_source.saved_folder`); `info` then has no tokenizer and no chat
         template, and EOS is the model config's, which has a GGUF's converted tokenizer's."""
         self.config = config
+        if config.cache_dir is not None:  # the native kernels build under it too
+            use_cache_dir(config.cache_dir)
         # First, so its first look at the machine's load spans the model's loading.
         self.threads = StepThreads.from_setting(config.threads)
         self.device = resolve_device(config.device)

@@ -1,14 +1,13 @@
-"""A step's decoder layers as one C call (decode_layer.c), where the step is what that
-code computes exactly as the layers' Python forward does: float32 on the CPU with the
-fused ops, quantized linear layers without biases, Llama layers without q/k norms, and
-paged attention by the CPU kernel over every sequence of the step (all decodes, or
-prefill chunks where the backend attends them itself). The results are bit for bit the
-Python path's (the same kernels in the same order); the Python, dispatch and ctypes work
-between the ~20 calls of a layer is what goes (measured in the closing note of issue 30),
-and one call for all the layers, not one each: between the weights' reads, the host's
-code runs with cold caches (~10x a warm call's time). Its threads take the step's work in
-chunks rather than even shares that each op's end waits for, so a thread another process
-deschedules holds the step up for one chunk, not for every op (decode_layer.c).
+"""A step's decoder layers as one C call (native/csrc/decode_layer.c), where the step is
+what that code computes exactly as the layers' Python forward does: float32 on the CPU
+with the fused ops, quantized linear layers without biases, Llama layers without q/k
+norms, and paged attention by the native kernel over every sequence of the step (the
+backend says so: `native_attends_step`). The results are bit for bit the Python path's
+(the same kernels in the same order); the Python, dispatch and ctypes work between the
+~20 calls of a layer is what goes, and one call for all the layers, not one each: between
+the weights' reads, the host's code runs with cold caches. Its threads take the step's
+work in chunks rather than even shares that each op's end waits for, so a thread another
+process deschedules holds the step up for one chunk, not for every op (decode_layer.c).
 
 What a layer holds (weights' addresses, shapes, its KV cache) is written once into a C
 struct; what a step shares (metadata, scratch rows) into another, once per step.
@@ -17,49 +16,15 @@ struct; what a step shares (metadata, scratch rows) into another, once per step.
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from paged_chat.engine.attention.cpu_backend import CpuAttention
+from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.models.quant import kernels
 from paged_chat.engine.models.quant.linear import QuantizedLinear
-from paged_chat.engine.native.build import NativeLibrary
-
-MAX_PARTS = 3
-_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-
-
-class LinearStruct(ctypes.Structure):
-    _fields_ = [("low", _P * MAX_PARTS), ("high", _P * MAX_PARTS), ("scale", _P * MAX_PARTS),
-                ("offset", _P * MAX_PARTS), ("rows", _I * MAX_PARTS), ("group", _I * MAX_PARTS),
-                ("column", _I * MAX_PARTS), ("parts", _I), ("in_features", _I),
-                ("out_features", _I)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [("qkv", LinearStruct), ("o", LinearStruct), ("gate_up", LinearStruct),
-                ("down", LinearStruct),
-                ("input_norm", _P), ("post_norm", _P), ("eps", _F), ("scale", _F),
-                ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("window", _I),
-                ("key_cache", _P), ("value_cache", _P), ("num_blocks", _I), ("block_size", _I)]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [("tokens", _I), ("num_seqs", _I), ("table_width", _I), ("stream_max_rows", _I),
-                ("cos", _P), ("sin", _P), ("slot_mapping", _P), ("query_start", _P),
-                ("seq_lens", _P), ("block_tables", _P), ("normed", _P), ("qkv", _P),
-                ("attended", _P), ("gate_up", _P), ("mid", _P), ("threads", ctypes.c_int)]
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    if hasattr(lib, "dl_decode_layers"):   # AVX2 builds only
-        lib.dl_decode_layers.argtypes = [_P, _I, _P, _P, _P]
-        lib.dl_decode_layers.restype = ctypes.c_int
-
-
-_native = NativeLibrary(Path(__file__).parents[1] / "native" / "csrc" / "decode_layer.c", _declare)
+from paged_chat.engine.native import bindings
+from paged_chat.engine.native.bindings import MAX_PARTS, LayerStruct, LinearStruct, StepStruct
 
 
 def linear_struct(layer: QuantizedLinear) -> LinearStruct:
@@ -92,8 +57,8 @@ class FusedDecode:
     def __init__(self, layers, lib: ctypes.CDLL) -> None:
         self.layers = layers
         self.lib = lib
-        self._structs: list[_Layer] = []
-        self._addresses = (_P * len(layers))()
+        self._structs: list[LayerStruct] = []
+        self._addresses = (ctypes.c_void_p * len(layers))()
         self._kv_cache_address: int | None = None
         first = layers[0]
         self.hidden = first.self_attn.o_proj.out_features
@@ -106,19 +71,19 @@ class FusedDecode:
         """The fused step for `layers` (fused ops already on), or None where it does not
         compute them exactly: a layer it does not fit, or no AVX2 build (it is built for
         AVX2 only: its products are LayerMatmul's AVX2 kernels)."""
-        lib = _native.load()
+        lib = bindings.library()
         if (lib is None or not hasattr(lib, "dl_decode_layers")
                 or not all(_fits(layer) for layer in layers)):
             return None
         return cls(layers, lib)
 
     @staticmethod
-    def applies(attention: object, meta: AttentionMetadata) -> bool:
-        """Whether a step is one it computes: the CPU kernel attends every sequence."""
-        return isinstance(attention, CpuAttention) and (
-            attention.prefill_in_kernel or meta.num_decodes == meta.num_seqs)
+    def applies(attention: AttentionBackend, meta: AttentionMetadata) -> bool:
+        """Whether a step is one it computes: the native kernel attends every sequence."""
+        return attention.native_attends_step(meta)
 
-    def _layer_structs(self, kv_cache: torch.Tensor, attention: CpuAttention) -> ctypes.Array:
+    def _layer_structs(self, kv_cache: torch.Tensor, attention: AttentionBackend
+                       ) -> ctypes.Array:
         """The layers' structs' addresses, in order, the structs rebuilt only when the KV
         pool is a new tensor."""
         if kv_cache.data_ptr() == self._kv_cache_address:
@@ -127,7 +92,7 @@ class FusedDecode:
         structs = []
         for layer, layer_cache in zip(self.layers, kv_cache):
             attn, mlp = layer.self_attn, layer.mlp
-            structs.append(_Layer(
+            structs.append(LayerStruct(
                 qkv=linear_struct(attn.qkv_proj), o=linear_struct(attn.o_proj),
                 gate_up=linear_struct(mlp.gate_up_proj), down=linear_struct(mlp.down_proj),
                 input_norm=layer.input_layernorm.weight.data_ptr(),
@@ -142,7 +107,7 @@ class FusedDecode:
         return self._addresses
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_cache: torch.Tensor, meta: AttentionMetadata, attention: CpuAttention
+                 kv_cache: torch.Tensor, meta: AttentionMetadata, attention: AttentionBackend
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer on the embeddings `x` [tokens, hidden] (which becomes the residual
         stream, in place); returns (the last layer's output, the residual stream)."""
@@ -155,7 +120,7 @@ class FusedDecode:
         rows_at = [scratch.data_ptr() + 4 * tokens * sum(widths[:i]) for i in range(len(widths))]
         tables = meta.block_tables
         assert tables.is_contiguous() and meta.slot_mapping.dtype == torch.int64
-        step = _Step(tokens, meta.num_seqs, tables.shape[1], kernels.STREAM_MAX_ROWS,
+        step = StepStruct(tokens, meta.num_seqs, tables.shape[1], kernels.STREAM_MAX_ROWS,
                      cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(),
                      meta.query_start_loc.data_ptr(), meta.seq_lens.data_ptr(),
                      tables.data_ptr(), *rows_at,

@@ -1,5 +1,5 @@
-"""The decoder's pointwise work as one C call each (fused_ops.c), float32 on the CPU:
-residual add + RMSNorm, RoPE in place, SiLU-and-mul. The model uses them where
+"""The decoder's pointwise work as one C call each (native/csrc/fused_ops.c), float32 on
+the CPU: residual add + RMSNorm, RoPE in place, SiLU-and-mul. The model uses them where
 `available()` says the kernels built, unless EngineConfig.fused_ops is off; the torch ops
 in llama.py stay the reference (and the path for other dtypes and devices).
 """
@@ -7,31 +7,19 @@ in llama.py stay the reference (and the path for other dtypes and devices).
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 
-from paged_chat.engine.native.build import NativeLibrary
-
-_P, _I, _F, _T = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.fo_add_rms_norm.argtypes = [_P, _P, _P, _F, _I, _I, _P, _T]
-    lib.fo_rope.argtypes = [_P, _I, _I, _I, _I, _P, _P, _T]
-    lib.fo_silu_and_mul.argtypes = [_P, _I, _I, _P, _T]
-
-
-_native = NativeLibrary(Path(__file__).parents[1] / "native" / "csrc" / "fused_ops.c", _declare)
+from paged_chat.engine.native import bindings
 
 
 def available() -> bool:
     """Whether the kernels build on this machine (a C compiler is there)."""
-    return _native.load() is not None
+    return bindings.library() is not None
 
 
 def _library() -> ctypes.CDLL:
-    lib = _native.load()
+    lib = bindings.library()
     assert lib is not None, "fused ops need the C kernels: check available()"
     return lib
 

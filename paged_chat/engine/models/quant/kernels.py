@@ -1,57 +1,29 @@
-"""The CPU kernels of kernels.c, built once per machine with the system C compiler and
-called through ctypes (which releases the GIL for the call).
+"""The CPU kernels of native/csrc/quant_kernels.c, called through ctypes (which releases
+the GIL for the call), from the engine's native library (engine/native/bindings.py).
 
-Which kernel runs is chosen per shape, by measurement (benchmarks/quant_kernel_probe.py, on a
-2-core AVX2 EPYC, float32, SmolLM2-135M's matrices, ms per decode step's linear layers):
+Which kernel runs is chosen per shape, by measurement (benchmarks/quant_kernel_probe.py):
 up to `STREAM_MAX_ROWS` rows of activations, `pc_matmul` streams the packed weights once
-and dequantizes them in registers (1 row: 11 ms, 2.8x faster than oneDNN on the
-dequantized float32 weights); above, where the product is compute-bound, `pc_gemm`
+and dequantizes them in registers; above, where the product is compute-bound, `pc_gemm`
 dequantizes tiles of weight rows into a buffer that stays in L2 and multiplies them by
-register-blocked FMAs (32 rows: 76 ms, against 96 for oneDNN on float32 weights and 120-130
-for dequantized tiles through MKL; 512 rows: 1.18 against 1.25 s). Without AVX2 that
-path is `tile_matmul`'s: tiles dequantized (in torch ops where nothing is built), then MKL.
-
-The library is built by engine/native/build.py (once per machine, -march=native).
+register-blocked FMAs. Without AVX2 that path is `tile_matmul`'s: tiles dequantized (in
+torch ops where nothing is built), then MKL.
 """
 
 from __future__ import annotations
 
 import ctypes
 import threading
-from pathlib import Path
 
 import torch
 
 from paged_chat.engine.models.quant.layout import QuantizedWeight
-from paged_chat.engine.native.build import NativeLibrary
+from paged_chat.engine.native import bindings
 
 STREAM_MAX_ROWS = 4
 # Weight rows per dequantized tile: about 1 MiB of float32, L2-sized on the CPUs measured.
 _TILE_BYTES = 1 << 20
-_SOURCE = Path(__file__).parents[2] / "native" / "csrc" / "quant_kernels.c"
-_P, _I = ctypes.c_void_p, ctypes.c_int64
 
 _scratch = threading.local()
-
-
-def _declare(lib: ctypes.CDLL) -> None:
-    lib.pc_matmul.argtypes = [_P, _I, _P, _P, _P, _P, _I, _I, _I, _P, _I, ctypes.c_int]
-    if hasattr(lib, "pc_gemm"):
-        lib.pc_gemm.argtypes = lib.pc_matmul.argtypes
-    lib.pc_dequantize.argtypes = [_P, _P, _P, _P, _I, _P, _I, _I, _I, _P, ctypes.c_int]
-
-
-_native = NativeLibrary(_SOURCE, _declare)
-
-
-def library() -> ctypes.CDLL | None:
-    """The built kernels, or None where no C compiler builds them."""
-    return _native.load()
-
-
-def build(flag_sets: tuple[list[str], ...]) -> ctypes.CDLL | None:
-    """kernels.c built with the first of `flag_sets` the compiler takes, or None."""
-    return _native.build(flag_sets)
 
 
 def _pointer(tensor: torch.Tensor | None) -> int | None:
@@ -62,7 +34,7 @@ def dequantize(weight: QuantizedWeight, ids: torch.Tensor | None = None) -> torc
     """float32 [rows, in_features] of `weight`, or of its rows `ids` (int64, an embedding
     lookup: gathered and dequantized in one call, where the host's few ops before a step's
     weights stream in run with cold caches)."""
-    lib = library()
+    lib = bindings.library()
     if lib is None or ids is not None and ids.device.type != "cpu":
         return (weight if ids is None else weight.select(ids)).dequantize()
     if ids is not None and ids.dtype != torch.int64:
@@ -83,13 +55,13 @@ def _dequantize_into(lib: ctypes.CDLL, weight: QuantizedWeight, out: torch.Tenso
         raise IndexError(f"a row id is outside the table's {rows} rows")
 
 
-# (group, has a high plane) of every format family, as kernels.c compiles its row kernels
+# (group, has a high plane) of every format family, as quant_kernels.c compiles its row kernels
 # (FORMAT_VARIANTS): Q4_0/Q4_1/Q4_K; Q5_*/Q8_0; Q6_K.
 KERNEL_FORMATS = ((32, False), (32, True), (16, True))
 
 
 def _weight_args(weight: QuantizedWeight) -> tuple[int | None, ...]:
-    """What every kernel of kernels.c takes for a weight, in its order: the planes',
+    """What every kernel of quant_kernels.c takes for a weight, in its order: the planes',
     scales' and offsets' addresses, rows, in_features, group."""
     assert (weight.group, weight.high is not None) in KERNEL_FORMATS, weight.format
     return (weight.low.data_ptr(), _pointer(weight.high), weight.scale.data_ptr(),
@@ -114,13 +86,13 @@ class LayerMatmul:
         """`out` (a view with unit column stride) = x @ W.T; float32 x and out on the CPU
         (x contiguous), any activation dtype on a GPU (out in x's)."""
         if x.device.type == "cuda":
-            from paged_chat.engine.models.quant import triton_dequant as triton_kernels
+            from paged_chat.engine.models.quant import triton_dequant
 
             for part, column in zip(self.parts, self.columns):
-                triton_kernels.matmul(x, part, out[:, column:column + part.rows])
+                triton_dequant.matmul(x, part, out[:, column:column + part.rows])
             return
         assert x.dtype == out.dtype == torch.float32 and x.is_contiguous() and out.stride(1) == 1
-        rows, lib = x.shape[0], library()
+        rows, lib = x.shape[0], bindings.library()
         if lib is not None and rows <= STREAM_MAX_ROWS:
             kernel = lib.pc_matmul
         elif lib is not None and hasattr(lib, "pc_gemm"):
@@ -149,7 +121,7 @@ def gemm_matmul(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor) -> 
 
 def _run_kernel(name: str, x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor) -> None:
     assert x.dtype == out.dtype == torch.float32 and x.is_contiguous() and out.stride(1) == 1
-    lib = library()
+    lib = bindings.library()
     assert lib is not None and hasattr(lib, name), f"{name} is not built on this machine"
     getattr(lib, name)(x.data_ptr(), x.shape[0], *_weight_args(weight), out.data_ptr(),
                        out.stride(0), torch.get_num_threads())
@@ -159,7 +131,7 @@ def tile_matmul(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor) -> 
     """`LayerMatmul` of one weight by tiles of weight rows dequantized into a reused
     buffer, then MKL."""
     assert x.dtype == out.dtype == torch.float32 and out.stride(1) == 1
-    lib = library()
+    lib = bindings.library()
     tile_rows = max(1, _TILE_BYTES // (4 * weight.in_features))
     buffer = _tile_buffer(tile_rows * weight.in_features)
     for start in range(0, weight.rows, tile_rows):

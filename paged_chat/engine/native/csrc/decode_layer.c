@@ -1,5 +1,5 @@
 /* A Llama decoder layer's whole step in one C call (float32, CPU, quantized linear layers,
- * paged attention by attention/paged_attention.c), for steps whose every sequence the
+ * paged attention by paged_attention.c), for steps whose every sequence the
  * attention kernel attends itself. It runs the bodies of the kernels the layer's Python
  * forward calls one at a time (llama.py: DecoderLayer with fused ops), in the same order
  * on the same rows, so its results are bit for bit theirs. What it saves:
@@ -21,10 +21,8 @@
  *     residual += attended @ Wo.T; normed = rms_norm(residual) post_attention_layernorm
  *     out = silu_and_mul(normed @ Wgate_up.T) @ Wdown.T        mlp
  */
-#include "quant_kernels.c"
-#include "fused_ops.c"
-#include "paged_attention.c"
-
+#include <stdint.h>
+#include <stdlib.h>
 #include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -37,35 +35,14 @@
 #include <sched.h>
 #endif
 
-#define DL_MAX_PARTS 3
+#include "decode_layer.h"
+#include "fused_ops.h"
+#include "paged_attention.h"
+#include "quant_kernels.h"
 
-/* One quantized linear layer: its parts (kernels.c's layout), output columns side by side. */
-typedef struct {
-    const uint8_t *low[DL_MAX_PARTS], *high[DL_MAX_PARTS];
-    const float *scale[DL_MAX_PARTS], *offset[DL_MAX_PARTS];
-    int64_t rows[DL_MAX_PARTS], group[DL_MAX_PARTS], column[DL_MAX_PARTS];
-    int64_t parts, in_features, out_features;
-} dl_linear;
-
-/* What a layer holds: weights, shapes, its KV cache. */
-typedef struct {
-    dl_linear qkv, o, gate_up, down;
-    const float *input_norm, *post_norm;
-    float eps, scale;
-    int64_t heads, kv_heads, head_dim, window;
-    float *key_cache, *value_cache;
-    int64_t num_blocks, block_size;
-} dl_layer;
-
-/* What one step shares over its layers: the batch's metadata and scratch rows. */
-typedef struct {
-    int64_t tokens, num_seqs, table_width, stream_max_rows;
-    const float *cos, *sin;
-    const int64_t *slot_mapping;
-    const int32_t *query_start, *seq_lens, *block_tables;
-    float *normed, *qkv, *attended, *gate_up, *mid;
-    int threads;
-} dl_step;
+int64_t dl_linear_size(void) { return (int64_t)sizeof(dl_linear); }
+int64_t dl_layer_size(void) { return (int64_t)sizeof(dl_layer); }
+int64_t dl_step_size(void) { return (int64_t)sizeof(dl_step); }
 
 #ifdef __AVX2__
 /* The phases of a layer's step, in order: every chunk of one reads what the chunks of the
@@ -159,18 +136,18 @@ static void dl_matmul_chunk(const dl_linear *w, const dl_step *step, const float
     int64_t p = 0;
     for (; chunk >= dl_part_chunks(w, p, step); p++) chunk -= dl_part_chunks(w, p, step);
     if (dl_gemm(step)) {
-        gemm_tile(x, step->tokens, w->low[p], w->high[p], w->scale[p], w->offset[p],
-                  w->rows[p], k, w->group[p], chunk, worker->tile, out + w->column[p],
-                  w->out_features);
+        pc_gemm_tile(x, step->tokens, w->low[p], w->high[p], w->scale[p], w->offset[p],
+                     w->rows[p], k, w->group[p], chunk, worker->tile, out + w->column[p],
+                     w->out_features);
         return;
     }
     if (step->tokens == 1 && worker->sums_of != phase * DL_MAX_PARTS + p) {
-        x_group_sums(x, k, w->group[p], worker->sums);
+        pc_x_group_sums(x, k, w->group[p], worker->sums);
         worker->sums_of = phase * DL_MAX_PARTS + p;
     }
     const int64_t begin = chunk * rows;
     const int64_t end = begin + rows < w->rows[p] ? begin + rows : w->rows[p];
-    matmul_rows[FORMAT_INDEX(w->group[p], w->high[p])](
+    pc_matmul_rows[FORMAT_INDEX(w->group[p], w->high[p])](
         x, worker->sums, step->tokens, w->low[p], w->high[p], w->scale[p], w->offset[p],
         begin, end, k, out + w->column[p], w->out_features);
 }

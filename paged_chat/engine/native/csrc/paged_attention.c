@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #endif
 
+#include "paged_attention.h"
 #include "vector_exp.h"
 
 #define QUERY_TILE 16
@@ -174,24 +175,7 @@ static inline void attend_block(const float *values, int64_t first, int64_t last
     }
 }
 
-/* One call's attention: query [T, heads, dim] (token stride q_stride), key/value
- * [T, kv_heads, dim] (token strides k_stride, v_stride), out [T, heads, dim] contiguous. */
-typedef struct {
-    const float *query, *key, *value;
-    int64_t q_stride, k_stride, v_stride;
-    float *key_cache, *value_cache;
-    int64_t num_blocks, block_size;
-    const int64_t *slot_mapping;
-    int64_t num_tokens;
-    const int32_t *query_start, *seq_lens, *block_tables;
-    int64_t table_width, num_seqs, heads, kv_heads, dim;
-    float scale;
-    int64_t window;
-    float *out;
-} pa_problem;
-
-/* The step's new K/V of tokens [first, last) into their slots (slot -1: nothing stored). */
-static void pa_store(const pa_problem *p, int64_t first, int64_t last) {
+void pa_store(const pa_problem *p, int64_t first, int64_t last) {
     const int64_t head_stride = p->num_blocks * p->block_size * p->dim;
     for (int64_t t = first; t < last; t++) {
         if (p->slot_mapping[t] < 0) continue;
@@ -207,7 +191,7 @@ static void pa_store(const pa_problem *p, int64_t first, int64_t last) {
 
 /* The work items: first_item[s] is sequence s's first (num_seqs + 1 entries, the last the
  * count), a sequence's items its tiles of QUERY_TILE new tokens times its KV heads. */
-static int64_t pa_items(const pa_problem *p, int64_t *first_item) {
+int64_t pa_items(const pa_problem *p, int64_t *first_item) {
     first_item[0] = 0;
     for (int64_t s = 0; s < p->num_seqs; s++) {
         const int64_t new_tokens = p->query_start[s + 1] - p->query_start[s];
@@ -217,16 +201,15 @@ static int64_t pa_items(const pa_problem *p, int64_t *first_item) {
     return first_item[p->num_seqs];
 }
 
-/* Floats of an item's workspace (pa_attend_item). */
-static int64_t pa_workspace_floats(const pa_problem *p) {
+int64_t pa_workspace_floats(const pa_problem *p) {
     const int64_t rows = QUERY_TILE * (p->heads / p->kv_heads);
     return rows * p->dim + 2 * rows + (1 + p->dim) * p->block_size;
 }
 
 /* Work item `item` into p->out; `*seq` is where the search for its sequence starts (the
  * last item's, as items come in order on a thread). */
-static void pa_attend_item(const pa_problem *p, const int64_t *first_item, int64_t item,
-                           int64_t *seq, float *workspace) {
+void pa_attend_item(const pa_problem *p, const int64_t *first_item, int64_t item,
+                    int64_t *seq, float *workspace) {
     const int64_t group = p->heads / p->kv_heads, dim = p->dim, block_size = p->block_size;
     const int64_t rows = QUERY_TILE * group, window = p->window;
     float *acc = workspace, *max = acc + rows * dim, *sum = max + rows, *scores = sum + rows;
@@ -297,29 +280,21 @@ static int64_t pa_keys_read(const pa_problem *p) {
     return keys;
 }
 
-void pa_attention(const float *query, int64_t q_stride, const float *key, int64_t k_stride,
-                  const float *value, int64_t v_stride, float *key_cache, float *value_cache,
-                  int64_t num_blocks, int64_t block_size, const int64_t *slot_mapping,
-                  int64_t num_tokens, const int32_t *query_start, const int32_t *seq_lens,
-                  const int32_t *block_tables, int64_t table_width, int64_t num_seqs,
-                  int64_t heads, int64_t kv_heads, int64_t dim, float scale, int64_t window,
-                  float *out, int threads) {
-    const pa_problem p = {query, key, value, q_stride, k_stride, v_stride, key_cache,
-                          value_cache, num_blocks, block_size, slot_mapping, num_tokens,
-                          query_start, seq_lens, block_tables, table_width, num_seqs, heads,
-                          kv_heads, dim, scale, window, out};
-    pa_store(&p, 0, num_tokens);
-    int64_t *first_item = malloc((size_t)(num_seqs + 1) * sizeof(int64_t));
-    const int64_t items = pa_items(&p, first_item);
+int64_t pa_problem_size(void) { return (int64_t)sizeof(pa_problem); }
+
+void pa_attention(const pa_problem *p, int threads) {
+    pa_store(p, 0, p->num_tokens);
+    int64_t *first_item = malloc((size_t)(p->num_seqs + 1) * sizeof(int64_t));
+    const int64_t items = pa_items(p, first_item);
     /* A fork/join costs more than a small step's attention saves; on a loaded machine a
      * region also waits for a descheduled thread. */
-#pragma omp parallel num_threads(threads) if (items > 1 && pa_keys_read(&p) >= PARALLEL_MIN_KEYS)
+#pragma omp parallel num_threads(threads) if (items > 1 && pa_keys_read(p) >= PARALLEL_MIN_KEYS)
     {
-        float *workspace = malloc((size_t)pa_workspace_floats(&p) * sizeof(float));
+        float *workspace = malloc((size_t)pa_workspace_floats(p) * sizeof(float));
         int64_t seq = 0;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < items; item++)
-            pa_attend_item(&p, first_item, item, &seq, workspace);
+            pa_attend_item(p, first_item, item, &seq, workspace);
         free(workspace);
     }
     free(first_item);

@@ -26,12 +26,9 @@
 #include <immintrin.h>
 #endif
 
-#define ROWS_PER_TILE 4
+#include "quant_kernels.h"
 
-/* (group, has_high) of every format family: Q4_0, Q4_1, Q4_K; Q5_0, Q5_1, Q5_K, Q8_0; Q6_K
- * (kernels.py's KERNEL_FORMATS, which it checks every weight against). */
-#define FORMAT_VARIANTS(X) X(32, 0) X(32, 1) X(16, 1)
-#define FORMAT_INDEX(group, high) ((group) == 16 ? 2 : (high) != NULL)
+#define ROWS_PER_TILE 4
 
 #ifdef __AVX2__
 /* The codes of the 32 weights from byte `at` of a row's planes, as four vectors of eight
@@ -250,10 +247,8 @@ static inline __attribute__((always_inline)) void matmul_row(
     }
 }
 
-/* matmul_row over weight rows [begin, end), compiled for each format variant. */
-typedef void (*matmul_rows_fn)(const float *, const float *, int64_t, const uint8_t *,
-                               const uint8_t *, const float *, const float *, int64_t,
-                               int64_t, int64_t, float *, int64_t);
+/* matmul_row over weight rows [begin, end), compiled for each format variant
+ * (pc_matmul_rows). */
 #define MATMUL_ROWS(G, H)                                                                   \
     static void matmul_rows_##G##_##H(                                                     \
             const float *x, const float *x_sums, int64_t rows_x, const uint8_t *low,       \
@@ -267,11 +262,11 @@ typedef void (*matmul_rows_fn)(const float *, const float *, int64_t, const uint
     }
 FORMAT_VARIANTS(MATMUL_ROWS)
 #define MATMUL_ROWS_ENTRY(G, H) matmul_rows_##G##_##H,
-static const matmul_rows_fn matmul_rows[] = {FORMAT_VARIANTS(MATMUL_ROWS_ENTRY)};
+const pc_matmul_rows_fn pc_matmul_rows[3] = {FORMAT_VARIANTS(MATMUL_ROWS_ENTRY)};
 
-/* The sums of x's groups of `group` floats (k / group of them): what code_dot takes for
- * one row of x, computed once per product, not once per weight row. */
-static void x_group_sums(const float *x, int64_t k, int64_t group, float *sums) {
+/* What code_dot takes for one row of x, computed once per product, not once per weight
+ * row. */
+void pc_x_group_sums(const float *x, int64_t k, int64_t group, float *sums) {
     for (int64_t g = 0; g < k / group; g++) {
         float sum = 0.0f;
         for (int64_t i = 0; i < group; i++) sum += x[g * group + i];
@@ -279,19 +274,12 @@ static void x_group_sums(const float *x, int64_t k, int64_t group, float *sums) 
     }
 }
 
-/* Weight rows of a chunk of pc_matmul's: ~40 KB of 8-bit weights at the default model's
- * widths, a few microseconds. Chunks, not even shares, go to the threads: a thread that
- * another process deschedules holds the product up for its chunk, not for its share. */
-#define STREAM_CHUNK_ROWS 64
-
-/* out[m, n] (row stride out_stride) = sum_k x[m, k] * W[n, k], for m < rows_x; k is a
- * multiple of 32. */
 void pc_matmul(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *high,
                const float *scale, const float *offset, int64_t n_rows, int64_t k,
                int64_t group, float *out, int64_t out_stride, int threads) {
-    const matmul_rows_fn rows = matmul_rows[FORMAT_INDEX(group, high)];
+    const pc_matmul_rows_fn rows = pc_matmul_rows[FORMAT_INDEX(group, high)];
     float x_sums[rows_x == 1 ? k / group : 1];
-    if (rows_x == 1) x_group_sums(x, k, group, x_sums);
+    if (rows_x == 1) pc_x_group_sums(x, k, group, x_sums);
     const int64_t chunks = (n_rows + STREAM_CHUNK_ROWS - 1) / STREAM_CHUNK_ROWS;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t chunk = 0; chunk < chunks; chunk++) {
@@ -302,10 +290,6 @@ void pc_matmul(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t
     }
 }
 
-/* Dequantized weight rows per tile of pc_gemm: a multiple of GEMM_NR, about 55-150 KB of
- * float32 at the default model's widths, so a tile stays in L2 while every row of x
- * passes over it. */
-#define GEMM_TILE_ROWS 24
 #define GEMM_MR 4
 #define GEMM_NR 3
 
@@ -357,9 +341,9 @@ static void (*const dot_blocks[GEMM_MR])(const float *, const float *, int, int6
 /* Tile `t` of pc_gemm: weight rows [t * GEMM_TILE_ROWS, +GEMM_TILE_ROWS) dequantized once
  * into `w` (GEMM_TILE_ROWS * k floats, padded with zero rows to a multiple of GEMM_NR),
  * then every block of GEMM_MR rows of x multiplied with it by dot_block. */
-static void gemm_tile(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *high,
-                      const float *scale, const float *offset, int64_t n_rows, int64_t k,
-                      int64_t group, int64_t t, float *w, float *out, int64_t out_stride) {
+void pc_gemm_tile(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *high,
+                  const float *scale, const float *offset, int64_t n_rows, int64_t k,
+                  int64_t group, int64_t t, float *w, float *out, int64_t out_stride) {
     const int64_t n0 = t * GEMM_TILE_ROWS;
     const int64_t count = n_rows - n0 < GEMM_TILE_ROWS ? n_rows - n0 : GEMM_TILE_ROWS;
     dequantize_tile(low, high, scale, offset, n0, count,
@@ -375,7 +359,7 @@ static void gemm_tile(const float *x, int64_t rows_x, const uint8_t *low, const 
 }
 
 /* `pc_matmul` for many rows of x (compute-bound), by tiles of GEMM_TILE_ROWS weight rows
- * (gemm_tile), each to the next thread free (as pc_matmul's chunks). */
+ * (pc_gemm_tile), each to the next thread free (as pc_matmul's chunks). */
 void pc_gemm(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *high,
              const float *scale, const float *offset, int64_t n_rows, int64_t k,
              int64_t group, float *out, int64_t out_stride, int threads) {
@@ -385,13 +369,12 @@ void pc_gemm(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *
         float *w = aligned_alloc(64, GEMM_TILE_ROWS * k * sizeof(float));
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tiles; t++)
-            gemm_tile(x, rows_x, low, high, scale, offset, n_rows, k, group, t, w, out,
-                      out_stride);
+            pc_gemm_tile(x, rows_x, low, high, scale, offset, n_rows, k, group, t, w, out,
+                         out_stride);
         free(w);
     }
 }
 #else
-/* out[m, n] (row stride out_stride) = sum_k x[m, k] * W[n, k], for m < rows_x. */
 void pc_matmul(const float *x, int64_t rows_x, const uint8_t *low, const uint8_t *high,
                const float *scale, const float *offset, int64_t n_rows, int64_t k,
                int64_t group, float *out, int64_t out_stride, int threads) {

@@ -1,4 +1,4 @@
-/* Shared by the engine's C kernels (native.py puts this folder on their include path). */
+/* Shared by the engine's C kernels (csrc/, on the include path of the build). */
 #ifndef PAGED_CHAT_VECTOR_EXP_H
 #define PAGED_CHAT_VECTOR_EXP_H
 
