@@ -35,7 +35,7 @@ console script `paged-chat` of one venv, under the tree's PYTHONPATH, with the u
 dir (warm), an empty config (or --config) and a throwaway data dir. The engine alone runs in
 a process of its own under the same tree, after each demo.
 
-    python benchmarks/demo_panel_probe.py /tmp/base /work/main [--rounds 2] [--readings 5]
+    python -m benchmarks.demo_panel_probe /tmp/base /work/main [--rounds 2] [--readings 5]
         [--seed N] [--config F]
 """
 

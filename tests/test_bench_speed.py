@@ -1,5 +1,6 @@
-"""The speed scenarios of `paged-chat bench`: the contention runner's busy processes never
-outlive it, and a contended run reports quiet and contended figures side by side."""
+"""The contention and host-overhead harnesses (benchmarks/): the busy processes never outlive
+the harness, a contended run reports quiet and contended figures side by side, and the host
+overhead is the step's time less the sampler's."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import time
 
 import pytest
 
-from paged_chat.bench import BenchOptions, run_bench
-from paged_chat.bench.report import format_report
-from benchmarks.contention import busy_processes
+from benchmarks.contention import busy_processes, format_contention, run_contention
+from paged_chat.bench import BenchOptions
+
+pytestmark = pytest.mark.perf
 
 
 def gone(pid: int) -> bool:
@@ -73,14 +75,14 @@ def test_busy_processes_stop_by_themselves_at_their_bound():
 def test_contended_run_reports_quiet_and_contended(chat_model_dir):
     options = BenchOptions(model=str(chat_model_dir), num_chats=2, min_output=3, max_output=4,
                            dtype="float32", threads=1, systems=("paged-chat",),
-                           scenarios=False, contention=1)
+                           scenarios=False)
     before = live_children()
-    report = run_bench(options, log=lambda line: None)
+    report = run_contention(options, busy=1, log=lambda line: None)
     names = [summary["system"] for summary in report["systems"]]
     assert names == ["paged-chat", "paged-chat +1 busy"]
     (row,) = report["contention"]
     assert row["quiet_tokens_per_s"] > 0 and row["contended_tokens_per_s"] > 0
-    assert "beside 1 busy processes" in format_report(report)
+    assert "beside 1 busy processes" in format_contention(report["contention"])
     assert live_children() <= before
 
 

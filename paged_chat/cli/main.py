@@ -556,17 +556,10 @@ def bench(ctx: typer.Context,
           json_path: Annotated[Path | None, typer.Option("--json", help="Write the report here.")] = None,
           plot_path: Annotated[Path | None, typer.Option("--plot", help="Draw a PNG here.")] = None,
           seed: Annotated[int, typer.Option(help="Workload seed.")] = 0,
-          contention: Annotated[int, typer.Option(
-              min=0, help="Run every system again beside N busy processes.")] = 0,
           engine_threads: Annotated[int | None, typer.Option(
               min=1, help="paged-chat's threads (default: adapt to the machine).")] = None,
-          host_overhead: Annotated[bool, typer.Option(
-              "--host-overhead", help="Time the engine per step over a stub forward.")] = False,
           weights: Annotated[str, typer.Option(
               help="paged-chat's GGUF weights: quantized or dequantize.")] = "quantized",
-          tui: Annotated[int, typer.Option(
-              "--tui", min=0, help="Instead: the app headless with N streaming tabs vs the engine "
-                                   "alone (replies of --max-output tokens), and a UI profile.")] = 0,
           ) -> None:
     """Run one seeded chat workload through paged-chat and the Hugging Face baselines, side
     by side in one process, and print absolute figures and ratios."""
@@ -574,15 +567,6 @@ def bench(ctx: typer.Context,
     from paged_chat.bench.report import format_report, plot, write_json
 
     with _reported(ctx):
-        if tui:
-            from benchmarks.tui_headless import TuiBenchOptions, format_tui_report, run_tui_bench
-            report = run_tui_bench(TuiBenchOptions(model=model, tabs=tui, max_tokens=max_output,
-                                                   dtype=dtype, seed=seed, threads=engine_threads),
-                                   log=lambda line: typer.echo(line, err=True))
-            typer.echo(format_tui_report(report))
-            if json_path is not None:
-                write_json(report, str(json_path))
-            return
         sizes = (dict(num_chats=8, min_output=16, max_output=48, hf_seq_requests=2) if quick else
                  dict(num_chats=chats, min_output=min_output, max_output=max_output))
         if sizes["min_output"] > sizes["max_output"]:
@@ -590,8 +574,7 @@ def bench(ctx: typer.Context,
         options = BenchOptions(model=model, dtype=dtype, baseline_dtype=baseline_dtype,
                                threads=threads, seed=seed, block_size=block_size, scenarios=scenarios, roofline=roofline,
                                systems=tuple(name.strip() for name in systems.split(",") if name.strip()),
-                               contention=contention, engine_threads=engine_threads,
-                               host_overhead=host_overhead, weights=weights, **sizes)
+                               engine_threads=engine_threads, weights=weights, **sizes)
         report = run_bench(options, log=lambda line: typer.echo(line, err=True))
         typer.echo(format_report(report))
         if json_path is not None:
