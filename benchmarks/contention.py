@@ -42,10 +42,9 @@ def busy_processes(count: int, bound_s: float, settle_s: float = 1.0
     """Run `count` CPU-bound processes for at most `bound_s` seconds; kill them on exit.
 
     They run `settle_s` before the caller goes on: a user's build or browser is busy before
-    the chat starts, not from the same instant. (Started together with a run, the load came
-    after an engine that had just measured a quiet machine chose its first step's threads:
-    the quick workload's whole prefill then ran on both cores beside them, 3.5 s against
-    1.2 s quiet.)"""
+    the chat starts, not from the same instant. (Started together with a run, the load would
+    come after an engine that had just measured a quiet machine chose its first step's
+    threads, and the run would measure that choice.)"""
     processes: list[subprocess.Popen] = []
     try:
         for _ in range(count):

@@ -13,8 +13,7 @@ KV pool (never read: the forward is stubbed) stays small.
 The sampler's math runs on the CPU here; on a GPU it runs on the device. The runner times it
 inside each step (`sample_ms`), and the host part proper is what is left (`host_ms`). It
 still counts here in one way: its 50 MB read of the logits at batch 256 leaves the caches
-cold for the rest of the step, which a GPU's host would not see (the engine's own work
-measured hot is about half as long).
+cold for the rest of the step, which a GPU's host would not see.
 
 Times are the stepping thread's CPU time (`time.thread_time`) with torch on that one thread:
 on a machine other processes keep busy, wall time measures the load, not the engine. The
