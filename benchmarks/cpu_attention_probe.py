@@ -7,7 +7,7 @@ Cases: decode batches at a context length (every sequence its own random blocks)
 prefill chunk over a cached prefix. The two paths alternate sample by sample (A/B
 interleaved, so a change in the machine's load hits both); medians are printed as JSON.
 
-    HF_HUB_OFFLINE=1 python benchmarks/cpu_attention_probe.py [--samples 9] [--threads 2]
+    HF_HUB_OFFLINE=1 python -m benchmarks.cpu_attention_probe [--samples 9] [--threads 2]
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 """`paged-chat --demo 8` in tmux at 160x50, read as issue 32 read it: the engine panel's
 `gen` tokens/s, READINGS readouts (or --readings) EVERY_S apart once the demo has run
 WARM_S, their median against the engine alone on the same 8 demo chats
-(`bench.tui.run_engine_alone`: their first turns, greedy, 96 tokens each, as
+(`benchmarks.tui_headless.run_engine_alone`: their first turns, greedy, 96 tokens each, as
 `python -m benchmarks.tui_terminal` runs it).
 
 The demo is not that workload: its tabs sample (the model's temperature and top-p), stop at
@@ -12,18 +12,17 @@ autopilots, sampling and engine process as the app's, their turns through the en
 (`headless_demo` below), read off `stats()` at the same times. The app against that is what
 the UI costs the demo.
 
-A readout is the panel's tokens/s of the last moment: one run's five went from 88 to 192
-as tabs paused and started. So each run also gives its average over the readouts' whole
+A readout is the panel's tokens/s of the last moment, which swings as tabs pause and
+start. So each run also gives its average over the readouts' whole
 window, from the engine's count of generated tokens: the app's off its `/metrics` (the demo
 runs with `--serve` for it: an idle API server on the app's engine), the headless demo's
 off `stats()`.
 
 What the batch does to tokens/s, it does not do to a step's time: a decode step reads the
-weights once for all its sequences, so it takes about as long for 5 as for 8 (the app's
-demo: 31 ms at 6.1 sequences a step; the engine alone: 30 ms at 8). So each run also reads
-the last step's milliseconds at each readout, off the panel (`step N ms`) and off the
-headless demo's `stats()`, and compares their medians: the UI's cost without the batch's
-noise (a readout that falls on a prompt's chunk reads long; the median passes over it).
+weights once for all its sequences, so it takes about as long for 5 as for 8. So each run
+also reads the last step's milliseconds at each readout, off the panel (`step N ms`) and
+off the headless demo's `stats()`, and compares their medians: the UI's cost without the
+batch's noise (a readout that falls on a prompt's chunk reads long; the median passes over it).
 
 The demo draws its tabs' prompts and pauses from the clock, so no two runs carry the same
 work; `--seed N` gives the app's demo (through a `sitecustomize` on its PYTHONPATH) and the
@@ -35,7 +34,7 @@ console script `paged-chat` of one venv, under the tree's PYTHONPATH, with the u
 dir (warm), an empty config (or --config) and a throwaway data dir. The engine alone runs in
 a process of its own under the same tree, after each demo.
 
-    python benchmarks/demo_panel_probe.py /tmp/base /work/main [--rounds 2] [--readings 5]
+    python -m benchmarks.demo_panel_probe /tmp/base /work/main [--rounds 2] [--readings 5]
         [--seed N] [--config F]
 """
 

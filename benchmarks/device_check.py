@@ -8,7 +8,7 @@ into an ignored folder, `pip download --no-deps --only-binary=:all: --python-ver
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
     export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 &&
-    python3 benchmarks/device_check.py 2>&1 | tee $OUT/device_check.log       # ~8 minutes (est.)
+    python3 -m benchmarks.device_check 2>&1 | tee $OUT/device_check.log       # ~8 minutes (est.)
     python3 -m pytest -q tests/test_triton_kernels.py -k "not engine"      # optional, ~1 min
 
 (The default model's 98 MB GGUF exceeds what a call may carry, so the engine stage runs
@@ -19,9 +19,9 @@ tests/test_triton_kernels.py; the whole matrix, 224 variants, takes ~4 minutes o
 the second runs every stage at toy sizes under the interpreter, to find the script's own
 bugs before a lease is spent on them; its numbers mean nothing):
 
-    .venv/bin/python benchmarks/device_check.py --compile-only --arch 80,86,89,90 \
+    .venv/bin/python -m benchmarks.device_check --compile-only --arch 80,86,89,90 \
         [--head-dims 64,80,96,128,256] [--dtypes bf16,fp16,fp32]
-    TRITON_INTERPRET=1 .venv/bin/python benchmarks/device_check.py --cpu-dry-run
+    TRITON_INTERPRET=1 .venv/bin/python -m benchmarks.device_check --cpu-dry-run
 
 Stages, in order; one that fails records its error and the others still run:
 
@@ -82,18 +82,15 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import triton  # noqa: E402
-
-from paged_chat.engine.attention import triton_paged_attention as triton_kernels  # noqa: E402
-from paged_chat.engine.attention.metadata import AttentionMetadata  # noqa: E402
-from paged_chat.engine.attention.torch_backend import TorchAttention  # noqa: E402
-from paged_chat.engine.attention.triton_backend import (  # noqa: E402
+from paged_chat.engine.attention import triton_paged_attention
+from paged_chat.engine.attention.metadata import AttentionMetadata
+from paged_chat.engine.attention.torch_backend import TorchAttention
+from paged_chat.engine.attention.triton_backend import (
     SHARED_MEMORY_BYTES, TileConfig, TritonAttention, device_arch)
-from paged_chat.engine.models.quant import triton_dequant as quant_triton_kernels  # noqa: E402
-from paged_chat.engine.models.quant.layout import QuantizedWeight  # noqa: E402
+from paged_chat.engine.models.quant import triton_dequant
+from paged_chat.engine.models.quant.layout import QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -240,9 +237,9 @@ def captured_launches(forward: bool = False
     recorders: (kernel, arguments by name, launch options) per launch; `forward` also
     launches them (else nothing runs)."""
     launches: list[tuple[Any, dict[str, Any], dict[str, Any]]] = []
-    kernels = {triton_kernels: ("_store_kv_kernel", "_paged_attention_kernel",
+    kernels = {triton_paged_attention: ("_store_kv_kernel", "_paged_attention_kernel",
                                 "_merge_splits_kernel"),
-               quant_triton_kernels: ("_gemv_kernel", "_dot_kernel")}
+               triton_dequant: ("_gemv_kernel", "_dot_kernel")}
     originals = {(module, name): getattr(module, name)
                  for module, names in kernels.items() for name in names}
 
@@ -346,11 +343,11 @@ def variant_launches(shape: Shape, dtype: torch.dtype, arch: int
     meta = batch.meta()
     output = torch.empty_like(batch.query)
     with captured_launches() as launches:
-        triton_kernels.store_kv(batch.key, batch.value, batch.key_cache, batch.value_cache,
+        triton_paged_attention.store_kv(batch.key, batch.value, batch.key_cache, batch.value_cache,
                                 meta.slot_mapping)
         for seqs, kind in ((range(2), "decode"), (range(2, 4), "prefill")):
             block_q, tiles = triton_backend.tile(kind, dtype, arch)
-            triton_kernels.paged_attention(
+            triton_paged_attention.paged_attention(
                 batch.query, batch.key_cache, batch.value_cache, output, meta, seqs, 0.125,
                 block_q=block_q, tile_n=tiles.tile_n, num_splits=4, num_warps=tiles.num_warps,
                 num_stages=tiles.num_stages)
@@ -381,10 +378,10 @@ def quantized_launches(dtype: torch.dtype) -> list[tuple[Any, dict[str, Any], di
     with captured_launches() as launches:
         for layout in QUANT_LAYOUTS:
             weight = random_quantized(64, 256, layout, torch.device("cpu"), generator)
-            for rows in (1, quant_triton_kernels.GEMV_MAX_ROWS + 1):
+            for rows in (1, triton_dequant.GEMV_MAX_ROWS + 1):
                 x = torch.zeros(rows, 256, dtype=dtype)
                 out = torch.empty(rows, 64, dtype=dtype)
-                quant_triton_kernels.matmul(x, weight, out)
+                triton_dequant.matmul(x, weight, out)
     return launches
 
 
@@ -511,7 +508,7 @@ def row_errors(ours: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 def dropped_split(index: int) -> Iterator[list[int]]:
     """Make every split merge ignore split `index` (its log-sum-exp forced to -inf), as a
     broken split bound or merge would; yields the list of merges it dropped a split from."""
-    original = triton_kernels._merge_splits_kernel
+    original = triton_paged_attention._merge_splits_kernel
     fired: list[int] = []
 
     class Dropping:
@@ -523,11 +520,11 @@ def dropped_split(index: int) -> Iterator[list[int]]:
                 original[grid](partial_out, partial_lse, *args, **kwargs)
             return launch
 
-    triton_kernels._merge_splits_kernel = Dropping()
+    triton_paged_attention._merge_splits_kernel = Dropping()
     try:
         yield fired
     finally:
-        triton_kernels._merge_splits_kernel = original
+        triton_paged_attention._merge_splits_kernel = original
 
 
 def check_batch(shape: Shape, seqs: list[tuple[int, int]], dtype: torch.dtype,
@@ -552,11 +549,11 @@ def check_batch(shape: Shape, seqs: list[tuple[int, int]], dtype: torch.dtype,
                                     batch.value_cache, batch.meta())
     else:
         meta = batch.meta()
-        triton_kernels.store_kv(batch.key, batch.value, batch.key_cache, batch.value_cache,
+        triton_paged_attention.store_kv(batch.key, batch.value, batch.key_cache, batch.value_cache,
                                 meta.slot_mapping)
         triton_out = torch.empty_like(batch.query)
         block_q, tiles = triton_backend.tile("decode", dtype, device_arch(device))
-        triton_kernels.paged_attention(
+        triton_paged_attention.paged_attention(
             batch.query, batch.key_cache, batch.value_cache, triton_out, meta,
             range(meta.num_seqs), shape.head_dim ** -0.5, block_q=block_q,
             tile_n=tiles.tile_n, num_splits=num_splits)
@@ -646,7 +643,7 @@ def timings_stage(plan: Plan, copy_gb_per_s: float | None) -> list[dict[str, Any
             batch.value_cache.nan_to_num_(0.0)
             block_q, tiles = triton_backend.tile(kind, torch.bfloat16, arch)
             programs = sum(triton.cdiv(new, block_q) for _, new in seqs) * shape.num_kv_heads
-            splits = triton_kernels.choose_num_splits(programs, max(batch.seq_lens), sms)
+            splits = triton_paged_attention.choose_num_splits(programs, max(batch.seq_lens), sms)
             run = KernelRun(batch, shape, block_q, plan)
             entry = {"kind": kind, "shape": shape.name, "case": name, "splits": splits,
                      "triton_backend_ms": backend_ms(triton_backend, batch, plan),
@@ -686,10 +683,10 @@ class KernelRun:
 
     def ms(self, tiles: TileConfig, splits: int) -> float:
         batch = self.batch
-        workspace = triton_kernels.split_workspace(
+        workspace = triton_paged_attention.split_workspace(
             batch.query.shape[0], self.shape.num_heads, self.shape.head_dim, splits,
             batch.query.device) if splits > 1 else None
-        return time_ms(lambda: triton_kernels.paged_attention(
+        return time_ms(lambda: triton_paged_attention.paged_attention(
             batch.query, batch.key_cache, batch.value_cache, self.output, self.meta,
             range(len(batch.seq_lens)), self.shape.head_dim ** -0.5, block_q=self.block_q,
             tile_n=tiles.tile_n, num_splits=splits, num_warps=tiles.num_warps,
@@ -701,7 +698,7 @@ class KernelRun:
         results: dict[str, Any] = {}
         variants = [(TileConfig(tiles.rows, tile_n, warps, stages), splits)
                     for tile_n in (32, 64, 128) for warps in (4, 8) for stages in (2, 3, 4)]
-        variants += [(tiles, max(1, splits // 2)), (tiles, min(triton_kernels.MAX_SPLITS,
+        variants += [(tiles, max(1, splits // 2)), (tiles, min(triton_paged_attention.MAX_SPLITS,
                                                                2 * splits))]
         for variant, variant_splits in variants:
             key = (f"tile_n{variant.tile_n}_warps{variant.num_warps}_stages{variant.num_stages}"
@@ -717,7 +714,7 @@ class KernelRun:
 
 
 def quantized_stage(plan: Plan, copy_gb_per_s: float | None) -> list[dict[str, Any]]:
-    """The quantized linear layers' kernels (quant/triton_kernels.py) in both layouts, bf16
+    """The quantized linear layers' kernels (quant/triton_dequant.py) in both layouts, bf16
     activations, at each row count of the plan: the error against the dequantized weights
     in fp32, the kernel's time against F.linear over the same weights dequantized to bf16,
     and the weight bytes the kernel reads per second (its fraction of the copy's)."""
@@ -732,12 +729,12 @@ def quantized_stage(plan: Plan, copy_gb_per_s: float | None) -> list[dict[str, A
             x = torch.randn(rows, in_features, generator=generator)
             x = x.to(plan.device, torch.bfloat16)
             out = torch.empty(rows, rows_w, dtype=torch.bfloat16, device=plan.device)
-            quant_triton_kernels.matmul(x, weight, out)
+            triton_dequant.matmul(x, weight, out)
             reference = x.float() @ dense.T
             error = float((out.float() - reference).abs().max() / reference.abs().max())
             baseline = float((F.linear(x, dense_bf16).float() - reference).abs().max()
                              / reference.abs().max())
-            kernel_ms = time_ms(lambda: quant_triton_kernels.matmul(x, weight, out),
+            kernel_ms = time_ms(lambda: triton_dequant.matmul(x, weight, out),
                                 plan.device, plan.iters)
             entry = {"layout": layout, "rows": rows, "matrix": f"{rows_w}x{in_features}",
                      "max_rel_err": error, "f_linear_bf16_max_rel_err": baseline,

@@ -1,4 +1,4 @@
-"""`bench --host-overhead`: the engine's own time per step, with the model taken away.
+"""The engine's own time per step, with the model taken away.
 
 On a GPU the forward of a small model takes a few milliseconds, so every millisecond the
 engine spends on the host per step (scheduling, block tables, the step's input tensors,
@@ -13,16 +13,20 @@ KV pool (never read: the forward is stubbed) stays small.
 The sampler's math runs on the CPU here; on a GPU it runs on the device. The runner times it
 inside each step (`sample_ms`), and the host part proper is what is left (`host_ms`). It
 still counts here in one way: its 50 MB read of the logits at batch 256 leaves the caches
-cold for the rest of the step, which a GPU's host would not see (the engine's own work
-measured hot is about half as long).
+cold for the rest of the step, which a GPU's host would not see.
 
 Times are the stepping thread's CPU time (`time.thread_time`) with torch on that one thread:
 on a machine other processes keep busy, wall time measures the load, not the engine. The
 wall time of a step is reported too (`step_wall_ms`).
+
+From the repository root (`-h` for the options):
+
+    python -m benchmarks.host_overhead [--model smollm2-135m] [--batch-sizes 32,128,256]
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import random
 import statistics
@@ -31,7 +35,7 @@ import time
 import torch
 
 from paged_chat.engine import Engine, EngineConfig, OutputProcessor, SamplingParams
-from paged_chat.engine.models.loader import ModelSource
+from paged_chat.engine.models.loader import ModelSource, load_model_source
 
 
 _PREFILL_BUDGET = 16384  # tokens per step while the contexts fill: the stub makes them free
@@ -114,3 +118,20 @@ def format_host_overhead(rows: list[dict]) -> str:
               f"{row['sample_ms']:.2f} ms (device work on a GPU); stats() {row['stats_ms']:.2f} ms; "
               f"step wall {row['step_wall_ms']:.2f} ms" for row in rows]
     return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.host_overhead",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--batch-sizes", default="32,128,256", help="comma-separated")
+    parser.add_argument("--decode-steps", type=int, default=16)
+    args = parser.parse_args()
+    rows = host_overhead(load_model_source(args.model),
+                         batch_sizes=tuple(int(size) for size in args.batch_sizes.split(",")),
+                         decode_steps=args.decode_steps)
+    print(format_host_overhead(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -12,7 +12,7 @@ output, gate/up, down of each layer, the output projection) runs back to back th
 each kernel; a kernel's rate is the bytes of weights it holds over the time of one pass.
 Copy bandwidth: a 256 MiB float32 copy, bytes read + written per second.
 
-    HF_HUB_OFFLINE=1 python benchmarks/quant_kernel_probe.py [--threads 2] [--rows 1 4 8 16 32]
+    HF_HUB_OFFLINE=1 python -m benchmarks.quant_kernel_probe [--threads 2] [--rows 1 4 8 16 32]
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ run() {  # run NAME COMMAND...: the load before it, then its output, into OUT/NA
     local name=$1; shift
     (uptime; timeout 900 "$@") > "$OUT/$name.txt" 2>&1
 }
-run probe $PY benchmarks/quant_kernel_probe.py --rows 1 32 --repeats 10
+run probe $PY -m benchmarks.quant_kernel_probe --rows 1 32 --repeats 10
 run decode_llama_bench "$("$PEERS/llama_cpp.sh" bin)/llama-bench" -m "$GGUF" -t 2 -p 0 -n 64 -r 5
 run decode_paged_chat bash -c "for run in 1 2 3; do $PC ask --no-save --stats --max-tokens 64 \
     --temperature 0 'Write a story about a dragon.' 2>&1 | tail -1; done"

@@ -15,7 +15,7 @@ What the shown tab streams decides most of the cost (a list or a code block re-l
 reply out line by line), and the demo draws its tabs' prompts from the clock; so the hook
 also gives the demo one seed (--seed) for every tree and round, as demo_panel_probe's does.
 
-    python benchmarks/screen_update_probe.py TREE [TREE ...] [--rounds 2]
+    python -m benchmarks.screen_update_probe TREE [TREE ...] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from demo_panel_probe import SEEDED, tmux   # this folder: sys.path[0] when run as a script
+from benchmarks.demo_panel_probe import SEEDED, tmux
 
 WARM_S = 20.0
 WINDOW_S = 30.0

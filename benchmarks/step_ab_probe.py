@@ -8,7 +8,7 @@ decode steps of the whole batch; it reports the median prefill time and decode s
 (ms) over the rounds, the decode tokens/s they imply, the load average, and whether
 both paths sampled the same greedy tokens.
 
-    HF_HUB_OFFLINE=1 python benchmarks/step_ab_probe.py [--batch 1] [--prompt 200] [--rounds 5]
+    HF_HUB_OFFLINE=1 python -m benchmarks.step_ab_probe [--batch 1] [--prompt 200] [--rounds 5]
 """
 
 from __future__ import annotations

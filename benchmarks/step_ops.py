@@ -7,7 +7,7 @@ dispatches (each is a kernel launch on a GPU), split into the runner's host prep
 (`_prepare`) and the rest, and with the Triton kernels wrapped to count their launches
 (the Triton backend runs under TRITON_INTERPRET=1 here).
 
-    TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 python benchmarks/step_ops.py [--batch 8] [--backend triton]
+    TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 python -m benchmarks.step_ops [--batch 8] [--backend triton]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The TUI scenario of `paged-chat bench`: what watching the engine costs it.
+"""The TUI headless: what watching the engine costs it.
 
 The same chats (the demo's tabs: their system prompts and first prompts, greedy, EOS
 ignored so every run produces the same tokens) run through the engine alone
@@ -16,11 +16,18 @@ cache is reset before each run so none of them starts warm. The engine is built,
 alone, on threads that end afterwards (`on_own_thread`), as the app builds it on its engine
 thread: a main thread that had run torch ops would keep an OpenMP pool that slows the app's
 engine thread, and the comparison would measure that instead.
+
+From the repository root (`-h` for the options):
+
+    python -m benchmarks.tui_headless --tabs 8 [--model smollm2-135m] [--max-tokens 96] [--json out.json]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
+import sys
 import contextlib
 import cProfile
 import math
@@ -299,3 +306,27 @@ def format_tui_report(report: dict) -> str:
     lines += [f"  {row['own_per_s']:.3f} s/s own, {row['cumulative_per_s']:.3f} cum  {row['function']}"
               for row in profile["top"]]
     return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tui_headless",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--tabs", type=int, default=8, help="streaming tabs (default 8)")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--max-tokens", type=int, default=96, help="each reply's length")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, help="torch threads (default: adapt, as it ships)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the report here")
+    args = parser.parse_args()
+    options = TuiBenchOptions(model=args.model, tabs=args.tabs, max_tokens=args.max_tokens,
+                              dtype=args.dtype, threads=args.threads, seed=args.seed)
+    report = run_tui_bench(options, log=lambda line: print(line, file=sys.stderr))
+    print(format_tui_report(report))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump(report, out, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,6 +1,6 @@
 """The TUI scenario in a real terminal: what drawing the app costs the engine.
 
-`bench --tui` runs the app headless, where Textual never turns a frame into escape
+`python -m benchmarks.tui_headless` runs the app headless, where Textual never turns a frame into escape
 sequences and nothing reads them. Here the app as it ships (`paged-chat`, its engine in a
 process of its own) runs in a child process whose terminal is real:
 
@@ -10,15 +10,15 @@ process of its own) runs in a child process whose terminal is real:
   process drains (as someone watching it): tmux parses every byte the app writes and
   redraws what changed for its client, on the same cores as the engine.
 
-The child streams the bench's chats (`bench.tui.measure`: one turn per tab, the tabs send
+The child streams the bench's chats (`tui_headless.measure`: one turn per tab, the tabs send
 at once) and writes its figures to a JSON file: tokens/s, the UI thread's and the whole
 app process's CPU (the engine's process not counted), and what its driver wrote to the
 terminal (bytes and writes). The engine alone runs the same chats in this process
-(`bench.tui.run_engine_alone`), alternating with the app, ROUNDS times each; the best of
+(`tui_headless.run_engine_alone`), alternating with the app, ROUNDS times each; the best of
 each is compared. tmux's CPU (server and client) is read from /proc over the child's
 streaming window.
 
-Run it: `python -m benchmarks.tui_terminal --terminal headless,pty,tmux` (`-h` for the rest).
+From the repository root: `python -m benchmarks.tui_terminal --terminal headless,pty,tmux` (`-h` for the rest).
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def _read_result(result_path: Path, what: str) -> dict:
 
 
 def run_headless(options: TuiBenchOptions) -> dict:
-    """The same child with Textual's headless driver: what `bench --tui` sees, in the same
+    """The same child with Textual's headless driver: what `benchmarks.tui_headless` sees, in the same
     process layout as the terminal runs."""
     with tempfile.TemporaryDirectory(prefix="paged-chat-bench-headless-") as folder:
         result_path = Path(folder) / "result.json"

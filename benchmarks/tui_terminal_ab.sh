@@ -12,7 +12,8 @@ python=${PYTHON:-$here/.venv/bin/python}
 before=$(mktemp -d /tmp/paged-chat-ab-XXXXXX)
 trap 'rm -rf "$before"' EXIT
 git -C "$here" archive "$base" | tar -x -C "$before"
-cp "$here/paged_chat/bench/tui.py" "$here/paged_chat/bench/tui_terminal.py" "$before/paged_chat/bench/"
+mkdir -p "$before/benchmarks"
+cp "$here/benchmarks/__init__.py" "$here/benchmarks/tui_headless.py" "$here/benchmarks/tui_terminal.py" "$before/benchmarks/"
 for round in $(seq "$rounds"); do
   for side in before after; do
     tree=$([ "$side" = before ] && echo "$before" || echo "$here")

@@ -11,7 +11,7 @@ load average before each run. Every tree runs as the user runs it, the console s
 warm caches) and, per tree, an empty config and a throwaway chat store that its runs share
 (a restart finds the session the last run left).
 
-    python benchmarks/warm_start_probe.py /work/main /work/wt/warmstart2 [--rounds 3] [--venv V]
+    python -m benchmarks.warm_start_probe /work/main /work/wt/warmstart2 [--rounds 3] [--venv V]
 
 Untimed runs per tree come first (--warmup, default 1): a first-ever start converts the
 model's tokenizer and weights into the cache, and any start warms the page cache.

@@ -1,10 +1,14 @@
-"""The TUI scenario of `paged-chat bench` on the tiny chat model: the app (its engine in a
-process of its own, as it ships, and on a thread) and the engine alone produce the same
-tokens, and the profile sees the app's own work."""
+"""The TUI headless harness (benchmarks/tui_headless.py) on the tiny chat model: the app
+(its engine in a process of its own, as it ships, and on a thread) and the engine alone
+produce the same tokens, and the profile sees the app's own work."""
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.tui_headless import TuiBenchOptions, format_tui_report, run_tui_bench
+
+pytestmark = pytest.mark.perf
 
 
 def test_tui_scenario_measures_the_app_against_the_engine_alone(chat_model_dir):

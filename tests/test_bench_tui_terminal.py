@@ -1,17 +1,21 @@
-"""The TUI scenario in a real terminal on the tiny chat model: the app as it ships, run in a
-child process on a drained pty and in tmux, streams the same tokens as the engine alone, and
-writes escape sequences to those terminals."""
+"""The TUI in a real terminal (benchmarks/tui_terminal.py) on the tiny chat model: the app
+as it ships, run in a child process on a drained pty and in tmux, streams the same tokens as
+the engine alone, and writes escape sequences to those terminals."""
 
 from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from benchmarks.tui_headless import TuiBenchOptions
 from benchmarks.tui_terminal import format_terminal_report, run_terminal_bench
 
+pytestmark = pytest.mark.perf
+
 
 def test_the_app_in_a_real_terminal_against_the_engine_alone(chat_model_dir):
-    # Not "headless": bench --tui's own path (tests/test_bench_tui.py), and a model load more.
+    # Not "headless": tests/test_bench_tui.py runs that path, and it is a model load more.
     terminals = ("pty", "tmux") if shutil.which("tmux") else ("pty",)
     options = TuiBenchOptions(model=str(chat_model_dir), tabs=2, max_tokens=12, dtype="float32")
     report = run_terminal_bench(options, terminals, rounds=1, log=lambda line: None)

@@ -28,7 +28,7 @@ from paged_chat.app.chat_session import chat_title
 from paged_chat.app.chat_store import ChatStore
 from paged_chat.cli.main import CliState, app
 from paged_chat.engine import SamplingParams
-from paged_chat.cli.plain_terminal import AskOptions, UsageError
+from paged_chat.cli.plain_terminal import PlainTerminalOptions, UsageError
 from paged_chat.app.settings import load_settings
 from paged_chat.app.text import StreamSanitizer, sanitize_for_terminal
 from helpers import ESCAPE_IDS, ESCAPE_SOUP, REPO, one_line, scripted
@@ -115,7 +115,7 @@ def test_ask_sanitizes_a_streamed_reply_only_on_a_terminal(cli, monkeypatch, std
     it shows, not even the "[2J" a per-delta filter would leave; piped, it is exact."""
     scripted(monkeypatch, ESCAPE_IDS + [17] * 4)
     monkeypatch.setattr(sys, "stdout", stdout)
-    options = AskOptions(prompt="Hi", save=False, sampling={"max_tokens": 8})
+    options = PlainTerminalOptions(prompt="Hi", save=False, sampling={"max_tokens": 8})
     assert run_ask(options, load_settings(cli.config), cli.engine_factory, None) == 0
     assert stdout.getvalue() == expected
 

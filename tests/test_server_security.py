@@ -263,6 +263,7 @@ def health_latencies(base: str) -> Iterator[list[float]]:
         poller.join(60)
 
 
+@pytest.mark.perf
 def test_a_huge_body_is_refused_by_its_size_and_health_stays_fast(api):
     """The issue's 3.9 MB body took 9 s to tokenize on the event loop, and /health 2.9 s."""
     body = json.dumps({"messages": [{"role": "user", "content": "word " * 780_000}]}).encode()
@@ -279,6 +280,7 @@ def test_a_huge_body_is_refused_by_its_size_and_health_stays_fast(api):
     assert max(latencies) < 1.0, latencies
 
 
+@pytest.mark.perf
 def test_tokenizing_runs_off_the_event_loop(api):
     """A body under the limit that takes seconds to tokenize: /health answers all along."""
     roomy = start_server(api.client, max_body_bytes=16 * 2**20)

@@ -10,7 +10,6 @@ head dims that are not powers of two, shuffled block tables, tiles that span blo
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -250,6 +249,7 @@ def test_engine_greedy_tokens_match_torch_backend(make_engine):
     assert engine.stats().prefix_cache_hit_tokens > 0
 
 
+@pytest.mark.perf
 def test_kernels_compile_clean_on_the_archs_with_least_room(tmp_path):
     """The interpreter never lowers the kernels; triton's compiler does, without a GPU.
 
@@ -261,12 +261,11 @@ def test_kernels_compile_clean_on_the_archs_with_least_room(tmp_path):
     dot kernels in both layouts. Every variant must compile with no spills and within the
     arch's shared memory."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "device_check.py"
     summary = tmp_path / "device_check.json"
-    result = subprocess.run([sys.executable, str(script), "--compile-only", "--arch", "80,89",
+    result = subprocess.run([sys.executable, "-m", "benchmarks.device_check", "--compile-only", "--arch", "80,89",
                              "--head-dims", "256", "--dtypes", "bf16,fp32",
                              "--out", str(summary)], env=env, capture_output=True, text=True,
-                            timeout=600)
+                            timeout=600, cwd=Path(__file__).resolve().parent.parent)
     compiled = json.loads(summary.read_text())["compile"]
     assert {(c["arch"], c["head_dim"], c["dtype"]) for c in compiled} == {
         (arch, dim, dtype) for arch in (80, 89) for dim in (256, None)
@@ -291,12 +290,10 @@ def test_engine_picks_the_backend(make_engine, monkeypatch):
 
 
 def _device_check():
-    """benchmarks/device_check.py as a module (its checks are tested here, on the CPU)."""
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "device_check.py"
-    spec = importlib.util.spec_from_file_location("device_check", path)
-    module = sys.modules.setdefault("device_check", importlib.util.module_from_spec(spec))
-    spec.loader.exec_module(module)
-    return module
+    """benchmarks/device_check.py (its checks are tested here, on the CPU)."""
+    from benchmarks import device_check
+
+    return device_check
 
 
 def test_device_check_catches_a_dropped_split():

@@ -542,6 +542,7 @@ async def test_demo_tabs_chat_by_themselves(engine, tmp_path):
         assert systems[0] == systems[2]   # shared system prompt across demo tabs
 
 
+@pytest.mark.perf
 @pytest.mark.timeout(240)
 async def test_keypress_echo_latency_while_eight_tabs_stream(engine, tmp_path):
     """Time from a key event reaching the app to its character being in the input, while

@@ -23,6 +23,7 @@ def stored(app, chat_id: str) -> list[tuple[str, str, str | None]]:
     return [(m.role, m.content, m.finish_reason) for m in app.store.get_chat(chat_id).messages]
 
 
+@pytest.mark.perf
 @pytest.mark.timeout(400)
 async def test_a_killed_then_a_stopped_engine_child_is_told_restarted_and_quit_fast(
         chat_model_dir, tmp_path):

@@ -18,7 +18,8 @@ number of tokens. Every request arrives at time 0: time to first token counts th
 
 The package: `workload` (the seeded chats), `systems` (paged-chat and the baselines, each
 timed the same way), `scenarios` (memory scenarios, roofline), `report` (table, plot,
-JSON); `run_bench` here puts them together.
+JSON). Here: `prepare_bench` (the workload and a warmed-up engine) and `run_systems`, which
+the harnesses under benchmarks/ reuse, and `run_bench`, which puts everything together.
 """
 
 from __future__ import annotations
@@ -29,17 +30,15 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from benchmarks.contention import busy_processes, contention_table
-from benchmarks.host_overhead import host_overhead
 from paged_chat.bench.openai_server import is_openai_system, run_openai_server
 from paged_chat.bench.own_thread import on_own_thread
 from paged_chat.bench.scenarios import decode_step_time, memory_scenarios, roofline
 from paged_chat.bench.systems import SYSTEMS, SystemResult, run_system
 from paged_chat.bench.tier_resume import tier_resume
-from paged_chat.bench.workload import SYSTEM_PROMPT, chat_workload
+from paged_chat.bench.workload import SYSTEM_PROMPT, Workload, chat_workload
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.core.dtypes import dtype_name, resolve_dtype
-from paged_chat.engine.models.loader import load_model_source
+from paged_chat.engine.models.loader import ModelSource, load_model_source
 
 
 @dataclass(slots=True)
@@ -57,15 +56,25 @@ class BenchOptions:
     max_num_batched_tokens: int = 512
     scenarios: bool = True
     roofline: bool = False
-    contention: int = 0             # busy processes beside a second run of every system
-    contention_bound_s: float = 600.0  # the busy processes stop by themselves after this
     engine_threads: int | None = None  # paged-chat's EngineConfig.threads (None: adapt)
     weights: str = "quantized"  # paged-chat's EngineConfig.weights
-    host_overhead: bool = False
     hf_seq_requests: int | None = None  # hf-seq runs this many, the rest extrapolated (None: all)
 
 
-def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict:
+@dataclass(slots=True)
+class BenchSetup:
+    """What every system of one bench runs on: the model's weights and tokenizer, the
+    seeded workload, paged-chat's warmed-up engine and the baselines' dtype."""
+
+    source: ModelSource
+    workload: Workload
+    engine: Engine
+    baseline_dtype: torch.dtype
+
+
+def prepare_bench(options: BenchOptions, log: Callable[[str], None] = print) -> BenchSetup:
+    """Check the systems' names, load the model once and build the workload and paged-chat's
+    engine (on a thread of its own, as each system runs: `on_own_thread`)."""
     unknown = {name for name in options.systems if name not in SYSTEMS and not is_openai_system(name)}
     if unknown:
         raise ValueError(f"unknown system(s) {sorted(unknown)}: choose from {', '.join(SYSTEMS)} "
@@ -86,28 +95,41 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
         engine.generate([workload.prompts[0]], SamplingParams(temperature=0, max_tokens=2))
         return engine
 
-    engine = on_own_thread(warmed_up_engine)  # each system's torch work on its own thread
+    engine = on_own_thread(warmed_up_engine)
     baseline_dtype = resolve_dtype(options.baseline_dtype or options.dtype, torch.device("cpu"))
+    return BenchSetup(source, workload, engine, baseline_dtype)
+
+
+def run_systems(setup: BenchSetup, options: BenchOptions, log: Callable[[str], None] = print,
+                suffix: str = "") -> list[SystemResult]:
+    """Each of `options.systems` on the workload, in order, each on a thread that ends with
+    it; `suffix` is appended to every result's name (a harness's second run)."""
     results: list[SystemResult] = []
-    for name, busy in [(name, busy) for name in options.systems
-                       for busy in sorted({0, options.contention})]:
-        log(f"running {name}" + (f" beside {busy} busy processes" if busy else "") + " ...")
-        with busy_processes(busy, options.contention_bound_s):
-            result = (run_openai_server(name, workload, source.tokenizer) if is_openai_system(name)
-                      else on_own_thread(lambda: run_system(
-                          name, engine, source, workload, baseline_dtype, options.block_size,
-                          options.max_num_batched_tokens, options.threads, options.hf_seq_requests)))
-            results.append(result)
-        if busy:
-            results[-1].name = f"{name} +{busy} busy"
+    for name in options.systems:
+        log(f"running {name}{suffix} ...")
+        result = (run_openai_server(name, setup.workload, setup.source.tokenizer)
+                  if is_openai_system(name)
+                  else on_own_thread(lambda: run_system(
+                      name, setup.engine, setup.source, setup.workload, setup.baseline_dtype,
+                      options.block_size, options.max_num_batched_tokens, options.threads,
+                      options.hf_seq_requests)))
+        result.name += suffix
+        results.append(result)
         gc.collect()
-        log(f"  {results[-1].output_tokens / results[-1].wall_s:.1f} output tokens/s")
-    report = {"options": asdict(options), "workload": {
+        log(f"  {result.output_tokens / result.wall_s:.1f} output tokens/s")
+    return results
+
+
+def systems_report(setup: BenchSetup, results: list[SystemResult]) -> dict:
+    """The workload, each system's summary (with its ratio to hf-seq and the share of its
+    replies token for token hf-seq's, where hf-seq ran) and the dtypes, as a report."""
+    workload = setup.workload
+    report = {"workload": {
         "chats": len(workload.prompts), "prompt_tokens": workload.num_prompt_tokens,
         "shared_system_prompt_tokens": workload.system_prompt_tokens,
         "output_tokens": workload.num_output_tokens},
         "systems": [r.summary() for r in results],
-        "dtypes": {"paged-chat": engine.info.dtype, "baselines": dtype_name(baseline_dtype)}}
+        "dtypes": {"paged-chat": setup.engine.info.dtype, "baselines": dtype_name(setup.baseline_dtype)}}
     reference = next((r for r in results if r.name == "hf-seq"), None)
     for result, summary in zip(results, report["systems"]):
         if reference is not None:
@@ -115,8 +137,15 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
         if reference is not None and result.outputs:  # a server may not return its token ids
             summary["same_tokens_as_hf_seq"] = sum(
                 a == b for a, b in zip(result.outputs, reference.outputs)) / len(reference.outputs)
-    if options.contention:
-        report["contention"] = contention_table(report["systems"], options.contention)
+    return report
+
+
+def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict:
+    """The whole bench: the systems, then the scenarios `options` asks for, as one report
+    (`report.format_report` prints it)."""
+    setup = prepare_bench(options, log)
+    report = {"options": asdict(options), **systems_report(setup, run_systems(setup, options, log))}
+    engine, source, workload = setup.engine, setup.source, setup.workload
     if options.scenarios:
         log("running memory scenarios ...")
         report["scenarios"] = memory_scenarios(engine, source, workload)
@@ -128,7 +157,4 @@ def run_bench(options: BenchOptions, log: Callable[[str], None] = print) -> dict
         log("measuring the machine ...")
         step, step_threads = decode_step_time(engine, options.num_chats)
         report["roofline"] = roofline(engine, step, options.num_chats, step_threads)
-    if options.host_overhead:
-        log("measuring the engine's host time over a stub forward ...")
-        report["host_overhead"] = host_overhead(source)
     return report

@@ -6,9 +6,8 @@ thread that has run a parallel op, for as long as that thread lives, and its wor
 spin-waiting between parallel regions once the process holds more such threads than it has
 cores. A system whose steps run on a thread of their own (paged-chat's thread transport, the
 TUI, transformers' continuous batching) is then slowed by a pool some other system left
-behind on the main thread: measured on 2 cores, 60-70% of its speed. The bench therefore
-builds and runs each system on a thread that ends afterwards, and its main thread runs no
-torch op.
+behind on the main thread. The bench therefore builds and runs each system on a thread that
+ends afterwards, and its main thread runs no torch op.
 """
 
 from __future__ import annotations

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.contention import format_contention
-from benchmarks.host_overhead import format_host_overhead
 from paged_chat.bench.systems import DESCRIPTIONS
 from paged_chat.bench.tier_resume import format_tier_resume
 
@@ -37,10 +35,6 @@ def format_report(report: dict) -> str:
     static = next((s for s in report["systems"] if s["system"] == "hf-static"), None)
     if static:
         lines.append(f"hf-static: {100 * static['decode_padding_waste']:.0f}% of decode slots are padding")
-    if "contention" in report:
-        lines.append(format_contention(report["contention"]))
-    if "host_overhead" in report:
-        lines.append(format_host_overhead(report["host_overhead"]))
     if "scenarios" in report:
         fit = report["scenarios"]["fit"]
         ttft = report["scenarios"]["system_prompt_ttft"]

@@ -21,6 +21,7 @@ chat to continue, stop signals, stderr) is in paged_chat.cli.plain_terminal.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import os
@@ -30,21 +31,24 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, aclosing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Annotated, Any, TextIO
+
+import typer
 
 from paged_chat.app.chat_session import ChatSession, Turn, chat_title
-from paged_chat.engine.regular_files import NotARegularFileError, open_regular
-from paged_chat.cli.plain_terminal import (STOP_SIGNALS, AskOptions, EngineFactory, ReceivedSignals,
-                                       UsageError, chat_to_continue, configure, load_client,
-                                       model_sampling, model_spec, ready_words, say, stop_signals,
-                                       turn_stats_line, warn,
-                                       warnings_to_stderr)
 from paged_chat.app.settings import chat_sampling
-from paged_chat.app.text import StreamSanitizer, check_text
+from paged_chat.app.text import StreamSanitizer
+from paged_chat.cli.plain_terminal import (MODEL_HELP, STOP_SIGNALS, EngineFactory, PlainTerminalOptions,
+                                           ReceivedSignals, UsageError, chat_to_continue,
+                                           check_text_options, configure, load_client, model_sampling,
+                                           model_spec, ready_words, say, stop_signals, turn_stats_line,
+                                           valid_text, warn, warnings_to_stderr)
+from paged_chat.engine.regular_files import NotARegularFileError, open_regular
 
 if TYPE_CHECKING:
-    from paged_chat.engine import EngineClient, SamplingParams
     from paged_chat.app.settings import Settings
+    from paged_chat.cli.main import CliState
+    from paged_chat.engine import EngineClient, SamplingParams
 
 
 # Under the cache dir: turns the chat store refused, one Markdown file each.
@@ -65,11 +69,11 @@ def read_prompt(argument: str | None, stdin: TextIO | None) -> str:
     A terminal stdin is never read (it would wait for input), so a missing prompt is an
     error, never a hang. Returns "" when there is no prompt at all.
     """
-    argument = _valid_text(argument or "", "the prompt argument")
+    argument = valid_text(argument or "", "the prompt argument")
     piped = ""
     if stdin is not None and not stdin.isatty():
         try:
-            piped = _valid_text(stdin.read(), "stdin")  # surrogates: a surrogateescape stdin
+            piped = valid_text(stdin.read(), "stdin")  # surrogates: a surrogateescape stdin
         except UnicodeDecodeError as exc:
             raise UsageError(f"stdin is not UTF-8 text ({exc.reason})") from exc
     return "\n\n".join(part for part in (piped.strip(), argument.strip()) if part)
@@ -96,7 +100,7 @@ def read_prompt_file(file: TextIO) -> list[FilePrompt]:
     UTF-8 is a usage error naming it, as non-UTF-8 stdin is."""
     name = "stdin" if file.name in ("-", "<stdin>") else f"the prompt file {file.name}"
     try:
-        text = _valid_text(file.read(), name)
+        text = valid_text(file.read(), name)
     except UnicodeDecodeError as exc:
         raise UsageError(f"{name} is not UTF-8 text ({exc.reason})") from exc
     return parse_prompt_file(text)
@@ -112,7 +116,7 @@ def parse_prompt_file(text: str) -> list[FilePrompt]:
     if not lines:
         raise UsageError("the prompt file has no prompts")
     if not _is_json_object(lines[0][1]):
-        return [FilePrompt(_valid_text(line.strip(), f"line {number} of the prompt file"))
+        return [FilePrompt(valid_text(line.strip(), f"line {number} of the prompt file"))
                 for number, line in lines]
     return [_json_prompt(number, line) for number, line in lines]
 
@@ -145,8 +149,8 @@ def _json_prompt(number: int, line: str) -> FilePrompt:
     if system is not None and not isinstance(system, str):
         raise UsageError(f'line {number} of the prompt file: "system" must be a string')
     where = f"line {number} of the prompt file"
-    return FilePrompt(_valid_text(prompt, f'{where}: "prompt"'),
-                      None if system is None else _valid_text(system, f'{where}: "system"'))
+    return FilePrompt(valid_text(prompt, f'{where}: "prompt"'),
+                      None if system is None else valid_text(system, f'{where}: "system"'))
 
 
 def structured_output_options(json_schema: TextIO | None, choice: str | None) -> dict[str, Any]:
@@ -169,20 +173,6 @@ def structured_output_options(json_schema: TextIO | None, choice: str | None) ->
         raise UsageError(f"--json-schema {json_schema.name}: a JSON schema is an object, "
                          f"not {type(schema).__name__}")
     return {"json_schema": schema}
-
-
-def check_text_options(options: AskOptions) -> None:
-    """The options that reach the tokenizer or the store hold text: a UsageError names
-    the one that does not (undecodable bytes in argv), before anything loads."""
-    _valid_text(options.system or "", "--system")
-    _valid_text(options.chat_id or "", "--chat")
-
-
-def _valid_text(text: str, what: str) -> str:
-    try:
-        return check_text(text, what)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
 
 
 @dataclass(slots=True, eq=False)
@@ -255,7 +245,7 @@ class OrderedOutput:
             self.stdout.write(self.sanitizer.flush())
 
 
-def run_ask(options: AskOptions, settings: Settings, make_engine: EngineFactory,
+def run_ask(options: PlainTerminalOptions, settings: Settings, make_engine: EngineFactory,
             stdin: TextIO | None) -> int:
     """Answer the prompt (or the --file prompts); return the exit status: 0, 1 when a
     request failed (its error is on stderr), 130 on Ctrl+C."""
@@ -264,7 +254,7 @@ def run_ask(options: AskOptions, settings: Settings, make_engine: EngineFactory,
     return _run_turn(options, settings, make_engine, stdin)
 
 
-def _run_turn(options: AskOptions, settings: Settings, make_engine: EngineFactory,
+def _run_turn(options: PlainTerminalOptions, settings: Settings, make_engine: EngineFactory,
               stdin: TextIO | None) -> int:
     """One chat turn: a new chat, or the next turn of a stored one (-c, --chat)."""
     from paged_chat.app.chat_store import ChatStore
@@ -328,7 +318,7 @@ def unsaved_reply_line(answer: Answer, error: Exception) -> str:
     return f"{why}: it is kept in {path}"
 
 
-def _run_batch(options: AskOptions, settings: Settings, make_engine: EngineFactory) -> int:
+def _run_batch(options: PlainTerminalOptions, settings: Settings, make_engine: EngineFactory) -> int:
     """--file: every prompt a one-shot chat, all through the engine at once; not saved."""
     if options.prompt or options.continue_chat or options.chat_id is not None:
         raise UsageError("--file runs its own prompts: drop the PROMPT argument, -c and --chat")
@@ -345,7 +335,7 @@ def _run_batch(options: AskOptions, settings: Settings, make_engine: EngineFacto
         return _answer(client, answers, options, load_s)
 
 
-def _answer(client: EngineClient, answers: list[Answer], options: AskOptions, load_s: float) -> int:
+def _answer(client: EngineClient, answers: list[Answer], options: PlainTerminalOptions, load_s: float) -> int:
     """Stream every answer through the engine together; the exit status."""
     output = OrderedOutput(len(answers), options.json, sys.stdout)
     signals = ReceivedSignals()
@@ -424,3 +414,81 @@ def _print_stats(answers: list[Answer], ready: str, preemptions: int, weights: s
     say(f"{len(answers)} prompts: {generated} tokens generated in {ended - started:.2f} s "
         f"({rate:.1f} tokens/s together), {cached} prompt tokens from the prefix cache, "
         f"{preemptions} preemptions{held}")
+
+
+def ask(ctx: typer.Context,
+        prompt: Annotated[str | None, typer.Argument(
+            help="The prompt. Piped stdin is read too and comes first.", show_default=False)] = None,
+        model: Annotated[str | None, typer.Option(
+            "--model", "-m", help=MODEL_HELP)] = None,
+        system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")] = None,
+        max_tokens: Annotated[int | None, typer.Option(
+            min=1, help="Most tokens to generate.")] = None,
+        temperature: Annotated[float | None, typer.Option(min=0.0, help="0 is greedy.")] = None,
+        top_p: Annotated[float | None, typer.Option(help="Nucleus sampling, in (0, 1].")] = None,
+        top_k: Annotated[int | None, typer.Option(
+            min=0, help="Keep the k likeliest tokens; 0: off.")] = None,
+        seed: Annotated[int | None, typer.Option(
+            min=0, help="Sampling seed, for repeatable output.")] = None,
+        device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
+        dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
+        stats: Annotated[bool, typer.Option(
+            "--stats", help="Print prompt tokens, prefix-cache hits, time to first token and "
+                            "tokens/s to stderr.")] = False,
+        json_output: Annotated[bool, typer.Option(
+            "--json", help="Print one JSON object (text, token counts, timings, finish reason) "
+                           "instead of streaming text; JSONL with --file.")] = False,
+        continue_chat: Annotated[bool, typer.Option(
+            "--continue", "-c",
+            help="Continue the most recent chat, reusing its exact token history.")] = False,
+        chat: Annotated[str | None, typer.Option(
+            "--chat", help="Continue this chat (an id or its first characters).")] = None,
+        no_save: Annotated[bool, typer.Option("--no-save", help="Do not save this turn.")] = False,
+        file: Annotated[str | None, typer.Option(
+            "--file", "-f", metavar="<file>", help="Answer every prompt of this file at once (one per line, or JSONL "
+                                 'with {"prompt": ...}); "-" reads stdin. Not saved.')] = None,
+        server: Annotated[str | None, typer.Option(
+            "--server", help="Ask this OpenAI-compatible server (URL) instead of the local engine; "
+                             "--model then names a local copy of its tokenizer.")] = None,
+        api_key: Annotated[str | None, typer.Option(
+            "--api-key", envvar="PAGED_CHAT_API_KEY", help="The --server's API key.")] = None,
+        json_schema: Annotated[typer.FileText | None, typer.Option(
+            "--json-schema", encoding="utf-8", metavar="<file>",
+            help="Answer with JSON that this JSON schema (a file) accepts.")] = None,
+        choice: Annotated[str | None, typer.Option(
+            "--choice", metavar="a,b,c", help="Answer with exactly one of these strings.")] = None,
+        ) -> None:
+    """Answer a prompt, streaming the reply to stdout. Saved as a chat unless --no-save.
+
+    Examples:
+
+        paged-chat ask "Why is the sky blue?"
+
+        git diff | paged-chat ask "Review this change"
+
+        paged-chat ask -c "And in one sentence?"
+
+        paged-chat ask --file prompts.txt --json
+
+        paged-chat ask --json-schema person.json "Describe a baker"
+    """
+    state: CliState = ctx.obj
+    options = PlainTerminalOptions(
+        prompt=prompt if prompt and prompt.strip() else None, system=system, stats=stats,
+        json=json_output, continue_chat=continue_chat, chat_id=chat, save=not no_save,
+        engine={"model": model, "device": device, "dtype": dtype},
+        sampling={"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
+                  "top_k": top_k, "seed": seed})
+    with state.reported(), ExitStack() as cleanup:
+        check_text_options(options)
+        if file is not None:
+            options.file = cleanup.enter_context(open_prompt_file(file))
+        options.sampling |= structured_output_options(json_schema, choice)
+        settings = state.settings()
+        options.server = server or settings.server.url
+        options.api_key = api_key or settings.server.api_key
+        options.remote_model = model or settings.engine.model
+        if system == "":  # an explicit empty --system clears the configured one
+            settings = dataclasses.replace(settings, chat=dataclasses.replace(settings.chat, system_prompt=None))
+        code = run_ask(options, settings, state.make_engine, sys.stdin)
+    raise typer.Exit(code)

@@ -22,21 +22,25 @@ import signal
 import sys
 from collections.abc import Callable
 from contextlib import ExitStack, aclosing
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Annotated, TextIO
+
+import typer
 
 from paged_chat.app.chat_session import ChatSession, chat_title
-from paged_chat.engine.core.errors import PagedChatError, describe_error
-from paged_chat.cli.plain_terminal import (STOP_SIGNALS, AskOptions, EngineFactory, chat_to_continue,
-                                       configure, load_client, model_sampling, model_spec,
-                                       ready_words, say, stop_signals, turn_stats_line, warn,
-                                       warnings_to_stderr)
 from paged_chat.app.settings import chat_sampling, data_dir
 from paged_chat.app.text import StreamSanitizer, sanitize_for_terminal
+from paged_chat.cli.plain_terminal import (MODEL_HELP, STOP_SIGNALS, EngineFactory, PlainTerminalOptions,
+                                           chat_to_continue, check_text_options, configure,
+                                           load_client, model_sampling, model_spec, ready_words, say,
+                                           stop_signals, turn_stats_line, warn, warnings_to_stderr)
+from paged_chat.engine.core.errors import PagedChatError, describe_error
 
 if TYPE_CHECKING:
     from paged_chat.app.chat_store import ChatStore
-    from paged_chat.engine import EngineClient, EngineConfig, SamplingParams
     from paged_chat.app.settings import Settings
+    from paged_chat.cli.main import CliState
+    from paged_chat.engine import EngineClient, EngineConfig, SamplingParams
+
 
 PROMPT = ">>> "
 HISTORY_FILE = "chat_history"
@@ -51,7 +55,7 @@ HELP = """\
 QUIT_COMMANDS = ("/quit", "/exit", "/bye")
 
 
-def run_chat(options: AskOptions, settings: Settings, make_engine: EngineFactory,
+def run_chat(options: PlainTerminalOptions, settings: Settings, make_engine: EngineFactory,
              stdin: TextIO, stdout: TextIO) -> int:
     """Load the engine, then chat until /quit or end of input; the exit status (0, or
     143 / 129 when SIGTERM / SIGHUP ended it)."""
@@ -239,3 +243,24 @@ class Repl:
     def _print(self, line: str) -> None:
         self.stdout.write(line + "\n")
         self.stdout.flush()
+
+
+def chat(ctx: typer.Context,
+         model: Annotated[str | None, typer.Option("--model", "-m", help=MODEL_HELP)] = None,
+         system: Annotated[str | None, typer.Option("--system", "-s", help="System prompt.")] = None,
+         continue_chat: Annotated[bool, typer.Option(
+             "--continue", "-c", help="Go on with the most recent chat.")] = False,
+         chat_id: Annotated[str | None, typer.Option(
+             "--chat", help="Go on with this chat (an id or its first characters).")] = None,
+         ) -> None:
+    """Chat in this terminal, line by line: replies stream, and every turn is saved.
+
+    Commands: /new, /system TEXT, /stats, /help, /quit (or Ctrl+D); Ctrl+C stops a reply.
+    """
+    state: CliState = ctx.obj
+    options = PlainTerminalOptions(system=system, continue_chat=continue_chat, chat_id=chat_id,
+                           engine={"model": model})
+    with state.reported():
+        check_text_options(options)
+        code = run_chat(options, state.settings(), state.make_engine, sys.stdin, sys.stdout)
+    raise typer.Exit(code)

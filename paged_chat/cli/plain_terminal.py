@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from paged_chat.app.text import check_text
+
 if TYPE_CHECKING:
     from paged_chat.app.chat_session import Turn
     from paged_chat.app.chat_store import ChatStore, StoredChat
@@ -25,6 +27,9 @@ if TYPE_CHECKING:
     from paged_chat.app.settings import Settings
 
 EngineFactory = Callable[["EngineConfig"], "Engine"]
+
+MODEL_HELP = ("Alias, .gguf file, HF folder, cached hub id, ollama:NAME(:TAG) or "
+              "lmstudio:PUBLISHER/REPO(/FILE).")
 
 STOP_SIGNALS = {signal.SIGINT: 130, signal.SIGTERM: 143, signal.SIGHUP: 129}
 # How long replies get to end after a stop signal (one step, on any machine) before they
@@ -37,7 +42,7 @@ class UsageError(ValueError):
 
 
 @dataclass(slots=True)
-class AskOptions:
+class PlainTerminalOptions:
     """Everything `paged-chat ask` (or `chat`) was given. `engine` and `sampling` hold the
     overrides of the settings (None: not given)."""
 
@@ -79,7 +84,7 @@ def model_sampling(settings: Settings, client: EngineClient, sampling: dict[str,
         raise UsageError(f"the model's generation_config.json: {exc}") from exc
 
 
-def load_client(make_engine: EngineFactory, config: EngineConfig, options: AskOptions
+def load_client(make_engine: EngineFactory, config: EngineConfig, options: PlainTerminalOptions
                 ) -> tuple[EngineClient, float]:
     """The engine client (in-process, or the --server's), and how long it took; says what
     is loading when stderr is a terminal."""
@@ -94,7 +99,7 @@ def load_client(make_engine: EngineFactory, config: EngineConfig, options: AskOp
     return client, time.perf_counter() - started
 
 
-def chat_to_continue(options: AskOptions, store: ChatStore) -> StoredChat:
+def chat_to_continue(options: PlainTerminalOptions, store: ChatStore) -> StoredChat:
     """The chat -c or --chat names, once it is clear the options can continue it."""
     if options.continue_chat and options.chat_id is not None:
         raise UsageError("give -c (the latest chat) or --chat ID, not both")
@@ -108,7 +113,7 @@ def chat_to_continue(options: AskOptions, store: ChatStore) -> StoredChat:
     return chat
 
 
-def _check_continuable(options: AskOptions, chat: StoredChat) -> None:
+def _check_continuable(options: PlainTerminalOptions, chat: StoredChat) -> None:
     """A chat's token ids belong to its model and its system prompt: continuing it with
     others would silently re-encode (or mis-read) its history."""
     model = options.engine.get("model")
@@ -121,6 +126,22 @@ def _check_continuable(options: AskOptions, chat: StoredChat) -> None:
                          "to continue it, or start a new chat without -c")
 
 
+def check_text_options(options: PlainTerminalOptions) -> None:
+    """The options that reach the tokenizer or the store hold text: a UsageError names
+    the one that does not (undecodable bytes in argv), before anything loads."""
+    valid_text(options.system or "", "--system")
+    valid_text(options.chat_id or "", "--chat")
+
+
+def valid_text(text: str, what: str) -> str:
+    """`text`, once it is clear the tokenizer and the store can take it; else a UsageError
+    naming `what` (an option, a file's line)."""
+    try:
+        return check_text(text, what)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def model_spec(model: str) -> str:
     """What a chat stores as its model: a path made absolute, so -c works from anywhere."""
     path = Path(model).expanduser()
@@ -131,7 +152,7 @@ def _same_model(a: str, b: str) -> bool:
     return a == b or Path(a).expanduser().resolve() == Path(b).expanduser().resolve()
 
 
-def ready_words(options: AskOptions, client: EngineClient, load_s: float) -> str:
+def ready_words(options: PlainTerminalOptions, client: EngineClient, load_s: float) -> str:
     """How the engine came to be ready: a model loaded, or a --server connected to (and
     whose tokenizer the chat uses)."""
     if options.server:

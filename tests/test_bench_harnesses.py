@@ -1,16 +1,26 @@
-"""The speed scenarios of `paged-chat bench`: the contention runner's busy processes never
-outlive it, and a contended run reports quiet and contended figures side by side."""
+"""The harnesses under benchmarks/: each runs as `python -m benchmarks.NAME` from the
+repository root (its imports resolve, its argparse answers -h); the contention harness's busy
+processes never outlive it and a contended run reports quiet and contended figures side by
+side; the host overhead is the step's time less the sampler's."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from paged_chat.bench import BenchOptions, run_bench
-from paged_chat.bench.report import format_report
-from benchmarks.contention import busy_processes
+from benchmarks.contention import busy_processes, format_contention, run_contention
+from paged_chat.bench import BenchOptions
+
+pytestmark = pytest.mark.perf
+
+REPO = Path(__file__).resolve().parents[1]
+HARNESSES = sorted(path.stem for path in (REPO / "benchmarks").glob("*.py")
+                   if "def main(" in path.read_text())
 
 
 def gone(pid: int) -> bool:
@@ -73,14 +83,14 @@ def test_busy_processes_stop_by_themselves_at_their_bound():
 def test_contended_run_reports_quiet_and_contended(chat_model_dir):
     options = BenchOptions(model=str(chat_model_dir), num_chats=2, min_output=3, max_output=4,
                            dtype="float32", threads=1, systems=("paged-chat",),
-                           scenarios=False, contention=1)
+                           scenarios=False)
     before = live_children()
-    report = run_bench(options, log=lambda line: None)
+    report = run_contention(options, busy=1, log=lambda line: None)
     names = [summary["system"] for summary in report["systems"]]
     assert names == ["paged-chat", "paged-chat +1 busy"]
     (row,) = report["contention"]
     assert row["quiet_tokens_per_s"] > 0 and row["contended_tokens_per_s"] > 0
-    assert "beside 1 busy processes" in format_report(report)
+    assert "beside 1 busy processes" in format_contention(report["contention"])
     assert live_children() <= before
 
 
@@ -97,3 +107,12 @@ def test_host_overhead_reports_numbers(chat_model_dir):
         assert 0 < row["host_ms"] < row["step_ms"], "the sampler's math is taken away"
         assert row["host_per_token_us"] == pytest.approx(1e3 * row["host_ms"] / row["batch_size"])
     assert "batch 4:" in format_host_overhead(rows)
+
+
+@pytest.mark.parametrize("name", HARNESSES)
+def test_a_harness_answers_help_from_the_repo_root(name):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}  # device_check imports triton
+    result = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", "-h"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "usage:" in result.stdout
