@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from paged_chat.engine.core.request import EngineCoreOutput, SamplingParams
+from paged_chat.engine.core.outputs import EngineCoreOutput
+from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.core.stats import EngineStats
 
 if TYPE_CHECKING:   # a client in another process than its Engine never imports torch

@@ -24,11 +24,12 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from paged_chat.engine.clients.engine_loop import Abort, Add, Command, LoopEvents, ResetPrefixCache
-from paged_chat.engine.clients.client_protocol import ClientCapabilities, ModelInfo
+from paged_chat.engine.clients.client_protocol import ClientCapabilities
 from paged_chat.engine.clients.streams import Streams
 from paged_chat.engine.core.errors import EngineDeadError
 from paged_chat.engine.core.output_processor import OutputProcessor
-from paged_chat.engine.core.request import EngineCoreOutput, RequestOutput, SamplingParams
+from paged_chat.engine.core.outputs import EngineCoreOutput, ModelInfo, RequestOutput
+from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.core.stats import EngineStats
 
 

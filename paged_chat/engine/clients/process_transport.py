@@ -67,10 +67,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paged_chat.engine.clients.engine_loop import Command, Shutdown
-from paged_chat.engine.clients.client_protocol import ModelInfo
 from paged_chat.engine.core.config import EngineConfig
 from paged_chat.engine.core.errors import EngineDeadError, PagedChatError, describe_error
-from paged_chat.engine.core.request import EngineCoreOutput
+from paged_chat.engine.core.outputs import EngineCoreOutput, ModelInfo
 from paged_chat.engine.core.stats import EngineStats
 
 if TYPE_CHECKING:   # the parent never imports torch: the Engine and its loader are the child's

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from paged_chat.engine.clients.client_protocol import ModelInfo
 from paged_chat.engine.core.config import EngineConfig
 from paged_chat.engine.core.dtypes import dtype_name, resolve_device, resolve_dtype
 from paged_chat.engine.core.errors import out_of_memory
@@ -34,8 +33,10 @@ from paged_chat.engine.models.loader import (ModelSource, ProgressHook, generati
                                              holds_quantized, load_model, load_model_source)
 from paged_chat.engine.core.output_processor import OutputProcessor
 from paged_chat.engine.core.prompt import prompt_token_ids
-from paged_chat.engine.core.request import (EngineCoreOutput, FinishReason, Request, RequestOutput,
-                                       SamplingParams, TokenLogprob)
+from paged_chat.engine.core.outputs import (EngineCoreOutput, FinishReason, ModelInfo,
+                                            RequestOutput, TokenLogprob)
+from paged_chat.engine.core.request import Request
+from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.worker.runner import ModelRunner
 from paged_chat.engine.core.scheduler import Scheduler
 from paged_chat.engine.core.stats import EngineStats, KVTierStats, StepMetrics

@@ -45,7 +45,9 @@ from paged_chat.engine.kv.pool_sizing import (
 from paged_chat.engine.models.llama import LlamaForCausalLM
 from paged_chat.engine.models.loader import ProgressHook
 from paged_chat.engine.models.model_config import ModelConfig
-from paged_chat.engine.core.request import Request, SamplingParams, TokenLogprob
+from paged_chat.engine.core.request import Request
+from paged_chat.engine.core.sampling_params import SamplingParams
+from paged_chat.engine.core.outputs import TokenLogprob
 from paged_chat.engine.worker.sampler import SamplingBatch, sample
 from paged_chat.engine.core.scheduler import ScheduledRequest
 from paged_chat.engine.worker.structured_output import fill_token_bitmask
@@ -81,7 +83,10 @@ class ModelRunner:
         sequence, which the model and the pool both bound."""
         self.model = model
         self.block_size = config.block_size
-        self.attention = select_attention(config.attention_backend, model_config, device, dtype)
+        self.attention = select_attention(
+            config.attention_backend, num_heads=model_config.num_heads,
+            num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
+            scale=model_config.attention_scale, device=device, dtype=dtype)
         self.device = device
         self.max_num_batched_tokens = config.max_num_batched_tokens
         spec = KVCacheSpec(model_config.num_layers, self.block_size, self.attention, dtype, device)

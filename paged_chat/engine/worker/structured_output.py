@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from paged_chat.engine.core.request import SamplingParams, StructuredSpec
+from paged_chat.engine.core.sampling_params import SamplingParams, StructuredSpec
 
 if TYPE_CHECKING:
     import xgrammar
