@@ -1,10 +1,10 @@
 """Engine: the synchronous core. add_request / step / abort / generate / stats.
 
-One `step()` schedules work under the token budget, runs one forward over every scheduled
-token, samples, and returns what that step changed per request: new token ids and finish
-reasons (EngineCoreOutput), no text. Stop token ids, EOS and the length limit end a request
-here; text and stop strings are the client's output processor's (output_processor.py),
-which `generate` runs too. Finished requests leave at once (their blocks go back to the
+One `step()` is schedule -> KV tier transfers -> the runner's forward and sampling ->
+the scheduler's update from the runner's output, and returns what that step changed per
+request: new token ids and finish reasons (EngineCoreOutput), no text. Stop token ids, EOS
+and the length limit end a request in the scheduler's update; text and stop strings are
+the client's output processor's (output_processor.py), which `generate` runs too. Finished requests leave at once (their blocks go back to the
 pool) and waiting ones join on the next step: continuous batching.
 
 With a KV tier (EngineConfig.kv_tier_*), finished and evicted blocks outlive the pool
@@ -33,8 +33,7 @@ from paged_chat.engine.models.loader import (ModelSource, ProgressHook, generati
                                              holds_quantized, load_model, load_model_source)
 from paged_chat.engine.core.output_processor import OutputProcessor
 from paged_chat.engine.core.prompt import prompt_token_ids
-from paged_chat.engine.core.outputs import (EngineCoreOutput, FinishReason, ModelInfo,
-                                            RequestOutput, TokenLogprob)
+from paged_chat.engine.core.outputs import EngineCoreOutput, ModelInfo, RequestOutput
 from paged_chat.engine.core.request import Request
 from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.worker.runner import ModelRunner
@@ -97,7 +96,7 @@ class Engine:
         self.eos_token_ids = frozenset(source.config.eos_token_ids)
         if not tokenizer_on_demand and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids |= {self.tokenizer.eos_token_id}
-        self.requests: dict[str, Request] = {}
+        self.requests = self.scheduler.requests  # every unfinished request, by id
         self._structured_output: StructuredOutputManager | None = None  # on first use
         self.metrics = StepMetrics()
         self._pending: list[EngineCoreOutput] = []
@@ -148,14 +147,12 @@ class Engine:
                               frozenset() if params.ignore_eos else self.eos_token_ids),
                           max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len),
                           grammar=grammar)
-        self.requests[request_id] = request
+        self.scheduler.add(request)
         if len(token_ids) >= self.max_model_len:
-            self._pending.append(self._finish(request, "error", (
+            self._pending.append(self.scheduler.finish_request(request, "error", (
                 f"the prompt has {len(token_ids)} tokens; this engine holds at most "
                 f"{self.max_model_len} per sequence (max_model_len and the KV pool), "
                 "prompt and reply together")))
-        else:
-            self.scheduler.add(request)
         return request_id
 
     @property
@@ -170,7 +167,7 @@ class Engine:
         """Stop a request now and free its blocks; unknown or finished ids are ignored."""
         request = self.requests.get(request_id)
         if request is not None:
-            self._pending.append(self._finish(request, "abort"))
+            self._pending.append(self.scheduler.finish_request(request, "abort"))
 
     def abort_all(self) -> None:
         """Abort every request, discarding their outputs: for a caller that has given up on
@@ -246,9 +243,8 @@ class Engine:
             return outputs
         policy = self.threads.for_step(decode_only=schedule.num_tokens == len(schedule.scheduled))
         threads = policy.apply()
-        samplers = [item for item in schedule.scheduled if item.samples]
         try:
-            sampled = self.runner.execute(schedule.scheduled)
+            runner_output = self.runner.execute(schedule.scheduled)
         except Exception:
             # The scheduler indexed the blocks this step fills before the forward that should
             # have written them: forget the index, or a later request could hit unwritten
@@ -256,59 +252,14 @@ class Engine:
             self.kv_cache.reset_prefix_cache()
             self._pending = outputs + self._pending  # deltas collected before the step stay due
             raise
-        prompt_tokens = self.scheduler.update(schedule)
-        now = time.monotonic()
-        logprobs = self.runner.last_logprobs or itertools.repeat(None)
-        for item, token, logprob in zip(samplers, sampled, logprobs):
-            try:  # one request's fault (its sampling) must not take the batch down
-                if isinstance(token, Exception):
-                    raise token
-                outputs.append(self._append_token(item.request, token, now, logprob))
-            except Exception as error:
-                # Logits that are not finite may come of KV the tier restored: recompute once.
-                if isinstance(token, Exception) and self.scheduler.recompute_after_fault(item.request):
-                    continue
-                outputs.append(self._finish(item.request, "error", f"{type(error).__name__}: {error}"))
+        update = self.scheduler.update_from_output(schedule, runner_output)
+        outputs += update.outputs
         elapsed = time.perf_counter() - started
-        self.metrics.record_step(len(schedule.scheduled), schedule.num_tokens, prompt_tokens,
-                                 len(sampled), elapsed)
+        self.metrics.record_step(len(schedule.scheduled), schedule.num_tokens,
+                                 update.num_prompt_tokens, len(runner_output.sampled), elapsed)
         policy.record(threads, schedule.num_tokens, elapsed)
         self.kv_transfer.offload()  # finished requests' blocks go down now, not a step later
         return outputs
-
-    def _append_token(self, request: Request, token_id: int, now: float,
-                      logprob: TokenLogprob | None) -> EngineCoreOutput:
-        if request.first_token_time is None:
-            request.first_token_time = now
-            self.metrics.prompt_tokens_total += request.num_prompt_tokens
-        request.all_token_ids.append(token_id)
-        request.output_token_ids.append(token_id)
-        new_logprobs = None if logprob is None else [logprob]
-        grammar = request.grammar
-        if grammar is not None and not grammar.accept_token(token_id):
-            return self._finish(request, "error", f"the grammar refused the sampled token {token_id}",
-                                [token_id], new_logprobs)
-        if token_id in request.stop_token_ids or (grammar is not None and grammar.is_terminated()):
-            reason: FinishReason = "stop"
-        elif len(request.all_token_ids) >= request.max_num_tokens:
-            reason = "length"
-        else:
-            # EngineCoreOutput's fields in order: one per running request (its docstring)
-            return EngineCoreOutput(request.request_id, [token_id], False, None,
-                                    len(request.prompt_token_ids), request.num_cached_prompt_tokens,
-                                    request.num_tier_cached_tokens, None, new_logprobs)
-        return self._finish(request, reason, None, [token_id], new_logprobs)
-
-    def _finish(self, request: Request, reason: FinishReason, error: str | None = None,
-                new_token_ids: list[int] | None = None,
-                new_logprobs: list[TokenLogprob] | None = None) -> EngineCoreOutput:
-        request.finish_reason = reason
-        request.error = error
-        self.scheduler.finish(request)
-        del self.requests[request.request_id]
-        return EngineCoreOutput(request.request_id, new_token_ids or [], True, reason,
-                                request.num_prompt_tokens, request.num_cached_prompt_tokens,
-                                request.num_tier_cached_tokens, error, new_logprobs)
 
     # ---- stats ----------------------------------------------------------------------
 
@@ -337,7 +288,7 @@ class Engine:
             forward_time_s=self.runner.last_forward_s,
             blocks=blocks,
             tier=self.kv_cache.tier.stats() if self.kv_cache.tier is not None else KVTierStats(),
-            prompt_tokens_total=metrics.prompt_tokens_total,
+            prompt_tokens_total=self.scheduler.prompt_tokens_total,
             generation_tokens_total=metrics.generation_tokens_total,
             blocks_freed_by_window=self.kv_cache.num_window_released,
         )

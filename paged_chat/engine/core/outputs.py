@@ -34,6 +34,16 @@ class EngineCoreOutput:
     new_logprobs: list[TokenLogprob] | None = None
 
 
+@dataclass(slots=True, frozen=True)
+class ModelRunnerOutput:
+    """What one forward produced for the scheduler (`ModelRunner.execute`): per scheduled
+    item that samples, in order, its token or the exception sampling it raised; and, when
+    any of them asked, their TokenLogprobs in the same order (None for one that did not)."""
+
+    sampled: list[int | Exception]
+    logprobs: list[TokenLogprob | None] | None = None
+
+
 @dataclass(slots=True)
 class TokenLogprob:
     """One sampled token's log-probability under the distribution it was drawn from (the

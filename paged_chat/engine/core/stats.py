@@ -211,12 +211,11 @@ class RateMeter:
 @dataclass(slots=True)
 class StepMetrics:
     """What the engine counts as it steps, for its snapshots: token rates over the last
-    seconds, totals since it started (a request's prompt counted at its first token), and
-    the last step's batch and time (zero after a step that ran nothing)."""
+    seconds, the generated tokens since it started, and the last step's batch and time
+    (zero after a step that ran nothing)."""
 
     prompt_rate: RateMeter = field(default_factory=RateMeter)
     generation_rate: RateMeter = field(default_factory=RateMeter)
-    prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     batch_size: int = 0
     batch_tokens: int = 0

@@ -47,7 +47,7 @@ from paged_chat.engine.models.loader import ProgressHook
 from paged_chat.engine.models.model_config import ModelConfig
 from paged_chat.engine.core.request import Request
 from paged_chat.engine.core.sampling_params import SamplingParams
-from paged_chat.engine.core.outputs import TokenLogprob
+from paged_chat.engine.core.outputs import ModelRunnerOutput, TokenLogprob
 from paged_chat.engine.worker.sampler import SamplingBatch, sample
 from paged_chat.engine.core.scheduler import ScheduledRequest
 from paged_chat.engine.worker.structured_output import fill_token_bitmask
@@ -108,7 +108,7 @@ class ModelRunner:
         self.last_sample_cpu_s = 0.0
         # The last step's TokenLogprobs per sampled item (as `execute` returns tokens), None
         # for one that asked for none; None when none did.
-        self.last_logprobs: list[TokenLogprob | None] | None = None
+        self._step_logprobs: list[TokenLogprob | None] | None = None
         # Every request's block table as ids, written by the KV manager as tables change.
         self.block_id_rows = BlockIdRows()
         self._staging = StagingBuffer(self.device)
@@ -125,9 +125,9 @@ class ModelRunner:
                 model.use_fused_ops()
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> list[int | Exception]:
+    def execute(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
         """Run one step; return the sampled token of each scheduled item that samples, in order,
-        or the exception that sampling that item raised.
+        or the exception that sampling that item raised, with their logprobs where asked.
 
         `scheduled` must list single-token items first (the scheduler sorts it so). An
         exception from the forward propagates: it concerns the whole batch.
@@ -135,7 +135,7 @@ class ModelRunner:
         samplers = [item for item in scheduled if item.samples]
         block_tables = self.block_id_rows.array([item.request.request_id for item in scheduled])
         self.last_sample_cpu_s = 0.0
-        self.last_logprobs = None
+        self._step_logprobs = None
         started = time.perf_counter()
         graph_batch = self._graph_batch(scheduled)
         if graph_batch is None:
@@ -147,11 +147,12 @@ class ModelRunner:
             logits = self._replay(graph_batch, scheduled, block_tables)
         self.last_forward_s = time.perf_counter() - started
         if not samplers:
-            return []
+            return ModelRunnerOutput([])
         try:
-            return self._sample(logits, samplers)
+            sampled = self._sample(logits, samplers)
         except Exception:  # find the rows at fault; the others keep their tokens
-            return self._sample_rows(logits, samplers)
+            sampled = self._sample_rows(logits, samplers)
+        return ModelRunnerOutput(sampled, self._step_logprobs)
 
     @torch.inference_mode()
     def run_dummy_step(self, query_lens: list[int], seq_lens: list[int]) -> None:
@@ -277,13 +278,13 @@ class ModelRunner:
         tokens: list[int | Exception] = []
         logprobs: list[TokenLogprob | None] = []
         for row, item in enumerate(samplers):
-            self.last_logprobs = None
+            self._step_logprobs = None
             try:
                 tokens.append(self._sample(logits[row:row + 1], [item])[0])
             except Exception as error:
                 tokens.append(error)
-            logprobs.append(self.last_logprobs[0] if self.last_logprobs else None)
-        self.last_logprobs = logprobs if any(logprobs) else None
+            logprobs.append(self._step_logprobs[0] if self._step_logprobs else None)
+        self._step_logprobs = logprobs if any(logprobs) else None
         return tokens
 
     def _sample(self, logits: torch.Tensor, samplers: list[ScheduledRequest]
@@ -300,9 +301,9 @@ class ModelRunner:
         tokens = sample(logits, batch)
         self.last_sample_cpu_s = time.thread_time() - started
         if batch.logprobs is not None:
-            self.last_logprobs = [None] * len(samplers)
+            self._step_logprobs = [None] * len(samplers)
             for row, logprob in zip(batch.logprob_rows.tolist(), batch.logprobs):
-                self.last_logprobs[row] = logprob
+                self._step_logprobs[row] = logprob
         chosen = logits.gather(1, tokens.clamp(max=vocab_size - 1)[:, None]).squeeze(1)
         bad = (tokens >= vocab_size) | ~torch.isfinite(chosen)
         if not bad.any():
