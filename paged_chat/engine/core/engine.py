@@ -25,12 +25,11 @@ import torch
 
 from paged_chat.engine.core.config import EngineConfig
 from paged_chat.engine.core.dtypes import dtype_name, resolve_device, resolve_dtype
-from paged_chat.engine.core.errors import out_of_memory
 from paged_chat.engine.kv.kv_cache_manager import KVCacheManager
-from paged_chat.engine.kv.tier import build_kv_tier, model_fingerprint
+from paged_chat.engine.kv.tier import build_kv_tier
 from paged_chat.engine.kv.transfer import KVTransfer
 from paged_chat.engine.models.loader import (ModelSource, ProgressHook, generation_defaults,
-                                             holds_quantized, load_model, load_model_source)
+                                             holds_quantized, load_model_source)
 from paged_chat.engine.core.output_processor import OutputProcessor
 from paged_chat.engine.core.prompt import prompt_token_ids
 from paged_chat.engine.core.outputs import EngineCoreOutput, ModelInfo, RequestOutput
@@ -71,23 +70,15 @@ class Engine:
         self.model_name = source.name
         self.model_config = source.config
         self._tokenizer_source = source.tokenizer_source
-        with out_of_memory(f"loading the weights onto {self.device}", "the model does not fit; "
-                           "use a smaller model or dtype, or device='cpu'"):
-            model = load_model(source, self.dtype, self.device, config.cache_dir,
-                               config.weight_cache_size, on_progress, config.weights)
-        # Before the runner packs the CPU weights: packed, they are opaque, and a tied
-        # output projection is a second tensor.
-        num_parameters, weight_bytes = model.num_weights(), model.weight_bytes()
-        weights = f"{model.held_formats()}, {weight_bytes / 1e9:.2f} GB of weights"
-        fingerprint = model_fingerprint(model.weight_tensors())
-        self.runner = ModelRunner(model, source.config, config, self.device, self.dtype,
-                                  on_progress)
+        self.runner = ModelRunner(source, config, self.device, self.dtype, on_progress)
+        loaded = self.runner.loaded
         self.block_size = config.block_size
         self.num_blocks = self.runner.num_blocks
         self.max_model_len = self.runner.max_model_len
         self.kv_cache = KVCacheManager(self.num_blocks, self.block_size,
                                        config.enable_prefix_caching,
-                                       build_kv_tier(config, fingerprint, self.runner.kv_cache),
+                                       build_kv_tier(config, loaded.fingerprint,
+                                                     self.runner.kv_cache),
                                        source.config.window_of_every_layer,
                                        self.runner.block_id_rows)
         self.kv_transfer = KVTransfer(self.kv_cache, self.runner)
@@ -107,7 +98,8 @@ class Engine:
             chat_template="" if tokenizer_on_demand else self.chat_template,
             device=self.device.type, dtype=dtype_name(self.dtype), num_blocks=self.num_blocks,
             block_size=self.block_size, max_model_len=self.max_model_len,
-            num_parameters=num_parameters, weights=weights, weight_bytes=weight_bytes,
+            num_parameters=loaded.num_parameters, weight_bytes=loaded.weight_bytes,
+            weights=f"{loaded.held_formats}, {loaded.weight_bytes / 1e9:.2f} GB of weights",
             generation_defaults=generation_defaults(source))
 
     @property

@@ -1,7 +1,8 @@
-"""ModelRunner: owns the model and the KV cache; turns a scheduled step into flat batch
-tensors, runs the model, samples; copies whole blocks in and out for the KV tier.
+"""ModelRunner: loads and owns the model and the KV cache; turns a scheduled step into flat
+batch tensors, runs the model, samples; copies whole blocks in and out for the KV tier.
 
-Set-up, in nano-vllm's ModelRunner order: size the pool (on CUDA by profiling the largest
+Set-up, in nano-vllm's ModelRunner order: load the weights (model_loading.py, which
+describes them for the engine before anything packs them), size the pool (on CUDA by profiling the largest
 step: the warm-up that measures what a step takes), allocate it, then, for a backend whose
 kernels compile (Triton on CUDA), compile every variant and capture the decode graphs; on
 the CPU, pack the weights for oneDNN and switch the model to its fused C ops
@@ -42,14 +43,13 @@ from paged_chat.engine.kv.pool_sizing import (
     longest_sequence,
     size_kv_pool,
 )
-from paged_chat.engine.models.llama import LlamaForCausalLM
-from paged_chat.engine.models.loader import ProgressHook
-from paged_chat.engine.models.model_config import ModelConfig
+from paged_chat.engine.models.loader import ModelSource, ProgressHook
 from paged_chat.engine.core.request import Request
 from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.core.outputs import ModelRunnerOutput, TokenLogprob
 from paged_chat.engine.worker.sampler import SamplingBatch, sample
 from paged_chat.engine.core.scheduler import ScheduledRequest
+from paged_chat.engine.worker.model_loading import LoadedModel, load_weights, prepare_for_cpu
 from paged_chat.engine.worker.structured_output import fill_token_bitmask
 
 
@@ -74,13 +74,16 @@ class SamplingError(Exception):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
-                 device: torch.device, dtype: torch.dtype,
-                 on_progress: ProgressHook | None = None) -> None:
-        """Size and allocate the KV pool for `model` (its weights loaded, in `dtype` on
-        `device`) and make it ready to serve (see the module docstring). `num_blocks` and
-        `max_model_len` say what came of it: the blocks requests can use, and the longest
-        sequence, which the model and the pool both bound."""
+    def __init__(self, source: ModelSource, config: EngineConfig, device: torch.device,
+                 dtype: torch.dtype, on_progress: ProgressHook | None = None) -> None:
+        """Load `source`'s model in `dtype` on `device`, size and allocate the KV pool for it
+        and make it ready to serve (see the module docstring); nothing of `source` is kept.
+        `loaded` describes the weights; `num_blocks` and `max_model_len` say what came of
+        the pool: the blocks requests can use, and the longest sequence, which the model
+        and the pool both bound."""
+        model, loaded = load_weights(source, config, device, dtype, on_progress)
+        self.loaded: LoadedModel = loaded
+        model_config = source.config
         self.model = model
         self.block_size = config.block_size
         self.attention = select_attention(
@@ -120,9 +123,7 @@ class ModelRunner:
             if not config.enforce_eager:
                 self.capture_decode_graphs(config.max_num_seqs, on_progress or _no_progress)
         if device.type == "cpu":
-            model.pack_for_cpu()    # last: nothing reads a packed weight
-            if config.fused_ops:
-                model.use_fused_ops()
+            prepare_for_cpu(model, config.fused_ops)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
