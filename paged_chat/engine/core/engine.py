@@ -37,7 +37,7 @@ from paged_chat.engine.core.request import Request
 from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.worker.runner import ModelRunner
 from paged_chat.engine.core.scheduler import Scheduler
-from paged_chat.engine.core.stats import EngineStats, KVTierStats, StepMetrics
+from paged_chat.engine.core.stats import EngineStats, StepMetrics, snapshot
 from paged_chat.engine.worker.structured_output import StructuredOutputManager
 from paged_chat.engine.worker.threads import StepThreads
 
@@ -257,31 +257,4 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """A snapshot of the pool, the queues and the rates after the last step."""
-        blocks, wasted = self.kv_cache.block_map(self.requests)
-        in_use, cached, metrics = blocks.num_in_use, blocks.num_cached, self.metrics
-        return EngineStats(
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            blocks_in_use=in_use,
-            blocks_cached=cached,
-            blocks_free=self.num_blocks - in_use - cached,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.loading),
-            num_preemptions=self.scheduler.num_preemptions,
-            num_evictions=self.kv_cache.pool.num_evictions,
-            batch_size=metrics.batch_size,
-            batch_tokens=metrics.batch_tokens,
-            prompt_tokens_per_s=metrics.prompt_rate.rate(),
-            generation_tokens_per_s=metrics.generation_rate.rate(),
-            prefix_cache_queried_tokens=self.scheduler.prefix_cache_queried_tokens,
-            prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
-            kv_slots_wasted=wasted,
-            step_time_s=metrics.step_time_s,
-            forward_time_s=self.runner.last_forward_s,
-            blocks=blocks,
-            tier=self.kv_cache.tier.stats() if self.kv_cache.tier is not None else KVTierStats(),
-            prompt_tokens_total=self.scheduler.prompt_tokens_total,
-            generation_tokens_total=metrics.generation_tokens_total,
-            blocks_freed_by_window=self.kv_cache.num_window_released,
-        )
-
+        return snapshot(self.num_blocks, self.scheduler, self.metrics, self.runner.last_forward_s)

@@ -14,8 +14,12 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from paged_chat.engine.core.scheduler import Scheduler
 
 
 @dataclass(slots=True, frozen=True)
@@ -227,3 +231,37 @@ class StepMetrics:
         self.generation_rate.add(sampled_tokens)
         self.generation_tokens_total += sampled_tokens
         self.batch_size, self.batch_tokens, self.step_time_s = batch_size, batch_tokens, step_time_s
+
+
+def snapshot(num_blocks: int, scheduler: Scheduler, metrics: StepMetrics,
+             forward_time_s: float) -> EngineStats:
+    """The engine's stats now: its pool of `num_blocks` blocks through the scheduler's KV
+    manager and requests, its queues and counters, and the last step's `metrics`."""
+    kv_cache = scheduler.kv_cache
+    blocks, wasted = kv_cache.block_map(scheduler.requests)
+    in_use, cached = blocks.num_in_use, blocks.num_cached
+    return EngineStats(
+        num_blocks=num_blocks,
+        block_size=kv_cache.block_size,
+        blocks_in_use=in_use,
+        blocks_cached=cached,
+        blocks_free=num_blocks - in_use - cached,
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting) + len(scheduler.loading),
+        num_preemptions=scheduler.num_preemptions,
+        num_evictions=kv_cache.pool.num_evictions,
+        batch_size=metrics.batch_size,
+        batch_tokens=metrics.batch_tokens,
+        prompt_tokens_per_s=metrics.prompt_rate.rate(),
+        generation_tokens_per_s=metrics.generation_rate.rate(),
+        prefix_cache_queried_tokens=scheduler.prefix_cache_queried_tokens,
+        prefix_cache_hit_tokens=scheduler.prefix_cache_hit_tokens,
+        kv_slots_wasted=wasted,
+        step_time_s=metrics.step_time_s,
+        forward_time_s=forward_time_s,
+        blocks=blocks,
+        tier=kv_cache.tier.stats() if kv_cache.tier is not None else KVTierStats(),
+        prompt_tokens_total=scheduler.prompt_tokens_total,
+        generation_tokens_total=metrics.generation_tokens_total,
+        blocks_freed_by_window=kv_cache.num_window_released,
+    )
