@@ -149,7 +149,8 @@ class Engine:
 
     @property
     def structured_output(self) -> StructuredOutputManager:
-        """The grammar compiler for this model's tokenizer, made on first use (~0.3 s)."""
+        """The grammar compiler for this model's tokenizer, made on first use (the first
+        constrained request pays for it)."""
         if self._structured_output is None:
             self._structured_output = StructuredOutputManager(
                 self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)

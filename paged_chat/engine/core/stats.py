@@ -1,7 +1,7 @@
-"""EngineStats: an immutable snapshot of the engine, cheap enough to take ~20 times a second.
+"""EngineStats: an immutable snapshot of the engine, cheap enough to take after every step.
 
 The block map is kept compact (numpy arrays, not an object per block) so a panel can
-draw 10k+ blocks at 10 Hz. Holders of a block are stored CSR-style: the requests holding
+draw a pool of tens of thousands of blocks at its frame rate. Holders of a block are stored CSR-style: the requests holding
 block `b` are `request_ids[i]` for `i in holders[holder_ptr[b]:holder_ptr[b + 1]]`, and
 `holder_positions` (parallel to `holders`) says where in that request's table the block
 sits, so block `b` holds that request's tokens `[p * block_size, (p + 1) * block_size)`.
@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 @dataclass(slots=True, frozen=True)
 class BlockMap:
     """The pool's blocks and who holds them. The holder arrays are built from the tables on
-    their first read: the engine takes a snapshot ~20 times a second (and the benchmark
-    every step), but a panel draws one only ~5 times a second, if it is shown at all.
+    their first read: snapshots are taken more often than a panel draws one, if it is
+    shown at all.
 
     An engine's map has a cell per allocatable block: cell i is block i + 1, and its tables
     hold cells (the reserved null block 0, of released entries, is -1 there)."""

@@ -221,9 +221,9 @@ def kept_candidates(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.T
     its top-k, then outside the nucleus of their renormalised probs), and their token ids.
     A truncated row keeps no token outside them. Needs top-k or top-p on in the batch.
 
-    A full sort of [32, 49152] logits costs 50-100 ms on CPU (a whole decode step), while
-    the kept set is almost always small. So sort only the top `k` candidates (`topk`, ~2 ms
-    for 64) and widen `k` (in the end to the whole vocabulary: the plain sort) until every
+    A full sort of a batch's logits over the whole vocabulary costs as much as a decode step
+    on the CPU, while the kept set is almost always small. So sort only the top `k`
+    candidates (`topk`) and widen `k` (in the end to the whole vocabulary: the plain sort) until every
     truncated row's kept set provably ends inside them: its top-k fits, or the candidates'
     mass reaches its top_p.
     """
@@ -312,8 +312,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax as int64: the first maximum, or the first NaN (torch's rule too).
 
-    On the CPU numpy's argmax does it: it is vectorised, torch's CPU argmax is not (one
-    thread over [256, 49152] float32 logits: ~4 ms against ~20 ms).
+    On the CPU numpy's argmax does it: it is vectorised, torch's CPU argmax is not.
     """
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return torch.from_numpy(np.argmax(logits.detach().numpy(), axis=-1))
