@@ -261,7 +261,7 @@ def test_kernels_compile_clean_on_the_archs_with_least_room(tmp_path):
     dot kernels in both layouts. Every variant must compile with no spills and within the
     arch's shared memory."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
-    script = Path(__file__).resolve().parent.parent / "scripts" / "device_check.py"
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "device_check.py"
     summary = tmp_path / "device_check.json"
     result = subprocess.run([sys.executable, str(script), "--compile-only", "--arch", "80,89",
                              "--head-dims", "256", "--dtypes", "bf16,fp32",
@@ -292,7 +292,7 @@ def test_engine_picks_the_backend(make_engine, monkeypatch):
 
 def _device_check():
     """benchmarks/device_check.py as a module (its checks are tested here, on the CPU)."""
-    path = Path(__file__).resolve().parent.parent / "scripts" / "device_check.py"
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "device_check.py"
     spec = importlib.util.spec_from_file_location("device_check", path)
     module = sys.modules.setdefault("device_check", importlib.util.module_from_spec(spec))
     spec.loader.exec_module(module)

@@ -72,7 +72,7 @@ class Transport(Protocol):
 
 
 class LocalClient:
-    """An EngineClient (protocol.py) over a transport to an Engine on this machine."""
+    """An EngineClient (client_protocol.py) over a transport to an Engine on this machine."""
 
     def __init__(self, transport: Transport) -> None:
         """Start the transport (a load's error is raised here)."""
