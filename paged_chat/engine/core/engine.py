@@ -25,19 +25,19 @@ import torch
 
 from paged_chat.engine.core.config import EngineConfig
 from paged_chat.engine.core.dtypes import dtype_name, resolve_device, resolve_dtype
+from paged_chat.engine.core.output_processor import OutputProcessor
+from paged_chat.engine.core.outputs import EngineCoreOutput, ModelInfo, RequestOutput
+from paged_chat.engine.core.prompt import prompt_token_ids
+from paged_chat.engine.core.request import Request
+from paged_chat.engine.core.sampling_params import SamplingParams
+from paged_chat.engine.core.scheduler import Scheduler
+from paged_chat.engine.core.stats import EngineStats, StepMetrics, snapshot
 from paged_chat.engine.kv.kv_cache_manager import KVCacheManager
 from paged_chat.engine.kv.tier import build_kv_tier
 from paged_chat.engine.kv.transfer import KVTransfer
 from paged_chat.engine.models.loader import (ModelSource, ProgressHook, generation_defaults,
                                              holds_quantized, load_model_source)
-from paged_chat.engine.core.output_processor import OutputProcessor
-from paged_chat.engine.core.prompt import prompt_token_ids
-from paged_chat.engine.core.outputs import EngineCoreOutput, ModelInfo, RequestOutput
-from paged_chat.engine.core.request import Request
-from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.worker.runner import ModelRunner
-from paged_chat.engine.core.scheduler import Scheduler
-from paged_chat.engine.core.stats import EngineStats, StepMetrics, snapshot
 from paged_chat.engine.worker.structured_output import StructuredOutputManager
 from paged_chat.engine.worker.threads import StepThreads
 
