@@ -1,8 +1,9 @@
 """The paged-chat engine: paged KV cache, prefix caching, continuous batching.
 
-Nothing in this package imports the TUI or the CLI. Its public names load on first use
-(PEP 562), so code that only needs an exception class (the chat store, the CLI's
-`chats` command) does not pay for importing torch.
+Nothing in this package imports the app, the TUI, the CLI, the server or the bench
+(test_engine_layering.py). Its public names load on first use (PEP 562), so code that only
+needs an exception class (the chat store, the CLI's `chats` command) does not pay for
+importing torch.
 """
 
 from __future__ import annotations

@@ -8,13 +8,14 @@ A step first writes the new tokens' K/V into their slots, then attends; so a seq
 that reuses a block another sequence fills in this same step reads it after it was
 written (the scheduler relies on that when it caches blocks at schedule time).
 
-Decodes run as two 3-D batched matrix products, one matrix per (KV head, sequence) with
-the query heads of that KV head's group stacked as its rows; softmax runs in fp32: faster
-on the CPU than SDPA for single-token queries in bf16, and than 4-D `matmul` over the same
-data, which takes a much slower path (docs/ has the timings). The products pad every context to the longest, so
-decodes of very different lengths run in groups of similar ones (`_DecodeLayout`).
-Prefill chunks go through SDPA (its flash kernel on the CPU), one chunk at a time, over
-their cached prefix plus the new tokens, with a causal mask offset by the prefix length.
+Decodes run as two 3-D batched matrix products, one matrix per (KV head, sequence) with the
+query heads of that KV head's group stacked as its rows; softmax runs in fp32: faster on the
+CPU than SDPA for single-token queries in bf16, and than 4-D `matmul` over the same data,
+which takes a much slower path (docs/ has the timings). The products pad every context to
+the longest, so decodes of very different lengths run in groups of similar ones
+(`_DecodeLayout`). Prefill chunks go through SDPA (its flash kernel on the CPU), one chunk
+at a time, over their cached prefix plus the new tokens, with a causal mask offset by the
+prefix length.
 """
 
 from __future__ import annotations

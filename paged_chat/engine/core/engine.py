@@ -1,11 +1,12 @@
 """Engine: the synchronous core. add_request / step / abort / generate / stats.
 
-One `step()` is schedule -> KV tier transfers -> the runner's forward and sampling ->
-the scheduler's update from the runner's output, and returns what that step changed per
-request: new token ids and finish reasons (EngineCoreOutput), no text. Stop token ids, EOS
-and the length limit end a request in the scheduler's update; text and stop strings are
-the client's output processor's (output_processor.py), which `generate` runs too. Finished requests leave at once (their blocks go back to the
-pool) and waiting ones join on the next step: continuous batching.
+One `step()` is schedule -> KV tier transfers -> the runner's forward and sampling -> the
+scheduler's update from the runner's output, and returns what that step changed per request:
+new token ids and finish reasons (EngineCoreOutput), no text. Stop token ids, EOS and the
+length limit end a request in the scheduler's update; text and stop strings are the client's
+output processor's (output_processor.py), which `generate` runs too. Finished requests leave
+at once (their blocks go back to the pool) and waiting ones join on the next step:
+continuous batching.
 
 With a KV tier (EngineConfig.kv_tier_*), finished and evicted blocks outlive the pool
 and the process: `close()` (or interpreter exit) finishes the tier's queued disk writes.

@@ -1,11 +1,12 @@
 """EngineStats: an immutable snapshot of the engine, cheap enough to take after every step.
 
-The block map is kept compact (numpy arrays, not an object per block) so a panel can
-draw a pool of tens of thousands of blocks at its frame rate. Holders of a block are stored CSR-style: the requests holding
-block `b` are `request_ids[i]` for `i in holders[holder_ptr[b]:holder_ptr[b + 1]]`, and
-`holder_positions` (parallel to `holders`) says where in that request's table the block
-sits, so block `b` holds that request's tokens `[p * block_size, (p + 1) * block_size)`.
-A table's leading entries that a sliding window released (`num_released`) hold no block.
+The block map is kept compact (numpy arrays, not an object per block) so a panel can draw a
+pool of tens of thousands of blocks at its frame rate. Holders of a block are stored
+CSR-style: the requests holding block `b` are `request_ids[i]` for `i in
+holders[holder_ptr[b]:holder_ptr[b + 1]]`, and `holder_positions` (parallel to `holders`)
+says where in that request's table the block sits, so block `b` holds that request's tokens
+`[p * block_size, (p + 1) * block_size)`. A table's leading entries that a sliding window
+released (`num_released`) hold no block.
 """
 
 from __future__ import annotations

@@ -200,9 +200,9 @@ class GemmaDecoderLayer(DecoderLayer):
 
 class LlamaForCausalLM(nn.Module):
     """The decoder. Make it with `empty` (quant/transform.py may then swap layers for
-    quantized ones), fill it through `destination`, then `build_rope_tables`; call it with
-    a flat batch. Packing and fused ops are the worker's to switch on (worker/model_loading.py);
-    the forward runs whatever modules and flags it holds."""
+    quantized ones), fill it through `destination`, then `build_rope_tables`; call it with a
+    flat batch. Packing and fused ops are the worker's to switch on
+    (worker/model_loading.py); the forward runs whatever modules and flags it holds."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

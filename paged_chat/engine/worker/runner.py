@@ -2,11 +2,11 @@
 batch tensors, runs the model, samples; copies whole blocks in and out for the KV tier.
 
 Set-up, in nano-vllm's ModelRunner order: load the weights (model_loading.py, which
-describes them for the engine before anything packs them), size the pool (on CUDA by profiling the largest
-step: the warm-up that measures what a step takes), allocate it, then, for a backend whose
-kernels compile (Triton on CUDA), compile every variant and capture the decode graphs; on
-the CPU, pack the weights for oneDNN and switch the model to its fused C ops
-(`EngineConfig.fused_ops`).
+describes them for the engine before anything packs them), size the pool (on CUDA by
+profiling the largest step: the warm-up that measures what a step takes), allocate it, then,
+for a backend whose kernels compile (Triton on CUDA), compile every variant and capture the
+decode graphs; on the CPU, pack the weights for oneDNN and switch the model to its fused C
+ops (`EngineConfig.fused_ops`).
 
 The KV cache is one preallocated tensor `[layers, 2, *attention.kv_cache_shape(...)]`
 (keys and values of every layer, in the attention backend's layout) of `num_blocks + 1`

@@ -223,9 +223,9 @@ def kept_candidates(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.T
 
     A full sort of a batch's logits over the whole vocabulary costs as much as a decode step
     on the CPU, while the kept set is almost always small. So sort only the top `k`
-    candidates (`topk`) and widen `k` (in the end to the whole vocabulary: the plain sort) until every
-    truncated row's kept set provably ends inside them: its top-k fits, or the candidates'
-    mass reaches its top_p.
+    candidates (`topk`) and widen `k` (in the end to the whole vocabulary: the plain sort)
+    until every truncated row's kept set provably ends inside them: its top-k fits, or the
+    candidates' mass reaches its top_p.
     """
     vocab = logits.shape[-1]
     top_k = batch.top_k if batch.top_k is not None else torch.full_like(batch.truncated, vocab,

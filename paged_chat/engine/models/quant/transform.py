@@ -1,4 +1,4 @@
-"""The quantize transform: a decoder's layers swapped for quantized ones, as a GGUF stores them."""
+"""The quantize transform: a decoder's layers swapped for the quantized ones a GGUF stores."""
 
 from __future__ import annotations
 
