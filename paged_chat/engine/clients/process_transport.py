@@ -11,7 +11,7 @@ How. The child is spawned (a fresh interpreter): a parent may have threads or to
 forked torch would inherit their locks. A caller that launches it from its main thread
 alone with no torch imported (the TUI's start, before Textual) may ask for a fork
 (`fork_if_safe`, checked here): no interpreter to start and no modules of the parent's to
-import again (0.3-1 s on a busy 2-core machine). Either way it builds the Engine on its
+import again. Either way it builds the Engine on its
 main thread, so its OpenMP pool is the only one, and runs the same loop as the thread
 transport (engine_loop.py) over one duplex pipe:
 
@@ -91,7 +91,7 @@ class _Tokenizer:
     """Sent before the weights load. Where the model's tokenizer is saved (a GGUF's warm
     start), its folder: the parent loads it from there meanwhile, and the child never
     loads it unless a request needs it (tokenizer_source.py). Else the tokenizer itself,
-    which the parent unpickles (0.15-0.3 s) meanwhile."""
+    which the parent unpickles meanwhile."""
 
     tokenizer: Any = None
     saved_folder: Path | None = None

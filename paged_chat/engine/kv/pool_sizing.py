@@ -105,9 +105,9 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, config: EngineConfig) 
 
 def zeroed_host_memory(nbytes: int) -> torch.Tensor:
     """`nbytes` of zeros (uint8) that cost nothing until used: anonymous pages, which the
-    kernel zeroes as each is first touched. torch.zeros writes every byte up front, 2 s of
-    a start for the default 2 GiB pool on a small CPU, most of it for blocks a chat never
-    reaches. Page-aligned; the tensor keeps the mapping alive."""
+    kernel zeroes as each is first touched. torch.zeros writes every byte up front, at
+    start, most of them for blocks a chat never reaches. Page-aligned; the tensor keeps
+    the mapping alive."""
     try:
         pages = mmap.mmap(-1, nbytes)
     except OSError as error:  # ENOMEM: the kernel would not commit that much
