@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paged_chat.engine.models import fused_decode
 from paged_chat.engine.models.loader import load_model, load_model_source
+from paged_chat.engine.models.packed_linear import pack_for_cpu
 from paged_chat.engine.models.quant import kernels
 from paged_chat.engine.native import bindings
 from paged_chat.engine.native.build import compile_library
@@ -79,7 +80,7 @@ def main() -> None:
     layers = list(quantized.quantized_layers().values())
     quantized_bytes = sum(layer.nbytes for layer in layers)
     dense = load_model(model_source, torch.float32, torch.device("cpu"), weights="dequantize")
-    dense.pack_for_cpu()
+    pack_for_cpu(dense)
     dense_layers = [m for name, m in dense.named_modules() if type(m).__name__ == "PackedLinear"]
     dense_bytes = sum(4 * m.in_features * m.out_features for m in dense_layers)
     print(f"decode-step linear layers: {len(layers)} quantized ({quantized.held_formats()}, "

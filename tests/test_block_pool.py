@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from paged_chat.engine.kv.block_pool import NULL_BLOCK, BlockPool
 from paged_chat.engine.kv.kv_cache_manager import KVCacheManager
-from paged_chat.engine.core.request import Request, SamplingParams
+from paged_chat.engine.core.request import Request
+from paged_chat.engine.core.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
 

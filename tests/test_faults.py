@@ -424,7 +424,7 @@ def test_out_of_memory_at_start_up_names_the_setting_to_lower(make_engine, monke
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
     with monkeypatch.context() as patch:
-        patch.setattr("paged_chat.engine.core.engine.load_model", out_of_memory)
+        patch.setattr("paged_chat.engine.worker.model_loading.load_model", out_of_memory)
         with pytest.raises(PagedChatError, match="loading the weights.*smaller model or dtype"):
             make_engine()
     with monkeypatch.context() as patch:

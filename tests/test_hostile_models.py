@@ -225,7 +225,7 @@ def test_cpu_allocation_failure_is_one_line_naming_the_setting(make_engine, monk
                            "can't allocate memory: you tried to allocate 1073741824 bytes.")
 
     with monkeypatch.context() as patch:
-        patch.setattr("paged_chat.engine.core.engine.load_model", cpu_out_of_memory)
+        patch.setattr("paged_chat.engine.worker.model_loading.load_model", cpu_out_of_memory)
         with pytest.raises(PagedChatError, match="out of memory while loading the weights"):
             make_engine(num_blocks=64)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import paged_chat.engine.core.engine as engine_module
+import paged_chat.engine.worker.model_loading as model_loading
 from paged_chat.engine import Engine, KVTierWarning, SamplingParams
 from paged_chat.engine.kv.kv_cache_manager import hash_block
 from paged_chat.engine.kv.tier import (
@@ -483,7 +483,7 @@ def poison_weights(monkeypatch, token_id: int) -> None:
     """Engines built under it load weights whose embedding of `token_id` holds a NaN, in an
     element the model fingerprint does not sample: every logit after that token is NaN, as
     in a forward that overflowed once, and the tier's layout is the healthy model's."""
-    real_load = engine_module.load_model
+    real_load = model_loading.load_model
 
     def load_poisoned(*args, **kwargs):
         model = real_load(*args, **kwargs)
@@ -494,7 +494,7 @@ def poison_weights(monkeypatch, token_id: int) -> None:
         with torch.no_grad():
             embedding[token_id, 1] = float("nan")
         return model
-    monkeypatch.setattr(engine_module, "load_model", load_poisoned)
+    monkeypatch.setattr(model_loading, "load_model", load_poisoned)
 
 
 def test_a_failed_forward_leaves_nothing_in_the_tier(tier_engine, make_engine, monkeypatch,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from paged_chat.engine.models.packed_linear import pack_for_cpu
+
 from tiny_models import (ARCHITECTURES, PagedSequence, build_tiny_model, greedy_reference, load_decoder,
                          run_paged)
 
@@ -17,7 +19,7 @@ def test_logits_and_greedy_tokens_match_transformers(architecture, tied, packed,
     reference = build_tiny_model(architecture, tmp_path, tie_word_embeddings=tied)
     model = load_decoder(tmp_path)
     if packed:
-        model.pack_for_cpu()
+        pack_for_cpu(model)
     prompt = torch.randint(3, model.config.vocab_size, (37,),
                            generator=torch.Generator().manual_seed(2))
     expected, reference_logits = greedy_reference(reference, prompt, steps=32)

@@ -44,7 +44,7 @@ import platformdirs
 
 from paged_chat.engine.core.config import EngineConfig
 from paged_chat.engine.regular_files import NotARegularFileError, read_regular
-from paged_chat.engine.core.request import SamplingParams
+from paged_chat.engine.core.sampling_params import SamplingParams
 
 APP_NAME = "paged-chat"
 # A config file is a few hundred bytes; anything near this is not one (or is /dev/zero).

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from paged_chat.engine.core.request import SamplingParams
+from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.server.structured_request import (ChatLogprobsFields, CompletionLogprobsFields,
                                                   ResponseFormat, StructuredOutputs,
                                                   structured_output_fields)

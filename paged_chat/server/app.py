@@ -38,7 +38,7 @@ from starlette.requests import ClientDisconnect
 
 from paged_chat.engine.clients.client_protocol import EngineClient
 from paged_chat.engine.core.errors import EngineDeadError, describe_error
-from paged_chat.engine.core.request import RequestOutput
+from paged_chat.engine.core.outputs import RequestOutput
 from paged_chat.server.guards import LocalOnlyGuard, normalize_origin
 from paged_chat.server.metrics import metrics_registry
 from paged_chat.server.api_types import ChatCompletionRequest, CompletionRequest, error_body

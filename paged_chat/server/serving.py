@@ -30,7 +30,8 @@ from typing import Any
 import jinja2
 
 from paged_chat.engine.clients.client_protocol import EngineClient
-from paged_chat.engine.core.request import RequestOutput, SamplingParams
+from paged_chat.engine.core.outputs import RequestOutput
+from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.server.api_types import (ChatCompletionRequest, CompletionRequest,
                                         PromptTokensDetails, SamplingRequest, Usage,
                                         completion_id, envelope)

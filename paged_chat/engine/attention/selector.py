@@ -10,20 +10,20 @@ from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.cpu_backend import CpuAttention, cpu_kernels_available
 from paged_chat.engine.attention.torch_backend import TorchAttention
 from paged_chat.engine.core.errors import PagedChatError
-from paged_chat.engine.models.model_config import ModelConfig
 
 
-def select_attention(backend: str, model: ModelConfig, device: torch.device,
-                     dtype: torch.dtype) -> AttentionBackend:
-    """"auto": Triton kernels on CUDA when triton imports; on the CPU in float32 the C
-    kernel (cpu_backend.py) where it builds; else the torch reference.
+def select_attention(backend: str, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                     scale: float, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    """The backend for a model's attention shape (query and KV heads, head size, the score
+    scale) on `device` in `dtype`. "auto": Triton kernels on CUDA when triton imports; on
+    the CPU in float32 the C kernel (cpu_backend.py) where it builds; else the torch
+    reference.
 
     The Triton backend is imported here, not at module level: triton is an optional extra,
     and TRITON_INTERPRET (the CPU interpreter the tests use) is read when kernels are
     defined, so they must not be defined before a test has set it.
     """
-    args = (model.num_heads, model.num_kv_heads, model.head_dim)
-    scale = model.attention_scale
+    args = (num_heads, num_kv_heads, head_dim)
     if backend == "cpu":
         if device.type != "cpu" or dtype != torch.float32 or not cpu_kernels_available():
             raise PagedChatError("attention_backend='cpu' runs float32 on the CPU and needs a "

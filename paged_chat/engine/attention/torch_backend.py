@@ -8,14 +8,14 @@ A step first writes the new tokens' K/V into their slots, then attends; so a seq
 that reuses a block another sequence fills in this same step reads it after it was
 written (the scheduler relies on that when it caches blocks at schedule time).
 
-Decodes run as two 3-D batched matrix products, one matrix per (KV head, sequence) with
-the query heads of that KV head's group stacked as its rows; softmax runs in fp32. On
-this CPU that is about 2x faster than SDPA for single-token queries in bf16, and 4-D
-`matmul` over the same data hits a path ~20x slower (measured by timing each path on
-the default model's decode shapes). The products pad every context to the longest, so
-decodes of very different lengths run in groups of similar ones (`_DecodeLayout`).
-Prefill chunks go through SDPA (its flash kernel on the CPU), one chunk at a time, over
-their cached prefix plus the new tokens, with a causal mask offset by the prefix length.
+Decodes run as two 3-D batched matrix products, one matrix per (KV head, sequence) with the
+query heads of that KV head's group stacked as its rows; softmax runs in fp32: faster on the
+CPU than SDPA for single-token queries in bf16, and than 4-D `matmul` over the same data,
+which takes a much slower path (docs/ has the timings). The products pad every context to
+the longest, so decodes of very different lengths run in groups of similar ones
+(`_DecodeLayout`). Prefill chunks go through SDPA (its flash kernel on the CPU), one chunk
+at a time, over their cached prefix plus the new tokens, with a causal mask offset by the
+prefix length.
 """
 
 from __future__ import annotations
@@ -179,9 +179,7 @@ class _DecodeLayout:
     `shared_rows` are the cache rows (`block_rows`) of the leading blocks every decode
     sequence has in its table (a shared system prompt, a forked chat), or None. `groups`
     split the sequences by length, so that one long chat does not make every other decode
-    gather and multiply its length in padding (measured: one 4,000-token chat among 31 of
-    200 tokens made a batch-32 step of the default model 20x slower); `_length_groups`
-    says where they split.
+    gather and multiply its length in padding; `_length_groups` says where they split.
     """
 
     shared_rows: torch.Tensor | None

@@ -50,12 +50,10 @@ def tile_config(kind: str, head_dim: int, dtype: torch.dtype, arch: int) -> Tile
 
     A decode has one token: its rows are the group, padded to tl.dot's minimum of 16.
     Registers bound the tile: the fp32 accumulator is rows x head_dim and the scores rows x
-    tile_n per program, so wide heads and fp32 (exact fp32 dots, no tensor cores) take
-    fewer rows and keys or more warps (measured with ptxas: fp32 at head dim 128 spills
-    ~0.9 KB with 4 warps and none with 8; bf16 at 256 spills 16-32 B with 8 warps on
-    sm_80/86 and none with 4; fp32 with 3 stages spills on sm_80). Shared memory bounds
-    the stages: each holds a K and a V tile, and sm_86/sm_89 have 99 KB where sm_80 has
-    163 KB and sm_90 227 KB.
+    tile_n per program, so wide heads and fp32 (exact fp32 dots, no tensor cores) take fewer
+    rows and keys or more warps, chosen so that ptxas reports no register spills. Shared
+    memory bounds the stages: each holds a K and a V tile, and sm_86/sm_89 have 99 KB where
+    sm_80 has 163 KB and sm_90 227 KB.
     """
     assert kind in KINDS
     dim_pad = max(16, triton.next_power_of_2(head_dim))

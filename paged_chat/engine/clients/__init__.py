@@ -1,6 +1,7 @@
 """The client layer: how the app reaches an engine.
 
-    protocol.py          EngineClient, ModelInfo, ClientCapabilities: all a front end may use
+    client_protocol.py   EngineClient, ClientCapabilities (with core/outputs.py's ModelInfo):
+                         all a front end may use
     factory.py           ClientSpec, make_client and start_client: the one way to get a client
     local.py             LocalClient: streams and the output processor over a transport
     thread_transport.py  the Engine on a thread of this process

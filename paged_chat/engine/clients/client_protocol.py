@@ -11,38 +11,12 @@ may use beyond the common part is stated in `capabilities`, never guessed from s
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
-from paged_chat.engine.core.request import RequestOutput, SamplingParams
+from paged_chat.engine.core.outputs import ModelInfo, RequestOutput
+from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.core.stats import EngineStats
-
-
-@dataclass(slots=True, frozen=True)
-class ModelInfo:
-    """What the app needs to know of the model an engine serves. `tokenizer` and
-    `chat_template` build prompts; the pool's size (`num_blocks`, `block_size`) means
-    something only where the client's capabilities say `block_map`. `weights` says what
-    the weights are held as ("Q4_1+Q8_0, 0.12 GB of weights"; "" where unknown),
-    `weight_bytes` the bytes they take (0 where unknown). `generation_defaults`: the
-    sampling values the model's generation_config.json recommends (SamplingParams names).
-    `tokenizer_from` says, for an engine elsewhere, whose tokenizer `tokenizer` is: "local"
-    (a local copy of the served model's) or "the server's" (ServerTokenizer: the server
-    tokenizes and templates); "" for a local engine (its own)."""
-
-    name: str
-    tokenizer: Any
-    chat_template: str
-    device: str
-    dtype: str
-    num_blocks: int
-    block_size: int
-    max_model_len: int
-    num_parameters: int
-    weights: str = ""
-    weight_bytes: int = 0
-    generation_defaults: dict[str, Any] = field(default_factory=dict)
-    tokenizer_from: str = ""
 
 
 @dataclass(slots=True, frozen=True)

@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from paged_chat.engine.core.request import EngineCoreOutput, SamplingParams
+from paged_chat.engine.core.outputs import EngineCoreOutput
+from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.core.stats import EngineStats
 
 if TYPE_CHECKING:   # a client in another process than its Engine never imports torch
@@ -47,12 +48,12 @@ class Shutdown:
 
 Command = Add | Abort | ResetPrefixCache | Shutdown
 
-# Requests sent together (tabs that send at once, a broadcast, `ask --file`) arrive ms apart:
-# each is encoded and stored before it goes (~2 ms a tab), and a busy UI thread holds up the
-# thread that sends them. Waking from idle for a request, the loop takes those that keep
-# coming within BURST_GAP_S of the last, for at most BURST_MAX_S, into its first step: one
-# prefill of them all, where the first alone held the others back by its whole step (8 tabs:
-# 146 + 343 ms of prefill against 380 together). A lone request waits BURST_GAP_S more.
+# Requests sent together (tabs that send at once, a broadcast, `ask --file`) arrive
+# milliseconds apart: each is encoded and stored before it goes, and a busy UI thread holds
+# up the thread that sends them. Waking from idle for a request, the loop takes those that
+# keep coming within BURST_GAP_S of the last, for at most BURST_MAX_S, into its first step:
+# one prefill of them all, where the first alone would hold the others back by its whole
+# step. A lone request waits BURST_GAP_S more.
 BURST_GAP_S = 0.01
 BURST_MAX_S = 0.1
 

@@ -24,11 +24,12 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from paged_chat.engine.clients.engine_loop import Abort, Add, Command, LoopEvents, ResetPrefixCache
-from paged_chat.engine.clients.client_protocol import ClientCapabilities, ModelInfo
+from paged_chat.engine.clients.client_protocol import ClientCapabilities
 from paged_chat.engine.clients.streams import Streams
 from paged_chat.engine.core.errors import EngineDeadError
 from paged_chat.engine.core.output_processor import OutputProcessor
-from paged_chat.engine.core.request import EngineCoreOutput, RequestOutput, SamplingParams
+from paged_chat.engine.core.outputs import EngineCoreOutput, ModelInfo, RequestOutput
+from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.core.stats import EngineStats
 
 
@@ -71,7 +72,7 @@ class Transport(Protocol):
 
 
 class LocalClient:
-    """An EngineClient (protocol.py) over a transport to an Engine on this machine."""
+    """An EngineClient (client_protocol.py) over a transport to an Engine on this machine."""
 
     def __init__(self, transport: Transport) -> None:
         """Start the transport (a load's error is raised here)."""

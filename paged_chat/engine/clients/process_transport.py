@@ -11,7 +11,7 @@ How. The child is spawned (a fresh interpreter): a parent may have threads or to
 forked torch would inherit their locks. A caller that launches it from its main thread
 alone with no torch imported (the TUI's start, before Textual) may ask for a fork
 (`fork_if_safe`, checked here): no interpreter to start and no modules of the parent's to
-import again (0.3-1 s on a busy 2-core machine). Either way it builds the Engine on its
+import again. Either way it builds the Engine on its
 main thread, so its OpenMP pool is the only one, and runs the same loop as the thread
 transport (engine_loop.py) over one duplex pipe:
 
@@ -24,8 +24,7 @@ transport (engine_loop.py) over one duplex pipe:
 
 A step's outputs cross as the core made them: ids and counts, no text and no history (a
 reply's whole ids and text, pickled every step, would cost time that grows with every
-token: at batch 256 and 1,000-token replies, 9 ms to pickle and 20 ms to unpickle a step
-against 1.4 and 0.9 without). The client's output processor turns them into text on the
+token). The client's output processor turns them into text on the
 parent's reader thread.
 
 In the parent a sender thread writes the commands (a long prompt never blocks the event
@@ -67,10 +66,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paged_chat.engine.clients.engine_loop import Command, Shutdown
-from paged_chat.engine.clients.client_protocol import ModelInfo
 from paged_chat.engine.core.config import EngineConfig
 from paged_chat.engine.core.errors import EngineDeadError, PagedChatError, describe_error
-from paged_chat.engine.core.request import EngineCoreOutput
+from paged_chat.engine.core.outputs import EngineCoreOutput, ModelInfo
 from paged_chat.engine.core.stats import EngineStats
 
 if TYPE_CHECKING:   # the parent never imports torch: the Engine and its loader are the child's
@@ -93,7 +91,7 @@ class _Tokenizer:
     """Sent before the weights load. Where the model's tokenizer is saved (a GGUF's warm
     start), its folder: the parent loads it from there meanwhile, and the child never
     loads it unless a request needs it (tokenizer_source.py). Else the tokenizer itself,
-    which the parent unpickles (0.15-0.3 s) meanwhile."""
+    which the parent unpickles meanwhile."""
 
     tokenizer: Any = None
     saved_folder: Path | None = None

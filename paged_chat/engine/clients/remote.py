@@ -58,12 +58,13 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from paged_chat.engine.clients.engine_loop import Abort, Add, Command
-from paged_chat.engine.clients.client_protocol import ClientCapabilities, ModelInfo
+from paged_chat.engine.clients.client_protocol import ClientCapabilities
 from paged_chat.engine.clients.server_tokenizer import PROBE_TEXT, ServerTokenizer
 from paged_chat.engine.clients.streams import Streams
 from paged_chat.engine.core.errors import ModelLoadError, PagedChatError
 from paged_chat.engine.core.output_processor import OutputProcessor
-from paged_chat.engine.core.request import EngineCoreOutput, RequestOutput, SamplingParams
+from paged_chat.engine.core.outputs import EngineCoreOutput, ModelInfo, RequestOutput
+from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.core.stats import BlockMap, EngineStats
 
 # What each EngineStats field reads from /metrics: vLLM's names, then older vLLM's.

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from paged_chat.engine.clients.engine_loop import Abort, Add, Command
 from paged_chat.engine.core.errors import EngineDeadError
-from paged_chat.engine.core.request import RequestOutput
+from paged_chat.engine.core.outputs import RequestOutput
 
 
 @dataclass(slots=True)

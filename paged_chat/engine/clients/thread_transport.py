@@ -14,7 +14,7 @@ worker threads for every thread that has run a parallel op, for as long as that 
 lives, and spin-waits between parallel regions only while the process holds no more such
 threads than cores. An engine loaded on the main thread leaves a pool there; once the
 engine thread has its own, the workers sleep between regions and each of a step's hundreds
-of regions waits for a wake-up (measured on 2 cores: 60-70% of the speed).
+of regions waits for a wake-up, which slows every step.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from paged_chat.engine.clients.engine_loop import Command, Shutdown, serve_engine
-from paged_chat.engine.clients.client_protocol import ModelInfo
+from paged_chat.engine.core.outputs import ModelInfo
 from paged_chat.engine.core.engine import Engine
 from paged_chat.engine.core.errors import EngineDeadError
 

@@ -12,7 +12,7 @@ sentencepiece one (Llama 2, Mistral, Gemma) turns each into text on its own ("â–
 space, byte tokens to bytes) and strips the space that starts the whole text. So after
 some text that ends on a whole character, an id whose bytes are whole characters adds
 exactly what it adds after any other such text. `TokenTexts` keeps that per id, so a step
-looks up most of its tokens instead of decoding two windows each (~1 us against ~5 us).
+looks up most of its tokens instead of decoding two windows each.
 """
 
 from __future__ import annotations
@@ -233,8 +233,8 @@ def _fast_decoder(tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool
     gives the same text (a fast tokenizer that cleans up no spaces).
 
     transformers' `decode` first walks the ids in Python to normalise their types, which
-    makes it ~40x slower than the Rust call it ends in; a step detokenizes every running
-    request, so at batch 256 that walk alone was ~20 ms per step.
+    costs far more than the Rust call it ends in, and a step detokenizes every running
+    request.
     """
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):

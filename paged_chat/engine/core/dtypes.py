@@ -15,8 +15,7 @@ def resolve_dtype(dtype: str, device: torch.device, holds_quantized: bool = Fals
     On the CPU, a model whose weights are held quantized (`holds_quantized`) runs float32
     even where the CPU has bf16 dot products: its kernels compute in float32 (bf16
     activations would be converted around every layer) and the fused decode step is
-    float32 only. The default model in bf16 ran 1.6-1.8x slower than in float32 on a
-    Sapphire Rapids with AMX (8 chats and one; the closing note of issue 32)."""
+    float32 only, so bf16 is slower there too (the closing note of issue 32)."""
     if dtype != "auto":
         return TORCH_DTYPES[dtype]
     if device.type == "cuda":

@@ -1,11 +1,12 @@
 """Engine: the synchronous core. add_request / step / abort / generate / stats.
 
-One `step()` schedules work under the token budget, runs one forward over every scheduled
-token, samples, and returns what that step changed per request: new token ids and finish
-reasons (EngineCoreOutput), no text. Stop token ids, EOS and the length limit end a request
-here; text and stop strings are the client's output processor's (output_processor.py),
-which `generate` runs too. Finished requests leave at once (their blocks go back to the
-pool) and waiting ones join on the next step: continuous batching.
+One `step()` is schedule -> KV tier transfers -> the runner's forward and sampling -> the
+scheduler's update from the runner's output, and returns what that step changed per request:
+new token ids and finish reasons (EngineCoreOutput), no text. Stop token ids, EOS and the
+length limit end a request in the scheduler's update; text and stop strings are the client's
+output processor's (output_processor.py), which `generate` runs too. Finished requests leave
+at once (their blocks go back to the pool) and waiting ones join on the next step:
+continuous batching.
 
 With a KV tier (EngineConfig.kv_tier_*), finished and evicted blocks outlive the pool
 and the process: `close()` (or interpreter exit) finishes the tier's queued disk writes.
@@ -23,23 +24,21 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from paged_chat.engine.clients.client_protocol import ModelInfo
 from paged_chat.engine.core.config import EngineConfig
 from paged_chat.engine.core.dtypes import dtype_name, resolve_device, resolve_dtype
-from paged_chat.engine.core.errors import out_of_memory
+from paged_chat.engine.core.output_processor import OutputProcessor
+from paged_chat.engine.core.outputs import EngineCoreOutput, ModelInfo, RequestOutput
+from paged_chat.engine.core.prompt import prompt_token_ids
+from paged_chat.engine.core.request import Request
+from paged_chat.engine.core.sampling_params import SamplingParams
+from paged_chat.engine.core.scheduler import Scheduler
+from paged_chat.engine.core.stats import EngineStats, StepMetrics, snapshot
 from paged_chat.engine.kv.kv_cache_manager import KVCacheManager
-from paged_chat.engine.kv.tier import build_kv_tier, model_fingerprint
+from paged_chat.engine.kv.tier import build_kv_tier
 from paged_chat.engine.kv.transfer import KVTransfer
 from paged_chat.engine.models.loader import (ModelSource, ProgressHook, generation_defaults,
-                                             holds_quantized, load_model, load_model_source)
-from paged_chat.engine.core.output_processor import OutputProcessor
-from paged_chat.engine.core.prompt import prompt_token_ids
-from paged_chat.engine.core.request import (EngineCoreOutput, FinishReason, Request, RequestOutput,
-                                       SamplingParams, TokenLogprob)
+                                             holds_quantized, load_model_source)
 from paged_chat.engine.worker.runner import ModelRunner
-from paged_chat.engine.core.scheduler import Scheduler
-from paged_chat.engine.native.build import use_cache_dir
-from paged_chat.engine.core.stats import EngineStats, KVTierStats, StepMetrics
 from paged_chat.engine.worker.structured_output import StructuredOutputManager
 from paged_chat.engine.worker.threads import StepThreads
 
@@ -63,8 +62,6 @@ class Engine:
         `source.tokenizer_source.saved_folder`); `info` then has no tokenizer and no chat
         template, and EOS is the model config's, which has a GGUF's converted tokenizer's."""
         self.config = config
-        if config.cache_dir is not None:  # the native kernels build under it too
-            use_cache_dir(config.cache_dir)
         # First, so its first look at the machine's load spans the model's loading.
         self.threads = StepThreads.from_setting(config.threads)
         self.device = resolve_device(config.device)
@@ -74,23 +71,15 @@ class Engine:
         self.model_name = source.name
         self.model_config = source.config
         self._tokenizer_source = source.tokenizer_source
-        with out_of_memory(f"loading the weights onto {self.device}", "the model does not fit; "
-                           "use a smaller model or dtype, or device='cpu'"):
-            model = load_model(source, self.dtype, self.device, config.cache_dir,
-                               config.weight_cache_size, on_progress, config.weights)
-        # Before the runner packs the CPU weights: packed, they are opaque, and a tied
-        # output projection is a second tensor.
-        num_parameters, weight_bytes = model.num_weights(), model.weight_bytes()
-        weights = f"{model.held_formats()}, {weight_bytes / 1e9:.2f} GB of weights"
-        fingerprint = model_fingerprint(model.weight_tensors())
-        self.runner = ModelRunner(model, source.config, config, self.device, self.dtype,
-                                  on_progress)
+        self.runner = ModelRunner(source, config, self.device, self.dtype, on_progress)
+        loaded = self.runner.loaded
         self.block_size = config.block_size
         self.num_blocks = self.runner.num_blocks
         self.max_model_len = self.runner.max_model_len
         self.kv_cache = KVCacheManager(self.num_blocks, self.block_size,
                                        config.enable_prefix_caching,
-                                       build_kv_tier(config, fingerprint, self.runner.kv_cache),
+                                       build_kv_tier(config, loaded.fingerprint,
+                                                     self.runner.kv_cache),
                                        source.config.window_of_every_layer,
                                        self.runner.block_id_rows)
         self.kv_transfer = KVTransfer(self.kv_cache, self.runner)
@@ -99,7 +88,7 @@ class Engine:
         self.eos_token_ids = frozenset(source.config.eos_token_ids)
         if not tokenizer_on_demand and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids |= {self.tokenizer.eos_token_id}
-        self.requests: dict[str, Request] = {}
+        self.requests = self.scheduler.requests  # every unfinished request, by id
         self._structured_output: StructuredOutputManager | None = None  # on first use
         self.metrics = StepMetrics()
         self._pending: list[EngineCoreOutput] = []
@@ -110,7 +99,8 @@ class Engine:
             chat_template="" if tokenizer_on_demand else self.chat_template,
             device=self.device.type, dtype=dtype_name(self.dtype), num_blocks=self.num_blocks,
             block_size=self.block_size, max_model_len=self.max_model_len,
-            num_parameters=num_parameters, weights=weights, weight_bytes=weight_bytes,
+            num_parameters=loaded.num_parameters, weight_bytes=loaded.weight_bytes,
+            weights=f"{loaded.held_formats}, {loaded.weight_bytes / 1e9:.2f} GB of weights",
             generation_defaults=generation_defaults(source))
 
     @property
@@ -150,19 +140,18 @@ class Engine:
                               frozenset() if params.ignore_eos else self.eos_token_ids),
                           max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len),
                           grammar=grammar)
-        self.requests[request_id] = request
+        self.scheduler.add(request)
         if len(token_ids) >= self.max_model_len:
-            self._pending.append(self._finish(request, "error", (
+            self._pending.append(self.scheduler.finish_request(request, "error", (
                 f"the prompt has {len(token_ids)} tokens; this engine holds at most "
                 f"{self.max_model_len} per sequence (max_model_len and the KV pool), "
                 "prompt and reply together")))
-        else:
-            self.scheduler.add(request)
         return request_id
 
     @property
     def structured_output(self) -> StructuredOutputManager:
-        """The grammar compiler for this model's tokenizer, made on first use (~0.3 s)."""
+        """The grammar compiler for this model's tokenizer, made on first use (the first
+        constrained request pays for it)."""
         if self._structured_output is None:
             self._structured_output = StructuredOutputManager(
                 self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
@@ -172,7 +161,7 @@ class Engine:
         """Stop a request now and free its blocks; unknown or finished ids are ignored."""
         request = self.requests.get(request_id)
         if request is not None:
-            self._pending.append(self._finish(request, "abort"))
+            self._pending.append(self.scheduler.finish_request(request, "abort"))
 
     def abort_all(self) -> None:
         """Abort every request, discarding their outputs: for a caller that has given up on
@@ -248,9 +237,8 @@ class Engine:
             return outputs
         policy = self.threads.for_step(decode_only=schedule.num_tokens == len(schedule.scheduled))
         threads = policy.apply()
-        samplers = [item for item in schedule.scheduled if item.samples]
         try:
-            sampled = self.runner.execute(schedule.scheduled)
+            runner_output = self.runner.execute(schedule.scheduled)
         except Exception:
             # The scheduler indexed the blocks this step fills before the forward that should
             # have written them: forget the index, or a later request could hit unwritten
@@ -258,89 +246,17 @@ class Engine:
             self.kv_cache.reset_prefix_cache()
             self._pending = outputs + self._pending  # deltas collected before the step stay due
             raise
-        prompt_tokens = self.scheduler.update(schedule)
-        now = time.monotonic()
-        logprobs = self.runner.last_logprobs or itertools.repeat(None)
-        for item, token, logprob in zip(samplers, sampled, logprobs):
-            try:  # one request's fault (its sampling) must not take the batch down
-                if isinstance(token, Exception):
-                    raise token
-                outputs.append(self._append_token(item.request, token, now, logprob))
-            except Exception as error:
-                # Logits that are not finite may come of KV the tier restored: recompute once.
-                if isinstance(token, Exception) and self.scheduler.recompute_after_fault(item.request):
-                    continue
-                outputs.append(self._finish(item.request, "error", f"{type(error).__name__}: {error}"))
+        update = self.scheduler.update_from_output(schedule, runner_output)
+        outputs += update.outputs
         elapsed = time.perf_counter() - started
-        self.metrics.record_step(len(schedule.scheduled), schedule.num_tokens, prompt_tokens,
-                                 len(sampled), elapsed)
+        self.metrics.record_step(len(schedule.scheduled), schedule.num_tokens,
+                                 update.num_prompt_tokens, len(runner_output.sampled), elapsed)
         policy.record(threads, schedule.num_tokens, elapsed)
         self.kv_transfer.offload()  # finished requests' blocks go down now, not a step later
         return outputs
-
-    def _append_token(self, request: Request, token_id: int, now: float,
-                      logprob: TokenLogprob | None) -> EngineCoreOutput:
-        if request.first_token_time is None:
-            request.first_token_time = now
-            self.metrics.prompt_tokens_total += request.num_prompt_tokens
-        request.all_token_ids.append(token_id)
-        request.output_token_ids.append(token_id)
-        new_logprobs = None if logprob is None else [logprob]
-        grammar = request.grammar
-        if grammar is not None and not grammar.accept_token(token_id):
-            return self._finish(request, "error", f"the grammar refused the sampled token {token_id}",
-                                [token_id], new_logprobs)
-        if token_id in request.stop_token_ids or (grammar is not None and grammar.is_terminated()):
-            reason: FinishReason = "stop"
-        elif len(request.all_token_ids) >= request.max_num_tokens:
-            reason = "length"
-        else:
-            # EngineCoreOutput's fields in order: one per running request (its docstring)
-            return EngineCoreOutput(request.request_id, [token_id], False, None,
-                                    len(request.prompt_token_ids), request.num_cached_prompt_tokens,
-                                    request.num_tier_cached_tokens, None, new_logprobs)
-        return self._finish(request, reason, None, [token_id], new_logprobs)
-
-    def _finish(self, request: Request, reason: FinishReason, error: str | None = None,
-                new_token_ids: list[int] | None = None,
-                new_logprobs: list[TokenLogprob] | None = None) -> EngineCoreOutput:
-        request.finish_reason = reason
-        request.error = error
-        self.scheduler.finish(request)
-        del self.requests[request.request_id]
-        return EngineCoreOutput(request.request_id, new_token_ids or [], True, reason,
-                                request.num_prompt_tokens, request.num_cached_prompt_tokens,
-                                request.num_tier_cached_tokens, error, new_logprobs)
 
     # ---- stats ----------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
         """A snapshot of the pool, the queues and the rates after the last step."""
-        blocks, wasted = self.kv_cache.block_map(self.requests)
-        in_use, cached, metrics = blocks.num_in_use, blocks.num_cached, self.metrics
-        return EngineStats(
-            num_blocks=self.num_blocks,
-            block_size=self.block_size,
-            blocks_in_use=in_use,
-            blocks_cached=cached,
-            blocks_free=self.num_blocks - in_use - cached,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.loading),
-            num_preemptions=self.scheduler.num_preemptions,
-            num_evictions=self.kv_cache.pool.num_evictions,
-            batch_size=metrics.batch_size,
-            batch_tokens=metrics.batch_tokens,
-            prompt_tokens_per_s=metrics.prompt_rate.rate(),
-            generation_tokens_per_s=metrics.generation_rate.rate(),
-            prefix_cache_queried_tokens=self.scheduler.prefix_cache_queried_tokens,
-            prefix_cache_hit_tokens=self.scheduler.prefix_cache_hit_tokens,
-            kv_slots_wasted=wasted,
-            step_time_s=metrics.step_time_s,
-            forward_time_s=self.runner.last_forward_s,
-            blocks=blocks,
-            tier=self.kv_cache.tier.stats() if self.kv_cache.tier is not None else KVTierStats(),
-            prompt_tokens_total=metrics.prompt_tokens_total,
-            generation_tokens_total=metrics.generation_tokens_total,
-            blocks_freed_by_window=self.kv_cache.num_window_released,
-        )
-
+        return snapshot(self.num_blocks, self.scheduler, self.metrics, self.runner.last_forward_s)

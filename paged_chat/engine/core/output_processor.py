@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from paged_chat.engine.core.detokenizer import IncrementalDetokenizer
-from paged_chat.engine.core.request import EngineCoreOutput, RequestOutput, SamplingParams, TokenLogprob
+from paged_chat.engine.core.outputs import EngineCoreOutput, RequestOutput, TokenLogprob
+from paged_chat.engine.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -21,15 +21,24 @@ engine runs it and completes it between steps, so no step waits on a disk.
 Nothing waits behind a long prompt: decodes are scheduled before it every step, and it
 only gets what budget is left. A preempted request goes back to the head of the queue, and
 no waiting request is admitted in a step that preempted, so nobody starves.
+
+After the forward, `update_from_output` takes the runner's output: it advances each
+scheduled request, appends the sampled tokens (advancing a request's grammar matcher with
+each), and ends a request on its stop ids, a completed grammar or its length limit
+(`check_stop`). The scheduler holds every unfinished request (`requests`) until it ends.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from paged_chat.engine.kv.block_pool import KVBlock
 from paged_chat.engine.kv.kv_cache_manager import KVCacheManager, TierReadState
+from paged_chat.engine.core.outputs import (EngineCoreOutput, FinishReason, ModelRunnerOutput,
+                                            TokenLogprob)
 from paged_chat.engine.core.request import Request, RequestStatus
 
 
@@ -49,6 +58,14 @@ class SchedulerOutput:
     num_tokens: int  # of all the scheduled items together
 
 
+class StepUpdate(NamedTuple):
+    """What `update_from_output` made of a step: one output per sampled request (none for a
+    request sent back to be recomputed) and how many prompt tokens the step computed."""
+
+    outputs: list[EngineCoreOutput]
+    num_prompt_tokens: int
+
+
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int,
                  max_num_batched_tokens: int) -> None:
@@ -62,8 +79,12 @@ class Scheduler:
         self.recomputed_after_fault: set[str] = set()   # request ids, until they finish
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
+        self.prompt_tokens_total = 0        # of requests that have sampled their first token
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
 
     def add(self, request: Request) -> None:
+        """Queue a request (its id not in `requests`) behind the waiting ones."""
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -149,20 +170,67 @@ class Scheduler:
             return self.waiting[0]
         return None
 
-    def update(self, output: SchedulerOutput) -> int:
-        """Advance each scheduled request past the tokens this step computed; return how
-        many of those were prompt tokens (the rest are its output, fed back)."""
+    def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput
+                           ) -> StepUpdate:
+        """Advance each scheduled request past the tokens this step computed, then append
+        each sampling item's token (`runner_output.sampled`, in the order of the items that
+        sample) and check whether it ends the request. A row whose sampling failed is
+        recomputed once when KV the tier restored may be why (see recompute_after_fault),
+        else finished with an error; so is a token the request's grammar refuses. One
+        request's fault never reaches the others."""
         prompt_tokens = 0
         for item in output.scheduled:
             request, start = item.request, item.request.num_computed_tokens
             request.num_computed_tokens = end = start + item.num_new_tokens
             if start < (num_prompt := len(request.prompt_token_ids)):
                 prompt_tokens += min(end, num_prompt) - start
-        return prompt_tokens
+        outputs: list[EngineCoreOutput] = []
+        now = time.monotonic()
+        samplers = [item.request for item in output.scheduled if item.samples]
+        logprobs = runner_output.logprobs or [None] * len(samplers)
+        for request, token, logprob in zip(samplers, runner_output.sampled, logprobs):
+            if isinstance(token, Exception):
+                if not self.recompute_after_fault(request):
+                    outputs.append(self.finish_request(request, "error",
+                                                       f"{type(token).__name__}: {token}"))
+                continue
+            try:
+                outputs.append(self._append_token(request, token, now, logprob))
+            except Exception as error:  # the grammar library's, for this request alone
+                outputs.append(self.finish_request(request, "error",
+                                                   f"{type(error).__name__}: {error}"))
+        return StepUpdate(outputs, prompt_tokens)
 
-    def finish(self, request: Request) -> None:
-        """Take a request out of the queues and give its blocks back (any finish reason; its
-        `finish_reason` is set: a failed request's KV is not kept)."""
+    def _append_token(self, request: Request, token_id: int, now: float,
+                      logprob: TokenLogprob | None) -> EngineCoreOutput:
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.prompt_tokens_total += request.num_prompt_tokens
+        request.all_token_ids.append(token_id)
+        request.output_token_ids.append(token_id)
+        new_logprobs = None if logprob is None else [logprob]
+        grammar = request.grammar
+        if grammar is not None and not grammar.accept_token(token_id):
+            return self.finish_request(request, "error",
+                                       f"the grammar refused the sampled token {token_id}",
+                                       [token_id], new_logprobs)
+        reason = check_stop(request)
+        if reason is None:
+            # EngineCoreOutput's fields in order: one per running request (its docstring)
+            return EngineCoreOutput(request.request_id, [token_id], False, None,
+                                    len(request.prompt_token_ids), request.num_cached_prompt_tokens,
+                                    request.num_tier_cached_tokens, None, new_logprobs)
+        return self.finish_request(request, reason, None, [token_id], new_logprobs)
+
+    def finish_request(self, request: Request, reason: FinishReason, error: str | None = None,
+                       new_token_ids: list[int] | None = None,
+                       new_logprobs: list[TokenLogprob] | None = None) -> EngineCoreOutput:
+        """End an unfinished request for `reason` (any, abort and error included): out of
+        `requests` and the queues, its blocks back (a failed request's KV is not kept); its
+        final output, carrying `new_token_ids` and `new_logprobs` when a token ended it."""
+        request.finish_reason = reason
+        request.error = error
+        del self.requests[request.request_id]
         self.recomputed_after_fault.discard(request.request_id)
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
@@ -171,7 +239,10 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED
-        self.kv_cache.free(request, keep_kv=request.finish_reason != "error")
+        self.kv_cache.free(request, keep_kv=reason != "error")
+        return EngineCoreOutput(request.request_id, new_token_ids or [], True, reason,
+                                request.num_prompt_tokens, request.num_cached_prompt_tokens,
+                                request.num_tier_cached_tokens, error, new_logprobs)
 
     def recompute_after_fault(self, request: Request) -> bool:
         """A running request's logits were not finite. When KV read back from the KV tier is
@@ -198,6 +269,19 @@ class Scheduler:
         if count:
             request.num_preemptions += 1
             self.num_preemptions += 1
+
+
+def check_stop(request: Request) -> FinishReason | None:
+    """Why the token just appended ends `request`, or None: one of its stop ids (the model's
+    EOS among them unless ignore_eos) or a completed grammar is "stop"; reaching its
+    `max_num_tokens` (max_tokens or max_model_len, prompt included) is "length"."""
+    token_id = request.all_token_ids[-1]
+    if token_id in request.stop_token_ids or (request.grammar is not None
+                                              and request.grammar.is_terminated()):
+        return "stop"
+    if len(request.all_token_ids) >= request.max_num_tokens:
+        return "length"
+    return None
 
 
 def _not_a_decode(item: ScheduledRequest) -> bool:

@@ -1,11 +1,12 @@
-"""EngineStats: an immutable snapshot of the engine, cheap enough to take ~20 times a second.
+"""EngineStats: an immutable snapshot of the engine, cheap enough to take after every step.
 
-The block map is kept compact (numpy arrays, not an object per block) so a panel can
-draw 10k+ blocks at 10 Hz. Holders of a block are stored CSR-style: the requests holding
-block `b` are `request_ids[i]` for `i in holders[holder_ptr[b]:holder_ptr[b + 1]]`, and
-`holder_positions` (parallel to `holders`) says where in that request's table the block
-sits, so block `b` holds that request's tokens `[p * block_size, (p + 1) * block_size)`.
-A table's leading entries that a sliding window released (`num_released`) hold no block.
+The block map is kept compact (numpy arrays, not an object per block) so a panel can draw a
+pool of tens of thousands of blocks at its frame rate. Holders of a block are stored
+CSR-style: the requests holding block `b` are `request_ids[i]` for `i in
+holders[holder_ptr[b]:holder_ptr[b + 1]]`, and `holder_positions` (parallel to `holders`)
+says where in that request's table the block sits, so block `b` holds that request's tokens
+`[p * block_size, (p + 1) * block_size)`. A table's leading entries that a sliding window
+released (`num_released`) hold no block.
 """
 
 from __future__ import annotations
@@ -14,15 +15,19 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from paged_chat.engine.core.scheduler import Scheduler
 
 
 @dataclass(slots=True, frozen=True)
 class BlockMap:
     """The pool's blocks and who holds them. The holder arrays are built from the tables on
-    their first read: the engine takes a snapshot ~20 times a second (and the benchmark
-    every step), but a panel draws one only ~5 times a second, if it is shown at all.
+    their first read: snapshots are taken more often than a panel draws one, if it is
+    shown at all.
 
     An engine's map has a cell per allocatable block: cell i is block i + 1, and its tables
     hold cells (the reserved null block 0, of released entries, is -1 there)."""
@@ -211,12 +216,11 @@ class RateMeter:
 @dataclass(slots=True)
 class StepMetrics:
     """What the engine counts as it steps, for its snapshots: token rates over the last
-    seconds, totals since it started (a request's prompt counted at its first token), and
-    the last step's batch and time (zero after a step that ran nothing)."""
+    seconds, the generated tokens since it started, and the last step's batch and time
+    (zero after a step that ran nothing)."""
 
     prompt_rate: RateMeter = field(default_factory=RateMeter)
     generation_rate: RateMeter = field(default_factory=RateMeter)
-    prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     batch_size: int = 0
     batch_tokens: int = 0
@@ -228,3 +232,37 @@ class StepMetrics:
         self.generation_rate.add(sampled_tokens)
         self.generation_tokens_total += sampled_tokens
         self.batch_size, self.batch_tokens, self.step_time_s = batch_size, batch_tokens, step_time_s
+
+
+def snapshot(num_blocks: int, scheduler: Scheduler, metrics: StepMetrics,
+             forward_time_s: float) -> EngineStats:
+    """The engine's stats now: its pool of `num_blocks` blocks through the scheduler's KV
+    manager and requests, its queues and counters, and the last step's `metrics`."""
+    kv_cache = scheduler.kv_cache
+    blocks, wasted = kv_cache.block_map(scheduler.requests)
+    in_use, cached = blocks.num_in_use, blocks.num_cached
+    return EngineStats(
+        num_blocks=num_blocks,
+        block_size=kv_cache.block_size,
+        blocks_in_use=in_use,
+        blocks_cached=cached,
+        blocks_free=num_blocks - in_use - cached,
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting) + len(scheduler.loading),
+        num_preemptions=scheduler.num_preemptions,
+        num_evictions=kv_cache.pool.num_evictions,
+        batch_size=metrics.batch_size,
+        batch_tokens=metrics.batch_tokens,
+        prompt_tokens_per_s=metrics.prompt_rate.rate(),
+        generation_tokens_per_s=metrics.generation_rate.rate(),
+        prefix_cache_queried_tokens=scheduler.prefix_cache_queried_tokens,
+        prefix_cache_hit_tokens=scheduler.prefix_cache_hit_tokens,
+        kv_slots_wasted=wasted,
+        step_time_s=metrics.step_time_s,
+        forward_time_s=forward_time_s,
+        blocks=blocks,
+        tier=kv_cache.tier.stats() if kv_cache.tier is not None else KVTierStats(),
+        prompt_tokens_total=scheduler.prompt_tokens_total,
+        generation_tokens_total=metrics.generation_tokens_total,
+        blocks_freed_by_window=kv_cache.num_window_released,
+    )

@@ -21,7 +21,7 @@ from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.core.config import EngineConfig
 from paged_chat.engine.core.errors import PagedChatError, out_of_memory
 from paged_chat.engine.models.llama import LlamaForCausalLM
-from paged_chat.engine.core.request import SamplingParams
+from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.worker.sampler import SamplingBatch, sample
 
 _DEFAULT_CPU_KV_FRACTION = 0.2
@@ -105,9 +105,9 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, config: EngineConfig) 
 
 def zeroed_host_memory(nbytes: int) -> torch.Tensor:
     """`nbytes` of zeros (uint8) that cost nothing until used: anonymous pages, which the
-    kernel zeroes as each is first touched. torch.zeros writes every byte up front, 2 s of
-    a start for the default 2 GiB pool on a small CPU, most of it for blocks a chat never
-    reaches. Page-aligned; the tensor keeps the mapping alive."""
+    kernel zeroes as each is first touched. torch.zeros writes every byte up front, at
+    start, most of them for blocks a chat never reaches. Page-aligned; the tensor keeps
+    the mapping alive."""
     try:
         pages = mmap.mmap(-1, nbytes)
     except OSError as error:  # ENOMEM: the kernel would not commit that much

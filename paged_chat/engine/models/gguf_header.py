@@ -89,7 +89,7 @@ class _Cursor:
 
     def skip_strings(self, count: int) -> None:
         """Step over `count` strings (a vocabulary's, its merges': 49k each in the default
-        model) in one tight loop: a call per string took a third of a warm start's header."""
+        model) in one tight loop: a call per string would dominate reading the header."""
         data, pos, end = self.data, self.pos, len(self.data)
         length_at = _LENGTH.unpack_from
         for _ in range(count):

@@ -28,8 +28,7 @@ from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.core.errors import UnsupportedModelError
 from paged_chat.engine.models import fused_ops
 from paged_chat.engine.models.model_config import ModelConfig
-from paged_chat.engine.models.packed_linear import PackedLinear, pack_linears, packs
-from paged_chat.engine.models.quant import BLOCK_FORMATS
+from paged_chat.engine.models.packed_linear import PackedLinear
 from paged_chat.engine.models.fused_decode import FusedDecode
 from paged_chat.engine.models.quant.layout import QuantizedWeight
 from paged_chat.engine.models.quant.linear import QuantizedEmbedding, QuantizedLinear
@@ -200,10 +199,10 @@ class GemmaDecoderLayer(DecoderLayer):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The decoder. Make it with `empty` (then `quantize` to keep a GGUF's quantized
-    weights as they are stored), fill it through `destination`, then `build_rope_tables`;
-    on the CPU, `pack_for_cpu` last (nothing reads a packed weight); call it with a flat
-    batch."""
+    """The decoder. Make it with `empty` (quant/transform.py may then swap layers for
+    quantized ones), fill it through `destination`, then `build_rope_tables`; call it with a
+    flat batch. Packing and fused ops are the worker's to switch on
+    (worker/model_loading.py); the forward runs whatever modules and flags it holds."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -222,7 +221,7 @@ class LlamaForCausalLM(nn.Module):
         # Row sizes of the checkpoint tensors each fused parameter stacks, in order.
         self.shard_rows = {"self_attn.qkv_proj": (q_size, kv_size, kv_size),
                            "mlp.gate_up_proj": (config.intermediate_size,) * 2}
-        # Each layer's step as one C call, where use_fused_ops finds it exact.
+        # Each layer's step as one C call, where the worker's fused ops find it exact.
         self.fused_decode: FusedDecode | None = None
 
     @classmethod
@@ -256,35 +255,6 @@ class LlamaForCausalLM(nn.Module):
                     shape = (rows[t.shard], *param.shape[1:]) if rows else tuple(param.shape)
                     shapes[f"model.layers.{i}.{t.hf}.{kind}"] = shape
         return shapes
-
-    def quantize(self, stored_formats: dict[str, str]) -> None:
-        """Swap each linear layer and the embedding whose checkpoint weights are all stored
-        in a format quant/ keeps (`stored_formats`: HF tensor name -> GGML type name) for
-        its quantized module, uninitialised; a tied output projection becomes the
-        embedding's table. Weights in other formats stay dense in the model's dtype."""
-        shards: dict[str, tuple[str, dict[int, str]]] = {}
-        for name, type_name in stored_formats.items():
-            split = split_hf_name(name)
-            if split is not None and split[2] == "weight":
-                t, layer, _ = split
-                module = t.param if layer is None else f"layers.{layer}.{t.param}"
-                shards.setdefault(module, (t.param, {}))[1][t.shard] = type_name
-        for module, (param, formats) in shards.items():
-            target = self.get_submodule(module)
-            counts = self.shard_rows.get(param, (target.weight.shape[0],))
-            fmts = [BLOCK_FORMATS.get(formats.get(shard, "")) for shard in range(len(counts))]
-            if None in fmts or target.weight.shape[1] % 32:
-                continue
-            if isinstance(target, nn.Embedding):
-                weight = QuantizedWeight.empty(fmts[0], *target.weight.shape)
-                replacement: nn.Module = QuantizedEmbedding(weight, target.weight.dtype)
-            else:
-                replacement = QuantizedLinear.empty(list(zip(fmts, counts)),
-                                                    target.weight.shape[1], target.bias)
-            parent, _, attr = module.rpartition(".")
-            setattr(self.get_submodule(parent) if parent else self, attr, replacement)
-        if self.lm_head is None and isinstance(self.embed_tokens, QuantizedEmbedding):
-            self.lm_head = self.embed_tokens.as_linear()
 
     def quantized_layers(self) -> dict[str, QuantizedLinear]:
         """Every quantized layer by module name, a tied table once."""
@@ -373,32 +343,6 @@ class LlamaForCausalLM(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer(f"{name}_cos", angles.cos().to(dtype), persistent=False)
         self.register_buffer(f"{name}_sin", angles.sin().to(dtype), persistent=False)
-
-    def pack_for_cpu(self) -> None:
-        """Pack the float32 linear layers for oneDNN (packed_linear.py), the output
-        projection too. A tied one is packed as a copy, since the embedding lookup still
-        reads the plain rows: that costs vocab x hidden more memory (113 MB for
-        SmolLM2-135M) and makes the logits, a fifth of its decode FLOPs, ~1.5x faster."""
-        if (self.lm_head is None and isinstance(self.embed_tokens, nn.Embedding)
-                and packs(self.embed_tokens.weight)):
-            self.lm_head = PackedLinear(self.embed_tokens.weight)
-        pack_linears(self)
-
-    def use_fused_ops(self) -> bool:
-        """Run the pointwise work as fused C ops (fused_ops.py) where they apply: float32 on
-        the CPU, the llama layer (Gemma 3 keeps the torch ops), RoPE where no q/k norm
-        comes before it. Returns whether they are on."""
-        weight = self.norm.weight
-        if (self.config.gemma or weight.dtype != torch.float32 or weight.device.type != "cpu"
-                or not fused_ops.available()):
-            return False
-        self.norm.fused = True
-        for layer in self.layers:
-            layer.input_layernorm.fused = layer.post_attention_layernorm.fused = True
-            layer.self_attn.fused_rope = layer.self_attn.q_norm is None
-            layer.mlp.fused = True
-        self.fused_decode = FusedDecode.for_model(self.layers)
-        return True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, attention: AttentionBackend,

@@ -41,6 +41,7 @@ from paged_chat.engine.models.model_config import (
     text_decoder_config,
 )
 from paged_chat.engine.models.quant import BLOCK_FORMATS
+from paged_chat.engine.models.quant.transform import quantize_model
 from paged_chat.engine.models.tensor_names import text_decoder_tensors
 from paged_chat.engine.models.weight_cache import (
     EntryLayout,
@@ -196,7 +197,7 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     model = LlamaForCausalLM.empty(source.config, dtype, device)
     quantize = holds_quantized(source, device, weights)
     if quantize:
-        model.quantize({name: t.dtype for name, t in source.checkpoint.tensors.items()})
+        quantize_model(model, {name: t.dtype for name, t in source.checkpoint.tensors.items()})
     if source.header_digest is None or cache_dir is None:
         stream_weights(model, source.checkpoint, "loading weights", report)
         return model

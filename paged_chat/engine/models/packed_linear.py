@@ -3,24 +3,28 @@
 A decode step multiplies a few rows (one per sequence) by every weight matrix once, and
 each matrix comes from memory, not from cache. `F.linear` goes to MKL's GEMM, which packs
 the weight panel by panel on every call; oneDNN's inner product reads a weight reordered
-once, at load, into the blocked layout its kernel streams. On this project's 2-core AVX2
-CPU, over SmolLM2-135M's 120 layer matrices in a row: 1.5x faster at 1-8 rows, 1.25x at
-32, even at 128, 3-7% slower at 512 (a whole prefill chunk), and decode steps far
-outnumber prefill ones.
+once, at load, into the blocked layout its kernel streams: faster for the few rows of a
+decode step, about even for a whole prefill chunk, and decode steps far outnumber prefill
+ones (docs/ has the measurements).
 
 oneDNN sums in another order than MKL, so outputs differ in the last bits, as they do
 between thread counts. Only float32 is packed: oneDNN's bf16 and fp16 paths need AVX512
 or AVX-NE-CONVERT, and they were not measured against MKL.
 
 A packed weight is an opaque tensor (layout `torch._mkldnn`): its shape and numel are the
-original's, but it cannot be viewed, sliced or read. So the engine counts and fingerprints
-the weights before they are packed.
+original's, but it cannot be viewed, sliced or read. So the worker counts and fingerprints
+the weights before they are packed (worker/model_loading.py).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from paged_chat.engine.models.llama import LlamaForCausalLM
 
 
 class PackedLinear(nn.Module):
@@ -54,3 +58,14 @@ def pack_linears(model: nn.Module) -> int:
         linear = getattr(parent, name)
         setattr(parent, name, PackedLinear(linear.weight, linear.bias))
     return len(targets)
+
+
+def pack_for_cpu(model: LlamaForCausalLM) -> None:
+    """Pack the model's float32 linear layers for oneDNN, its output projection too; last,
+    as nothing reads a packed weight. A tied projection is packed as a copy, since the
+    embedding lookup still reads the plain rows: vocab x hidden more memory for the
+    logits' share of a decode step on the packed path."""
+    if (model.lm_head is None and isinstance(model.embed_tokens, nn.Embedding)
+            and packs(model.embed_tokens.weight)):
+        model.lm_head = PackedLinear(model.embed_tokens.weight)
+    pack_linears(model)

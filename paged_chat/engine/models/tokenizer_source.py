@@ -1,7 +1,7 @@
 """Where a model's tokenizer comes from, loaded on first use, and a GGUF's saved copy of it.
 
-Loading a tokenizer costs `import transformers` (about a second on 2 cores) and the load
-itself (0.3-0.9 s), on the way to the engine's first step. An engine child needs its
+Loading a tokenizer costs `import transformers` and the load itself, on the way to the
+engine's first step. An engine child needs its
 tokenizer only for a text prompt or a grammar: the clients send token ids, templated and
 tokenized by the app's own copy. So where a GGUF's converted tokenizer is saved (a warm
 start), the child names the saved folder and the app loads it from there, while the child
@@ -89,8 +89,8 @@ def saved_tokenizer_folder(cache_dir: Path, header_digest: str) -> Path:
 def load_saved_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
     """A tokenizer saved with `save_pretrained`, as the class it was saved as. The generic
     tokenizers-backed class (what a GGUF converts to) is loaded directly: AutoTokenizer
-    would pick the same class, after importing every model's tokenizer and config mappings
-    (1-3 s of a warm start on 2 cores)."""
+    would pick the same class, after importing every model's tokenizer and config
+    mappings."""
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     try:

@@ -1,11 +1,12 @@
-"""ModelRunner: owns the model and the KV cache; turns a scheduled step into flat batch
-tensors, runs the model, samples; copies whole blocks in and out for the KV tier.
+"""ModelRunner: loads and owns the model and the KV cache; turns a scheduled step into flat
+batch tensors, runs the model, samples; copies whole blocks in and out for the KV tier.
 
-Set-up, in nano-vllm's ModelRunner order: size the pool (on CUDA by profiling the largest
-step: the warm-up that measures what a step takes), allocate it, then, for a backend whose
-kernels compile (Triton on CUDA), compile every variant and capture the decode graphs; on
-the CPU, pack the weights for oneDNN and switch the model to its fused C ops
-(`EngineConfig.fused_ops`).
+Set-up, in nano-vllm's ModelRunner order: load the weights (model_loading.py, which
+describes them for the engine before anything packs them), size the pool (on CUDA by
+profiling the largest step: the warm-up that measures what a step takes), allocate it, then,
+for a backend whose kernels compile (Triton on CUDA), compile every variant and capture the
+decode graphs; on the CPU, pack the weights for oneDNN and switch the model to its fused C
+ops (`EngineConfig.fused_ops`).
 
 The KV cache is one preallocated tensor `[layers, 2, *attention.kv_cache_shape(...)]`
 (keys and values of every layer, in the attention backend's layout) of `num_blocks + 1`
@@ -42,12 +43,14 @@ from paged_chat.engine.kv.pool_sizing import (
     longest_sequence,
     size_kv_pool,
 )
-from paged_chat.engine.models.llama import LlamaForCausalLM
-from paged_chat.engine.models.loader import ProgressHook
-from paged_chat.engine.models.model_config import ModelConfig
-from paged_chat.engine.core.request import Request, SamplingParams, TokenLogprob
+from paged_chat.engine.native.build import use_cache_dir
+from paged_chat.engine.models.loader import ModelSource, ProgressHook
+from paged_chat.engine.core.request import Request
+from paged_chat.engine.core.sampling_params import SamplingParams
+from paged_chat.engine.core.outputs import ModelRunnerOutput, TokenLogprob
 from paged_chat.engine.worker.sampler import SamplingBatch, sample
 from paged_chat.engine.core.scheduler import ScheduledRequest
+from paged_chat.engine.worker.model_loading import LoadedModel, load_weights, prepare_for_cpu
 from paged_chat.engine.worker.structured_output import fill_token_bitmask
 
 
@@ -72,16 +75,24 @@ class SamplingError(Exception):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
-                 device: torch.device, dtype: torch.dtype,
-                 on_progress: ProgressHook | None = None) -> None:
-        """Size and allocate the KV pool for `model` (its weights loaded, in `dtype` on
-        `device`) and make it ready to serve (see the module docstring). `num_blocks` and
-        `max_model_len` say what came of it: the blocks requests can use, and the longest
-        sequence, which the model and the pool both bound."""
+    def __init__(self, source: ModelSource, config: EngineConfig, device: torch.device,
+                 dtype: torch.dtype, on_progress: ProgressHook | None = None) -> None:
+        """Load `source`'s model in `dtype` on `device`, size and allocate the KV pool for it
+        and make it ready to serve (see the module docstring); nothing of `source` is kept.
+        `loaded` describes the weights; `num_blocks` and `max_model_len` say what came of
+        the pool: the blocks requests can use, and the longest sequence, which the model
+        and the pool both bound."""
+        if config.cache_dir is not None:  # the native kernels build under it too
+            use_cache_dir(config.cache_dir)
+        model, loaded = load_weights(source, config, device, dtype, on_progress)
+        self.loaded: LoadedModel = loaded
+        model_config = source.config
         self.model = model
         self.block_size = config.block_size
-        self.attention = select_attention(config.attention_backend, model_config, device, dtype)
+        self.attention = select_attention(
+            config.attention_backend, num_heads=model_config.num_heads,
+            num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
+            scale=model_config.attention_scale, device=device, dtype=dtype)
         self.device = device
         self.max_num_batched_tokens = config.max_num_batched_tokens
         spec = KVCacheSpec(model_config.num_layers, self.block_size, self.attention, dtype, device)
@@ -103,7 +114,7 @@ class ModelRunner:
         self.last_sample_cpu_s = 0.0
         # The last step's TokenLogprobs per sampled item (as `execute` returns tokens), None
         # for one that asked for none; None when none did.
-        self.last_logprobs: list[TokenLogprob | None] | None = None
+        self._step_logprobs: list[TokenLogprob | None] | None = None
         # Every request's block table as ids, written by the KV manager as tables change.
         self.block_id_rows = BlockIdRows()
         self._staging = StagingBuffer(self.device)
@@ -115,14 +126,12 @@ class ModelRunner:
             if not config.enforce_eager:
                 self.capture_decode_graphs(config.max_num_seqs, on_progress or _no_progress)
         if device.type == "cpu":
-            model.pack_for_cpu()    # last: nothing reads a packed weight
-            if config.fused_ops:
-                model.use_fused_ops()
+            prepare_for_cpu(model, config.fused_ops)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]) -> list[int | Exception]:
+    def execute(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
         """Run one step; return the sampled token of each scheduled item that samples, in order,
-        or the exception that sampling that item raised.
+        or the exception that sampling that item raised, with their logprobs where asked.
 
         `scheduled` must list single-token items first (the scheduler sorts it so). An
         exception from the forward propagates: it concerns the whole batch.
@@ -130,7 +139,7 @@ class ModelRunner:
         samplers = [item for item in scheduled if item.samples]
         block_tables = self.block_id_rows.array([item.request.request_id for item in scheduled])
         self.last_sample_cpu_s = 0.0
-        self.last_logprobs = None
+        self._step_logprobs = None
         started = time.perf_counter()
         graph_batch = self._graph_batch(scheduled)
         if graph_batch is None:
@@ -142,11 +151,12 @@ class ModelRunner:
             logits = self._replay(graph_batch, scheduled, block_tables)
         self.last_forward_s = time.perf_counter() - started
         if not samplers:
-            return []
+            return ModelRunnerOutput([])
         try:
-            return self._sample(logits, samplers)
+            sampled = self._sample(logits, samplers)
         except Exception:  # find the rows at fault; the others keep their tokens
-            return self._sample_rows(logits, samplers)
+            sampled = self._sample_rows(logits, samplers)
+        return ModelRunnerOutput(sampled, self._step_logprobs)
 
     @torch.inference_mode()
     def run_dummy_step(self, query_lens: list[int], seq_lens: list[int]) -> None:
@@ -272,13 +282,13 @@ class ModelRunner:
         tokens: list[int | Exception] = []
         logprobs: list[TokenLogprob | None] = []
         for row, item in enumerate(samplers):
-            self.last_logprobs = None
+            self._step_logprobs = None
             try:
                 tokens.append(self._sample(logits[row:row + 1], [item])[0])
             except Exception as error:
                 tokens.append(error)
-            logprobs.append(self.last_logprobs[0] if self.last_logprobs else None)
-        self.last_logprobs = logprobs if any(logprobs) else None
+            logprobs.append(self._step_logprobs[0] if self._step_logprobs else None)
+        self._step_logprobs = logprobs if any(logprobs) else None
         return tokens
 
     def _sample(self, logits: torch.Tensor, samplers: list[ScheduledRequest]
@@ -295,9 +305,9 @@ class ModelRunner:
         tokens = sample(logits, batch)
         self.last_sample_cpu_s = time.thread_time() - started
         if batch.logprobs is not None:
-            self.last_logprobs = [None] * len(samplers)
+            self._step_logprobs = [None] * len(samplers)
             for row, logprob in zip(batch.logprob_rows.tolist(), batch.logprobs):
-                self.last_logprobs[row] = logprob
+                self._step_logprobs[row] = logprob
         chosen = logits.gather(1, tokens.clamp(max=vocab_size - 1)[:, None]).squeeze(1)
         bad = (tokens >= vocab_size) | ~torch.isfinite(chosen)
         if not bad.any():

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from paged_chat.engine.core.request import SamplingParams, TokenLogprob
+from paged_chat.engine.core.sampling_params import SamplingParams
+from paged_chat.engine.core.outputs import TokenLogprob
 
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's stream increment
 _MUL1 = 0xBF58476D1CE4E5B9
@@ -220,11 +221,11 @@ def kept_candidates(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.T
     its top-k, then outside the nucleus of their renormalised probs), and their token ids.
     A truncated row keeps no token outside them. Needs top-k or top-p on in the batch.
 
-    A full sort of [32, 49152] logits costs 50-100 ms on CPU (a whole decode step), while
-    the kept set is almost always small. So sort only the top `k` candidates (`topk`, ~2 ms
-    for 64) and widen `k` (in the end to the whole vocabulary: the plain sort) until every
-    truncated row's kept set provably ends inside them: its top-k fits, or the candidates'
-    mass reaches its top_p.
+    A full sort of a batch's logits over the whole vocabulary costs as much as a decode step
+    on the CPU, while the kept set is almost always small. So sort only the top `k`
+    candidates (`topk`) and widen `k` (in the end to the whole vocabulary: the plain sort)
+    until every truncated row's kept set provably ends inside them: its top-k fits, or the
+    candidates' mass reaches its top_p.
     """
     vocab = logits.shape[-1]
     top_k = batch.top_k if batch.top_k is not None else torch.full_like(batch.truncated, vocab,
@@ -311,8 +312,7 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax as int64: the first maximum, or the first NaN (torch's rule too).
 
-    On the CPU numpy's argmax does it: it is vectorised, torch's CPU argmax is not (one
-    thread over [256, 49152] float32 logits: ~4 ms against ~20 ms).
+    On the CPU numpy's argmax does it: it is vectorised, torch's CPU argmax is not.
     """
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return torch.from_numpy(np.argmax(logits.detach().numpy(), axis=-1))

@@ -10,9 +10,9 @@ matcher only with a token it appends to the request, so a preemption, which reco
 KV of tokens already appended, never needs a rollback: the matcher is exactly as far as
 `output_token_ids`.
 
-The manager compiles from the tokenizer once (its TokenizerInfo, ~0.3 s for a 49k
-vocabulary, paid by the first constrained request) and keeps the last compiled grammars by
-their spec, so a schema every request of an agent repeats compiles once (~10 ms).
+The manager compiles from the tokenizer once (its TokenizerInfo, paid by the first
+constrained request) and keeps the last compiled grammars by their spec, so a schema every
+request of an agent repeats compiles once.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from paged_chat.engine.core.request import SamplingParams, StructuredSpec
+from paged_chat.engine.core.sampling_params import SamplingParams, StructuredSpec
 
 if TYPE_CHECKING:
     import xgrammar

@@ -1,6 +1,6 @@
 """GGUF weights kept in their quantized formats: one layout for every format (layout.py),
 one decoder module per format family (legacy_formats.py, k_formats.py), the CPU kernels
-(kernels.c, kernels.py) and the modules the decoder uses (linear.py)."""
+(kernels.py) and the modules the decoder uses (linear.py), which transform.py swaps in."""
 
 from __future__ import annotations
 
