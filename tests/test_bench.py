@@ -4,7 +4,6 @@ prints, and the scenarios measure what they claim."""
 
 from __future__ import annotations
 
-import ast
 import json
 import os
 import threading
@@ -204,16 +203,3 @@ def test_hf_seq_on_fewer_requests_is_extrapolated_and_the_report_names_every_sys
     assert "paged-chat: this engine" in text
     captured = capfd.readouterr()
     assert "ContinuousBatchingLogger" not in captured.out + captured.err
-
-
-def test_the_package_imports_nothing_from_benchmarks():
-    """benchmarks/ is not shipped: an import of it under paged_chat/ fails in an installed copy."""
-    package = Path(__file__).resolve().parents[1] / "paged_chat"
-    importing = []
-    for path in package.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            if any(name == "benchmarks" or name.startswith("benchmarks.") for name in names):
-                importing.append(f"{path.relative_to(package.parent)}:{node.lineno}")
-    assert importing == []

@@ -1,6 +1,7 @@
 """The package's layers, read from its imports: no module imports another that imports it back
-(directly or around a loop), and imports point down (the engine never imports a front end;
-the engine's core never imports its clients)."""
+(directly or around a loop), and imports point down: the engine never imports a front end,
+its core never imports its clients, attention never imports the models, and nothing in the
+package imports benchmarks/ (not shipped: such an import fails in an installed copy)."""
 
 from __future__ import annotations
 
@@ -109,6 +110,7 @@ def test_the_cycle_finder_finds_a_loop():
     ("paged_chat.engine", ("paged_chat.app", "paged_chat.cli", "paged_chat.tui",
                            "paged_chat.server", "paged_chat.bench")),
     ("paged_chat.engine.core", ("paged_chat.engine.clients",)),
+    ("paged_chat.engine.attention", ("paged_chat.engine.models",)),
     ("paged_chat", ("benchmarks",)),
 ])
 def test_imports_point_down(layer: str, forbidden: tuple[str, ...]):
