@@ -9,10 +9,11 @@ import pytest
 from paged_chat.engine.core.stats import BlockMap
 from paged_chat.tui.block_map import (CACHED, FREE, SHARED, TAB0, Layout, block_codes, cell_grid,
                                      downsample)
-from paged_chat.tui.engine_panel import TabInfo, describe_block
+from paged_chat.tui.engine_panel import describe_block
+from paged_chat.tui.tab_info import TabInfo
 from paged_chat.tui.legend import format_legend
 from paged_chat.tui.markdown_text import hard_line_breaks
-from paged_chat.tui.messages import AssistantMessage, code_blocks
+from paged_chat.tui.message_widgets import AssistantMessage, code_blocks
 
 
 def _block_map(num_blocks: int, tables: dict[str, list[int]], owners: dict[str, str],
@@ -166,7 +167,7 @@ async def test_the_block_map_takes_a_new_themes_colours():
 @pytest.mark.timeout(30)
 async def test_escape_sequences_in_text_never_reach_the_terminal():
     from textual.app import App
-    from paged_chat.tui.messages import AssistantMessage, UserMessage
+    from paged_chat.tui.message_widgets import AssistantMessage, UserMessage
 
     evil = "ok\x1b[2J\x1b]0;pwned\x07 done\r"
     reply, user = AssistantMessage(), UserMessage(evil)

@@ -26,7 +26,7 @@ from paged_chat.app.settings import ChatSettings, Settings
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.block_map import TAB0, BlockMapView
 from paged_chat.tui.chat_tab import ChatTab
-from paged_chat.tui.messages import AssistantMessage, UserMessage
+from paged_chat.tui.message_widgets import AssistantMessage, UserMessage
 from helpers import wait_until
 from tui_helpers import press
 

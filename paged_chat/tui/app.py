@@ -40,7 +40,7 @@ from paged_chat.tui.engine_panel import EnginePanel, with_request_owners
 from paged_chat.tui.fit import SEPARATOR, fit_parts
 from paged_chat.tui.key_footer import KeyFooter
 from paged_chat.tui.open_tabs import OpenTabs
-from paged_chat.tui.start import app_engine_config, start_engine
+from paged_chat.tui.engine_start import app_engine_config, start_engine
 from paged_chat.tui.tabs import ChatTabs
 
 if TYPE_CHECKING:
@@ -81,11 +81,11 @@ class PagedChatApp(ChatActions, App):
         self.engine_config = engine_config
         self._engine_start = engine_start   # an engine launched before the app (start.py)
         self.demo = demo
-        self._demo_dir: Path | None = None
+        self.demo_dir: Path | None = None   # --demo: its throwaway store, removed at unmount
         if store is None:
             if demo:  # demo chats are throwaway: keep them out of the user's history
-                self._demo_dir = Path(tempfile.mkdtemp(prefix="paged-chat-demo-"))
-                store = ChatStore(self._demo_dir / "chats.db")
+                self.demo_dir = Path(tempfile.mkdtemp(prefix="paged-chat-demo-"))
+                store = ChatStore(self.demo_dir / "chats.db")
             else:
                 store = ChatStore()
         self.store = store
@@ -419,9 +419,9 @@ class PagedChatApp(ChatActions, App):
         if self._owns_engine and self.engine is not None:
             engine, self.engine = self.engine, None
             await asyncio.get_running_loop().run_in_executor(None, engine.shutdown, QUIT_GRACE_S)
-        if self._demo_dir is not None:
+        if self.demo_dir is not None:
             self.store.close()
-            shutil.rmtree(self._demo_dir, ignore_errors=True)
+            shutil.rmtree(self.demo_dir, ignore_errors=True)
 
 
 def describe_where(capabilities: ClientCapabilities, info: ModelInfo) -> str:

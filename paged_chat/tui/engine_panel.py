@@ -11,7 +11,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -24,18 +23,10 @@ from paged_chat.engine.core.stats import BlockMap, EngineStats
 from paged_chat.tui.block_map import BlockMapView
 from paged_chat.tui.legend import Legend
 from paged_chat.tui.sparkline import Spark
+from paged_chat.tui.tab_info import TabInfo
 
 REFRESH_EVERY_S = 0.2   # the panel redraws at most 5 times a second (at least 4 are promised)
 HISTORY = 30            # sparkline points (6 s at 5 Hz)
-
-
-@dataclass(frozen=True, slots=True)
-class TabInfo:
-    """What the panel needs to know of a tab: its title, colour and live token ids."""
-
-    title: str
-    colour: int
-    tokens_of: Callable[[str], Sequence[int] | None] = lambda request_id: None
 
 
 def _n(value: float) -> str:

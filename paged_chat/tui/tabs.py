@@ -24,7 +24,7 @@ from textual.widgets import ContentSwitcher, Static, Tab, TabbedContent, TabPane
 from paged_chat.app.chat_session import ChatSession
 from paged_chat.app.text import sanitize_for_terminal as clean
 from paged_chat.tui.chat_tab import ChatTab, EngineTrouble, MakeParams, WaitForEngine
-from paged_chat.tui.engine_panel import TabInfo
+from paged_chat.tui.tab_info import TabInfo
 
 if TYPE_CHECKING:
     from paged_chat.app.chat_store import ChatStore, StoredChat
