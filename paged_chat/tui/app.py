@@ -266,22 +266,18 @@ class PagedChatApp(ChatActions, App):
             return "the engine is restarting"
         if engine is None:
             return None
-        from paged_chat.engine.clients.local import LocalClient   # loaded with the engine: free
-
         restart = f"{self.keys_of('restart_engine')} restarts it"   # first: a narrow line keeps it
         if not engine.running:
             return f"the engine has stopped · {restart} · {engine.last_error or 'it was shut down'}"
-        if isinstance(engine, LocalClient) and not engine.responding:
+        if engine.capabilities.restart and not engine.responding:
             return f"the engine is not responding · {restart} · its process is stopped or hung"
         return None
 
     def restart_engine(self) -> None:
         """Restart the engine the app started (its open replies end); the tabs stay."""
-        from paged_chat.engine.clients.local import LocalClient
-
         if self._restarting:
             return
-        if not isinstance(self.engine, LocalClient):
+        if self.engine is None or not self.engine.capabilities.restart:
             self.notify("no engine of this app to restart" if self.engine is None else
                         "a remote engine is restarted where it runs", severity="warning", markup=False)
             return
