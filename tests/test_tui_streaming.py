@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -248,12 +249,9 @@ async def test_a_streaming_reply_renders_only_in_the_panels_frames(chat_model_di
         events: list[str] = []
         panel, show_stats, append = app.panel, app.panel.show_stats, reply._append
 
-        def show_and_log(*args):
-            drawn_at = panel._shown_at
-            shown = show_stats(*args)
-            if panel._shown_at != drawn_at:
-                events.append("frame")
-            return shown
+        def show_and_log(*args) -> None:
+            events.append("frame")
+            show_stats(*args)
 
         async def append_and_log(fragment: str) -> None:
             events.append("render")
@@ -271,6 +269,39 @@ async def test_a_streaming_reply_renders_only_in_the_panels_frames(chat_model_di
     assert renders >= 2, rendered   # it streamed, in several frames
     assert "render,render" not in ",".join(rendered), rendered   # a frame between any two
     assert renders <= rendered.count("frame") + 1
+
+
+async def test_the_engine_is_read_once_per_frame_and_each_snapshot_is_drawn(chat_model_dir, tmp_path):
+    """Issue 45 item 4: the app read stats (the whole block map, over the pipe from the
+    engine's process) at 10 Hz for a panel that drew 5 frames a second. One frame clock:
+    each frame reads the engine's stats once, and the panel draws that snapshot."""
+    app, client = fed_app(chat_model_dir, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        tab, reply = await streaming_reply(app, pilot)
+        reads: list[object] = []
+        drawn: list[object] = []
+        stats, show_stats = client.stats, app.panel.show_stats
+
+        def read_and_log():
+            reads.append(stats())
+            return reads[-1]
+
+        def show_and_log(snapshot, tabs) -> None:
+            drawn.append(snapshot)
+            show_stats(snapshot, tabs)
+
+        client.stats, app.panel.show_stats = read_and_log, show_and_log
+        started = time.monotonic()
+        for index in range(60):
+            client.pieces.put_nowait(f"word{index} ")
+            await asyncio.sleep(0.02)
+        elapsed = time.monotonic() - started
+        client.stats, app.panel.show_stats = stats, show_stats
+        client.pieces.put_nowait(None)
+        await wait_until(lambda: not tab.streaming)
+    assert len(reads) >= 2, reads   # it ran frames
+    assert len(reads) <= elapsed / app.frame_clock.period_s + 1
+    assert all(a is b for a, b in zip(reads, drawn)) and len(drawn) == len(reads)
 
 
 async def test_a_streaming_paragraph_lays_the_screen_out_only_when_it_grows_a_line(

@@ -6,8 +6,9 @@ it imported this module (start.py), and the status line says when the
 model is ready (a prompt sent before then waits for it), and when the engine stops or stops
 responding (a dead or stopped child): a tab then keeps a new message in its prompt rather
 than send it, and F5 restarts the engine (not the app). Each tab is a view of one ChatSession
-and streams its replies in its own worker on the app's event loop; the engine panel polls
-`stats()` (which never blocks) on a ~10 Hz timer. The app talks to the engine only through
+and streams its replies in its own worker on the app's event loop. At each tick of the app's
+FrameClock it reads `stats()` (which never blocks) once, the engine panel draws it and the
+shown tab's streaming reply renders. The app talks to the engine only through
 the EngineClient surface, and takes an injected engine, store and settings, so tests can
 drive it with a tiny model and a throwaway store. Its actions live in `actions.py`; its tabs
 are one widget, `ChatTabs` (`tabs.py`), that owns their state.
@@ -38,6 +39,7 @@ from paged_chat.tui.chat_screen import ChatScreen
 from paged_chat.tui.chat_search import ChatSearch
 from paged_chat.tui.engine_panel import EnginePanel, with_request_owners
 from paged_chat.tui.fit import SEPARATOR, fit_parts
+from paged_chat.tui.frame_clock import FRAME_S, FrameClock
 from paged_chat.tui.key_footer import KeyFooter
 from paged_chat.tui.open_tabs import OpenTabs
 from paged_chat.tui.engine_start import app_engine_config, start_engine
@@ -69,7 +71,7 @@ class PagedChatApp(ChatActions, App):
                  engine_config: EngineConfig | None = None,
                  engine_start: StartingClient | None = None, store: ChatStore | None = None,
                  session_path: Path | None = None, demo: int | None = None,
-                 restore: bool = True, poll_s: float = 0.1, serve_port: int | None = None) -> None:
+                 restore: bool = True, frame_s: float = FRAME_S, serve_port: int | None = None) -> None:
         super().__init__()
         self.serve_port = serve_port   # --serve: the API on this app's engine, on this port
         self.api_server: ApiServer | None = None
@@ -91,7 +93,7 @@ class PagedChatApp(ChatActions, App):
         self.store = store
         self.open_tabs = OpenTabs(None if demo else session_path or data_dir() / "tui-session.json")
         self.restore = restore
-        self.poll_s = poll_s
+        self.frame_clock = FrameClock(self._draw_frame, frame_s)
         self.load_error: str | None = None
         self.load_seconds: float | None = None
         self._load_started = time.monotonic()
@@ -173,7 +175,7 @@ class PagedChatApp(ChatActions, App):
             await self.active_tab.ensure_loaded()
             self.active_tab.prompt.focus()
         self._update_status()
-        self.set_interval(self.poll_s, self._poll)
+        self.frame_clock.start(self)
 
     def _apply_keymap(self, keys: dict[str, str]) -> None:
         known = {action for action, *_ in ACTIONS}
@@ -190,7 +192,7 @@ class PagedChatApp(ChatActions, App):
     def _load_engine(self) -> None:
         started = time.monotonic()
 
-        def progress(stage: str, done: int, total: int) -> None:  # read by the status line's poll
+        def progress(stage: str, done: int, total: int) -> None:  # read by the status line's next frame
             self._load_progress = f"{stage} {done}/{total}"
 
         try:
@@ -309,7 +311,7 @@ class PagedChatApp(ChatActions, App):
         else:
             self.notify(f"the engine could not be restarted: {failure}", severity="error",
                         timeout=15, markup=False)
-        self._poll()
+        self.frame_clock.tick()
 
     def model_sampling(self) -> dict:
         """What a tab samples with where it sets nothing: the model's generation config,
@@ -326,8 +328,10 @@ class PagedChatApp(ChatActions, App):
             return ""
         return self.engine.info.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def _poll(self) -> None:
-        """~10 Hz: take the engine's latest snapshot (never blocks) and show it."""
+    def _draw_frame(self) -> None:
+        """A frame: the status line while the engine loads or is in trouble; else the engine's
+        latest snapshot (never blocks) in the panel, the shown tab's streaming reply, and
+        every LABELS_EVERY_S the streaming tabs' headers."""
         if self.engine is None:
             if self.load_error is None:
                 self._update_status()
@@ -348,14 +352,13 @@ class PagedChatApp(ChatActions, App):
         stats = self.engine.stats()
         try:
             self.panel.capabilities = self.engine.capabilities
-            frame = self.panel.show_stats(stats, with_request_owners(self.tabs.tab_infos(), stats.blocks))
+            self.panel.show_stats(stats, with_request_owners(self.tabs.tab_infos(), stats.blocks))
         except NoMatches:  # the panel is being built or torn down
             return
-        if frame:   # the shown tab's streaming reply and the tab headers draw in the panel's frame
-            self.tabs.render_frame()
-            if time.monotonic() - self._labels_at >= LABELS_EVERY_S:
-                self._labels_at = time.monotonic()
-                self.tabs.refresh_streaming_labels()
+        self.tabs.render_frame()
+        if time.monotonic() - self._labels_at >= LABELS_EVERY_S:
+            self._labels_at = time.monotonic()
+            self.tabs.refresh_streaming_labels()
         error = self.engine.last_error
         if error and error != self._last_engine_error:
             self._last_engine_error = error
