@@ -476,7 +476,7 @@ async def test_a_screen_update_renders_only_the_widgets_on_its_rows_and_shows_th
     from textual._compositor import Compositor
     from textual.geometry import Region
 
-    from paged_chat.tui.chat_screen import UpdateCroppedCompositor
+    from paged_chat.tui.textual_compat import UpdateCroppedCompositor
 
     app, client = fed_app(chat_model_dir, tmp_path)
     async with app.run_test(size=(160, 50)) as pilot:

@@ -66,6 +66,7 @@ class PagedChatApp(ChatActions, App):
     BINDINGS = make_bindings()
     COMMANDS = App.COMMANDS | {StoredChats, ChatSearch}
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (WIDE_FROM, "-wide")]
+    _theme_by_name: tuple[str, Theme | None] = ("", None)   # current_theme's last: name, theme
 
     def __init__(self, settings: Settings | None = None, *, engine: EngineClient | None = None,
                  engine_config: EngineConfig | None = None,
@@ -139,9 +140,21 @@ class PagedChatApp(ChatActions, App):
 
     @property
     def current_theme(self) -> Theme:
-        """The theme by its name. Textual's copies every registered theme into a new dict to
-        find it, twice for each widget a screen update renders."""
-        return self._registered_themes.get(self.theme) or super().current_theme
+        """The theme by its name, looked up once per name: Textual's copies every registered
+        theme into a new dict to find it, twice for each widget a screen update renders."""
+        name, theme = self._theme_by_name
+        if name != self.theme or theme is None:
+            theme = super().current_theme
+            self._theme_by_name = (self.theme, theme)
+        return theme
+
+    def register_theme(self, theme: Theme) -> None:
+        super().register_theme(theme)
+        self._theme_by_name = ("", None)   # the current name's theme may be another now
+
+    def unregister_theme(self, theme_name: str) -> None:
+        super().unregister_theme(theme_name)
+        self._theme_by_name = ("", None)
 
     @property
     def model_name(self) -> str:

@@ -35,7 +35,7 @@ class PromptInput(TextArea):
         self._recall: int | None = None   # index into history while walking it
         self._draft = ""                  # what was typed before walking started
 
-    async def _on_key(self, event: events.Key) -> None:
+    async def on_key(self, event: events.Key) -> None:
         if event.key == "enter":
             event.stop()
             event.prevent_default()
@@ -46,15 +46,16 @@ class PromptInput(TextArea):
         if event.key in ("shift+enter", "ctrl+j"):
             event.stop()
             event.prevent_default()
-            start, end = self.selection
-            self._replace_via_keyboard("\n", start, end)
+            if not self.read_only:
+                start, end = self.selection
+                self.replace("\n", start, end, maintain_selection_offset=False)
             return
         if event.key.startswith("alt+"):
             # A terminal sends Alt+C as ESC c, which Textual reads as a printable `c`:
             # keep it out of the text so it reaches the app's bindings (copy, ...).
             event.prevent_default()
             return
-        # Anything else: TextArea's own handler runs next (MRO dispatch).
+        # Anything else: TextArea's own handler runs next (one handler per class, down the MRO).
 
     def remember(self, text: str) -> None:
         """Add a sent prompt to the history and clear the input."""
