@@ -234,9 +234,9 @@ class PagedChatApp(ChatActions, App):
         self.load_seconds = seconds
         self._engine_ready.set()
         self._update_status()
-        # What start-up built (Textual, the tokenizer, the restored chats: ~300,000 objects)
-        # lives as long as the app; frozen, a full collection while tabs stream skips it
-        # (0.34 -> 0.05 s of the UI thread each, a stall of the engine beside it).
+        # What start-up built (Textual, the tokenizer, the restored chats) lives as long as
+        # the app; frozen, a full collection while tabs stream does not walk it (a stall of
+        # the UI thread, and of the engine beside it).
         gc.freeze()
         if seconds:
             self.notify(f"{engine.info.name} is ready ({seconds:.1f} s)", timeout=3, markup=False)

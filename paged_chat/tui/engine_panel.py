@@ -1,9 +1,10 @@
 """The engine panel: pool occupancy, batch, rates, prefix-cache hits, the block map and the
 details of the block under the pointer. The app gives it an `EngineStats` snapshot at each
-of its frames (`show_stats`); it draws what changed, and never calls the engine. For a client with no block map (a remote server) it shows what the server's
-/metrics has (running, waiting, KV usage, tokens/s, prefix hits; graphs of running and
-gen tok/s) and hides what cannot fill: the block map, its legend and detail line, the
-blocks graph, and every graph where the server has no vLLM /metrics."""
+of its frames (`show_stats`); it draws what changed, and never calls the engine. For a
+client with no block map (a remote server) it shows what the server's /metrics has
+(running, waiting, KV usage, tokens/s, prefix hits; graphs of running and gen tok/s) and
+hides what cannot fill: the block map, its legend and detail line, the blocks graph, and
+every graph where the server has no vLLM /metrics."""
 
 from __future__ import annotations
 

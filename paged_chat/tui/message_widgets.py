@@ -1,11 +1,11 @@
-"""Message views: the user's prompt, the assistant's streamed Markdown reply, errors.
+"""Message widgets: the user's prompt, the assistant's streamed Markdown reply, errors.
 
 A reply streams through Textual's MarkdownStream. To keep the cost of each append bounded
 (Markdown.append re-joins and re-parses from its last block), a long reply is split into
 several Markdown widgets at paragraph breaks outside code fences: each stays small, so
 streaming a reply costs about linear time in its length, not quadratic. A reply keeps what
-it is written until the app's next frame (the engine panel's, ~5 a second: `catch_up`),
-where it renders as one append beside the panel's redraw, so the terminal gets one screen
+it is written until the app's next frame (its FrameClock: `catch_up`), where it renders
+as one append beside the panel's redraw, so the terminal gets one screen
 update per frame however many tabs stream; a hidden tab renders nothing until it is shown.
 A frame re-lays the screen out only when the reply's last paragraph grows a line
 (`ReplyParagraph`) or its code block a line or a column (`ReplyFence`): most frames only
@@ -89,7 +89,7 @@ def _longest_line(text: str) -> int:
 
 
 # Every reply parses with this one parser (it keeps no state between parses): Textual's
-# Markdown builds a new one for each append, about half a millisecond of each frame's.
+# Markdown builds a new one for each append, at every frame of every streaming reply.
 _PARSER = MarkdownIt("gfm-like")
 
 

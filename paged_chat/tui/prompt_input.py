@@ -28,8 +28,8 @@ class PromptInput(TextArea):
                  placeholder: str = "") -> None:
         super().__init__(id=id, soft_wrap=True, show_line_numbers=False, tab_behavior="focus",
                          compact=True, placeholder=placeholder)
-        # A steady cursor: each blink was a screen update of its own, ~2 a second that
-        # take the cores from the engine while the tabs stream.
+        # A steady cursor: each blink would be a screen update of its own, taking the
+        # cores from the engine while the tabs stream.
         self.cursor_blink = False
         self.prompt_history: list[str] = list(history or [])
         self._recall: int | None = None   # index into history while walking it

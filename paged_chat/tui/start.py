@@ -2,7 +2,7 @@
 
 A warm start (the model's tokenizer and weights converted and cached) waits on the engine
 child: its interpreter, `import torch` and the engine's imports, the model load. Textual's
-import and the first layout take over a second of their own. So the child is launched
+import and the first layout take long too. So the child is launched
 here, before this module imports Textual (it imports none itself), and the two overlap;
 the app's worker then waits for the child the CLI launched (`PagedChatApp(engine_start=)`),
 and a failed load reaches the status line as it always has.

@@ -65,7 +65,7 @@ class ChatTabs(TabbedContent):
     @property
     def chat_tabs(self) -> list[ChatTab]:
         # The panes' container, not a query of the whole DOM: that walks every message
-        # widget of every tab, and the panel's poll asks for the tabs every second.
+        # widget of every tab, and the app's frames ask for the tabs.
         return [pane for pane in self.query_one(ContentSwitcher).children
                 if isinstance(pane, ChatTab)]
 
@@ -193,7 +193,7 @@ class ChatTabs(TabbedContent):
         self.screen.set_focus(tab.prompt)
 
     def render_frame(self) -> None:
-        """A frame of the app (the engine panel's): the shown tab's streaming reply renders
+        """A frame of the app (its FrameClock's): the shown tab's streaming reply renders
         what arrived since the last one; hidden tabs only keep theirs."""
         tab = self.active_tab
         if tab is not None:
