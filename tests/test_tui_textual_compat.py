@@ -4,6 +4,9 @@ the same either way."""
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
+
 import pytest
 from textual._compositor import Compositor
 from textual.app import App
@@ -26,6 +29,12 @@ def textual_version(request, monkeypatch) -> str:
     textual_compat.overrides_apply.cache_clear()
     yield request.param
     textual_compat.overrides_apply.cache_clear()
+
+
+def test_the_compat_module_was_written_for_the_textual_the_package_pins():
+    """A new pin is a new Textual: its overrides are checked against it before they apply."""
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    assert f"textual=={textual_compat.WRITTEN_FOR}" in pyproject["project"]["dependencies"]
 
 
 def test_the_overrides_apply_on_the_pinned_textual_only(textual_version):
