@@ -304,6 +304,22 @@ async def test_the_engine_is_read_once_per_frame_and_each_snapshot_is_drawn(chat
     assert all(a is b for a, b in zip(reads, drawn)) and len(drawn) == len(reads)
 
 
+def test_the_apps_engine_sends_two_stats_snapshots_a_frame(monkeypatch, tmp_path):
+    """Issue 45 item 4: the engine's stats (the whole block map) crossed the pipe 20 times
+    a second for a panel that draws 5 frames; the app's engine sends two a frame, so each
+    frame still finds one it has not drawn."""
+    import paged_chat.engine
+    from paged_chat.tui.engine_start import start_engine
+    from paged_chat.tui.frame_clock import FRAME_S
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    specs: list = []
+    monkeypatch.setattr(paged_chat.engine, "start_client", specs.append)
+    for in_a_process in (True, False):
+        start_engine(EngineConfig(model="smollm2-135m", device="cpu"), in_a_process)
+    assert [spec.stats_interval_s for spec in specs] == [FRAME_S / 2] * 2
+
+
 async def test_a_streaming_paragraph_lays_the_screen_out_only_when_it_grows_a_line(
         chat_model_dir, tmp_path):
     """Issue 32 item 17: any new text of a Markdown block re-lays the whole screen out and

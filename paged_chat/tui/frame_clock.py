@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from textual.message_pump import MessagePump
-from textual.timer import Timer
+if TYPE_CHECKING:   # the engine's start (engine_start.py) reads FRAME_S before Textual loads
+    from textual.message_pump import MessagePump
+    from textual.timer import Timer
 
 FRAME_S = 0.2   # 5 frames a second: the panel promises at least 4
 
