@@ -38,7 +38,7 @@ from paged_chat.tui.actions import ACTIONS, ChatActions, StoredChats, make_bindi
 from paged_chat.tui.chat_screen import ChatScreen
 from paged_chat.tui.chat_search import ChatSearch
 from paged_chat.tui.engine_panel import EnginePanel, with_request_owners
-from paged_chat.tui.fit import SEPARATOR, fit_parts
+from paged_chat.tui.fit_parts import SEPARATOR, fit_parts
 from paged_chat.tui.frame_clock import FRAME_S, FrameClock
 from paged_chat.tui.key_footer import KeyFooter
 from paged_chat.tui.open_tabs import OpenTabs

@@ -29,7 +29,7 @@ from textual.widgets import Label, Markdown, Static
 from textual.widgets.markdown import MarkdownBlock, MarkdownStream
 
 from paged_chat.app.text import sanitize_for_terminal as clean
-from paged_chat.tui.fit import SEPARATOR, fit_parts
+from paged_chat.tui.fit_parts import SEPARATOR, fit_parts
 from paged_chat.tui.markdown_text import hard_line_breaks
 from paged_chat.tui.textual_compat import set_border_subtitle
 
