@@ -98,8 +98,10 @@ async def test_the_app_restarts_and_watches_any_client_whose_capabilities_say_it
     from test_tui_streaming import FedClient, fed_app
 
     class RestartableClient(FedClient):
-        responding = True
-        restarts: list[float] = []
+        def __init__(self, engine) -> None:
+            super().__init__(engine)
+            self.responding = True
+            self.restarts: list[float] = []
 
         @property
         def capabilities(self):

@@ -277,7 +277,7 @@ async def test_the_engine_is_read_once_per_frame_and_each_snapshot_is_drawn(chat
     each frame reads the engine's stats once, and the panel draws that snapshot."""
     app, client = fed_app(chat_model_dir, tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
-        tab, reply = await streaming_reply(app, pilot)
+        tab, _ = await streaming_reply(app, pilot)
         reads: list[object] = []
         drawn: list[object] = []
         stats, show_stats = client.stats, app.panel.show_stats

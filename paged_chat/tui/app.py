@@ -38,11 +38,11 @@ from paged_chat.tui.actions import ACTIONS, ChatActions, StoredChats, make_bindi
 from paged_chat.tui.chat_screen import ChatScreen
 from paged_chat.tui.chat_search import ChatSearch
 from paged_chat.tui.engine_panel import EnginePanel, with_request_owners
+from paged_chat.tui.engine_start import app_engine_config, start_engine
 from paged_chat.tui.fit_parts import SEPARATOR, fit_parts
 from paged_chat.tui.frame_clock import FRAME_S, FrameClock
 from paged_chat.tui.key_footer import KeyFooter
 from paged_chat.tui.open_tabs import OpenTabs
-from paged_chat.tui.engine_start import app_engine_config, start_engine
 from paged_chat.tui.tabs import ChatTabs
 
 if TYPE_CHECKING:
@@ -205,7 +205,7 @@ class PagedChatApp(ChatActions, App):
     def _load_engine(self) -> None:
         started = time.monotonic()
 
-        def progress(stage: str, done: int, total: int) -> None:  # read by the status line's next frame
+        def progress(stage: str, done: int, total: int) -> None:  # the status line shows it
             self._load_progress = f"{stage} {done}/{total}"
 
         try:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from textual import on
 from textual.css.query import NoMatches
 from textual.content import Content
-from textual.widgets import ContentSwitcher, Static, Tab, TabbedContent, TabPane
+from textual.widgets import ContentSwitcher, Tab, TabbedContent, TabPane
 
 from paged_chat.app.chat_session import ChatSession
 from paged_chat.app.text import sanitize_for_terminal as clean
