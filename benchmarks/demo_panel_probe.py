@@ -76,7 +76,7 @@ import asyncio, json, sys, time
 from paged_chat.app.conversation import Conversation
 from paged_chat.app.settings import Settings
 from paged_chat.tui.demo import demo_tabs
-from paged_chat.tui.start import app_engine_config, start_engine
+from paged_chat.tui.engine_start import app_engine_config, start_engine
 from paged_chat.tui.tabs import DEMO_SAMPLING
 
 async def chat(client, system, autopilot, params):

@@ -49,14 +49,14 @@ from paged_chat.engine import (ClientSpec, Engine, EngineClient, EngineConfig, S
                                make_client)
 from paged_chat.app.settings import ChatSettings, Settings
 from paged_chat.tui.app import PagedChatApp
-from paged_chat.tui.start import start_engine
+from paged_chat.tui.engine_start import start_engine
 
 PROFILE_TOP = 12        # functions listed by own time
 ROUNDS = 2              # runs of the engine alone and of each app variant, alternating
 TYPE_EVERY_S = 0.1      # a fast typist's pace, for the keypress-to-echo samples
 ECHO_TIMEOUT_S = 5.0    # an echo slower than this counts as this
 AREAS = {               # where a profiled function's file lies -> what it is part of
-    "markdown": ("textual/widgets/_markdown", "markdown_it", "paged_chat/tui/messages"),
+    "markdown": ("textual/widgets/_markdown", "markdown_it", "paged_chat/tui/message_widgets"),
     "engine panel": ("paged_chat/tui/engine_panel", "paged_chat/tui/block_map",
                      "paged_chat/tui/sparkline", "paged_chat/engine/stats"),
     "engine hand-off": ("paged_chat/session", "paged_chat/engine/clients",

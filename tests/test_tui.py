@@ -30,7 +30,7 @@ from paged_chat.tui.actions import ACTIONS, StoredChats
 from paged_chat.tui.dialogs import ChatSettingsScreen, ConfirmScreen, HelpScreen, TextPromptScreen
 from helpers import blocks_owned, engine_config, wait_until
 from paged_chat.tui.markdown_text import hard_line_breaks
-from paged_chat.tui.messages import ErrorMessage, UserMessage
+from paged_chat.tui.message_widgets import ErrorMessage, UserMessage
 from tui_helpers import (TuiTestApp, Watcher, idle, make_app, make_settings, new_tab,
                          press, replies, text_of, type_prompt)
 

@@ -9,10 +9,11 @@ import pytest
 from paged_chat.engine.core.stats import BlockMap
 from paged_chat.tui.block_map import (CACHED, FREE, SHARED, TAB0, Layout, block_codes, cell_grid,
                                      downsample)
-from paged_chat.tui.engine_panel import TabInfo, describe_block
+from paged_chat.tui.engine_panel import describe_block
+from paged_chat.tui.tab_info import TabInfo
 from paged_chat.tui.legend import format_legend
 from paged_chat.tui.markdown_text import hard_line_breaks
-from paged_chat.tui.messages import AssistantMessage, code_blocks
+from paged_chat.tui.message_widgets import AssistantMessage, code_blocks
 
 
 def _block_map(num_blocks: int, tables: dict[str, list[int]], owners: dict[str, str],
@@ -101,10 +102,11 @@ async def test_the_legend_lays_the_screen_out_only_when_its_height_changes():
 
 
 @pytest.mark.timeout(30)
-async def test_the_legend_follows_the_chats_holding_blocks_in_the_panels_frames_only():
-    """Issue 32 item 17: the engine sends a snapshot 20 times a second and the panel draws 5
-    frames; the legend drew the holders of any snapshot that changed them, a screen update
-    between two frames at every turn's start and end. It changes in a frame now."""
+async def test_the_legend_follows_the_chats_holding_blocks_in_the_panels_frames():
+    """Issue 32 item 17: the legend drew the holders of any snapshot that changed them, a
+    screen update between two frames at every turn's start and end. The panel draws only
+    when the app's frame gives it a snapshot (issue 45: the app reads one per frame), and
+    its legend lists the chats holding blocks first, as that snapshot has them."""
     from textual.app import App
 
     from helpers import snapshot
@@ -121,13 +123,9 @@ async def test_the_legend_follows_the_chats_holding_blocks_in_the_panels_frames_
     async with PanelApp().run_test(size=(60, 50)) as pilot:
         panel = pilot.app.query_one(EnginePanel)
         legend = panel.query_one(Legend)
-        panel.refresh_every_s = 3600.0
-        assert panel.show_stats(snapshot(0, owners), tabs)   # new tabs: a frame
+        panel.show_stats(snapshot(0, owners), tabs)
         assert legend._holders == tuple(owners)
-        assert not panel.show_stats(snapshot(1, owners[::-1]), tabs)   # between two frames
-        assert legend._holders == tuple(owners)
-        panel.refresh_every_s = 0.0
-        assert panel.show_stats(snapshot(2, owners[::-1]), tabs)
+        panel.show_stats(snapshot(1, owners[::-1]), tabs)
         assert legend._holders == tuple(owners[::-1])
         await pilot.pause()
 
@@ -166,7 +164,7 @@ async def test_the_block_map_takes_a_new_themes_colours():
 @pytest.mark.timeout(30)
 async def test_escape_sequences_in_text_never_reach_the_terminal():
     from textual.app import App
-    from paged_chat.tui.messages import AssistantMessage, UserMessage
+    from paged_chat.tui.message_widgets import AssistantMessage, UserMessage
 
     evil = "ok\x1b[2J\x1b]0;pwned\x07 done\r"
     reply, user = AssistantMessage(), UserMessage(evil)
@@ -196,7 +194,7 @@ async def test_long_reply_streams_into_bounded_markdown_chunks():
     """A long reply is split at paragraph breaks outside code fences, so each Markdown
     append stays small (no quadratic re-parse); a hidden tab's reply renders at the end."""
     from textual.app import App
-    from paged_chat.tui import messages as m
+    from paged_chat.tui import message_widgets as m
 
     paragraph = "word " * 100 + "\n\n"
     fence = "```python\n" + "x = 1\n\n" * 300 + "```\n\n"

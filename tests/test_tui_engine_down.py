@@ -97,3 +97,47 @@ async def kill_restart_stop_and_quit(chat_model_dir, tmp_path) -> float:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
+
+
+
+async def test_the_app_restarts_and_watches_any_client_whose_capabilities_say_it_can(
+        chat_model_dir, tmp_path):
+    """Issue 45 item 6: the app asked isinstance(LocalClient) whether it could restart an
+    engine and see it hang; it asks the client's capabilities (`restart`) now. A client
+    without it is told to be restarted where it runs."""
+    from dataclasses import replace
+
+    from paged_chat.app.settings import Settings
+    from paged_chat.tui.app import PagedChatApp
+    from test_tui_streaming import FedClient, fed_app
+
+    class RestartableClient(FedClient):
+        def __init__(self, engine) -> None:
+            super().__init__(engine)
+            self.responding = True
+            self.restarts: list[float] = []
+
+        @property
+        def capabilities(self):
+            return replace(super().capabilities, restart=True)
+
+        def restart(self, timeout_s: float) -> None:
+            self.restarts.append(timeout_s)
+
+    app, fed = fed_app(chat_model_dir, tmp_path / "fed")
+    async with app.run_test(size=(120, 40)):
+        await wait_until(lambda: app.engine is not None)
+        notes: list[str] = []
+        app.notify = lambda message, **options: notes.append(message)
+        app.restart_engine()
+        assert not app.engine_trouble() and notes == ["a remote engine is restarted where it runs"]
+    client = RestartableClient(fed.engine)
+    app = PagedChatApp(Settings(), engine=client, store=ChatStore(tmp_path / "chats.db"),
+                       session_path=tmp_path / "s.json")
+    async with app.run_test(size=(120, 40)):
+        await wait_until(lambda: app.engine is not None)
+        client.responding = False
+        assert "not responding" in app.engine_trouble()
+        client.responding = True
+        app.restart_engine()
+        await wait_until(lambda: client.restarts and not app.engine_trouble())

@@ -73,7 +73,7 @@ def make_app(tmp_path: Path) -> tuple[PagedChatApp, FakeEngine]:
     store, ids = populated_store(tmp_path)
     engine = FakeEngine([snapshot(step, ids) for step in range(60)])
     app = PagedChatApp(Settings(), engine=engine, store=store,
-                       session_path=tmp_path / "session.json", poll_s=3600)
+                       session_path=tmp_path / "session.json", frame_s=3600)
     app.animation_level = "none"   # the tab underline would be caught mid-slide
     return app, engine
 
@@ -86,9 +86,8 @@ async def settle(pilot) -> None:
     for index, tab in enumerate(app.chat_tabs):   # each tab's live request, as in snapshot()
         tab.session.turn = Turn("", list(range(1000 * index, 1000 * index + 200)),
                                 f"{tab.chat_id}/1")
-    app.panel.refresh_every_s = 0.0   # every poll draws, whatever the machine's speed
-    for _ in range(60):   # the panel's history: 60 deterministic polls
-        app._poll()
+    for _ in range(60):   # the panel's history: 60 deterministic frames
+        app.frame_clock.tick()
     await pilot.pause()
     await pilot.wait_for_scheduled_animations()
     await pilot.pause()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import time
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from paged_chat.app.settings import ChatSettings, Settings
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.block_map import TAB0, BlockMapView
 from paged_chat.tui.chat_tab import ChatTab
-from paged_chat.tui.messages import AssistantMessage, UserMessage
+from paged_chat.tui.message_widgets import AssistantMessage, UserMessage
 from helpers import wait_until
 from tui_helpers import press
 
@@ -248,12 +249,9 @@ async def test_a_streaming_reply_renders_only_in_the_panels_frames(chat_model_di
         events: list[str] = []
         panel, show_stats, append = app.panel, app.panel.show_stats, reply._append
 
-        def show_and_log(*args):
-            drawn_at = panel._shown_at
-            shown = show_stats(*args)
-            if panel._shown_at != drawn_at:
-                events.append("frame")
-            return shown
+        def show_and_log(*args) -> None:
+            events.append("frame")
+            show_stats(*args)
 
         async def append_and_log(fragment: str) -> None:
             events.append("render")
@@ -271,6 +269,55 @@ async def test_a_streaming_reply_renders_only_in_the_panels_frames(chat_model_di
     assert renders >= 2, rendered   # it streamed, in several frames
     assert "render,render" not in ",".join(rendered), rendered   # a frame between any two
     assert renders <= rendered.count("frame") + 1
+
+
+async def test_the_engine_is_read_once_per_frame_and_each_snapshot_is_drawn(chat_model_dir, tmp_path):
+    """Issue 45 item 4: the app read stats (the whole block map, over the pipe from the
+    engine's process) at 10 Hz for a panel that drew 5 frames a second. One frame clock:
+    each frame reads the engine's stats once, and the panel draws that snapshot."""
+    app, client = fed_app(chat_model_dir, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        tab, _ = await streaming_reply(app, pilot)
+        reads: list[object] = []
+        drawn: list[object] = []
+        stats, show_stats = client.stats, app.panel.show_stats
+
+        def read_and_log():
+            reads.append(stats())
+            return reads[-1]
+
+        def show_and_log(snapshot, tabs) -> None:
+            drawn.append(snapshot)
+            show_stats(snapshot, tabs)
+
+        client.stats, app.panel.show_stats = read_and_log, show_and_log
+        started = time.monotonic()
+        for index in range(60):
+            client.pieces.put_nowait(f"word{index} ")
+            await asyncio.sleep(0.02)
+        elapsed = time.monotonic() - started
+        client.stats, app.panel.show_stats = stats, show_stats
+        client.pieces.put_nowait(None)
+        await wait_until(lambda: not tab.streaming)
+    assert len(reads) >= 2, reads   # it ran frames
+    assert len(reads) <= elapsed / app.frame_clock.period_s + 1
+    assert all(a is b for a, b in zip(reads, drawn)) and len(drawn) == len(reads)
+
+
+def test_the_apps_engine_sends_two_stats_snapshots_a_frame(monkeypatch, tmp_path):
+    """Issue 45 item 4: the engine's stats (the whole block map) crossed the pipe 20 times
+    a second for a panel that draws 5 frames; the app's engine sends two a frame, so each
+    frame still finds one it has not drawn."""
+    import paged_chat.engine
+    from paged_chat.tui.engine_start import start_engine
+    from paged_chat.tui.frame_clock import FRAME_S
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    specs: list = []
+    monkeypatch.setattr(paged_chat.engine, "start_client", specs.append)
+    for in_a_process in (True, False):
+        start_engine(EngineConfig(model="smollm2-135m", device="cpu"), in_a_process)
+    assert [spec.stats_interval_s for spec in specs] == [FRAME_S / 2] * 2
 
 
 async def test_a_streaming_paragraph_lays_the_screen_out_only_when_it_grows_a_line(
@@ -445,7 +492,7 @@ async def test_a_screen_update_renders_only_the_widgets_on_its_rows_and_shows_th
     from textual._compositor import Compositor
     from textual.geometry import Region
 
-    from paged_chat.tui.chat_screen import UpdateCroppedCompositor
+    from paged_chat.tui.textual_compat import UpdateCroppedCompositor
 
     app, client = fed_app(chat_model_dir, tmp_path)
     async with app.run_test(size=(160, 50)) as pilot:

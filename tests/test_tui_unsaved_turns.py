@@ -9,7 +9,7 @@ import pytest
 
 from paged_chat.app.chat_store import StoreFullError
 from paged_chat.engine.core.errors import EngineDeadError
-from paged_chat.tui.messages import UserMessage
+from paged_chat.tui.message_widgets import UserMessage
 from helpers import wait_until
 from tui_helpers import idle, make_app, replies, type_prompt
 

@@ -17,7 +17,7 @@ from paged_chat.app.settings import ChatSettings, Settings, TuiSettings
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.block_map import SHARED, TAB0, BlockMapView
 from paged_chat.tui.chat_tab import ChatTab
-from paged_chat.tui.messages import AssistantMessage
+from paged_chat.tui.message_widgets import AssistantMessage
 from helpers import assert_no_leaks, engine_config, wait_until
 
 SYSTEM = ("You are a careful assistant. You answer in short sentences, you check your facts, "

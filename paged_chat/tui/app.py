@@ -6,8 +6,9 @@ it imported this module (start.py), and the status line says when the
 model is ready (a prompt sent before then waits for it), and when the engine stops or stops
 responding (a dead or stopped child): a tab then keeps a new message in its prompt rather
 than send it, and F5 restarts the engine (not the app). Each tab is a view of one ChatSession
-and streams its replies in its own worker on the app's event loop; the engine panel polls
-`stats()` (which never blocks) on a ~10 Hz timer. The app talks to the engine only through
+and streams its replies in its own worker on the app's event loop. At each tick of the app's
+FrameClock it reads `stats()` (which never blocks) once, the engine panel draws it and the
+shown tab's streaming reply renders. The app talks to the engine only through
 the EngineClient surface, and takes an injected engine, store and settings, so tests can
 drive it with a tiny model and a throwaway store. Its actions live in `actions.py`; its tabs
 are one widget, `ChatTabs` (`tabs.py`), that owns their state.
@@ -37,10 +38,11 @@ from paged_chat.tui.actions import ACTIONS, ChatActions, StoredChats, make_bindi
 from paged_chat.tui.chat_screen import ChatScreen
 from paged_chat.tui.chat_search import ChatSearch
 from paged_chat.tui.engine_panel import EnginePanel, with_request_owners
-from paged_chat.tui.fit import SEPARATOR, fit_parts
+from paged_chat.tui.engine_start import app_engine_config, start_engine
+from paged_chat.tui.fit_parts import SEPARATOR, fit_parts
+from paged_chat.tui.frame_clock import FRAME_S, FrameClock
 from paged_chat.tui.key_footer import KeyFooter
 from paged_chat.tui.open_tabs import OpenTabs
-from paged_chat.tui.start import app_engine_config, start_engine
 from paged_chat.tui.tabs import ChatTabs
 
 if TYPE_CHECKING:
@@ -64,12 +66,13 @@ class PagedChatApp(ChatActions, App):
     BINDINGS = make_bindings()
     COMMANDS = App.COMMANDS | {StoredChats, ChatSearch}
     HORIZONTAL_BREAKPOINTS = [(0, "-narrow"), (WIDE_FROM, "-wide")]
+    _theme_by_name: tuple[str, Theme | None] = ("", None)   # current_theme's last: name, theme
 
     def __init__(self, settings: Settings | None = None, *, engine: EngineClient | None = None,
                  engine_config: EngineConfig | None = None,
                  engine_start: StartingClient | None = None, store: ChatStore | None = None,
                  session_path: Path | None = None, demo: int | None = None,
-                 restore: bool = True, poll_s: float = 0.1, serve_port: int | None = None) -> None:
+                 restore: bool = True, frame_s: float = FRAME_S, serve_port: int | None = None) -> None:
         super().__init__()
         self.serve_port = serve_port   # --serve: the API on this app's engine, on this port
         self.api_server: ApiServer | None = None
@@ -81,17 +84,17 @@ class PagedChatApp(ChatActions, App):
         self.engine_config = engine_config
         self._engine_start = engine_start   # an engine launched before the app (start.py)
         self.demo = demo
-        self._demo_dir: Path | None = None
+        self.demo_dir: Path | None = None   # --demo: its throwaway store, removed at unmount
         if store is None:
             if demo:  # demo chats are throwaway: keep them out of the user's history
-                self._demo_dir = Path(tempfile.mkdtemp(prefix="paged-chat-demo-"))
-                store = ChatStore(self._demo_dir / "chats.db")
+                self.demo_dir = Path(tempfile.mkdtemp(prefix="paged-chat-demo-"))
+                store = ChatStore(self.demo_dir / "chats.db")
             else:
                 store = ChatStore()
         self.store = store
         self.open_tabs = OpenTabs(None if demo else session_path or data_dir() / "tui-session.json")
         self.restore = restore
-        self.poll_s = poll_s
+        self.frame_clock = FrameClock(self._draw_frame, frame_s)
         self.load_error: str | None = None
         self.load_seconds: float | None = None
         self._load_started = time.monotonic()
@@ -137,9 +140,21 @@ class PagedChatApp(ChatActions, App):
 
     @property
     def current_theme(self) -> Theme:
-        """The theme by its name. Textual's copies every registered theme into a new dict to
-        find it, twice for each widget a screen update renders."""
-        return self._registered_themes.get(self.theme) or super().current_theme
+        """The theme by its name, looked up once per name: Textual's copies every registered
+        theme into a new dict to find it, twice for each widget a screen update renders."""
+        name, theme = self._theme_by_name
+        if name != self.theme or theme is None:
+            theme = super().current_theme
+            self._theme_by_name = (self.theme, theme)
+        return theme
+
+    def register_theme(self, theme: Theme) -> None:
+        super().register_theme(theme)
+        self._theme_by_name = ("", None)   # the current name's theme may be another now
+
+    def unregister_theme(self, theme_name: str) -> None:
+        super().unregister_theme(theme_name)
+        self._theme_by_name = ("", None)
 
     @property
     def model_name(self) -> str:
@@ -173,7 +188,7 @@ class PagedChatApp(ChatActions, App):
             await self.active_tab.ensure_loaded()
             self.active_tab.prompt.focus()
         self._update_status()
-        self.set_interval(self.poll_s, self._poll)
+        self.frame_clock.start(self)
 
     def _apply_keymap(self, keys: dict[str, str]) -> None:
         known = {action for action, *_ in ACTIONS}
@@ -190,7 +205,7 @@ class PagedChatApp(ChatActions, App):
     def _load_engine(self) -> None:
         started = time.monotonic()
 
-        def progress(stage: str, done: int, total: int) -> None:  # read by the status line's poll
+        def progress(stage: str, done: int, total: int) -> None:  # the status line shows it
             self._load_progress = f"{stage} {done}/{total}"
 
         try:
@@ -219,9 +234,9 @@ class PagedChatApp(ChatActions, App):
         self.load_seconds = seconds
         self._engine_ready.set()
         self._update_status()
-        # What start-up built (Textual, the tokenizer, the restored chats: ~300,000 objects)
-        # lives as long as the app; frozen, a full collection while tabs stream skips it
-        # (0.34 -> 0.05 s of the UI thread each, a stall of the engine beside it).
+        # What start-up built (Textual, the tokenizer, the restored chats) lives as long as
+        # the app; frozen, a full collection while tabs stream does not walk it (a stall of
+        # the UI thread, and of the engine beside it).
         gc.freeze()
         if seconds:
             self.notify(f"{engine.info.name} is ready ({seconds:.1f} s)", timeout=3, markup=False)
@@ -266,22 +281,18 @@ class PagedChatApp(ChatActions, App):
             return "the engine is restarting"
         if engine is None:
             return None
-        from paged_chat.engine.clients.local import LocalClient   # loaded with the engine: free
-
         restart = f"{self.keys_of('restart_engine')} restarts it"   # first: a narrow line keeps it
         if not engine.running:
             return f"the engine has stopped · {restart} · {engine.last_error or 'it was shut down'}"
-        if isinstance(engine, LocalClient) and not engine.responding:
+        if engine.capabilities.restart and not engine.responding:
             return f"the engine is not responding · {restart} · its process is stopped or hung"
         return None
 
     def restart_engine(self) -> None:
         """Restart the engine the app started (its open replies end); the tabs stay."""
-        from paged_chat.engine.clients.local import LocalClient
-
         if self._restarting:
             return
-        if not isinstance(self.engine, LocalClient):
+        if self.engine is None or not self.engine.capabilities.restart:
             self.notify("no engine of this app to restart" if self.engine is None else
                         "a remote engine is restarted where it runs", severity="warning", markup=False)
             return
@@ -313,7 +324,7 @@ class PagedChatApp(ChatActions, App):
         else:
             self.notify(f"the engine could not be restarted: {failure}", severity="error",
                         timeout=15, markup=False)
-        self._poll()
+        self.frame_clock.tick()
 
     def model_sampling(self) -> dict:
         """What a tab samples with where it sets nothing: the model's generation config,
@@ -330,8 +341,10 @@ class PagedChatApp(ChatActions, App):
             return ""
         return self.engine.info.tokenizer.decode(list(ids), skip_special_tokens=False)
 
-    def _poll(self) -> None:
-        """~10 Hz: take the engine's latest snapshot (never blocks) and show it."""
+    def _draw_frame(self) -> None:
+        """A frame: the status line while the engine loads or is in trouble; else the engine's
+        latest snapshot (never blocks) in the panel, the shown tab's streaming reply, and
+        every LABELS_EVERY_S the streaming tabs' headers."""
         if self.engine is None:
             if self.load_error is None:
                 self._update_status()
@@ -352,14 +365,13 @@ class PagedChatApp(ChatActions, App):
         stats = self.engine.stats()
         try:
             self.panel.capabilities = self.engine.capabilities
-            frame = self.panel.show_stats(stats, with_request_owners(self.tabs.tab_infos(), stats.blocks))
+            self.panel.show_stats(stats, with_request_owners(self.tabs.tab_infos(), stats.blocks))
         except NoMatches:  # the panel is being built or torn down
             return
-        if frame:   # the shown tab's streaming reply and the tab headers draw in the panel's frame
-            self.tabs.render_frame()
-            if time.monotonic() - self._labels_at >= LABELS_EVERY_S:
-                self._labels_at = time.monotonic()
-                self.tabs.refresh_streaming_labels()
+        self.tabs.render_frame()
+        if time.monotonic() - self._labels_at >= LABELS_EVERY_S:
+            self._labels_at = time.monotonic()
+            self.tabs.refresh_streaming_labels()
         error = self.engine.last_error
         if error and error != self._last_engine_error:
             self._last_engine_error = error
@@ -419,9 +431,9 @@ class PagedChatApp(ChatActions, App):
         if self._owns_engine and self.engine is not None:
             engine, self.engine = self.engine, None
             await asyncio.get_running_loop().run_in_executor(None, engine.shutdown, QUIT_GRACE_S)
-        if self._demo_dir is not None:
+        if self.demo_dir is not None:
             self.store.close()
-            shutil.rmtree(self._demo_dir, ignore_errors=True)
+            shutil.rmtree(self.demo_dir, ignore_errors=True)
 
 
 def describe_where(capabilities: ClientCapabilities, info: ModelInfo) -> str:

@@ -180,13 +180,12 @@ class BlockMapView(Widget):
         self._keys: np.ndarray | None = None   # the cells `_strips` draw (one row each)
         self._hover: tuple[int, ...] = ()
         # Kept until the CSS changes: Textual drops a widget's component styles at every
-        # refresh, and each changed row is one (6 style lookups a frame, ~1 ms).
+        # refresh, and each changed row is one (a style lookup per symbol, every frame).
         self._palette: Palette | None = None
 
     def show(self, blocks: BlockMap | None, owner_colour: Mapping[str, int]) -> None:
-        """Take a new snapshot's block map; redraws on the next frame the rows whose cells
-        changed (a frame of 8 streaming chats changes a few of the map's rows: redrawing
-        all of them was 4 ms of the UI thread, five times a second)."""
+        """Take a new snapshot's block map; redraws on the next frame only the rows whose
+        cells changed (a frame of streaming chats changes a few of the map's rows)."""
         codes = np.zeros(0, dtype=np.uint8) if blocks is None else block_codes(blocks, owner_colour)
         if np.array_equal(codes, self.codes):
             return  # nothing to redraw

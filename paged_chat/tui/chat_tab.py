@@ -31,7 +31,7 @@ from paged_chat.engine.core.errors import describe_error
 from paged_chat.app.finish_labels import finish_label
 from paged_chat.app.text import sanitize_for_terminal as clean
 from paged_chat.tui.block_map import TAB_COLOURS
-from paged_chat.tui.messages import AssistantMessage, ErrorMessage, UserMessage, code_blocks
+from paged_chat.tui.message_widgets import AssistantMessage, ErrorMessage, UserMessage, code_blocks
 from paged_chat.tui.prompt_input import PromptInput
 
 if TYPE_CHECKING:
@@ -113,9 +113,8 @@ class ChatTab(TabPane):
         """The app's frame: the streaming reply renders what it has kept since the last one
         (one Markdown append per frame however many deltas came), and its footer every
         FOOTER_EVERY_S; a hidden tab's wait until it is shown. Drawn in the app's frames
-        only, never on a clock of the tab's own: a footer refreshed on its own clock was a
-        screen update of its own (8 streaming tabs: 14.3 screen updates a second, now 11.5).
-        The reply renders in a worker, not a callback on this tab's queue: closing the tab
+        only (its FrameClock), never on a clock of the tab's own, which would be a screen
+        update of its own. The reply renders in a worker, not a callback on this tab's queue: closing the tab
         cancels the worker, where a callback waiting on the reply's Markdown held the tab's
         removal up for good. A frame that comes while the last one still renders is skipped
         (its text waits for the next)."""
@@ -169,7 +168,7 @@ class ChatTab(TabPane):
         turn's TTFT and tokens/s. It keeps its width from a turn's start to the next turn
         (a dot takes the mark's place; the figures' place is blank until the first token):
         a header that changes width re-lays the tab bar out, moves the tabs after it and
-        animates the shown tab's underline, 4-5 screen updates a second with 8 demo tabs."""
+        animates the shown tab's underline, screen updates of their own."""
         colour = TAB_COLOURS[self.colour % len(TAB_COLOURS)]
         mark = "●" if self.streaming else "█"
         label = f"[{colour}]{mark}[/] {escape(clean(self.title))}"
@@ -190,8 +189,8 @@ class ChatTab(TabPane):
 
     def _add_views(self, *views: Widget) -> AwaitMount | None:
         """Mount `views` after the messages if the tab is shown; a hidden tab keeps them until
-        it is (`_mount_unshown`): a mount re-lays the whole screen out, shown or not, and the
-        demo's hidden tabs took ~1 layout a second that no one saw."""
+        it is (`_mount_unshown`): a mount re-lays the whole screen out, shown or not, a
+        layout no one would see."""
         if self.display and not self._unshown:
             return self.messages.mount(*views)
         self._unshown.extend(views)
@@ -316,9 +315,8 @@ class ChatTab(TabPane):
 
         The turn's views mount while its request goes out, not before: the request leaves
         in this worker's first run on the event loop, so tabs that send at once (a
-        broadcast, the demo) reach the engine together. Waiting for the mounts first held
-        each request back behind every other tab's (8 tabs: the first went 62 ms after the
-        sends, the last 95; now 8-22 ms). The views are awaited before anything is drawn
+        broadcast, the demo) reach the engine together; waiting for the mounts first would
+        hold each request back behind every other tab's. The views are awaited before anything is drawn
         into them; a hidden tab's wait until it is shown (a reply keeps its text until then)."""
         messages = self.messages
         views: list[Widget] = []   # the turn's new views

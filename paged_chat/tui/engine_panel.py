@@ -1,17 +1,15 @@
 """The engine panel: pool occupancy, batch, rates, prefix-cache hits, the block map and the
-details of the block under the pointer. It is fed `EngineStats` snapshots by the app's
-~10 Hz timer (`show_stats`), draws at most every `refresh_every_s`, and never calls the
-engine. For a client with no block map (a remote server) it shows what the server's
-/metrics has (running, waiting, KV usage, tokens/s, prefix hits; graphs of running and
-gen tok/s) and hides what cannot fill: the block map, its legend and detail line, the
-blocks graph, and every graph where the server has no vLLM /metrics."""
+details of the block under the pointer. The app gives it an `EngineStats` snapshot at each
+of its frames (`show_stats`); it draws what changed, and never calls the engine. For a
+client with no block map (a remote server) it shows what the server's /metrics has
+(running, waiting, KV usage, tokens/s, prefix hits; graphs of running and gen tok/s) and
+hides what cannot fill: the block map, its legend and detail line, the blocks graph, and
+every graph where the server has no vLLM /metrics."""
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -24,18 +22,9 @@ from paged_chat.engine.core.stats import BlockMap, EngineStats
 from paged_chat.tui.block_map import BlockMapView
 from paged_chat.tui.legend import Legend
 from paged_chat.tui.sparkline import Spark
+from paged_chat.tui.tab_info import TabInfo
 
-REFRESH_EVERY_S = 0.2   # the panel redraws at most 5 times a second (at least 4 are promised)
-HISTORY = 30            # sparkline points (6 s at 5 Hz)
-
-
-@dataclass(frozen=True, slots=True)
-class TabInfo:
-    """What the panel needs to know of a tab: its title, colour and live token ids."""
-
-    title: str
-    colour: int
-    tokens_of: Callable[[str], Sequence[int] | None] = lambda request_id: None
+HISTORY = 30            # sparkline points (6 s at the app's 5 frames a second)
 
 
 def _n(value: float) -> str:
@@ -163,8 +152,6 @@ class EnginePanel(Vertical):
         self.capabilities: ClientCapabilities | None = None   # the engine client's, once loaded
         self._legend_holders: tuple[str, ...] = ()   # chats holding blocks, as the legend lists them
         self._pinned: int | None = None
-        self._shown_at = 0.0                    # when show_stats last drew
-        self.refresh_every_s = REFRESH_EVERY_S
         self._shown_text: dict[str, Text] = {}  # what each readout shows
         self._history = {name: deque([0.0] * HISTORY, maxlen=HISTORY)
                          for name in ("batch", "gen", "used")}
@@ -180,30 +167,22 @@ class EnginePanel(Vertical):
         yield Legend(id="legend")
         yield Static("hover or click a block", id="block-detail")
 
-    def show_stats(self, stats: EngineStats, tabs: Mapping[str, TabInfo]) -> bool:
-        """Take a snapshot. The panel redraws at most every `refresh_every_s` (snapshots in
-        between are skipped: the UI's share of the CPU stays bounded while the engine is
-        busy), and only the parts whose content changed. True when this call is a frame
-        (the panel's period came round, or the tabs changed): the app renders its streaming
-        replies in the same frames, so the terminal gets one screen update, not two."""
+    def show_stats(self, stats: EngineStats, tabs: Mapping[str, TabInfo]) -> None:
+        """Draw a frame: `stats` and `tabs` (the app's, one call per frame of its
+        FrameClock). Only the parts whose content changed are redrawn; a snapshot drawn
+        already redraws only the legend, if the tabs changed."""
         tabs_changed = tabs != self.tabs
         self.tabs = tabs
-        now = time.monotonic()
-        if not tabs_changed and now - self._shown_at < self.refresh_every_s:
-            return False
-        self._shown_at = now   # a frame even when the snapshot is the last one: replies render
-        # In the frame, not at the snapshot that changed them: the holders change at every
-        # turn's start and end, a screen update of its own when drawn between two frames.
         holders = tuple(dict.fromkeys(owner for owner in stats.blocks.request_owners if owner))
         if tabs_changed or holders != self._legend_holders:
             self._legend_holders = holders
             self.query_one(Legend).show(tabs, holders)
         if stats is self.stats:
-            return True
+            return
         self.stats = stats
         if self.capabilities is not None and not self.capabilities.block_map:
             self._show_remote(stats, self.capabilities.metrics)
-            return True
+            return
         busy = bool(stats.num_running or stats.num_waiting)
         self._history["batch"].append(stats.batch_size if busy else 0)
         self._history["gen"].append(stats.generation_tokens_per_s if busy else 0.0)
@@ -217,7 +196,6 @@ class EnginePanel(Vertical):
         self.query_one(BlockMapView).show(stats.blocks, owner_colour)
         if self.focus_block is not None:
             self._describe()
-        return True
 
     def show_trouble(self, trouble: str) -> None:
         """The engine stopped or does not respond: its last snapshot (a request running,

@@ -9,7 +9,6 @@ key that would not fit whole beside the palette key; they stay in the palette an
 from __future__ import annotations
 
 from textual.widgets import Footer
-from textual.widgets._footer import FooterKey
 
 
 class KeyFooter(Footer):
@@ -21,7 +20,7 @@ class KeyFooter(Footer):
         self.call_after_refresh(self._fit)
 
     def _fit(self) -> None:
-        keys = list(self.query(FooterKey))
+        keys = list(self.query("FooterKey"))   # Textual exports no FooterKey: by its name
         palette = [key for key in keys if key.has_class("-command-palette")]
         room = self.size.width - sum(key.outer_size.width for key in palette)
         for key in keys:

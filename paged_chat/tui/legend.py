@@ -10,15 +10,11 @@ cut to TITLE_CHARS.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
-
 from rich.text import Text
 from textual.widget import Widget
 
 from paged_chat.tui.block_map import TAB_COLOURS
-
-if TYPE_CHECKING:
-    from paged_chat.tui.engine_panel import TabInfo
+from paged_chat.tui.tab_info import TabInfo
 
 MAX_LINES = 4
 TITLE_CHARS = 18

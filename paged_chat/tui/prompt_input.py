@@ -28,14 +28,14 @@ class PromptInput(TextArea):
                  placeholder: str = "") -> None:
         super().__init__(id=id, soft_wrap=True, show_line_numbers=False, tab_behavior="focus",
                          compact=True, placeholder=placeholder)
-        # A steady cursor: each blink was a screen update of its own, ~2 a second that
-        # take the cores from the engine while the tabs stream.
+        # A steady cursor: each blink would be a screen update of its own, taking the
+        # cores from the engine while the tabs stream.
         self.cursor_blink = False
         self.prompt_history: list[str] = list(history or [])
         self._recall: int | None = None   # index into history while walking it
         self._draft = ""                  # what was typed before walking started
 
-    async def _on_key(self, event: events.Key) -> None:
+    async def on_key(self, event: events.Key) -> None:
         if event.key == "enter":
             event.stop()
             event.prevent_default()
@@ -46,15 +46,16 @@ class PromptInput(TextArea):
         if event.key in ("shift+enter", "ctrl+j"):
             event.stop()
             event.prevent_default()
-            start, end = self.selection
-            self._replace_via_keyboard("\n", start, end)
+            if not self.read_only:
+                start, end = self.selection
+                self.replace("\n", start, end, maintain_selection_offset=False)
             return
         if event.key.startswith("alt+"):
             # A terminal sends Alt+C as ESC c, which Textual reads as a printable `c`:
             # keep it out of the text so it reaches the app's bindings (copy, ...).
             event.prevent_default()
             return
-        # Anything else: TextArea's own handler runs next (MRO dispatch).
+        # Anything else: TextArea's own handler runs next (one handler per class, down the MRO).
 
     def remember(self, text: str) -> None:
         """Add a sent prompt to the history and clear the input."""

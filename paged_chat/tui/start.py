@@ -2,7 +2,7 @@
 
 A warm start (the model's tokenizer and weights converted and cached) waits on the engine
 child: its interpreter, `import torch` and the engine's imports, the model load. Textual's
-import and the first layout take over a second of their own. So the child is launched
+import and the first layout take long too. So the child is launched
 here, before this module imports Textual (it imports none itself), and the two overlap;
 the app's worker then waits for the child the CLI launched (`PagedChatApp(engine_start=)`),
 and a failed load reaches the status line as it always has.
@@ -12,36 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from paged_chat.app.settings import Settings, cache_dir
+from paged_chat.app.settings import Settings
+from paged_chat.tui.engine_start import app_engine_config, start_engine
 
 if TYPE_CHECKING:
     from paged_chat.engine import EngineClient, EngineConfig, StartingClient
-
-DEMO_NUM_BLOCKS = 1536      # --demo's KV pool unless config.toml sizes it
-
-
-def app_engine_config(settings: Settings, demo: int | None) -> EngineConfig:
-    """`[engine]` as the app runs it: with --demo, a pool the block map shows block by block
-    unless config.toml sizes it."""
-    pool = {}
-    if demo and settings.engine.num_blocks is None and settings.engine.kv_cache_memory is None:
-        pool = {"num_blocks": DEMO_NUM_BLOCKS}
-    return settings.engine_config(**pool)
-
-
-def start_engine(config: EngineConfig, in_a_process: bool = True) -> StartingClient:
-    """The app's engine, on its way: in a process of its own (launched now), its output to a
-    log file (the app owns the terminal), its steps on every core as its thread policy
-    finds them faster (beside the UI thread, 2 threads beat 1 since the fused step: 91b9fe2);
-    else on a thread of the app (`[tui] engine_process = false`), started when the app
-    waits for it."""
-    from paged_chat.app.client_spec import client_spec
-    from paged_chat.engine import start_client
-
-    if not in_a_process:
-        return start_client(client_spec(config, "thread"))
-    return start_client(client_spec(config, "process", log_path=cache_dir() / "engine.log",
-                                    fork_if_safe=True))
 
 
 def run_app(settings: Settings, demo: int | None = None, serve_port: int | None = None,
@@ -68,7 +43,7 @@ def run_app(settings: Settings, demo: int | None = None, serve_port: int | None 
         try:
             app.run()
         finally:
-            if app._demo_dir is None:
+            if app.demo_dir is None:
                 app.store.close()
     finally:
         if engine_start is not None:

@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING
 from textual import on
 from textual.css.query import NoMatches
 from textual.content import Content
-from textual.widgets import ContentSwitcher, Static, Tab, TabbedContent, TabPane
+from textual.widgets import ContentSwitcher, Tab, TabbedContent, TabPane
 
 from paged_chat.app.chat_session import ChatSession
 from paged_chat.app.text import sanitize_for_terminal as clean
 from paged_chat.tui.chat_tab import ChatTab, EngineTrouble, MakeParams, WaitForEngine
-from paged_chat.tui.engine_panel import TabInfo
+from paged_chat.tui.tab_info import TabInfo
+from paged_chat.tui.textual_compat import relabel_tab
 
 if TYPE_CHECKING:
     from paged_chat.app.chat_store import ChatStore, StoredChat
@@ -64,7 +65,7 @@ class ChatTabs(TabbedContent):
     @property
     def chat_tabs(self) -> list[ChatTab]:
         # The panes' container, not a query of the whole DOM: that walks every message
-        # widget of every tab, and the panel's poll asks for the tabs every second.
+        # widget of every tab, and the app's frames ask for the tabs.
         return [pane for pane in self.query_one(ContentSwitcher).children
                 if isinstance(pane, ChatTab)]
 
@@ -192,7 +193,7 @@ class ChatTabs(TabbedContent):
         self.screen.set_focus(tab.prompt)
 
     def render_frame(self) -> None:
-        """A frame of the app (the engine panel's): the shown tab's streaming reply renders
+        """A frame of the app (its FrameClock's): the shown tab's streaming reply renders
         what arrived since the last one; hidden tabs only keep theirs."""
         tab = self.active_tab
         if tab is not None:
@@ -235,7 +236,7 @@ class ChatTabs(TabbedContent):
 
     # ---- what the tabs report -----------------------------------------------------------
 
-    def _on_tab_pane_focused(self, event: TabPane.Focused) -> None:
+    def on_tab_pane_focused(self, event: TabPane.Focused) -> None:
         """TabbedContent shows the pane a widget was focused in; here only the tab bar and
         the app's actions switch tabs. That focus message comes a few queues late: a switch
         made meanwhile (Ctrl+N, then Alt+Left at once) was undone by the new tab's focus,
@@ -286,12 +287,10 @@ class ChatTabs(TabbedContent):
 
 
 def _relabel(header: Tab, label: str) -> None:
-    """Show `label` in a tab header. Tab's label setter re-lays the whole screen out, 10-20 ms
-    at 160x50 (8 streaming tabs: 4 new labels a second); a label as wide as the last needs
-    only a repaint. Tab keeps its label in `_label` (textual 8.2.8, pinned)."""
+    """Show `label` in a tab header: Tab's label setter re-lays the whole screen out, and a
+    label as wide as the last needs only a repaint (textual_compat.relabel_tab)."""
     content = Content.from_text(label)
     if content.cell_length != header.label.cell_length:
         header.label = content
-        return
-    header._label = content
-    Static.update(header, content, layout=False)
+    else:
+        relabel_tab(header, content)

@@ -27,12 +27,15 @@ class ClientCapabilities:
     `info` gives its size; False for a server whose pool is its own. `metrics`: stats()
     carries the engine's numbers (queues, rates, prefix hits); False for a server whose
     /metrics did not answer with vLLM's names, where only a client's own timings say
-    anything. `where`: one line for a status bar on where the engine runs.
+    anything. `where`: one line for a status bar on where the engine runs. `restart`: the
+    client runs its engine itself: `restart(timeout_s)` serves again after it stopped, and
+    `responding` is False while its process is stopped or hung.
     """
 
     block_map: bool
     metrics: bool
     where: str
+    restart: bool = False
 
 
 @runtime_checkable

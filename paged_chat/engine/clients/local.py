@@ -92,7 +92,8 @@ class LocalClient:
 
     @property
     def capabilities(self) -> ClientCapabilities:
-        return ClientCapabilities(block_map=True, metrics=True, where=self.transport.where)
+        return ClientCapabilities(block_map=True, metrics=True, where=self.transport.where,
+                                  restart=True)
 
     @property
     def running(self) -> bool:

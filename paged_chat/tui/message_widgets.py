@@ -1,11 +1,11 @@
-"""Message views: the user's prompt, the assistant's streamed Markdown reply, errors.
+"""Message widgets: the user's prompt, the assistant's streamed Markdown reply, errors.
 
 A reply streams through Textual's MarkdownStream. To keep the cost of each append bounded
 (Markdown.append re-joins and re-parses from its last block), a long reply is split into
 several Markdown widgets at paragraph breaks outside code fences: each stays small, so
 streaming a reply costs about linear time in its length, not quadratic. A reply keeps what
-it is written until the app's next frame (the engine panel's, ~5 a second: `catch_up`),
-where it renders as one append beside the panel's redraw, so the terminal gets one screen
+it is written until the app's next frame (its FrameClock: `catch_up`), where it renders
+as one append beside the panel's redraw, so the terminal gets one screen
 update per frame however many tabs stream; a hidden tab renders nothing until it is shown.
 A frame re-lays the screen out only when the reply's last paragraph grows a line
 (`ReplyParagraph`) or its code block a line or a column (`ReplyFence`): most frames only
@@ -20,15 +20,18 @@ import re
 from markdown_it import MarkdownIt
 from rich.cells import cell_len
 from rich.text import Text
+from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.content import Content
 from textual.geometry import Region
+from textual.visual import VisualType
 from textual.widgets import Label, Markdown, Static
 from textual.widgets.markdown import MarkdownBlock, MarkdownStream
 
 from paged_chat.app.text import sanitize_for_terminal as clean
-from paged_chat.tui.fit import SEPARATOR, fit_parts
+from paged_chat.tui.fit_parts import SEPARATOR, fit_parts
 from paged_chat.tui.markdown_text import hard_line_breaks
+from paged_chat.tui.textual_compat import set_border_subtitle
 
 CHUNK_CHARS = 2000   # start a new Markdown widget at the next paragraph break past this
 BORDER_CELLS = 6      # of a bubble's outer width, what its bottom border keeps (corners, ends, spaces)
@@ -48,34 +51,37 @@ def _inside_fence(text: str) -> bool:
 class ReplyParagraph(Markdown.BLOCKS["paragraph_open"]):
     """A paragraph whose new text asks for a layout only if its height changes. Textual
     re-lays the whole screen out for any new text of a block (Static.update), then repaints
-    every widget: 25-40 ms at 160x50 on 2 cores, at each frame of a streaming reply, where
-    most frames only add words to its last line."""
+    every widget, where most frames of a streaming reply only add words to its last line."""
 
-    def set_content(self, content: Content) -> None:
+    def update(self, content: VisualType = "", *, layout: bool = True) -> None:
         width, height = self.content_size
-        if width and content.get_height(self.styles, width) == height:
-            self._content = content
-            self.update(content, layout=False)
-        else:
-            super().set_content(content)
+        if (layout and width and isinstance(content, Content)
+                and content.get_height(self.styles, width) == height):
+            layout = False
+        super().update(content, layout=layout)
+
+
+class FenceCode(Label):
+    """A ReplyFence's code, whose new text asks for a layout only if its size changes: a
+    streaming code block gets new text at every frame, most of it on its last line. The
+    code is as wide as the block until a line is longer (then it scrolls)."""
+
+    def update(self, content: VisualType = "", *, layout: bool = True) -> None:
+        shown = self.content
+        if (layout and self.is_mounted and isinstance(content, Content)
+                and isinstance(shown, Content)
+                and content.plain.count("\n") == shown.plain.count("\n")
+                and _longest_line(content.plain) <= self.content_size.width):
+            layout = False
+        super().update(content, layout=layout)
 
 
 class ReplyFence(Markdown.BLOCKS["fence"]):
-    """A code block whose new text asks for a layout only if its size changes (as a
-    ReplyParagraph): a streaming code block gets new text at every frame, most of it on its
-    last line, and Textual re-lays the screen out for each (its Label's update). Its code
-    is as wide as the block until a line is longer (then it scrolls)."""
+    """A code block whose new text asks for a layout only if its size changes (FenceCode)."""
 
-    def set_content(self, content: Content) -> None:
-        if self.is_mounted:
-            code = self.query_one("#code-content", Label)
-            plain = content.plain
-            if (plain.count("\n") == self._content.plain.count("\n")
-                    and _longest_line(plain) <= code.content_size.width):
-                self._content = content
-                code.update(content, layout=False)
-                return
-        super().set_content(content)
+    def compose(self) -> ComposeResult:
+        for code in super().compose():   # Textual's Label of the highlighted code
+            yield FenceCode(code.content, id="code-content", expand=True)
 
 
 def _longest_line(text: str) -> int:
@@ -83,7 +89,7 @@ def _longest_line(text: str) -> int:
 
 
 # Every reply parses with this one parser (it keeps no state between parses): Textual's
-# Markdown builds a new one for each append, about half a millisecond of each frame's.
+# Markdown builds a new one for each append, at every frame of every streaming reply.
 _PARSER = MarkdownIt("gfm-like")
 
 
@@ -162,8 +168,8 @@ class AssistantMessage(Vertical):
     def _show_footer(self, footer: str) -> None:
         """The footer in the bottom border, that row repainted: Textual's `border_subtitle`
         repaints the whole bubble, every line of the reply, where a streaming reply's
-        footer changes twice a second."""
-        self._border_subtitle = Content(footer)   # where the border_subtitle setter keeps it
+        footer changes at every FOOTER_EVERY_S (textual_compat.set_border_subtitle)."""
+        set_border_subtitle(self, Content(footer))
         width, height = self.outer_size
         if not height:
             self.refresh()
