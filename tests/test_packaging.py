@@ -4,6 +4,7 @@ runs `paged-chat ask` on the native kernels from a fresh venv outside the repo."
 from __future__ import annotations
 
 import os
+import shutil
 import site
 import stat
 import subprocess
@@ -31,13 +32,23 @@ def test_setuptools_reads_pyproject_without_a_warning():
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The wheel `pip wheel .` builds from this checkout."""
+    """The wheel `pip wheel .` builds from a copy of this checkout (a build in place leaves
+    build/ in it, whose stale modules a later wheel would ship)."""
     folder = tmp_path_factory.mktemp("wheel")
+    source = folder / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps",
-                    "--no-build-isolation", "--wheel-dir", str(folder), str(REPO)],
+                    "--no-build-isolation", "--wheel-dir", str(folder), str(source)],
                    check=True, capture_output=True, cwd=folder)
     (built,) = folder.glob("paged_chat-*.whl")
     return built
+
+
+def test_the_wheel_ships_the_package_alone(wheel: Path):
+    shipped = {name for name in zipfile.ZipFile(wheel).namelist() if ".dist-info/" not in name}
+    package = {path.relative_to(REPO).as_posix() for path in (REPO / "paged_chat").rglob("*.py")}
+    assert {name for name in shipped if name.endswith(".py")} == package
 
 
 def test_the_wheel_ships_every_native_source(wheel: Path):
