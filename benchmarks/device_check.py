@@ -88,7 +88,11 @@ from paged_chat.engine.attention import triton_paged_attention
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.torch_backend import TorchAttention
 from paged_chat.engine.attention.triton_backend import (
-    SHARED_MEMORY_BYTES, TileConfig, TritonAttention, device_arch)
+    SHARED_MEMORY_BYTES,
+    TileConfig,
+    TritonAttention,
+    device_arch,
+)
 from paged_chat.engine.models.quant import triton_dequant
 from paged_chat.engine.models.quant.layout import QuantizedWeight
 

@@ -37,7 +37,6 @@ import torch
 from paged_chat.engine import Engine, EngineConfig, OutputProcessor, SamplingParams
 from paged_chat.engine.models.loader import ModelSource, load_model_source
 
-
 _PREFILL_BUDGET = 16384  # tokens per step while the contexts fill: the stub makes them free
 
 

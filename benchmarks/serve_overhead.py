@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import httpx
 import openai
 
-from paged_chat.engine import ClientSpec, EngineClient, SamplingParams, make_client
 from paged_chat.app.settings import load_settings
+from paged_chat.engine import ClientSpec, EngineClient, SamplingParams, make_client
 
 SYSTEM = "You are a helpful assistant. Answer briefly."
 

@@ -24,10 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from paged_chat.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from paged_chat.engine.models.loader import load_model_source  # noqa: E402
 from tiny_models import build_tiny_model  # noqa: E402
 
+from paged_chat.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from paged_chat.engine.models.loader import load_model_source  # noqa: E402
 
 # Ops that make a view (no kernel on a GPU); the rest each run a kernel or a copy.
 VIEW_OPS = frozenset({"view", "_unsafe_view", "slice", "select", "as_strided", "reshape",

@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import sys
 import contextlib
 import cProfile
+import json
 import math
 import pstats
 import re
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
@@ -42,12 +42,18 @@ from pathlib import Path
 
 from textual import events
 
-from paged_chat.bench.own_thread import on_own_thread
 from paged_chat.app.chat_store import ChatStore
 from paged_chat.app.conversation import Conversation
-from paged_chat.engine import (ClientSpec, Engine, EngineClient, EngineConfig, SamplingParams,
-                               make_client)
 from paged_chat.app.settings import ChatSettings, Settings
+from paged_chat.bench.own_thread import on_own_thread
+from paged_chat.engine import (
+    ClientSpec,
+    Engine,
+    EngineClient,
+    EngineConfig,
+    SamplingParams,
+    make_client,
+)
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.engine_start import start_engine
 

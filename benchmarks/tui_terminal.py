@@ -41,9 +41,18 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from benchmarks.tui_headless import (
+    BenchApp,
+    TuiBenchOptions,
+    bench_app,
+    demo_chats,
+    engine_config,
+    measure,
+    run_engine_alone,
+    warm_up,
+    warmed_up,
+)
 from paged_chat.bench.own_thread import on_own_thread
-from benchmarks.tui_headless import (BenchApp, TuiBenchOptions, bench_app, demo_chats, engine_config, measure,
-                                  run_engine_alone, warm_up, warmed_up)
 from paged_chat.engine import Engine, SamplingParams
 
 TERMINALS = ("headless", "pty", "tmux")

@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from paged_chat.app.chat_store import ChatStore
-from paged_chat.cli.main import CliState, app
+from paged_chat.cli.main import app
+from paged_chat.cli.state import CliState
 from paged_chat.engine import Engine
 
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from helpers import assert_no_leaks
+from tiny_models import build_tiny_model
 
 from paged_chat.engine import Engine, EngineConfig
 from paged_chat.engine.models.loader import ModelSource, load_model_source
-from helpers import assert_no_leaks
-from tiny_models import build_tiny_model
 
 NewEngine = Callable[..., Engine]
 

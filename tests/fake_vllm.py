@@ -20,7 +20,6 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
-
 from helpers import wait_for
 from server_fixtures import free_port
 

@@ -19,11 +19,17 @@ import numpy as np
 import torch
 from hypothesis import strategies as st
 
-from paged_chat.engine import (Engine, EngineClient, EngineConfig, OutputProcessor, RequestOutput,
-                               SamplingParams)
+from paged_chat.engine import (
+    Engine,
+    EngineClient,
+    EngineConfig,
+    OutputProcessor,
+    RequestOutput,
+    SamplingParams,
+)
 from paged_chat.engine.core.request import Request, RequestStatus
-from paged_chat.engine.worker.runner import ModelRunner
 from paged_chat.engine.core.stats import BlockMap, EngineStats
+from paged_chat.engine.worker.runner import ModelRunner
 
 REPO = Path(__file__).resolve().parent.parent
 

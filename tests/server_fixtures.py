@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from helpers import engine_config, wait_for
 
 from paged_chat.engine import ClientSpec, EngineConfig, LocalClient, make_client
 from paged_chat.server import ApiServer
-from helpers import engine_config, wait_for
 
 
 def free_port() -> int:

@@ -35,11 +35,19 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from paged_chat.engine import (ClientSpec, Engine, EngineConfig, LocalClient, make_client,
-                               RequestOutput, SamplingParams)
-from paged_chat.engine.models.loader import ModelSource, load_model_source
 from helpers import engine_thread_idle, phase_of, step_as_a_client
+
+from paged_chat.engine import (
+    ClientSpec,
+    Engine,
+    EngineConfig,
+    LocalClient,
+    RequestOutput,
+    SamplingParams,
+    make_client,
+)
 from paged_chat.engine.core.request import Request
+from paged_chat.engine.models.loader import ModelSource, load_model_source
 
 _NUM_SYSTEM_PROMPTS = 4
 _MAX_MESSAGE = 40

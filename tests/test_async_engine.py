@@ -8,11 +8,11 @@ import sys
 import threading
 
 import pytest
+from helpers import wait_until
 
 from paged_chat.engine import ClientSpec, EngineDeadError, LocalClient, SamplingParams, make_client
 from paged_chat.engine.clients.engine_loop import Add, Shutdown, serve_engine
 from paged_chat.engine.clients.thread_transport import GIL_SWITCH_INTERVAL_S
-from helpers import wait_until
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

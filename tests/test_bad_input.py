@@ -13,14 +13,14 @@ import re
 import numpy as np
 import pytest
 import torch
+from helpers import ESCAPE_IDS, ESCAPE_SOUP, GREEDY, generate, scripted, step_as_a_client
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from paged_chat.app.conversation import ChatTemplateError, Conversation
-from paged_chat.engine import ClientSpec, make_client, SamplingParams
-from paged_chat.engine.core.detokenizer import IncrementalDetokenizer
 from paged_chat.app.text import sanitize_for_terminal
-from helpers import ESCAPE_IDS, ESCAPE_SOUP, GREEDY, generate, scripted, step_as_a_client
+from paged_chat.engine import ClientSpec, SamplingParams, make_client
+from paged_chat.engine.core.detokenizer import IncrementalDetokenizer
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import os
 import threading
-from pathlib import Path
 
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from helpers import wait_for
+from server_fixtures import free_port
 
 from paged_chat.bench import BenchOptions, run_bench
 from paged_chat.bench.openai_server import run_openai_server
@@ -20,8 +21,6 @@ from paged_chat.bench.own_thread import on_own_thread
 from paged_chat.bench.report import format_report, write_json
 from paged_chat.bench.systems import SYSTEMS
 from paged_chat.bench.workload import Workload
-from helpers import wait_for
-from server_fixtures import free_port
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+from helpers import snapshot
 
 from paged_chat.engine.core.stats import BlockMap, KVTierStats
 from paged_chat.tui.block_map import CACHED, FREE, RESTORED, TAB0, block_codes
 from paged_chat.tui.engine_panel import describe_block, format_numbers
-from helpers import snapshot
 
 
 def test_cached_blocks_read_back_from_the_tier_have_their_own_code():

@@ -7,10 +7,10 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paged_chat.engine.kv.block_pool import NULL_BLOCK, BlockPool
-from paged_chat.engine.kv.kv_cache_manager import KVCacheManager
 from paged_chat.engine.core.request import Request
 from paged_chat.engine.core.sampling_params import SamplingParams
+from paged_chat.engine.kv.block_pool import NULL_BLOCK, BlockPool
+from paged_chat.engine.kv.kv_cache_manager import KVCacheManager
 
 BLOCK_SIZE = 4
 

@@ -25,9 +25,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from helpers import wait_for
+from prometheus_client.parser import text_string_to_metric_families
 from server_fixtures import answers_health, free_port
 
 CHROMIUM = Path("/usr/bin/chromium")

@@ -18,17 +18,19 @@ import threading
 import tomllib
 
 import pytest
-from hypothesis import HealthCheck, given, settings as hypothesis_settings, strategies as st
+from helpers import REPO, one_line
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from paged_chat.app import chat_session as session_module
-from paged_chat.cli.ask import parse_prompt_file, read_prompt
 from paged_chat.app.chat_store import ChatStore
-from paged_chat.cli.main import CliState, app
-from paged_chat.engine import Engine
+from paged_chat.cli.ask import parse_prompt_file, read_prompt
+from paged_chat.cli.main import app
 from paged_chat.cli.plain_terminal import UsageError
-from helpers import REPO, one_line
-
+from paged_chat.cli.state import CliState
+from paged_chat.engine import Engine
 
 # ---- start-up, help, version ---------------------------------------------------------
 
@@ -259,7 +261,7 @@ def test_a_parallel_continue_that_lost_the_race_is_refused(cli):
 
 
 def test_a_slow_load_draws_one_progress_line_on_stderr(monkeypatch):
-    from paged_chat.cli.ask import load_progress
+    from paged_chat.cli.plain_terminal import load_progress
 
     err = io.StringIO()
     monkeypatch.setattr(sys, "stderr", err)

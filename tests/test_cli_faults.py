@@ -20,12 +20,16 @@ import time
 from pathlib import Path
 
 import pytest
-
-from paged_chat.cli import ask as ask_module
-from paged_chat.app.chat_store import MAX_SEARCH_WORDS, ChatStore, StoreFullError
-from paged_chat.engine.regular_files import (FileTooLargeError, NotARegularFileError, open_regular,
-                                              read_regular)
 from helpers import REPO, WAIT_S, one_line, wait_for, write_manifest
+
+from paged_chat.app.chat_store import MAX_SEARCH_WORDS, ChatStore, StoreFullError
+from paged_chat.cli import ask as ask_module
+from paged_chat.engine.regular_files import (
+    FileTooLargeError,
+    NotARegularFileError,
+    open_regular,
+    read_regular,
+)
 
 # A process told to stop must be gone within this (the bound is "within seconds").
 EXIT_BOUND_S = 20.0

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO
+from test_loader import read_weights
 
 from paged_chat.app.conversation import Conversation
 from paged_chat.engine import Engine, SamplingParams
 from paged_chat.engine.models.loader import MODEL_ALIASES
 from paged_chat.engine.models.weight_cache import list_cached_weights
-from helpers import REPO
-from test_loader import read_weights
 
 pytestmark = pytest.mark.slow
 

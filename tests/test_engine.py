@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import GREEDY, holders_of, owners_of, random_prompts
 from transformers import GenerationConfig
 
-from helpers import GREEDY, holders_of, owners_of, random_prompts
 from paged_chat.engine import EngineConfig, SamplingParams
 from paged_chat.engine.kv.block_pool import NULL_BLOCK
 

@@ -14,10 +14,17 @@ import sys
 import time
 
 import pytest
-
-from paged_chat.engine import (ClientSpec, Engine, EngineDeadError, LocalClient, ModelLoadError,
-                               SamplingParams, make_client)
 from helpers import engine_config, wait_for, wait_until
+
+from paged_chat.engine import (
+    ClientSpec,
+    Engine,
+    EngineDeadError,
+    LocalClient,
+    ModelLoadError,
+    SamplingParams,
+    make_client,
+)
 
 LONG = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -13,13 +13,28 @@ import random
 
 import pytest
 import torch
+from helpers import (
+    GREEDY,
+    client_processor,
+    engine_thread_idle,
+    generate,
+    phase_of,
+    random_prompts,
+    step_as_a_client,
+    wait_until,
+)
 
-from paged_chat.engine import (ClientSpec, Engine, EngineDeadError, LocalClient, make_client,
-                               PagedChatError, SamplingParams)
+from paged_chat.engine import (
+    ClientSpec,
+    Engine,
+    EngineDeadError,
+    LocalClient,
+    PagedChatError,
+    SamplingParams,
+    make_client,
+)
 from paged_chat.engine.kv.pool_sizing import KVCacheSpec
 from paged_chat.engine.worker.runner import ModelRunner
-from helpers import (GREEDY, client_processor, engine_thread_idle, generate, phase_of,
-                     random_prompts, step_as_a_client, wait_until)
 
 pytestmark = pytest.mark.timeout(300)
 

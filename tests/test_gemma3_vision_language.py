@@ -9,11 +9,18 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_models import (
+    SYSTEM_CHATML,
+    TINY,
+    build_tiny_model,
+    greedy_reference,
+    run_paged,
+    tiny_tokenizer,
+)
 from transformers import Gemma3ForConditionalGeneration
 
 from paged_chat.engine.core.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.loader import load_model, load_model_source
-from tiny_models import SYSTEM_CHATML, TINY, build_tiny_model, greedy_reference, run_paged, tiny_tokenizer
 
 WINDOW = 7  # not a multiple of tiny_models.PAGED_BLOCK_SIZE
 # Global layers scale RoPE linearly by 8 as the 4B/12B/27B do; a query scale that is not

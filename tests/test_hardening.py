@@ -19,19 +19,21 @@ from io import StringIO
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from helpers import ESCAPE_IDS, ESCAPE_SOUP, REPO, one_line, scripted
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from paged_chat.app import chat_store as store_module
-from paged_chat.cli.ask import OrderedOutput, parse_prompt_file, run_ask
 from paged_chat.app.chat_session import chat_title
 from paged_chat.app.chat_store import ChatStore
-from paged_chat.cli.main import CliState, app
-from paged_chat.engine import SamplingParams
-from paged_chat.cli.plain_terminal import PlainTerminalOptions, UsageError
 from paged_chat.app.settings import load_settings
 from paged_chat.app.text import StreamSanitizer, sanitize_for_terminal
-from helpers import ESCAPE_IDS, ESCAPE_SOUP, REPO, one_line, scripted
+from paged_chat.cli.ask import OrderedOutput, parse_prompt_file, run_ask
+from paged_chat.cli.main import app
+from paged_chat.cli.plain_terminal import PlainTerminalOptions, UsageError
+from paged_chat.cli.state import CliState
+from paged_chat.engine import SamplingParams
 
 # A clipboard write (OSC 52), a screen clear and a window title, then some text.
 HOSTILE = "\x1b]52;c;SGVsbG8=\x07\x1b[2J\x1b]0;pwned\x07 hi"

@@ -25,11 +25,11 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from helpers import REPO
+from tiny_models import hf_folder, tiny_gguf
 
 from paged_chat.engine.core.errors import ModelLoadError, PagedChatError
 from paged_chat.engine.models.loader import load_model_source
-from helpers import REPO
-from tiny_models import hf_folder, tiny_gguf
 
 MEMORY_LIMIT = 6 << 30  # address space: torch's own mappings fit, a hostile allocation not
 TIMEOUT_S = 60

@@ -20,9 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_no_leaks, step_as_a_client
+from soak import run_soak, soak_config
+from tiny_models import build_tiny_model
 
 import paged_chat.engine.worker.model_loading as model_loading
 from paged_chat.engine import Engine, KVTierWarning, SamplingParams
+from paged_chat.engine.core.request import RequestStatus
+from paged_chat.engine.core.scheduler import Scheduler
 from paged_chat.engine.kv.kv_cache_manager import hash_block
 from paged_chat.engine.kv.tier import (
     ENTRY_SUFFIX,
@@ -32,12 +37,7 @@ from paged_chat.engine.kv.tier import (
     TierLayout,
     clear_disk_tier,
 )
-from paged_chat.engine.core.request import RequestStatus
 from paged_chat.engine.worker.runner import ModelRunner
-from paged_chat.engine.core.scheduler import Scheduler
-from helpers import assert_no_leaks, step_as_a_client
-from soak import run_soak, soak_config
-from tiny_models import build_tiny_model
 
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

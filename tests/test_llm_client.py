@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from server_fixtures import CHAT_DEFAULTS, Served, start_server
 
 pytestmark = pytest.mark.slow

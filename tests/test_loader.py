@@ -15,6 +15,19 @@ import pytest
 import torch
 from huggingface_hub import constants as hub_constants
 from safetensors.torch import save_file
+from tiny_models import (
+    BOS_ID,
+    EOS_ID,
+    SYSTEM_CHATML,
+    TINY,
+    VOCAB,
+    PagedSequence,
+    build_tiny_model,
+    hf_folder,
+    tiny_gguf,
+    tiny_tokenizer,
+    write_gguf,
+)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from paged_chat.engine.core.errors import ModelLoadError, UnsupportedModelError
@@ -25,8 +38,6 @@ from paged_chat.engine.models.loader import (
     resolve_alias_path,
 )
 from paged_chat.engine.models.tokenizer_source import PLAIN_CHATML_TEMPLATE
-from tiny_models import (BOS_ID, EOS_ID, SYSTEM_CHATML, TINY, VOCAB, PagedSequence, build_tiny_model,
-                         hf_folder, tiny_gguf, tiny_tokenizer, write_gguf)
 
 SAMPLE_TEXT = "hello <|im_start|>world\n"
 

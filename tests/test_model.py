@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import (
+    ARCHITECTURES,
+    PagedSequence,
+    build_tiny_model,
+    greedy_reference,
+    load_decoder,
+    run_paged,
+)
 
 from paged_chat.engine.models.packed_linear import pack_for_cpu
-
-from tiny_models import (ARCHITECTURES, PagedSequence, build_tiny_model, greedy_reference, load_decoder,
-                         run_paged)
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)

@@ -8,12 +8,14 @@ import hashlib
 from pathlib import Path
 
 import pytest
+from helpers import default_gguf, link, write_manifest
 from typer.testing import CliRunner
 
-from paged_chat.cli.main import CliState, app
 from paged_chat.app.model_stores import ModelStoreError, find_stored_models, resolve_model_spec
 from paged_chat.app.settings import Settings
-from helpers import default_gguf, link, write_manifest
+from paged_chat.cli.main import app
+from paged_chat.cli.state import CliState
+
 
 @pytest.fixture
 def stores(tmp_path, monkeypatch):

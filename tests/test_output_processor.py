@@ -7,12 +7,18 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from helpers import generate
 
 from paged_chat.app.client_spec import client_spec
-from paged_chat.engine import (ClientSpec, EngineCoreOutput, LocalClient, OutputProcessor,
-                               SamplingParams, make_client)
+from paged_chat.engine import (
+    ClientSpec,
+    EngineCoreOutput,
+    LocalClient,
+    OutputProcessor,
+    SamplingParams,
+    make_client,
+)
 from paged_chat.engine.clients.thread_transport import ThreadTransport
-from helpers import generate
 
 TEXT = "The quick brown fox jumps over the lazy dog, and then it naps."
 

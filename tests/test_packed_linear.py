@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import build_tiny_model, load_decoder
 from torch import nn
 
 from paged_chat.engine.kv.tier import model_fingerprint
 from paged_chat.engine.models.packed_linear import PackedLinear, pack_linears
-from tiny_models import build_tiny_model, load_decoder
 
 
 @pytest.mark.parametrize("bias", [False, True])

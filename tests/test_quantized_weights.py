@@ -13,8 +13,10 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import tiny_models
 import torch
 import torch.nn.functional as F
+from tiny_models import PagedSequence, tiny_gguf
 
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.models.loader import load_model, load_model_source
@@ -23,8 +25,6 @@ from paged_chat.engine.models.quant.layout import QuantizedWeight
 from paged_chat.engine.models.quant.linear import QuantizedEmbedding, QuantizedLinear
 from paged_chat.engine.models.weight_cache import list_cached_weights
 from paged_chat.engine.native import bindings
-import tiny_models
-from tiny_models import PagedSequence, tiny_gguf
 
 ROWS = (1, 3, 17, 32)
 OUT_FEATURES = 72  # not a multiple of 64, nor of the kernel's 4-row tiles' 64-byte lines

@@ -15,18 +15,27 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from helpers import wait_for, wait_until
+from server_fixtures import answers_health, chat_engine_config, free_port, start_server
+from tui_helpers import make_app, make_settings, replies, text_of, type_prompt
 from typer.testing import CliRunner
 
 from paged_chat.app.chat_session import ChatSession
 from paged_chat.app.chat_store import ChatStore
-from paged_chat.cli.main import CliState, app as cli_app
-from paged_chat.engine import (ClientSpec, Engine, EngineClient, EngineDeadError, RemoteClient,
-                               RemoteEngineError, SamplingParams, make_client)
+from paged_chat.cli.main import app as cli_app
+from paged_chat.cli.state import CliState
+from paged_chat.engine import (
+    ClientSpec,
+    Engine,
+    EngineClient,
+    EngineDeadError,
+    RemoteClient,
+    RemoteEngineError,
+    SamplingParams,
+    make_client,
+)
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.engine_panel import EnginePanel
-from helpers import wait_for, wait_until
-from server_fixtures import answers_health, chat_engine_config, free_port, start_server
-from tui_helpers import make_app, make_settings, replies, text_of, type_prompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 

@@ -10,18 +10,19 @@ import re
 from contextlib import aclosing
 
 import pytest
+from fake_vllm import REPLY, FakeVllm
+from helpers import wait_until
+from tui_helpers import make_app, make_settings, text_of, type_prompt
 from typer.testing import CliRunner
 
 from paged_chat.app.chat_session import ChatSession
-from paged_chat.cli.main import CliState, app as cli_app
 from paged_chat.app.conversation import Conversation
+from paged_chat.cli.main import app as cli_app
+from paged_chat.cli.state import CliState
 from paged_chat.engine import ClientSpec, SamplingParams, make_client
 from paged_chat.engine.clients.server_tokenizer import ServerTokenizer
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.engine_panel import EnginePanel
-from fake_vllm import REPLY, FakeVllm
-from helpers import wait_until
-from tui_helpers import make_app, make_settings, text_of, type_prompt
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 def no_engine() -> CliState:

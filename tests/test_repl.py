@@ -15,10 +15,10 @@ import termios
 import time
 
 import pytest
-
-from paged_chat.cli.chat import Repl
-from paged_chat.app.chat_store import ChatStore
 from helpers import REPO, default_gguf, link, write_manifest
+
+from paged_chat.app.chat_store import ChatStore
+from paged_chat.cli.chat import Repl
 
 
 def test_each_line_is_a_saved_turn_and_the_commands_work(cli):

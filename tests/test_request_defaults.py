@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from paged_chat.app.chat_store import ChatStore
+from paged_chat.app.settings import Settings, load_settings
 from paged_chat.engine import ClientSpec, EngineConfig, make_client
 from paged_chat.engine.models.loader import generation_defaults
-from paged_chat.app.settings import Settings, load_settings
 from paged_chat.tui.app import PagedChatApp
 
 

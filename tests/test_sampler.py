@@ -11,8 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_chat.engine.core.sampling_params import SamplingParams
-from paged_chat.engine.worker.sampler import (SamplingBatch, apply_min_p, apply_penalties,
-                                       apply_top_k_top_p, counter_uniforms, greedy_tokens, sample)
+from paged_chat.engine.worker.sampler import (
+    SamplingBatch,
+    apply_min_p,
+    apply_penalties,
+    apply_top_k_top_p,
+    counter_uniforms,
+    greedy_tokens,
+    sample,
+)
 
 CPU = torch.device("cpu")
 

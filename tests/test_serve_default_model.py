@@ -15,10 +15,10 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
-
-from paged_chat.engine import ClientSpec, Engine, EngineConfig, make_client
 from helpers import wait_for
 from server_fixtures import Served, start_server
+
+from paged_chat.engine import ClientSpec, Engine, EngineConfig, make_client
 
 CLIENTS = 64
 LEAVERS = 8

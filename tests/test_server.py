@@ -13,14 +13,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
+from server_fixtures import answers_health, free_port, start_server
 from typer.testing import CliRunner
 
 from paged_chat.cli.main import app as cli_app
 from paged_chat.engine import SamplingParams
 from paged_chat.server import UnsafeBindError, check_bind
-from helpers import wait_for
-from server_fixtures import answers_health, free_port, start_server
 
 SYSTEM = ("You are a careful assistant. You answer in short sentences, you check your facts, "
           "and you say when you do not know something. Keep every answer brief and friendly.")

@@ -23,15 +23,15 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from helpers import wait_for
+from server_fixtures import answers_health, free_port, start_server
 from typer.testing import CliRunner
 
+from paged_chat.app.settings import SettingsError, load_settings
 from paged_chat.cli.main import app as cli_app
 from paged_chat.engine import SamplingParams
 from paged_chat.engine.core.errors import PagedChatError
 from paged_chat.engine.worker.sampler import SamplingBatch, apply_top_k_top_p
-from paged_chat.app.settings import SettingsError, load_settings
-from helpers import wait_for
-from server_fixtures import answers_health, free_port, start_server
 
 JSON = {"Content-Type": "application/json"}
 HI = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}

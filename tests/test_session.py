@@ -9,12 +9,12 @@ import sqlite3
 from contextlib import aclosing
 
 import pytest
+from helpers import assert_no_leaks, engine_config, step_as_a_client
 
 from paged_chat.app.chat_session import ChatSession, Turn, chat_title
 from paged_chat.app.chat_store import ChatMovedOn, ChatStore
 from paged_chat.engine import ClientSpec, Engine, SamplingParams, make_client
 from paged_chat.engine.core.errors import EngineDeadError
-from helpers import assert_no_leaks, engine_config, step_as_a_client
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 

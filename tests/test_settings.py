@@ -10,11 +10,21 @@ import typing
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings as hypothesis_settings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
+from paged_chat.app.settings import (
+    CHAT_SAMPLING_KEYS,
+    ChatSettings,
+    EngineSettings,
+    Settings,
+    SettingsError,
+    cache_dir,
+    config_path,
+    load_settings,
+)
 from paged_chat.engine import EngineConfig, SamplingParams
-from paged_chat.app.settings import (CHAT_SAMPLING_KEYS, ChatSettings, EngineSettings, Settings,
-                                 SettingsError, cache_dir, config_path, load_settings)
 
 FULL = """\
 # every key, none at its default

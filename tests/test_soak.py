@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 
 import pytest
+from soak import SoakReport, run_soak, soak_config
 
 from paged_chat.engine.kv.block_pool import BlockPool
-from soak import SoakReport, run_soak, soak_config
 
 SOAK_S = float(os.environ.get("PAGED_CHAT_SOAK_S", "600"))
 

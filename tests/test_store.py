@@ -13,13 +13,13 @@ import warnings
 from pathlib import Path
 
 import pytest
+from helpers import REPO, sqlite
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_chat.app import chat_store as store_module
 from paged_chat.app.chat_store import ChatNotFound, ChatStore, MessageNotFound, StoreError
 from paged_chat.app.conversation import Conversation
-from helpers import REPO, sqlite
 
 
 @pytest.fixture

@@ -4,12 +4,12 @@ step with the store by triggers, and built for stores from before it existed."""
 from __future__ import annotations
 
 import pytest
+from helpers import sqlite
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from paged_chat.app import chat_store as store_module
 from paged_chat.app.chat_store import ChatStore
-from helpers import sqlite
 
 SEARCH_VERSION = 1   # the schema version before the search index
 
@@ -96,7 +96,8 @@ def test_a_store_from_before_search_is_indexed_when_opened(tmp_path, monkeypatch
 def test_chats_list_search_on_the_command_line(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from paged_chat.cli.main import CliState, app
+    from paged_chat.cli.main import app
+    from paged_chat.cli.state import CliState
 
     monkeypatch.setenv("PAGED_CHAT_DATA_DIR", str(tmp_path))
     with ChatStore() as store:

@@ -13,9 +13,8 @@ import torch
 import xgrammar as xgr
 
 from paged_chat.app.conversation import Conversation
-from paged_chat.engine import SamplingParams
+from paged_chat.engine import GrammarError, SamplingParams
 from paged_chat.engine.worker.sampler import SamplingBatch, apply_token_bitmask, sample
-from paged_chat.engine import GrammarError
 from paged_chat.engine.worker.structured_output import StructuredOutputManager
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],

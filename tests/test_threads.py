@@ -10,8 +10,13 @@ import pytest
 import torch
 
 from paged_chat.engine import EngineConfig
-from paged_chat.engine.worker.threads import (MachineLoad, StepThreads, ThreadPolicy, available_cores,
-                                       free_cores)
+from paged_chat.engine.worker.threads import (
+    MachineLoad,
+    StepThreads,
+    ThreadPolicy,
+    available_cores,
+    free_cores,
+)
 
 
 class FakeClock:

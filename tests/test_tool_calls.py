@@ -10,10 +10,10 @@ import httpx
 import jsonschema
 import openai
 import pytest
-
-from paged_chat.server.tool_calls import Tool, ToolCallParser, default_tool_choice
 from helpers import wait_for
 from server_fixtures import CHAT_DEFAULTS
+
+from paged_chat.server.tool_calls import Tool, ToolCallParser, default_tool_choice
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The current weather in a city.",

@@ -24,13 +24,18 @@ triton = pytest.importorskip("triton", reason="the Triton kernels need the trito
 import triton.language as tl  # noqa: E402
 
 from paged_chat.engine import PagedChatError, SamplingParams
-from paged_chat.engine.attention.metadata import AttentionMetadata
-from paged_chat.engine.attention.cpu_backend import CpuAttention, cpu_kernels_available
-from paged_chat.engine.attention.torch_backend import TorchAttention
 from paged_chat.engine.attention import triton_backend  # noqa: E402
+from paged_chat.engine.attention.cpu_backend import CpuAttention, cpu_kernels_available
+from paged_chat.engine.attention.metadata import AttentionMetadata
+from paged_chat.engine.attention.torch_backend import TorchAttention
 from paged_chat.engine.attention.triton_backend import SHARED_MEMORY_BYTES, TritonAttention
 from paged_chat.engine.attention.triton_paged_attention import (  # noqa: E402
-    MAX_SPLITS, _cache_offsets, choose_num_splits, paged_attention, store_kv)
+    MAX_SPLITS,
+    _cache_offsets,
+    choose_num_splits,
+    paged_attention,
+    store_kv,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Reference in fp32 on the same (rounded) inputs; ours rounds P (fp16) and the output, and

@@ -18,21 +18,31 @@ import time
 
 import numpy as np
 import pytest
+from helpers import blocks_owned, engine_config, wait_until
 from textual import events
 from textual._xterm_parser import XTermParser
 from textual.widgets import Tabs
+from tui_helpers import (
+    TuiTestApp,
+    Watcher,
+    idle,
+    make_app,
+    make_settings,
+    new_tab,
+    press,
+    replies,
+    text_of,
+    type_prompt,
+)
 
 from paged_chat.app.chat_session import chat_title
 from paged_chat.app.chat_store import ChatStore
-from paged_chat.engine import EngineConfig
 from paged_chat.app.text import sanitize_for_terminal as clean
+from paged_chat.engine import EngineConfig
 from paged_chat.tui.actions import ACTIONS, StoredChats
 from paged_chat.tui.dialogs import ChatSettingsScreen, ConfirmScreen, HelpScreen, TextPromptScreen
-from helpers import blocks_owned, engine_config, wait_until
 from paged_chat.tui.markdown_text import hard_line_breaks
 from paged_chat.tui.message_widgets import ErrorMessage, UserMessage
-from tui_helpers import (TuiTestApp, Watcher, idle, make_app, make_settings, new_tab,
-                         press, replies, text_of, type_prompt)
 
 
 @pytest.mark.timeout(180)

@@ -7,13 +7,21 @@ import numpy as np
 import pytest
 
 from paged_chat.engine.core.stats import BlockMap
-from paged_chat.tui.block_map import (CACHED, FREE, SHARED, TAB0, Layout, block_codes, cell_grid,
-                                     downsample)
+from paged_chat.tui.block_map import (
+    CACHED,
+    FREE,
+    SHARED,
+    TAB0,
+    Layout,
+    block_codes,
+    cell_grid,
+    downsample,
+)
 from paged_chat.tui.engine_panel import describe_block
-from paged_chat.tui.tab_info import TabInfo
 from paged_chat.tui.legend import format_legend
 from paged_chat.tui.markdown_text import hard_line_breaks
 from paged_chat.tui.message_widgets import AssistantMessage, code_blocks
+from paged_chat.tui.tab_info import TabInfo
 
 
 def _block_map(num_blocks: int, tables: dict[str, list[int]], owners: dict[str, str],
@@ -107,9 +115,9 @@ async def test_the_legend_follows_the_chats_holding_blocks_in_the_panels_frames(
     screen update between two frames at every turn's start and end. The panel draws only
     when the app's frame gives it a snapshot (issue 45: the app reads one per frame), and
     its legend lists the chats holding blocks first, as that snapshot has them."""
+    from helpers import snapshot
     from textual.app import App
 
-    from helpers import snapshot
     from paged_chat.tui.engine_panel import EnginePanel
     from paged_chat.tui.legend import Legend
 
@@ -134,9 +142,9 @@ async def test_the_legend_follows_the_chats_holding_blocks_in_the_panels_frames(
 async def test_the_block_map_takes_a_new_themes_colours():
     """The map keeps its rows' strips and its styles between frames; a new theme (Ctrl+P)
     left the free blocks in the old theme's background until their rows changed."""
+    from helpers import wait_until
     from textual.app import App
 
-    from helpers import wait_until
     from paged_chat.tui.block_map import BlockMapView
 
     class MapApp(App):
@@ -164,6 +172,7 @@ async def test_the_block_map_takes_a_new_themes_colours():
 @pytest.mark.timeout(30)
 async def test_escape_sequences_in_text_never_reach_the_terminal():
     from textual.app import App
+
     from paged_chat.tui.message_widgets import AssistantMessage, UserMessage
 
     evil = "ok\x1b[2J\x1b]0;pwned\x07 done\r"
@@ -194,6 +203,7 @@ async def test_long_reply_streams_into_bounded_markdown_chunks():
     """A long reply is split at paragraph breaks outside code fences, so each Markdown
     append stays small (no quadratic re-parse); a hidden tab's reply renders at the end."""
     from textual.app import App
+
     from paged_chat.tui import message_widgets as m
 
     paragraph = "word " * 100 + "\n\n"

@@ -4,13 +4,13 @@ search) and opens the one chosen, or goes to its tab."""
 from __future__ import annotations
 
 import pytest
+from helpers import wait_until
 from textual.command import CommandPalette
+from tui_helpers import make_app, press
 
 from paged_chat.app.chat_store import ChatStore
 from paged_chat.tui.actions import StoredChats
 from paged_chat.tui.chat_search import ChatSearch
-from helpers import wait_until
-from tui_helpers import make_app, press
 
 
 @pytest.mark.timeout(120)

@@ -9,10 +9,10 @@ import signal
 import time
 
 import pytest
-
-from paged_chat.app.chat_store import ChatStore
 from helpers import engine_config, wait_until
 from tui_helpers import TuiTestApp, idle, make_settings, press, replies, text_of, type_prompt
+
+from paged_chat.app.chat_store import ChatStore
 
 
 def status(app) -> str:
@@ -107,9 +107,10 @@ async def test_the_app_restarts_and_watches_any_client_whose_capabilities_say_it
     without it is told to be restarted where it runs."""
     from dataclasses import replace
 
+    from test_tui_streaming import FedClient, fed_app
+
     from paged_chat.app.settings import Settings
     from paged_chat.tui.app import PagedChatApp
-    from test_tui_streaming import FedClient, fed_app
 
     class RestartableClient(FedClient):
         def __init__(self, engine) -> None:

@@ -5,13 +5,13 @@ search, and the first start."""
 from __future__ import annotations
 
 import pytest
+from helpers import wait_until
 from textual.geometry import Region
+from tui_helpers import make_app, make_settings, press
 
 from paged_chat.app.chat_session import chat_title
 from paged_chat.tui.demo import PROMPTS
 from paged_chat.tui.dialogs import ChatSettingsScreen
-from helpers import wait_until
-from tui_helpers import make_app, make_settings, press
 
 
 def keys_of(text: str) -> list[str]:

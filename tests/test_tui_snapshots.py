@@ -9,15 +9,15 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import SNAPSHOT_BLOCK_SIZE, SNAPSHOT_NUM_BLOCKS, snapshot
 
 from paged_chat.app.chat_session import Turn
 from paged_chat.app.chat_store import ChatStore
+from paged_chat.app.settings import Settings
 from paged_chat.engine import ClientCapabilities, ModelInfo
 from paged_chat.engine.core.stats import EngineStats
-from paged_chat.app.settings import Settings
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.prompt_input import PromptInput
-from helpers import SNAPSHOT_BLOCK_SIZE, SNAPSHOT_NUM_BLOCKS, snapshot
 
 SIZE = (140, 44)
 

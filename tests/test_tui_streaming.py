@@ -18,18 +18,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import wait_until
 from textual.widgets.markdown import MarkdownBlock
+from tui_helpers import press
 
 from paged_chat.app.chat_store import ChatStore
-from paged_chat.engine import ClientCapabilities, Engine, EngineConfig, RequestOutput, SamplingParams
-from paged_chat.engine.core.stats import BlockMap
 from paged_chat.app.settings import ChatSettings, Settings
+from paged_chat.engine import (
+    ClientCapabilities,
+    Engine,
+    EngineConfig,
+    RequestOutput,
+    SamplingParams,
+)
+from paged_chat.engine.core.stats import BlockMap
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.block_map import TAB0, BlockMapView
 from paged_chat.tui.chat_tab import ChatTab
 from paged_chat.tui.message_widgets import AssistantMessage, UserMessage
-from helpers import wait_until
-from tui_helpers import press
 
 
 class FedClient:

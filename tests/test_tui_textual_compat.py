@@ -8,17 +8,17 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from helpers import wait_until
+from test_tui_streaming import fed_app, shown_words, streaming_reply
 from textual._compositor import Compositor
 from textual.app import App
 from textual.content import Content
 from textual.widgets import Static, Tab
 
-from helpers import wait_until
 from paged_chat.tui import textual_compat
 from paged_chat.tui.chat_screen import ChatScreen
 from paged_chat.tui.message_widgets import AssistantMessage
 from paged_chat.tui.textual_compat import UpdateCroppedCompositor
-from test_tui_streaming import fed_app, shown_words, streaming_reply
 
 
 @pytest.fixture(params=["pinned", "another"])

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-
 from helpers import assert_no_leaks, engine_config, wait_until
-from paged_chat.engine import ClientSpec, Engine, make_client
 from tui_helpers import idle, make_app, make_settings, new_tab, type_prompt
+
+from paged_chat.engine import ClientSpec, Engine, make_client
 
 LONG_SYSTEM = ("You are a meticulous assistant for a team of engineers. " * 12).strip()
 

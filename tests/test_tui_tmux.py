@@ -9,11 +9,11 @@ import signal
 from pathlib import Path
 
 import pytest
+from helpers import wait_for
+from tmux_app import TmuxApp, needs_tmux, new_tab_shown, tmux
 
 from paged_chat.app.chat_store import ChatStore
 from paged_chat.tui.actions import ACTIONS
-from helpers import wait_for
-from tmux_app import TmuxApp, needs_tmux, new_tab_shown, tmux
 
 
 @pytest.mark.timeout(600)

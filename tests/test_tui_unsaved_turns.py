@@ -6,12 +6,12 @@ prompt, and nothing of it is stored."""
 from __future__ import annotations
 
 import pytest
+from helpers import wait_until
+from tui_helpers import idle, make_app, replies, type_prompt
 
 from paged_chat.app.chat_store import StoreFullError
 from paged_chat.engine.core.errors import EngineDeadError
 from paged_chat.tui.message_widgets import UserMessage
-from helpers import wait_until
-from tui_helpers import idle, make_app, replies, type_prompt
 
 
 @pytest.mark.timeout(90)

@@ -14,13 +14,13 @@ import textwrap
 
 import pytest
 import torch
+from helpers import REPO, engine_config, wait_for
+from tmux_app import TmuxApp, needs_tmux, tmux
 
 from paged_chat.engine import ClientSpec, Engine, EngineConfig, SamplingParams, start_client
 from paged_chat.engine.attention.torch_backend import TorchAttention
 from paged_chat.engine.core.errors import describe_error
 from paged_chat.engine.kv.pool_sizing import KVCacheSpec, allocate_kv_cache
-from helpers import REPO, engine_config, wait_for
-from tmux_app import TmuxApp, needs_tmux, tmux
 
 # What a warm start of a cached GGUF once imported and never used: sympy (torch's symbolic
 # shapes, pulled in by `to_empty` on meta tensors) and AutoTokenizer's mappings of every

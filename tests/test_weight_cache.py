@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import SYSTEM_CHATML, tiny_gguf
 
 from paged_chat.engine import Engine, EngineConfig
 from paged_chat.engine.models.loader import load_model, load_model_source
 from paged_chat.engine.models.weight_cache import list_cached_weights
-from tiny_models import SYSTEM_CHATML, tiny_gguf
 
 GIB = 1 << 30
 

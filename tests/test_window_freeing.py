@@ -9,20 +9,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from engine_fixtures import MISTRAL_WINDOW
+from helpers import assert_no_leaks, blocks_owned, step_as_a_client
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiny_models import build_tiny_model
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
-from engine_fixtures import MISTRAL_WINDOW
-from helpers import assert_no_leaks, blocks_owned, step_as_a_client
-from paged_chat.cli.main import CliState, app
+from paged_chat.cli.main import app
+from paged_chat.cli.state import CliState
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
-from paged_chat.engine.kv.block_pool import NULL_BLOCK
-from paged_chat.engine.kv.kv_cache_manager import KVCacheManager, TierRead, TierReadState, hash_block
 from paged_chat.engine.core.request import Request
+from paged_chat.engine.kv.block_pool import NULL_BLOCK
+from paged_chat.engine.kv.kv_cache_manager import (
+    KVCacheManager,
+    TierRead,
+    TierReadState,
+    hash_block,
+)
 from paged_chat.tui.engine_panel import format_numbers
-from tiny_models import build_tiny_model
 
 WINDOW = MISTRAL_WINDOW
 BLOCK_SIZE = 8

@@ -11,9 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import wait_for
-
 
 _SERVERS = itertools.count()
 

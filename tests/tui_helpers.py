@@ -9,16 +9,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import assert_no_leaks, engine_config, wait_until
 from textual import events
 
 from paged_chat.app.chat_store import ChatStore
-from paged_chat.engine import ClientSpec, LocalClient, make_client
 from paged_chat.app.settings import ChatSettings, Settings, TuiSettings
+from paged_chat.engine import ClientSpec, LocalClient, make_client
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.block_map import SHARED, TAB0, BlockMapView
 from paged_chat.tui.chat_tab import ChatTab
 from paged_chat.tui.message_widgets import AssistantMessage
-from helpers import assert_no_leaks, engine_config, wait_until
 
 SYSTEM = ("You are a careful assistant. You answer in short sentences, you check your facts, "
           "and you say when you do not know something. Keep every answer brief and friendly.")

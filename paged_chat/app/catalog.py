@@ -37,8 +37,8 @@ def find_models(cache_dir: Path | None = None) -> tuple[list[ModelEntry], list[s
     """The aliases, the usable models in the HF cache and in Ollama's and LM Studio's
     stores, then the converted weights kept under `cache_dir` (the app's cache dir by
     default); and notes on the caches and stores."""
-    from paged_chat.engine.models.loader import MODEL_ALIASES
     from paged_chat.app.settings import cache_dir as app_cache_dir
+    from paged_chat.engine.models.loader import MODEL_ALIASES
 
     entries = [_alias_entry(name) for name in MODEL_ALIASES]
     cached, notes = _hf_cache_entries()

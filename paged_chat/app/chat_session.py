@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 from paged_chat.app.chat_store import StoreError
 from paged_chat.app.conversation import Conversation
-from paged_chat.engine.core.errors import EngineDeadError, PagedChatError, describe_error
 from paged_chat.app.text import sanitize_for_terminal
+from paged_chat.engine.core.errors import EngineDeadError, PagedChatError, describe_error
 
 if TYPE_CHECKING:
     from paged_chat.app.chat_store import ChatStore, Message, StoredChat

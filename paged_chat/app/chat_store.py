@@ -54,8 +54,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from paged_chat.engine.core.errors import PagedChatError
 from paged_chat.app.settings import data_dir, make_private
+from paged_chat.engine.core.errors import PagedChatError
 
 ROLES = ("system", "user", "assistant")
 INTERRUPTED = "interrupted"

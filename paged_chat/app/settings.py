@@ -35,16 +35,16 @@ import tomllib
 import typing
 import urllib.parse
 import warnings
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import platformdirs
 
 from paged_chat.engine.core.config import EngineConfig
-from paged_chat.engine.regular_files import NotARegularFileError, read_regular
 from paged_chat.engine.core.sampling_params import SamplingParams
+from paged_chat.engine.regular_files import NotARegularFileError, read_regular
 
 APP_NAME = "paged-chat"
 # A config file is a few hundred bytes; anything near this is not one (or is /dev/zero).

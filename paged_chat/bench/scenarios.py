@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from paged_chat.bench.workload import SYSTEM_PROMPT, Workload
 from paged_chat.app.conversation import Conversation
+from paged_chat.bench.workload import SYSTEM_PROMPT, Workload
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.core.dtypes import TORCH_DTYPES
 from paged_chat.engine.models.loader import ModelSource

@@ -27,7 +27,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, aclosing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,16 +38,32 @@ import typer
 from paged_chat.app.chat_session import ChatSession, Turn, chat_title
 from paged_chat.app.settings import chat_sampling
 from paged_chat.app.text import StreamSanitizer
-from paged_chat.cli.plain_terminal import (MODEL_HELP, STOP_SIGNALS, EngineFactory, PlainTerminalOptions,
-                                           ReceivedSignals, UsageError, chat_to_continue,
-                                           check_text_options, configure, load_client, model_sampling,
-                                           model_spec, ready_words, say, stop_signals, turn_stats_line,
-                                           valid_text, warn, warnings_to_stderr)
+from paged_chat.cli.plain_terminal import (
+    MODEL_HELP,
+    STOP_SIGNALS,
+    EngineFactory,
+    PlainTerminalOptions,
+    ReceivedSignals,
+    UsageError,
+    chat_to_continue,
+    check_text_options,
+    configure,
+    load_client,
+    model_sampling,
+    model_spec,
+    ready_words,
+    say,
+    stop_signals,
+    turn_stats_line,
+    valid_text,
+    warn,
+    warnings_to_stderr,
+)
 from paged_chat.engine.regular_files import NotARegularFileError, open_regular
 
 if TYPE_CHECKING:
     from paged_chat.app.settings import Settings
-    from paged_chat.cli.main import CliState
+    from paged_chat.cli.state import CliState
     from paged_chat.engine import EngineClient, SamplingParams
 
 
@@ -299,8 +315,8 @@ def unsaved_reply_line(answer: Answer, error: Exception) -> str:
     """Keep a reply the store refused (a full disk) in a recovery file in the cache dir (often
     another file system; the chat store's own directory is full), the prompt with it; the
     line that says why it is not in the chat and where it is."""
-    from paged_chat.engine.core.errors import describe_error
     from paged_chat.app.settings import cache_dir
+    from paged_chat.engine.core.errors import describe_error
 
     turn = answer.turn
     text = (f"# Unsaved turn of chat {answer.session.chat_id} ({answer.session.title})\n\n"
@@ -377,24 +393,6 @@ async def _stream_all(client: EngineClient, answers: list[Answer], output: Order
             if not received:
                 raise
     return received
-
-
-def load_progress() -> Callable[[str, int, int], None]:
-    """A one-line progress bar on stderr for a slow model load (a GGUF's first conversion),
-    redrawn at most ten times a second."""
-    drawn = {"at": 0.0, "stage": ""}
-
-    def show(stage: str, done: int, total: int) -> None:
-        now = time.monotonic()
-        if stage == drawn["stage"] and done < total and now - drawn["at"] < 0.1:
-            return
-        drawn.update(at=now, stage=stage)
-        filled = 30 * done // max(total, 1)
-        end = "\n" if done >= total else ""
-        sys.stderr.write(f"\r{stage} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}{end}")
-        sys.stderr.flush()
-
-    return show
 
 
 def _print_stats(answers: list[Answer], ready: str, preemptions: int, weights: str) -> None:

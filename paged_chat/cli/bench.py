@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
-    from paged_chat.cli.main import CliState
+    from paged_chat.cli.state import CliState
 
 
 def bench(ctx: typer.Context,

@@ -29,16 +29,30 @@ import typer
 from paged_chat.app.chat_session import ChatSession, chat_title
 from paged_chat.app.settings import chat_sampling, data_dir
 from paged_chat.app.text import StreamSanitizer, sanitize_for_terminal
-from paged_chat.cli.plain_terminal import (MODEL_HELP, STOP_SIGNALS, EngineFactory, PlainTerminalOptions,
-                                           chat_to_continue, check_text_options, configure,
-                                           load_client, model_sampling, model_spec, ready_words, say,
-                                           stop_signals, turn_stats_line, warn, warnings_to_stderr)
+from paged_chat.cli.plain_terminal import (
+    MODEL_HELP,
+    STOP_SIGNALS,
+    EngineFactory,
+    PlainTerminalOptions,
+    chat_to_continue,
+    check_text_options,
+    configure,
+    load_client,
+    model_sampling,
+    model_spec,
+    ready_words,
+    say,
+    stop_signals,
+    turn_stats_line,
+    warn,
+    warnings_to_stderr,
+)
 from paged_chat.engine.core.errors import PagedChatError, describe_error
 
 if TYPE_CHECKING:
     from paged_chat.app.chat_store import ChatStore
     from paged_chat.app.settings import Settings
-    from paged_chat.cli.main import CliState
+    from paged_chat.cli.state import CliState
     from paged_chat.engine import EngineClient, EngineConfig, SamplingParams
 
 

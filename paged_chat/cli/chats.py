@@ -23,7 +23,7 @@ from paged_chat.cli.typer_patches import FlagsShowNoType
 
 if TYPE_CHECKING:
     from paged_chat.app.chat_store import ChatStore, StoredChat
-    from paged_chat.cli.main import CliState
+    from paged_chat.cli.state import CliState
 
 chats_app = typer.Typer(cls=FlagsShowNoType, rich_markup_mode="markdown")
 

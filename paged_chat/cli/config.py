@@ -9,7 +9,7 @@ import typer
 from paged_chat.app.settings import config_path
 
 if TYPE_CHECKING:
-    from paged_chat.cli.main import CliState
+    from paged_chat.cli.state import CliState
 
 
 def show_config(ctx: typer.Context,

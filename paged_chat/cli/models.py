@@ -9,7 +9,7 @@ import typer
 from paged_chat.cli.table import print_table
 
 if TYPE_CHECKING:
-    from paged_chat.cli.main import CliState
+    from paged_chat.cli.state import CliState
 
 
 def models(ctx: typer.Context) -> None:

@@ -23,8 +23,8 @@ from paged_chat.app.text import check_text
 if TYPE_CHECKING:
     from paged_chat.app.chat_session import Turn
     from paged_chat.app.chat_store import ChatStore, StoredChat
-    from paged_chat.engine import Engine, EngineClient, EngineConfig, SamplingParams
     from paged_chat.app.settings import Settings
+    from paged_chat.engine import Engine, EngineClient, EngineConfig, SamplingParams
 
 EngineFactory = Callable[["EngineConfig"], "Engine"]
 
@@ -238,3 +238,21 @@ def warn(message: str) -> None:
 
 def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
+
+
+def load_progress() -> Callable[[str, int, int], None]:
+    """A one-line progress bar on stderr for a slow model load (a GGUF's first conversion),
+    redrawn at most ten times a second."""
+    drawn = {"at": 0.0, "stage": ""}
+
+    def show(stage: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if stage == drawn["stage"] and done < total and now - drawn["at"] < 0.1:
+            return
+        drawn.update(at=now, stage=stage)
+        filled = 30 * done // max(total, 1)
+        end = "\n" if done >= total else ""
+        sys.stderr.write(f"\r{stage} [{'#' * filled}{'.' * (30 - filled)}] {done}/{total}{end}")
+        sys.stderr.flush()
+
+    return show

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 if TYPE_CHECKING:
-    from paged_chat.cli.main import CliState
+    from paged_chat.cli.state import CliState
 
 SERVE_PORT = 8000
 

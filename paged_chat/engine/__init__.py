@@ -41,16 +41,30 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
-    from paged_chat.engine.clients.factory import ClientSpec, StartingClient, make_client, start_client
-    from paged_chat.engine.clients.local import LocalClient
     from paged_chat.engine.clients.client_protocol import ClientCapabilities, EngineClient
+    from paged_chat.engine.clients.factory import (
+        ClientSpec,
+        StartingClient,
+        make_client,
+        start_client,
+    )
+    from paged_chat.engine.clients.local import LocalClient
     from paged_chat.engine.clients.remote import RemoteClient, RemoteEngineError
     from paged_chat.engine.core.config import EngineConfig
     from paged_chat.engine.core.engine import Engine
-    from paged_chat.engine.core.errors import (EngineDeadError, KVTierWarning, ModelLoadError,
-                                          PagedChatError)
+    from paged_chat.engine.core.errors import (
+        EngineDeadError,
+        KVTierWarning,
+        ModelLoadError,
+        PagedChatError,
+    )
     from paged_chat.engine.core.output_processor import OutputProcessor
-    from paged_chat.engine.core.outputs import EngineCoreOutput, ModelInfo, RequestOutput, TokenLogprob
+    from paged_chat.engine.core.outputs import (
+        EngineCoreOutput,
+        ModelInfo,
+        RequestOutput,
+        TokenLogprob,
+    )
     from paged_chat.engine.core.sampling_params import SamplingParams
     from paged_chat.engine.core.stats import BlockMap, EngineStats, KVTierStats
     from paged_chat.engine.worker.structured_output import GrammarError

@@ -20,11 +20,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from paged_chat.engine.core.sampling_params import SamplingParams
-from paged_chat.server.structured_request import (ChatLogprobsFields, CompletionLogprobsFields,
-                                                  ResponseFormat, StructuredOutputs,
-                                                  structured_output_fields)
+from paged_chat.server.structured_request import (
+    ChatLogprobsFields,
+    CompletionLogprobsFields,
+    ResponseFormat,
+    StructuredOutputs,
+    structured_output_fields,
+)
 from paged_chat.server.tool_calls import Tool, ToolCall, ToolChoice, template_tool_call
-
 
 # Every request model's config: unknown fields ignored, no coercion between JSON types.
 STRICT = ConfigDict(extra="ignore", strict=True)

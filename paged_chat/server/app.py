@@ -39,9 +39,9 @@ from starlette.requests import ClientDisconnect
 from paged_chat.engine.clients.client_protocol import EngineClient
 from paged_chat.engine.core.errors import EngineDeadError, describe_error
 from paged_chat.engine.core.outputs import RequestOutput
+from paged_chat.server.api_types import ChatCompletionRequest, CompletionRequest, error_body
 from paged_chat.server.guards import LocalOnlyGuard, normalize_origin
 from paged_chat.server.metrics import metrics_registry
-from paged_chat.server.api_types import ChatCompletionRequest, CompletionRequest, error_body
 from paged_chat.server.serving import ApiError, Job, OpenAIServing, cache_partition
 from paged_chat.server.tool_calls import DefaultToolChoice
 

@@ -32,12 +32,23 @@ import jinja2
 from paged_chat.engine.clients.client_protocol import EngineClient
 from paged_chat.engine.core.outputs import RequestOutput
 from paged_chat.engine.core.sampling_params import SamplingParams
-from paged_chat.server.api_types import (ChatCompletionRequest, CompletionRequest,
-                                        PromptTokensDetails, SamplingRequest, Usage,
-                                        completion_id, envelope)
+from paged_chat.server.api_types import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    PromptTokensDetails,
+    SamplingRequest,
+    Usage,
+    completion_id,
+    envelope,
+)
 from paged_chat.server.structured_request import chat_logprobs, completion_logprobs
-from paged_chat.server.tool_calls import (DefaultToolChoice, ToolCallParser, default_tool_choice,
-                                          forced_call_schema, with_tools_in_system)
+from paged_chat.server.tool_calls import (
+    DefaultToolChoice,
+    ToolCallParser,
+    default_tool_choice,
+    forced_call_schema,
+    with_tools_in_system,
+)
 
 DEFAULT_OWNER = "api"
 

@@ -12,8 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from paged_chat.engine.core.sampling_params import MAX_TOP_LOGPROBS
 from paged_chat.engine.core.outputs import TokenLogprob
+from paged_chat.engine.core.sampling_params import MAX_TOP_LOGPROBS
 
 # What a logprob of -inf (a token the grammar or top-k ruled out) is in JSON, as vLLM sends it.
 _NO_CHANCE = -9999.0

@@ -32,8 +32,8 @@ from textual.css.query import NoMatches
 from textual.widgets import Static
 
 from paged_chat.app.chat_store import ChatStore
-from paged_chat.engine.core.errors import PagedChatError, describe_error
 from paged_chat.app.settings import Settings, data_dir
+from paged_chat.engine.core.errors import PagedChatError, describe_error
 from paged_chat.tui.actions import ACTIONS, ChatActions, StoredChats, make_bindings
 from paged_chat.tui.chat_screen import ChatScreen
 from paged_chat.tui.chat_search import ChatSearch
@@ -48,8 +48,14 @@ from paged_chat.tui.tabs import ChatTabs
 if TYPE_CHECKING:
     from textual.theme import Theme
 
-    from paged_chat.engine import (ClientCapabilities, EngineClient, EngineConfig, ModelInfo,
-                                   SamplingParams, StartingClient)
+    from paged_chat.engine import (
+        ClientCapabilities,
+        EngineClient,
+        EngineConfig,
+        ModelInfo,
+        SamplingParams,
+        StartingClient,
+    )
     from paged_chat.engine.models.loader import ProgressHook
     from paged_chat.server import ApiServer
     from paged_chat.tui.chat_tab import ChatTab

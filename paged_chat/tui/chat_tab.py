@@ -27,9 +27,9 @@ from textual.widgets import Button, Static, TabPane
 from textual.worker import Worker
 
 from paged_chat.app.chat_session import ChatSession, chat_title
-from paged_chat.engine.core.errors import describe_error
 from paged_chat.app.finish_labels import finish_label
 from paged_chat.app.text import sanitize_for_terminal as clean
+from paged_chat.engine.core.errors import describe_error
 from paged_chat.tui.block_map import TAB_COLOURS
 from paged_chat.tui.message_widgets import AssistantMessage, ErrorMessage, UserMessage, code_blocks
 from paged_chat.tui.prompt_input import PromptInput

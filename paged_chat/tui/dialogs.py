@@ -14,8 +14,8 @@ from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Static, TextArea
 
-from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.app.settings import CHAT_SAMPLING_KEYS
+from paged_chat.engine.core.sampling_params import SamplingParams
 
 # The number type of each sampling field the dialog edits (an empty field means "the default").
 SAMPLING_FIELDS: dict[str, type] = {

@@ -10,6 +10,7 @@ cut to TITLE_CHARS.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+
 from rich.text import Text
 from textual.widget import Widget
 

@@ -36,7 +36,7 @@ def run_app(settings: Settings, demo: int | None = None, serve_port: int | None 
         config = app_engine_config(settings, demo)
         engine_start = start_engine(config, settings.tui.engine_process)
     try:
-        from paged_chat.tui.app import PagedChatApp   # Textual: while the child loads
+        from paged_chat.tui.app import PagedChatApp  # Textual: while the child loads
 
         app = PagedChatApp(settings, demo=demo, engine=engine, engine_config=config,
                            engine_start=engine_start, serve_port=serve_port)

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from textual import on
-from textual.css.query import NoMatches
 from textual.content import Content
+from textual.css.query import NoMatches
 from textual.widgets import ContentSwitcher, Tab, TabbedContent, TabPane
 
 from paged_chat.app.chat_session import ChatSession

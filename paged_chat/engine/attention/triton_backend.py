@@ -24,7 +24,11 @@ import triton
 from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.triton_paged_attention import (
-    choose_num_splits, paged_attention, split_workspace, store_kv)
+    choose_num_splits,
+    paged_attention,
+    split_workspace,
+    store_kv,
+)
 
 KINDS = ("decode", "prefill")
 # Shared memory one block may use (the opt-in maximum), by compute capability.

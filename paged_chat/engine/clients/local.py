@@ -23,8 +23,8 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
-from paged_chat.engine.clients.engine_loop import Abort, Add, Command, LoopEvents, ResetPrefixCache
 from paged_chat.engine.clients.client_protocol import ClientCapabilities
+from paged_chat.engine.clients.engine_loop import Abort, Add, Command, LoopEvents, ResetPrefixCache
 from paged_chat.engine.clients.streams import Streams
 from paged_chat.engine.core.errors import EngineDeadError
 from paged_chat.engine.core.output_processor import OutputProcessor

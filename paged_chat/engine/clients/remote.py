@@ -57,8 +57,8 @@ import numpy as np
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from paged_chat.engine.clients.engine_loop import Abort, Add, Command
 from paged_chat.engine.clients.client_protocol import ClientCapabilities
+from paged_chat.engine.clients.engine_loop import Abort, Add, Command
 from paged_chat.engine.clients.server_tokenizer import PROBE_TEXT, ServerTokenizer
 from paged_chat.engine.clients.streams import Streams
 from paged_chat.engine.core.errors import ModelLoadError, PagedChatError

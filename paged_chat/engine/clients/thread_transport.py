@@ -28,9 +28,9 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 from paged_chat.engine.clients.engine_loop import Command, Shutdown, serve_engine
-from paged_chat.engine.core.outputs import ModelInfo
 from paged_chat.engine.core.engine import Engine
 from paged_chat.engine.core.errors import EngineDeadError
+from paged_chat.engine.core.outputs import ModelInfo
 
 if TYPE_CHECKING:
     from paged_chat.engine.clients.local import TransportEvents

@@ -36,8 +36,13 @@ from paged_chat.engine.core.stats import EngineStats, StepMetrics, snapshot
 from paged_chat.engine.kv.kv_cache_manager import KVCacheManager
 from paged_chat.engine.kv.tier import build_kv_tier
 from paged_chat.engine.kv.transfer import KVTransfer
-from paged_chat.engine.models.loader import (ModelSource, ProgressHook, generation_defaults,
-                                             holds_quantized, load_model_source)
+from paged_chat.engine.models.loader import (
+    ModelSource,
+    ProgressHook,
+    generation_defaults,
+    holds_quantized,
+    load_model_source,
+)
 from paged_chat.engine.worker.runner import ModelRunner
 from paged_chat.engine.worker.structured_output import StructuredOutputManager
 from paged_chat.engine.worker.threads import StepThreads

@@ -35,11 +35,15 @@ from collections import deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from paged_chat.engine.core.outputs import (
+    EngineCoreOutput,
+    FinishReason,
+    ModelRunnerOutput,
+    TokenLogprob,
+)
+from paged_chat.engine.core.request import Request, RequestStatus
 from paged_chat.engine.kv.block_pool import KVBlock
 from paged_chat.engine.kv.kv_cache_manager import KVCacheManager, TierReadState
-from paged_chat.engine.core.outputs import (EngineCoreOutput, FinishReason, ModelRunnerOutput,
-                                            TokenLogprob)
-from paged_chat.engine.core.request import Request, RequestStatus
 
 
 @dataclass(slots=True)

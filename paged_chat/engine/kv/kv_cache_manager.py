@@ -29,16 +29,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from paged_chat.engine.core.request import Request
+from paged_chat.engine.core.stats import BlockMap
 from paged_chat.engine.kv.block_id_rows import BlockIdRows
 from paged_chat.engine.kv.block_pool import NULL_BLOCK, BlockPool, KVBlock
-from paged_chat.engine.kv.tier import KVTier
-from paged_chat.engine.core.request import Request
 from paged_chat.engine.kv.single_type_kv_manager import (
     FullAttentionManager,
     SingleTypeKVManager,
     SlidingWindowManager,
 )
-from paged_chat.engine.core.stats import BlockMap
+from paged_chat.engine.kv.tier import KVTier
 
 if TYPE_CHECKING:
     import torch

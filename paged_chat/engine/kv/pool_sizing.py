@@ -20,8 +20,8 @@ from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.core.config import EngineConfig
 from paged_chat.engine.core.errors import PagedChatError, out_of_memory
-from paged_chat.engine.models.llama import LlamaForCausalLM
 from paged_chat.engine.core.sampling_params import SamplingParams
+from paged_chat.engine.models.llama import LlamaForCausalLM
 from paged_chat.engine.worker.sampler import SamplingBatch, sample
 
 _DEFAULT_CPU_KV_FRACTION = 0.2

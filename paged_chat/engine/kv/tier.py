@@ -54,8 +54,8 @@ import torch
 
 from paged_chat.engine.core.config import EngineConfig
 from paged_chat.engine.core.errors import KVTierWarning
-from paged_chat.engine.regular_files import NotARegularFileError, open_regular
 from paged_chat.engine.core.stats import KVTierStats
+from paged_chat.engine.regular_files import NotARegularFileError, open_regular
 
 TIER_DIR = "kv-tier"
 ENTRY_SUFFIX = ".kv"

@@ -27,13 +27,12 @@ from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.core.errors import UnsupportedModelError
 from paged_chat.engine.models import fused_ops
+from paged_chat.engine.models.fused_decode import FusedDecode
 from paged_chat.engine.models.model_config import ModelConfig
 from paged_chat.engine.models.packed_linear import PackedLinear
-from paged_chat.engine.models.fused_decode import FusedDecode
 from paged_chat.engine.models.quant.layout import QuantizedWeight
 from paged_chat.engine.models.quant.linear import QuantizedEmbedding, QuantizedLinear
 from paged_chat.engine.models.tensor_names import LAYER_TENSORS, TOP_TENSORS, split_hf_name
-
 
 _LOGITS_SLICE = 1024  # vocabulary rows per output-projection matmul on the CPU
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from huggingface_hub import is_offline_mode, snapshot_download
-from huggingface_hub.errors import HFValidationError, HfHubHTTPError, LocalEntryNotFoundError
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntryNotFoundError
 
 from paged_chat.engine.core.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.checkpoint import Checkpoint, SafetensorsFile
@@ -43,6 +43,7 @@ from paged_chat.engine.models.model_config import (
 from paged_chat.engine.models.quant import BLOCK_FORMATS
 from paged_chat.engine.models.quant.transform import quantize_model
 from paged_chat.engine.models.tensor_names import text_decoder_tensors
+from paged_chat.engine.models.tokenizer_source import TokenizerSource, load_saved_tokenizer
 from paged_chat.engine.models.weight_cache import (
     EntryLayout,
     EntryWriter,
@@ -50,7 +51,6 @@ from paged_chat.engine.models.weight_cache import (
     combine_checksums,
     entry_tensors,
 )
-from paged_chat.engine.models.tokenizer_source import TokenizerSource, load_saved_tokenizer
 from paged_chat.engine.regular_files import open_regular
 
 if TYPE_CHECKING:

@@ -34,25 +34,24 @@ import torch
 
 from paged_chat.engine.attention.metadata import AttentionMetadata, StagingBuffer
 from paged_chat.engine.attention.selector import select_attention
-from paged_chat.engine.kv.block_id_rows import BlockIdRows
 from paged_chat.engine.core.config import EngineConfig
 from paged_chat.engine.core.errors import out_of_memory
+from paged_chat.engine.core.outputs import ModelRunnerOutput, TokenLogprob
+from paged_chat.engine.core.request import Request
+from paged_chat.engine.core.sampling_params import SamplingParams
+from paged_chat.engine.core.scheduler import ScheduledRequest
+from paged_chat.engine.kv.block_id_rows import BlockIdRows
 from paged_chat.engine.kv.pool_sizing import (
     KVCacheSpec,
     allocate_kv_cache,
     longest_sequence,
     size_kv_pool,
 )
-from paged_chat.engine.native.build import use_cache_dir
 from paged_chat.engine.models.loader import ModelSource, ProgressHook
-from paged_chat.engine.core.request import Request
-from paged_chat.engine.core.sampling_params import SamplingParams
-from paged_chat.engine.core.outputs import ModelRunnerOutput, TokenLogprob
-from paged_chat.engine.worker.sampler import SamplingBatch, sample
-from paged_chat.engine.core.scheduler import ScheduledRequest
+from paged_chat.engine.native.build import use_cache_dir
 from paged_chat.engine.worker.model_loading import LoadedModel, load_weights, prepare_for_cpu
+from paged_chat.engine.worker.sampler import SamplingBatch, sample
 from paged_chat.engine.worker.structured_output import fill_token_bitmask
-
 
 # Batch sizes a decode step's CUDA graph is captured for (plus max_num_seqs); a step runs in
 # the smallest that holds it.

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.core.outputs import TokenLogprob
+from paged_chat.engine.core.sampling_params import SamplingParams
 
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's stream increment
 _MUL1 = 0xBF58476D1CE4E5B9

@@ -45,7 +45,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-
 # How much of a core other processes must use for it to count as taken. A bursty load below
 # that (an app's UI laying out new turns: ~0.5 of a core in 20 ms bursts) costs a prefill on
 # every core less than giving the core up does: 8 prompts at once took 521 ms on 2 threads
