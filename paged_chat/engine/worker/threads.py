@@ -276,8 +276,7 @@ class StepThreads:
     and trials on prefill steps would cost more than they find: they are few and large, and
     one on the slow arm costs a whole chunk's time (with one policy for both, a trial that
     fell in the prefill at the start kept every core for the decode steps after it until the
-    next recheck: 17-21 tok/s beside two busy processes against 32 pinned to one thread). So a
-    prefill step runs on the cores other processes leave free (`MachineLoad`), measured,
+    next recheck; docs/benchmarks.md has the figures). So a prefill step runs on the cores other processes leave free (`MachineLoad`), measured,
     not tried: every core on a quiet machine, fewer beside busy processes, where a prompt on
     every core waited at each barrier for a thread the busy processes had descheduled.
     """
