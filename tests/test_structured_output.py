@@ -76,6 +76,108 @@ def test_compiled_grammars_are_cached_by_spec(manager) -> None:
     assert manager.compile(("regex", "x+")) is not manager.compile(("regex", "y+"))
 
 
+class CountingCompiler:
+    """A GrammarCompiler that counts the grammars it compiles."""
+
+    def __init__(self, compiler: xgr.GrammarCompiler) -> None:
+        self.compiler, self.compilations = compiler, 0
+
+    def __getattr__(self, name: str):
+        method = getattr(self.compiler, name)
+
+        def counted(*args, **kwargs):
+            self.compilations += 1
+            return method(*args, **kwargs)
+        return counted if name.startswith("compile") else method
+
+
+@pytest.fixture
+def counted(tokenizer, monkeypatch) -> tuple[StructuredOutputManager, CountingCompiler]:
+    """A manager with an empty cache whose compilations are counted."""
+    fresh = StructuredOutputManager(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    counter = CountingCompiler(fresh._compiler)
+    monkeypatch.setattr(fresh, "_compiler", counter)
+    return fresh, counter
+
+
+def test_a_grammar_compiled_for_one_cache_salt_is_compiled_anew_for_another(counted) -> None:
+    """Issue 48 item 1: caller B, sending caller A's schema, must not find A's compiled
+    grammar (its compile time would tell B what A sent); callers of one salt share it."""
+    manager, counter = counted
+    schema = {"type": "object", "properties": {"patient_hiv_status": {"type": "string"}}}
+    alice, bob = (SamplingParams(json_schema=schema, cache_salt=f"api-key:k/{name}")
+                  for name in ("alice", "bob"))
+    manager.new_matcher(alice)
+    manager.new_matcher(alice)
+    assert counter.compilations == 1
+    manager.new_matcher(bob)
+    assert counter.compilations == 2
+    manager.new_matcher(SamplingParams(json_schema=schema))  # no salt: the TUI's own
+    assert counter.compilations == 3
+
+
+def test_the_grammar_cache_is_bounded_in_bytes(tokenizer) -> None:
+    one = StructuredOutputManager(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    size = one.compile(("regex", "[a-z]{3}")).memory_size_bytes
+    bounded = StructuredOutputManager(tokenizer, len(tokenizer), [tokenizer.eos_token_id],
+                                      cache_bytes=int(size * 2.5))
+    first = bounded.compile(("regex", "[a-z]{3}"))
+    for pattern in ("[a-z]{4}", "[a-z]{5}", "[a-z]{6}"):
+        bounded.compile(("regex", pattern))
+        assert bounded.kept_bytes <= bounded.cache_bytes
+    assert bounded.compile(("regex", "[a-z]{3}")) is not first  # the oldest went first
+    huge = StructuredOutputManager(tokenizer, len(tokenizer), [tokenizer.eos_token_id], cache_bytes=1)
+    huge.compile(("regex", "x+"))
+    assert huge.kept_bytes == 0
+
+
+RECURSIVE = '{"$defs":{"a":{"allOf":[{"$ref":"#/$defs/a"}]}},"$ref":"#/$defs/a"}'
+
+
+@pytest.mark.parametrize("spec, problem", [
+    (("json_schema", '{"not": {}}'), '"not" at # cannot be enforced'),
+    (("json_schema", '{"allOf": [{"type": "string"}, {"type": "integer"}]}'),
+     '"allOf" with 2 schemas at # cannot be enforced'),
+    (("json_schema", json.dumps({"type": "object", "properties": {"tags": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}})),
+     '"uniqueItems" at #/properties/tags cannot be enforced'),
+    (("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
+                                 "if": {"required": ["a"]}, "then": {"required": ["b"]}})),
+     '"if" at # cannot be enforced'),
+    (("json_schema", '{"type": "array", "contains": {"const": 1}}'), '"contains" at #'),
+    (("json_schema", RECURSIVE), "no output can satisfy it"),
+    (("json_schema", '{"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}'),
+     "no output can satisfy it"),
+    (("regex", "a^b"), "'^' at position 1 can never match there"),
+    (("regex", "a$b"), "'$' at position 1 can never match there"),
+    (("regex", r"a\Zb"), r"'\\Z' at position 1 is not supported"),
+])
+def test_structured_output_that_cannot_be_enforced_is_refused(manager, spec, problem) -> None:
+    """Issue 48 item 8: each compiled to a grammar that ignored the constraint (or, for
+    the recursive schemas, allowed no token, a 500 mid-reply); now a GrammarError names it."""
+    with pytest.raises(GrammarError, match=re.escape(f"{spec[0]}: ") + ".*" + re.escape(problem)):
+        manager.compile(spec)
+
+
+@pytest.mark.parametrize("spec", [
+    ("json_schema", '{"type": "object", "properties": {"not": {"type": "integer"}, '
+                    '"uniqueItems": {"type": "boolean"}}}'),  # property names, not keywords
+    ("json_schema", '{"type": "array", "items": {"type": "integer"}, "uniqueItems": false}'),
+    ("json_schema", '{"allOf": [{"type": "object"}]}'),
+    ("json_schema", '{"type": "object", "properties": {"child": {"$ref": "#"}}}'),
+    ("regex", "^(ab|cd)+$"), ("regex", "(^a|b)"), ("regex", r"[$^]\^\$"),
+])
+def test_enforceable_look_alikes_still_compile(manager, spec) -> None:
+    manager.compile(spec)
+
+
+def test_an_unsatisfiable_schema_fails_add_request(make_engine) -> None:
+    engine = make_engine()
+    with pytest.raises(GrammarError, match="no output can satisfy it"):
+        engine.add_request([1, 2, 3], SamplingParams(json_schema=RECURSIVE))
+    assert not engine.has_unfinished()
+
+
 @pytest.mark.parametrize("spec, problem", [
     (("json_schema", '{"type": "frobnicate"}'), 'Unsupported type "frobnicate"'),
     (("json_schema", '{"type": '), "json_schema"),

@@ -12,7 +12,14 @@ KV of tokens already appended, never needs a rollback: the matcher is exactly as
 
 The manager compiles from the tokenizer once (its TokenizerInfo, paid by the first
 constrained request) and keeps the last compiled grammars by their spec, so a schema every
-request of an agent repeats compiles once.
+request of an agent repeats compiles once. It keeps them per cache salt, as the prefix
+cache keeps blocks: a request finds only grammars its own partition compiled, so how fast
+a schema compiles tells no caller what another sent. The kept grammars' size is bounded
+in bytes, the least recently used going first.
+
+Before compiling, what the grammar library would not enforce is refused
+(unenforceable.py): a dropped schema keyword, an ignored regex anchor, a grammar no
+output completes.
 """
 
 from __future__ import annotations
@@ -26,12 +33,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from paged_chat.engine.core.sampling_params import SamplingParams, StructuredSpec
+from paged_chat.engine.worker.unenforceable import (
+    Unenforceable,
+    check_json_schema,
+    check_regex,
+    check_satisfiable,
+)
 
 if TYPE_CHECKING:
     import xgrammar
 
-# How many compiled grammars the manager keeps (least recently used goes first).
-_CACHE_SIZE = 256
+# How many bytes of compiled grammars the manager keeps (a schema's is ~50 KB to a few MB).
+CACHE_BYTES = 256 * 2**20
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:line: ": the rest names the problem.
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
@@ -44,48 +57,78 @@ class StructuredOutputManager:
     """Compiles grammars for one model's tokenizer and makes per-request matchers.
 
     `vocab_size` is the model's (its logits' width, which may exceed the tokenizer's);
-    `stop_token_ids` end a completed grammar (the engine's EOS ids).
+    `stop_token_ids` end a completed grammar (the engine's EOS ids); `cache_bytes` bounds
+    the compiled grammars kept (one larger than it is compiled for its request, not kept).
     """
 
-    def __init__(self, tokenizer: object, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+    def __init__(self, tokenizer: object, vocab_size: int, stop_token_ids: Iterable[int],
+                 cache_bytes: int = CACHE_BYTES) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids))
         self.vocab_size = vocab_size
+        self.cache_bytes = cache_bytes
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-        self._compiled: OrderedDict[StructuredSpec, xgrammar.CompiledGrammar] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str | None, StructuredSpec],
+                                    xgrammar.CompiledGrammar] = OrderedDict()
+        self._kept_bytes = 0
 
-    def compile(self, spec: StructuredSpec) -> xgrammar.CompiledGrammar:
-        """The compiled grammar of `spec` (see SamplingParams.structured_spec), cached."""
-        compiled = self._compiled.get(spec)
+    @property
+    def kept_bytes(self) -> int:
+        """The size of the compiled grammars kept, at most `cache_bytes`."""
+        return self._kept_bytes
+
+    def compile(self, spec: StructuredSpec, cache_salt: str | None = None) -> xgrammar.CompiledGrammar:
+        """The compiled grammar of `spec` (see SamplingParams.structured_spec), cached under
+        `cache_salt` (a request's SamplingParams.cache_salt): a grammar compiled under one
+        salt is never served under another. Raises GrammarError naming what is refused."""
+        key = (cache_salt, spec)
+        compiled = self._compiled.get(key)
         if compiled is not None:
-            self._compiled.move_to_end(spec)
+            self._compiled.move_to_end(key)
             return compiled
         kind, value = spec
         try:
-            if kind in ("json_schema", "json_object"):  # an object, as OpenAI's json_object
-                # compact separators: a small model given free whitespace may emit it forever
-                compiled = self._compiler.compile_json_schema(value or '{"type": "object"}',
-                                                              any_whitespace=False)
-            elif kind == "regex":
-                compiled = self._compiler.compile_regex(value)
-            else:
-                compiled = self._compiler.compile_grammar(choice_grammar(json.loads(value)))
-        except RuntimeError as error:
+            compiled = self._compiler.compile_grammar(self._grammar(kind, value))
+        except (RuntimeError, Unenforceable) as error:
             raise GrammarError(f"{kind}: {_LOCATION.sub('', str(error)).strip()}") from error
-        self._compiled[spec] = compiled
-        if len(self._compiled) > _CACHE_SIZE:
-            self._compiled.popitem(last=False)
+        self._keep(key, compiled)
         return compiled
 
+    def _grammar(self, kind: str, value: str) -> xgrammar.Grammar:
+        """The grammar of one spec, refused (Unenforceable) where it would not be enforced."""
+        if kind in ("json_schema", "json_object"):  # an object, as OpenAI's json_object
+            schema = value or '{"type": "object"}'
+            check_json_schema(schema)
+            # compact separators: a small model given free whitespace may emit it forever
+            grammar = self._xgr.Grammar.from_json_schema(schema, any_whitespace=False)
+        elif kind == "regex":
+            check_regex(value)
+            grammar = self._xgr.Grammar.from_regex(value)
+        else:
+            grammar = self._xgr.Grammar.from_ebnf(choice_grammar(json.loads(value)))
+        check_satisfiable(str(grammar))
+        return grammar
+
+    def _keep(self, key: tuple[str | None, StructuredSpec], compiled: xgrammar.CompiledGrammar) -> None:
+        size = compiled.memory_size_bytes
+        if size > self.cache_bytes:
+            return
+        self._compiled[key] = compiled
+        self._kept_bytes += size
+        while self._kept_bytes > self.cache_bytes:
+            _, evicted = self._compiled.popitem(last=False)
+            self._kept_bytes -= evicted.memory_size_bytes
+
     def new_matcher(self, params: SamplingParams) -> xgrammar.GrammarMatcher | None:
-        """A fresh matcher for a request's structured output; None when it asks for none."""
+        """A fresh matcher for a request's structured output, its grammar from the cache of
+        the request's cache salt; None when it asks for none."""
         spec = params.structured_spec
         if spec is None:
             return None
-        return self._xgr.GrammarMatcher(self.compile(spec))
+        return self._xgr.GrammarMatcher(self.compile(spec, params.cache_salt))
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
