@@ -2,7 +2,8 @@
 `response_format` (json_object, json_schema) and vLLM's `structured_outputs` (json, regex,
 choice), and logprobs in the chat (`logprobs` + `top_logprobs`) and completions
 (`logprobs: N`) forms. Each turns into SamplingParams fields here; a schema the grammar
-library refuses is refused by the engine when the request is added (a 400 naming it).
+library refuses or would not enforce is refused by the engine when the request is added
+(a 400 naming it).
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ class StructuredOutputs(BaseModel):
     def _supported(self) -> StructuredOutputs:
         if self.grammar is not None:
             raise ValueError("grammar: EBNF grammars are not supported here; use json, regex or choice")
+        given = [name for name, value in (("json", self.json_), ("regex", self.regex),
+                                          ("choice", self.choice)) if value is not None]
+        if len(given) > 1:
+            raise ValueError(f"give one of json, regex, choice, not {' and '.join(given)}: "
+                             "only one can be enforced")
         return self
 
 
