@@ -40,10 +40,11 @@ def test_ask_choice_prints_one_of_them(cli):
     (["--json-schema", "NOTJSON"], "not JSON"),
     (["--json-schema", "LIST"], "a JSON schema is an object, not list"),
     (["--json-schema", "REFUSED"], 'Unsupported type "frobnicate"'),
+    (["--json-schema", "UNENFORCEABLE"], '"uniqueItems" at # cannot be enforced'),
 ])
 def test_bad_structured_options_are_one_line(cli, tmp_path, args, message):
     files = {"SCHEMA": json.dumps(SCHEMA), "NOTJSON": "{oops", "LIST": "[1]",
-             "REFUSED": '{"type": "frobnicate"}'}
+             "REFUSED": '{"type": "frobnicate"}', "UNENFORCEABLE": '{"type": "array", "uniqueItems": true}'}
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     args = [str(tmp_path / arg) if arg in files else arg for arg in args]

@@ -160,8 +160,8 @@ def test_structured_output_that_cannot_be_enforced_is_refused(manager, spec, pro
 
 
 @pytest.mark.parametrize("spec", [
-    ("json_schema", '{"type": "object", "properties": {"not": {"type": "integer"}, '
-                    '"uniqueItems": {"type": "boolean"}}}'),  # property names, not keywords
+    ("json_schema", json.dumps({"type": "object", "properties": {  # names, not keywords
+        "not": {"type": "integer"}, "uniqueItems": {"type": "boolean"}}})),
     ("json_schema", '{"type": "array", "items": {"type": "integer"}, "uniqueItems": false}'),
     ("json_schema", '{"allOf": [{"type": "object"}]}'),
     ("json_schema", '{"type": "object", "properties": {"child": {"$ref": "#"}}}'),

@@ -48,21 +48,26 @@ def check_json_schema(schema_text: str) -> None:
                                 "be enforced; merge them into one schema")
 
 
-def _subschemas(node: Any, pointer: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    if not isinstance(node, dict):
-        return
-    yield pointer, node
-    for keyword in _SCHEMA:
-        if isinstance(node.get(keyword), dict):
-            yield from _subschemas(node[keyword], f"{pointer}/{keyword}")
-    for keyword in _SCHEMA_LIST:
-        if isinstance(node.get(keyword), list):
-            for index, item in enumerate(node[keyword]):
-                yield from _subschemas(item, f"{pointer}/{keyword}/{index}")
-    for keyword in _SCHEMA_MAP:
-        if isinstance(node.get(keyword), dict):
-            for name, item in node[keyword].items():
-                yield from _subschemas(item, f"{pointer}/{keyword}/{name}")
+def _subschemas(schema: Any, pointer: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Every schema within `schema` (itself included) with its JSON pointer; a loop, not
+    recursion, as a hostile schema may nest as deep as the JSON parser allows."""
+    stack = [(pointer, schema)]
+    while stack:
+        pointer, node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        yield pointer, node
+        for keyword in _SCHEMA:
+            if isinstance(node.get(keyword), dict):
+                stack.append((f"{pointer}/{keyword}", node[keyword]))
+        for keyword in _SCHEMA_LIST:
+            if isinstance(node.get(keyword), list):
+                stack.extend((f"{pointer}/{keyword}/{index}", item)
+                             for index, item in enumerate(node[keyword]))
+        for keyword in _SCHEMA_MAP:
+            if isinstance(node.get(keyword), dict):
+                stack.extend((f"{pointer}/{keyword}/{name}", item)
+                             for name, item in node[keyword].items())
 
 
 # An escape, a character class, an anchor, or any other character of a regex.
@@ -91,78 +96,119 @@ def check_regex(pattern: str) -> None:
 # One token of xgrammar's printed EBNF: a string, a character class, Regex(...), a rule
 # name, a repetition count, or punctuation.
 _EBNF_TOKEN = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|Regex\("(?:\\.|[^"\\])*"[^)]*\)'
-                         r"|\{\s*\d+\s*,\s*-?\d+\s*\}|[A-Za-z_][\w.]*|\(=|::=|\S")
+                         r"|\{\s*\d+\s*,\s*-?\d+\s*\}|[A-Za-z_][\w.]*|\(=|\S")
+_RULE_NAME = re.compile(r"[A-Za-z_][\w.]*")
 _COUNT = re.compile(r"\{\s*(\d+)")
+
+# A rule body as a tree: ("all", parts) a sequence, ("any", parts) alternatives, ("rule",
+# name) a reference; None is an atom that always derives (a literal, a class, an optional
+# or starred part, a lookahead, or a form this module does not read, so that an unread
+# form never refuses a grammar).
+_Node = tuple[str, Any] | None
 
 
 def check_satisfiable(grammar_text: str) -> None:
     """Raise Unenforceable when no output completes the grammar (xgrammar's printed EBNF:
     `name ::= body` per line, `root` the start): its root derives no finite string."""
-    rules: dict[str, list[str]] = {}
+    bodies: dict[str, _Node] = {}
     for line in grammar_text.splitlines():
         name, separator, body = line.partition(" ::= ")
         if separator:
-            rules[name.strip()] = _EBNF_TOKEN.findall(body)
-    productive: set[str] = set()
-    grew = True
-    while grew:  # a rule is productive once one alternative has only productive parts
-        grew = False
-        for name, tokens in rules.items():
-            if name not in productive and _Derives(tokens, productive, rules).parse():
-                productive.add(name)
-                grew = True
-    if "root" in rules and "root" not in productive:
+            bodies[name.strip()] = _BodyParser(_EBNF_TOKEN.findall(body)).parse()
+    if "root" in bodies and "root" not in _productive_rules(bodies):
         raise Unenforceable("no output can satisfy it (every way through it recurses forever "
                             "or meets a contradiction)")
 
 
-class _Derives:
-    """Whether one rule body derives a finite string, given the rules known to: a reference
-    does when its rule is in `productive`; a literal, class or regex always does (an atom
-    this does not know counts as one, so an unread form never refuses a grammar)."""
+def _productive_rules(bodies: dict[str, _Node]) -> set[str]:
+    """The rules that derive a finite string: found from the rules without references
+    outward, each rule looked at again only when one it references turns out productive."""
+    dependents: dict[str, set[str]] = {name: set() for name in bodies}
+    for name, body in bodies.items():
+        for referenced in _references(body):
+            if referenced in dependents:
+                dependents[referenced].add(name)
+    productive: set[str] = set()
+    pending = list(bodies)
+    while pending:
+        name = pending.pop()
+        if name not in productive and _derives(bodies[name], productive, bodies):
+            productive.add(name)
+            pending.extend(dependents[name] - productive)
+    return productive
 
-    def __init__(self, tokens: list[str], productive: set[str], rules: dict[str, list[str]]) -> None:
+
+def _references(node: _Node) -> Iterator[str]:
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        if node is None:
+            continue
+        kind, value = node
+        if kind == "rule":
+            yield value
+        else:
+            stack.extend(value)
+
+
+def _derives(node: _Node, productive: set[str], bodies: dict[str, _Node]) -> bool:
+    if node is None:
+        return True
+    kind, value = node
+    if kind == "rule":
+        return value in productive or value not in bodies
+    parts = (_derives(part, productive, bodies) for part in value)
+    return all(parts) if kind == "all" else any(parts)
+
+
+class _BodyParser:
+    """One rule body's tokens to its tree (see _Node)."""
+
+    def __init__(self, tokens: list[str]) -> None:
         self.tokens, self.position = tokens, 0
-        self.productive, self.rules = productive, rules
 
-    def parse(self) -> bool:
+    def parse(self) -> _Node:
         return self._alternatives()
 
     def _peek(self) -> str | None:
         return self.tokens[self.position] if self.position < len(self.tokens) else None
 
-    def _alternatives(self) -> bool:
-        derives = self._sequence()
+    def _alternatives(self) -> _Node:
+        options = [self._sequence()]
         while self._peek() == "|":
             self.position += 1
-            derives = self._sequence() or derives
-        return derives
+            options.append(self._sequence())
+        return options[0] if len(options) == 1 else ("any", options)
 
-    def _sequence(self) -> bool:
-        derives = True
+    def _sequence(self) -> _Node:
+        parts = []
         while self._peek() not in (None, "|", ")"):
-            derives = self._repeated() and derives
-        return derives
+            part = self._repeated()
+            if part is not None:
+                parts.append(part)
+        return ("all", parts) if parts else None
 
-    def _repeated(self) -> bool:
+    def _repeated(self) -> _Node:
         token = self._peek()
         self.position += 1
         if token == "(=":  # a lookahead assertion consumes nothing
             self._alternatives()
             self.position += 1
-            derives = True
-        elif token == "(":
-            derives = self._alternatives()
+            return None
+        if token == "(":
+            part = self._alternatives()
             self.position += 1
+        elif _RULE_NAME.fullmatch(token):
+            part = ("rule", token)
         else:
-            derives = token not in self.rules or token in self.productive
+            part = None
         suffix = self._peek()
         if suffix in ("*", "?"):
             self.position += 1
-            return True
+            return None
         if suffix == "+":
             self.position += 1
         elif suffix is not None and suffix.startswith("{"):
             self.position += 1
-            return derives or int(_COUNT.match(suffix).group(1)) == 0
-        return derives
+            return None if int(_COUNT.match(suffix).group(1)) == 0 else part
+        return part
