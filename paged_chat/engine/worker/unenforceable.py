@@ -83,7 +83,7 @@ def check_regex(pattern: str) -> None:
     for match in _REGEX_PART.finditer(pattern):
         part, start, end = match.group(), match.start(), match.end()
         if part in (r"\A", r"\Z", r"\z"):
-            raise Unenforceable(f"{part!r} at position {start} is not supported; the output "
+            raise Unenforceable(f"'{part}' at position {start} is not supported; the output "
                                 "is matched whole, so leave it out")
         if part == "^" and not _OPENING.fullmatch(pattern, 0, start):
             raise Unenforceable(f"'^' at position {start} can never match there; the output "
