@@ -196,6 +196,31 @@ def test_the_serve_command_steps_its_engine_in_a_process_of_its_own(tiny_model_d
         server.wait()
 
 
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_serve_shuts_its_engine_down_on_a_stop_signal_then_exits_with_its_status(
+        tiny_model_dir, signum, status):
+    """A supervisor's SIGTERM (or a closed terminal's SIGHUP): the engine child is shut down
+    and reaped before serve exits 128 + the signal (uvicorn raised the signal again after
+    its own shutdown, which ended serve before its engine: a child left to init)."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "paged_chat", "serve", "--model", str(tiny_model_dir),
+         "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: server.poll() is not None or answers_health(port), timeout=180,
+                 what="the server to answer /health")
+        assert server.poll() is None, server.communicate()[1].decode()
+        [engine] = [pid for pid in child_pids(server.pid)
+                    if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        server.send_signal(signum)
+        _, errors = server.communicate(timeout=60)
+        assert server.returncode == status and b"Traceback" not in errors, errors.decode()
+        assert not Path(f"/proc/{engine}").exists()
+    finally:
+        server.kill()
+        server.wait()
+
+
 def test_client_disconnect_mid_stream_frees_the_blocks(api):
     body = {"model": api.model, "prompt": "Go on forever", "max_tokens": 5000, "stream": True,
             "ignore_eos": True, "temperature": 0.0, "user": "leaver"}
