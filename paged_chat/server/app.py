@@ -9,7 +9,8 @@ a keyless server, a Host or Origin that is not this machine's: guards.py), 404 (
 model or path), 413 (a body over `max_body_bytes`, by default sized from the model's
 context), 415 (on a keyless server, a body that is not JSON). A surprise is a 500 with
 one line, never a traceback; no request can stop the engine. /health is 200 while the
-engine serves and 503, saying why, once it stopped (an engine process that died). With an
+engine serves and 503, saying why, once it stopped (an engine process that died) or while
+it does not respond (its process stopped or hung). With an
 API key, every path but /health needs `Authorization: Bearer KEY`, compared in constant time.
 
 The event loop only moves bytes: a body is refused by its size before it is parsed, and
@@ -88,11 +89,14 @@ def build_app(client: EngineClient, model_names: Sequence[str] = (), api_key: st
 
     @app.get("/health")
     async def health() -> Response:
-        if client.running:
-            return Response(status_code=200)
-        reason = client.last_error or "it was shut down"
-        return JSONResponse(error_body(f"the engine is not running: {reason}", 503),
-                            status_code=503)
+        if not client.running:
+            reason = client.last_error or "it was shut down"
+            return JSONResponse(error_body(f"the engine is not running: {reason}", 503),
+                                status_code=503)
+        if client.capabilities.restart and not client.responding:
+            return JSONResponse(error_body("the engine is not responding: its process is "
+                                           "stopped or hung", 503), status_code=503)
+        return Response(status_code=200)
 
     @app.get("/metrics", dependencies=guarded)
     async def metrics() -> Response:
