@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -233,6 +234,21 @@ def test_client_disconnect_mid_stream_frees_the_blocks(api):
         assert "leaver" in owners or api.client.transport.engine.requests
     wait_for(lambda: not api.client.transport.engine.requests, timeout=60, what="the request to be aborted")
     wait_for(lambda: api.client.stats().blocks_in_use == 0, timeout=60, what="its blocks back")
+
+
+def test_a_hang_up_on_a_non_streaming_request_is_one_line_and_aborts_it(api, caplog):
+    """A client that leaves before its whole reply is ready: its request is aborted and the
+    server logs one line, not a ~60-line traceback per hang-up."""
+    body = {"model": api.model, "prompt": "Go on forever", "max_tokens": 5000,
+            "ignore_eos": True, "temperature": 0.0}
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{api.url}/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+        wait_for(lambda: not api.client.transport.engine.requests, timeout=60,
+                 what="the request to be aborted")
+        wait_for(lambda: caplog.records, timeout=30, what="the hang-up to be logged")
+    assert [(record.getMessage(), record.exc_info) for record in caplog.records] == [
+        ("a client hung up before its reply was ready: POST /v1/completions", None)]
 
 
 def test_metrics_parse_with_vllm_names_and_types(api):

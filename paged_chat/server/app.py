@@ -16,7 +16,7 @@ API key, every path but /health needs `Authorization: Bearer KEY`, compared in c
 The event loop only moves bytes: a body is refused by its size before it is parsed, and
 parsing, the chat template and tokenizing run on a worker thread, so one huge request
 never stalls /health or the streams of others. A client that hangs up before its body is
-in costs one log line.
+in, or before its reply is ready, costs one log line.
 """
 
 from __future__ import annotations
@@ -52,6 +52,10 @@ BODY_BYTES_PER_TOKEN = 64
 MIN_BODY_BYTES = 2**20
 logger = logging.getLogger("paged_chat.server")
 Parsed = TypeVar("Parsed", bound=BaseModel)
+
+
+class ClientLeft(Exception):
+    """The client hung up before its reply was ready; its engine requests were aborted."""
 
 
 def build_app(client: EngineClient, model_names: Sequence[str] = (), api_key: str | None = None,
@@ -185,7 +189,7 @@ Result = TypeVar("Result")
 
 async def _unless_disconnected(request: Request, work: Awaitable[Result]) -> Result:
     """`work`'s result; if the client leaves first, `work` is cancelled (aborting its engine
-    requests) and so is the handler."""
+    requests) and ClientLeft raised."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnect(request))
     try:
@@ -196,7 +200,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[Result]) -> Res
             task.cancel()
     if not task.done() or task.cancelled():
         await asyncio.gather(task, return_exceptions=True)
-        raise asyncio.CancelledError("the client disconnected")
+        raise ClientLeft
     return task.result()
 
 
@@ -239,8 +243,14 @@ def _add_error_handlers(app: FastAPI) -> None:
                        request.method, request.url.path)
         return Response(status_code=400)  # nobody reads it
 
+    async def client_left(request: Request, error: ClientLeft) -> Response:
+        logger.warning("a client hung up before its reply was ready: %s %s",
+                       request.method, request.url.path)
+        return Response(status_code=400)  # nobody reads it
+
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(ClientDisconnect, client_gone)
+    app.add_exception_handler(ClientLeft, client_left)
     for kind in (ApiError, ValueError, EngineDeadError):
         app.add_exception_handler(kind, api_error)
     app.add_exception_handler(Exception, api_error)
