@@ -138,6 +138,14 @@ def test_errors_are_openai_errors_and_the_engine_lives_on(api):
     assert after.choices[0].finish_reason == "length"
 
 
+def test_a_method_a_path_does_not_take_is_a_405_the_callers_error(api):
+    """A 4xx is the caller's error (it was typed server_error)."""
+    wrong = httpx.put(f"{api.url}/chat/completions", json={"messages": []}, timeout=60)
+    assert wrong.status_code == 405
+    assert wrong.json()["error"] == {"message": "Method Not Allowed", "type": "invalid_request_error",
+                                     "param": None, "code": 405}
+
+
 def test_api_key_is_required_when_set(served):
     keyed = start_server(served.client, api_key="s3cret")
     try:
