@@ -5,8 +5,9 @@ gracefully (open requests are aborted) and `serve()` returns, the signal kept in
 `stop_signal`, so that the program shuts its engine down before it exits (uvicorn itself
 raises the signal again, which ended the program before that); once its engine stops (a
 dead engine process) it exits too, with EngineDeadError, so that a supervisor restarts it
-(as vLLM's API server does) instead of it answering 503 forever. The TUI runs it as one more task on its own
-event loop (`embedded=True`): the app, not uvicorn, owns the signals and the engine there.
+(as vLLM's API server does) instead of it answering 503 forever. The TUI runs it as one
+more task on its own event loop (`embedded=True`): the app, not uvicorn, owns the signals
+and the engine there.
 
 Connections are bounded: at most MAX_CONNECTIONS at once (uvicorn answers 503 past them),
 idle keep-alive ones close after KEEP_ALIVE_S, and one whose request headers are not all
@@ -78,7 +79,7 @@ class _ProgramServer(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():  # signals cannot reach it
+        if threading.current_thread() is not threading.main_thread():  # only it may set handlers
             yield
             return
         previous = {signum: signal.signal(signum, self.handle_exit) for signum in self.STOP_SIGNALS}
