@@ -194,6 +194,28 @@ def test_the_child_exits_when_its_parent_is_killed(chat_model_dir):
     wait_for(lambda: not child_alive(child_pid), what="the engine process to exit with its parent")
 
 
+def test_a_busy_child_exits_within_seconds_of_its_parent_being_killed(chat_model_dir):
+    """A child whose main thread is in a long step (a grammar that compiles for minutes)
+    reads no pipe: it must still end with its parent, not hold the model for minutes more.
+    The parent forks it with its engine loop replaced by a step that never ends."""
+    config = json.dumps(dataclasses.asdict(engine_config(chat_model_dir)))
+    parent = subprocess.Popen(
+        [sys.executable, "-c", BUSY_PARENT_SCRIPT, config], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        child_pid = int(parent.stdout.readline())
+        assert child_alive(child_pid)
+    finally:
+        parent.kill()
+        parent.wait(30)
+    try:
+        wait_for(lambda: not child_alive(child_pid), timeout=30,
+                 what="the busy engine process to exit with its parent")
+    finally:
+        if child_alive(child_pid):
+            os.kill(child_pid, signal.SIGKILL)
+
+
 # The parent imports what an app would before its engine starts, not the tests' helpers
 # (torch and hypothesis: seconds of imports that have nothing to do with being killed).
 PARENT_SCRIPT = """
@@ -203,6 +225,20 @@ import time
 from paged_chat.engine import ClientSpec, EngineConfig, make_client
 if __name__ == "__main__":
     engine = make_client(ClientSpec("process", EngineConfig(**json.loads(sys.argv[1]))))
+    print(engine.transport.pid, flush=True)
+    time.sleep(600)
+"""
+
+BUSY_PARENT_SCRIPT = """
+import json
+import sys
+import time
+from paged_chat.engine import ClientSpec, EngineConfig, make_client
+from paged_chat.engine.clients import engine_loop
+engine_loop.serve_engine = lambda *args: time.sleep(600)
+if __name__ == "__main__":
+    engine = make_client(ClientSpec("process", EngineConfig(**json.loads(sys.argv[1])),
+                                    fork_if_safe=True))
     print(engine.transport.pid, flush=True)
     time.sleep(600)
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import subprocess
 import sys
@@ -137,6 +138,14 @@ def test_errors_are_openai_errors_and_the_engine_lives_on(api):
     assert after.choices[0].finish_reason == "length"
 
 
+def test_a_method_a_path_does_not_take_is_a_405_the_callers_error(api):
+    """A 4xx is the caller's error (it was typed server_error)."""
+    wrong = httpx.put(f"{api.url}/chat/completions", json={"messages": []}, timeout=60)
+    assert wrong.status_code == 405
+    assert wrong.json()["error"] == {"message": "Method Not Allowed", "type": "invalid_request_error",
+                                     "param": None, "code": 405}
+
+
 def test_api_key_is_required_when_set(served):
     keyed = start_server(served.client, api_key="s3cret")
     try:
@@ -196,6 +205,31 @@ def test_the_serve_command_steps_its_engine_in_a_process_of_its_own(tiny_model_d
         server.wait()
 
 
+@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
+def test_serve_shuts_its_engine_down_on_a_stop_signal_then_exits_with_its_status(
+        tiny_model_dir, signum, status):
+    """A supervisor's SIGTERM (or a closed terminal's SIGHUP): the engine child is shut down
+    and reaped before serve exits 128 + the signal (uvicorn raised the signal again after
+    its own shutdown, which ended serve before its engine: a child left to init)."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "paged_chat", "serve", "--model", str(tiny_model_dir),
+         "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(lambda: server.poll() is not None or answers_health(port), timeout=180,
+                 what="the server to answer /health")
+        assert server.poll() is None, server.communicate()[1].decode()
+        [engine] = [pid for pid in child_pids(server.pid)
+                    if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        server.send_signal(signum)
+        _, errors = server.communicate(timeout=60)
+        assert server.returncode == status and b"Traceback" not in errors, errors.decode()
+        assert not Path(f"/proc/{engine}").exists()
+    finally:
+        server.kill()
+        server.wait()
+
+
 def test_client_disconnect_mid_stream_frees_the_blocks(api):
     body = {"model": api.model, "prompt": "Go on forever", "max_tokens": 5000, "stream": True,
             "ignore_eos": True, "temperature": 0.0, "user": "leaver"}
@@ -208,6 +242,21 @@ def test_client_disconnect_mid_stream_frees_the_blocks(api):
         assert "leaver" in owners or api.client.transport.engine.requests
     wait_for(lambda: not api.client.transport.engine.requests, timeout=60, what="the request to be aborted")
     wait_for(lambda: api.client.stats().blocks_in_use == 0, timeout=60, what="its blocks back")
+
+
+def test_a_hang_up_on_a_non_streaming_request_is_one_line_and_aborts_it(api, caplog):
+    """A client that leaves before its whole reply is ready: its request is aborted and the
+    server logs one line, not a ~60-line traceback per hang-up."""
+    body = {"model": api.model, "prompt": "Go on forever", "max_tokens": 5000,
+            "ignore_eos": True, "temperature": 0.0}
+    with caplog.at_level(logging.WARNING):
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{api.url}/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+        wait_for(lambda: not api.client.transport.engine.requests, timeout=60,
+                 what="the request to be aborted")
+        wait_for(lambda: caplog.records, timeout=30, what="the hang-up to be logged")
+    assert [(record.getMessage(), record.exc_info) for record in caplog.records] == [
+        ("a client hung up before its reply was ready: POST /v1/completions", None)]
 
 
 def test_metrics_parse_with_vllm_names_and_types(api):

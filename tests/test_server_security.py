@@ -368,6 +368,33 @@ def test_serve_exits_when_its_engine_dies_and_a_hang_up_is_one_line(tiny_model_d
         server.wait()
 
 
+def test_health_is_503_with_the_reason_while_the_engine_process_is_stopped(tiny_model_dir):
+    """`kill -STOP` on the engine child: requests would wait for good, so /health says 503
+    and why (it said 200), and 200 again once the child goes on."""
+    port = free_port()
+    server = serve_command(tiny_model_dir, port)
+    try:
+        wait_for(lambda: server.poll() is not None or answers_health(port), timeout=180,
+                 what="the server to answer /health")
+        assert server.poll() is None, server.communicate()[1].decode()
+        [engine] = [int(child) for task in Path(f"/proc/{server.pid}/task").iterdir()
+                    for child in (task / "children").read_text().split()
+                    if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
+        os.kill(engine, signal.SIGSTOP)
+        try:
+            wait_for(lambda: not answers_health(port), timeout=60,
+                     what="/health to see the engine stopped")
+            health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+            assert health.status_code == 503
+            assert error_of(health).startswith("the engine is not responding"), health.text
+        finally:
+            os.kill(engine, signal.SIGCONT)
+        wait_for(lambda: answers_health(port), timeout=60, what="/health to be 200 again")
+    finally:
+        server.kill()
+        server.wait()
+
+
 # ---- item 7: client input is a 400 naming the field ---------------------------------------
 
 

@@ -8,7 +8,7 @@ Per-invocation state (debug flag, config path, loaded settings, the engine facto
 replace) lives in `ctx.obj`, a CliState (cli/state.py).
 
 Exit codes: 0 ok, 1 runtime error (one `Error: ...` line on stderr; the traceback only
-with --debug), 2 usage error, 130 Ctrl+C (143 SIGTERM, 129 SIGHUP during a reply).
+with --debug), 2 usage error, 130 Ctrl+C (143 SIGTERM, 129 SIGHUP during a reply or `serve`).
 """
 
 from __future__ import annotations

@@ -40,7 +40,8 @@ def serve(ctx: typer.Context,
                                  ] = ToolChoiceDefault.auto,
           ) -> None:
     """Serve the engine as an OpenAI-compatible API (/v1/chat/completions, /v1/completions,
-    /v1/models, /health, /metrics) until Ctrl+C, or until the engine stops (then exit 1).
+    /v1/models, /health, /metrics) until Ctrl+C, SIGTERM or SIGHUP (the engine is shut down,
+    then exit 130, 143, 129), or until the engine stops (then exit 1).
     Without --api-key it takes JSON bodies only, for a loopback Host, from no web page but
     those of loopback and allowed origins. Sampling fields a request omits take the model's
     generation_config.json values, else [chat]'s (listed in /v1/models).
@@ -73,3 +74,5 @@ def serve(ctx: typer.Context,
             asyncio.run(server.serve())
         finally:
             client.shutdown()
+        if server.stop_signal is not None:
+            raise typer.Exit(128 + server.stop_signal)

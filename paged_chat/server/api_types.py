@@ -180,8 +180,8 @@ def envelope(object_name: str, request_id: str, model: str, choices: list[dict[s
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
-    """OpenAI's error object."""
-    kind = {400: "invalid_request_error", 401: "authentication_error",
-            403: "permission_error", 404: "not_found_error", 413: "invalid_request_error",
-            415: "invalid_request_error"}.get(status, "server_error")
+    """OpenAI's error object: a 4xx is the caller's error, typed by its kind where OpenAI
+    names one, else invalid_request_error; a 5xx is a server_error."""
+    named = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
+    kind = named.get(status, "invalid_request_error" if status < 500 else "server_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}

@@ -9,13 +9,14 @@ a keyless server, a Host or Origin that is not this machine's: guards.py), 404 (
 model or path), 413 (a body over `max_body_bytes`, by default sized from the model's
 context), 415 (on a keyless server, a body that is not JSON). A surprise is a 500 with
 one line, never a traceback; no request can stop the engine. /health is 200 while the
-engine serves and 503, saying why, once it stopped (an engine process that died). With an
+engine serves and 503, saying why, once it stopped (an engine process that died) or while
+it does not respond (its process stopped or hung). With an
 API key, every path but /health needs `Authorization: Bearer KEY`, compared in constant time.
 
 The event loop only moves bytes: a body is refused by its size before it is parsed, and
 parsing, the chat template and tokenizing run on a worker thread, so one huge request
 never stalls /health or the streams of others. A client that hangs up before its body is
-in costs one log line.
+in, or before its reply is ready, costs one log line.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ logger = logging.getLogger("paged_chat.server")
 Parsed = TypeVar("Parsed", bound=BaseModel)
 
 
+class ClientLeft(Exception):
+    """The client hung up before its reply was ready; its engine requests were aborted."""
+
+
 def build_app(client: EngineClient, model_names: Sequence[str] = (), api_key: str | None = None,
               max_body_bytes: int | None = None, allowed_origins: Sequence[str] = (),
               share_cache_with_tui: bool = False, defaults: dict[str, Any] | None = None,
@@ -88,11 +93,14 @@ def build_app(client: EngineClient, model_names: Sequence[str] = (), api_key: st
 
     @app.get("/health")
     async def health() -> Response:
-        if client.running:
-            return Response(status_code=200)
-        reason = client.last_error or "it was shut down"
-        return JSONResponse(error_body(f"the engine is not running: {reason}", 503),
-                            status_code=503)
+        if not client.running:
+            reason = client.last_error or "it was shut down"
+            return JSONResponse(error_body(f"the engine is not running: {reason}", 503),
+                                status_code=503)
+        if client.capabilities.restart and not client.responding:
+            return JSONResponse(error_body("the engine is not responding: its process is "
+                                           "stopped or hung", 503), status_code=503)
+        return Response(status_code=200)
 
     @app.get("/metrics", dependencies=guarded)
     async def metrics() -> Response:
@@ -181,7 +189,7 @@ Result = TypeVar("Result")
 
 async def _unless_disconnected(request: Request, work: Awaitable[Result]) -> Result:
     """`work`'s result; if the client leaves first, `work` is cancelled (aborting its engine
-    requests) and so is the handler."""
+    requests) and ClientLeft raised."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnect(request))
     try:
@@ -192,7 +200,7 @@ async def _unless_disconnected(request: Request, work: Awaitable[Result]) -> Res
             task.cancel()
     if not task.done() or task.cancelled():
         await asyncio.gather(task, return_exceptions=True)
-        raise asyncio.CancelledError("the client disconnected")
+        raise ClientLeft
     return task.result()
 
 
@@ -235,8 +243,14 @@ def _add_error_handlers(app: FastAPI) -> None:
                        request.method, request.url.path)
         return Response(status_code=400)  # nobody reads it
 
+    async def client_left(request: Request, error: ClientLeft) -> Response:
+        logger.warning("a client hung up before its reply was ready: %s %s",
+                       request.method, request.url.path)
+        return Response(status_code=400)  # nobody reads it
+
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(ClientDisconnect, client_gone)
+    app.add_exception_handler(ClientLeft, client_left)
     for kind in (ApiError, ValueError, EngineDeadError):
         app.add_exception_handler(kind, api_error)
     app.add_exception_handler(Exception, api_error)

@@ -1,10 +1,13 @@
 """Serving the API: the bind rules, and uvicorn on a socket of our own.
 
-`paged-chat serve` runs the server as the program (uvicorn handles Ctrl+C and SIGTERM:
-open requests are aborted, then it exits); once its engine stops (a dead engine process)
-it exits too, with EngineDeadError, so that a supervisor restarts it (as vLLM's API server
-does) instead of it answering 503 forever. The TUI runs it as one more task on its own
-event loop (`embedded=True`): the app, not uvicorn, owns the signals and the engine there.
+`paged-chat serve` runs the server as the program: Ctrl+C, SIGTERM and SIGHUP end it
+gracefully (open requests are aborted) and `serve()` returns, the signal kept in
+`stop_signal`, so that the program shuts its engine down before it exits (uvicorn itself
+raises the signal again, which ended the program before that); once its engine stops (a
+dead engine process) it exits too, with EngineDeadError, so that a supervisor restarts it
+(as vLLM's API server does) instead of it answering 503 forever. The TUI runs it as one
+more task on its own event loop (`embedded=True`): the app, not uvicorn, owns the signals
+and the engine there.
 
 Connections are bounded: at most MAX_CONNECTIONS at once (uvicorn answers 503 past them),
 idle keep-alive ones close after KEEP_ALIVE_S, and one whose request headers are not all
@@ -17,8 +20,11 @@ import asyncio
 import contextlib
 import functools
 import ipaddress
+import signal
 import socket
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -62,6 +68,31 @@ class _EmbeddedServer(uvicorn.Server):
 
     def capture_signals(self) -> contextlib.AbstractContextManager[None]:
         return contextlib.nullcontext()
+
+
+class _ProgramServer(uvicorn.Server):
+    """uvicorn as the program: its graceful shutdown on STOP_SIGNALS, the first of them kept
+    in `stop_signal` instead of raised again after the shutdown."""
+
+    STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    stop_signal: int | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():  # only it may set handlers
+            yield
+            return
+        previous = {signum: signal.signal(signum, self.handle_exit) for signum in self.STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.stop_signal is None:
+            self.stop_signal = sig
+        super().handle_exit(sig, frame)
 
 
 class _HeaderTimeoutH11(H11Protocol):
@@ -120,7 +151,7 @@ class ApiServer:
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, http=protocol,
                                 limit_concurrency=MAX_CONNECTIONS, timeout_keep_alive=KEEP_ALIVE_S)
-        self.server = (_EmbeddedServer if embedded else uvicorn.Server)(config)
+        self.server = (_EmbeddedServer if embedded else _ProgramServer)(config)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -140,9 +171,14 @@ class ApiServer:
     def started(self) -> bool:
         return self.server.started
 
+    @property
+    def stop_signal(self) -> int | None:
+        """The signal that stopped a server that is the program, once `serve()` returned."""
+        return self.server.stop_signal if isinstance(self.server, _ProgramServer) else None
+
     async def serve(self) -> None:
-        """Serve until `stop()` (or, not embedded, Ctrl+C / SIGTERM, or the engine stopping:
-        then it raises EngineDeadError once the open requests are answered)."""
+        """Serve until `stop()` (or, not embedded, a stop signal: see `stop_signal`; or the
+        engine stopping: then it raises EngineDeadError once the open requests are answered)."""
         watch = None if self.embedded else asyncio.create_task(self._stop_with_the_engine())
         try:
             await self.server.serve(sockets=[self.socket])

@@ -40,8 +40,12 @@ of its own sends one every HEARTBEAT_S on a second, one-way pipe whatever its ma
 does (a long step included), and `responding` turns False after NOT_RESPONDING_S without
 one. `stop` waits for a responding child up to its timeout and kills one that does not
 respond at once, so an app quits in about a second whatever the child does. A restart
-starts a new child (the model loads again). A child whose parent dies
-sees its pipe close and exits; it ignores SIGINT, so Ctrl+C in a terminal reaches only the
+starts a new child (the model loads again). A child whose parent dies, however it died,
+sees its pipe close and exits; one whose main thread reads no pipe then (a load, a long
+step) is ended by a thread of its own that sees it was orphaned (its parent pid changed)
+within PARENT_WATCH_S and gives the main thread PARENT_GONE_GRACE_S to finish first. (Not
+PR_SET_PDEATHSIG: that fires when the *thread* that started the child ends, and a restart
+may run on a worker thread.) It ignores SIGINT, so Ctrl+C in a terminal reaches only the
 app, which shuts the child down. Its stdout and stderr go to `log_path` when given (a TUI
 owns the terminal), with Python's fault handler on, so a native crash leaves a trace there.
 """
@@ -77,6 +81,8 @@ if TYPE_CHECKING:   # the parent never imports torch: the Engine and its loader 
 
 HEARTBEAT_S = 0.2        # how often the child says it is alive
 NOT_RESPONDING_S = 3.0   # no heartbeat for this long: the child is stopped or hung
+PARENT_WATCH_S = 0.5     # how often the child checks that its parent lives
+PARENT_GONE_GRACE_S = 3.0   # an orphaned child's main thread gets this long to exit itself
 
 
 @dataclass(slots=True)
@@ -180,7 +186,7 @@ class ProcessTransport:
         inherited = (self._conn, self._beats) if method == "fork" else ()
         self._process = context.Process(
             target=_child_main, args=(child_conn, child_beats, self.config, self.stats_interval_s,
-                                      self.log_path, self.leave_cores, inherited),
+                                      self.log_path, self.leave_cores, inherited, os.getpid()),
             name="paged-chat-engine", daemon=True)
         with _stderr_with_a_descriptor():
             self._process.start()
@@ -356,8 +362,10 @@ class _PipeEvents:
 
 def _child_main(conn: Connection, beats: Connection, config: EngineConfig,
                 stats_interval_s: float, log_path: Path | None, leave_cores: int,
-                inherited: tuple[Connection, ...]) -> None:
+                inherited: tuple[Connection, ...], parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_end_with_parent, args=(parent_pid,), name="paged-chat-parent-watch",
+                     daemon=True).start()
     for parent_end in inherited:
         parent_end.close()
     if log_path is not None:
@@ -422,6 +430,15 @@ def _beat(beats: Connection) -> None:
             time.sleep(HEARTBEAT_S)
     except OSError:  # the parent has gone
         return
+
+
+def _end_with_parent(parent_pid: int) -> None:
+    """End this process once its parent has gone (it was then re-parented), whatever its
+    main thread is doing: that gets PARENT_GONE_GRACE_S to exit by itself first."""
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_WATCH_S)
+    time.sleep(PARENT_GONE_GRACE_S)
+    os._exit(1)
 
 
 def _log_to(path: Path) -> None:
