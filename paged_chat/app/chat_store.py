@@ -29,7 +29,9 @@ store that replaced it.
 
 Privacy. Chats are personal: chats.db and its -wal and -shm files are created 0600 (SQLite
 gives the -wal and -shm files the database's mode), and looser ones are tightened when
-the store opens, with a notice (the data directory itself is settings.data_dir's).
+the store opens, with a notice (the data directory itself is settings.data_dir's). A
+store file that is a symbolic link is refused: the store touches nothing outside its
+directory.
 
 Read-only stores. A store this process cannot write (a read-only file system, a file
 without write permission) opens read-only, so it can still be listed and shown; a write
@@ -121,6 +123,7 @@ _BUSY_TIMEOUT_S = 5.0   # how long a connection waits for another process's lock
 _CHAT_COLUMNS = "id, title, model, system_prompt, sampling, created, updated"
 _MESSAGE_COLUMNS = "id, chat_id, role, content, token_ids, finish_reason, created, timings"
 _FILE_SUFFIXES = ("", "-wal", "-shm")
+_LOCK_SUFFIX = ".lock"   # the recovery lock's file (see the module docstring)
 # A chat holds search term ?n in its title or in one of its messages.
 _CHAT_HOLDS = ("(rowid IN (SELECT rowid FROM chat_search WHERE chat_search MATCH ?{n}) "
                "OR id IN (SELECT chat_id FROM messages WHERE id IN "
@@ -419,7 +422,14 @@ class ChatStore:
 
     def _prepare_files(self) -> list[str]:
         """Check the path, create a missing database file private, and make existing ones
-        private; the notices of what was tightened."""
+        private; the notices of what was tightened. A link among the store's files is
+        refused before anything follows it (a chmod, a move aside, SQLite's writes would
+        reach a file outside the data directory)."""
+        for file in self._files(*_FILE_SUFFIXES, _LOCK_SUFFIX):
+            if file.is_symlink():
+                raise StoreError(f"the chat store's file {file} is a symbolic link: paged-chat "
+                                 "does not follow it out of its data directory; move it away, "
+                                 "or set PAGED_CHAT_DATA_DIR to use another store")
         if self.path.is_dir():
             raise StoreError(f"the chat store {self.path} is a directory, not a file: move it "
                              "away, or set PAGED_CHAT_DATA_DIR to use another store")
@@ -429,12 +439,16 @@ class ChatStore:
                 self._create()
         except OSError as exc:
             raise StoreError(f"cannot create the chat store {self.path}: {exc.strerror}") from exc
-        files = [self.path.with_name(self.path.name + suffix) for suffix in _FILE_SUFFIXES]
-        return [notice for file in files if file.exists() and (notice := make_private(file, 0o600))]
+        return [notice for file in self._files(*_FILE_SUFFIXES)
+                if file.exists() and (notice := make_private(file, 0o600))]
+
+    def _files(self, *suffixes: str) -> list[Path]:
+        """The store's files with these suffixes ("" is the database itself)."""
+        return [self.path.with_name(self.path.name + suffix) for suffix in suffixes]
 
     def _create(self) -> None:
         """An empty database file, private (SQLite would create it with the umask's mode)."""
-        os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600))
+        os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
 
     def _recover(self) -> str:
         """Under the recovery lock: open the store if another process has already set it
@@ -453,7 +467,7 @@ class ChatStore:
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
         """Hold `chats.db.lock` (an advisory lock every paged-chat process takes here)."""
-        lock = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        lock = os.open(self._files(_LOCK_SUFFIX)[0], os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield
