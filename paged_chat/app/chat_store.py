@@ -41,6 +41,7 @@ on a read-only file system no other way.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import itertools
 import json
@@ -119,6 +120,9 @@ MIGRATIONS: list[tuple[str, ...]] = [
 ]
 
 _CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+# A full disk, as SQLite reports it: a write that did not fit, or a -shm file that could
+# not grow to the size a connection needs.
+_FULL = ("SQLITE_FULL", "SQLITE_IOERR_SHMSIZE")
 _BUSY_TIMEOUT_S = 5.0   # how long a connection waits for another process's lock
 _CHAT_COLUMNS = "id, title, model, system_prompt, sampling, created, updated"
 _MESSAGE_COLUMNS = "id, chat_id, role, content, token_ids, finish_reason, created, timings"
@@ -229,12 +233,9 @@ class ChatStore:
 
     def create_chat(self, title: str, model: str, system_prompt: str | None = None,
                     sampling: dict | None = None) -> StoredChat:
-        now = time.time()
-        chat = StoredChat(_new_id(), title, model, system_prompt, dict(sampling or {}), now, now)
+        chat = new_chat(title, model, system_prompt, sampling)
         with self._transaction() as db:
-            db.execute(f"INSERT INTO chats ({_CHAT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                       (chat.id, title, model, system_prompt, json.dumps(chat.sampling),
-                        chat.created, chat.updated))
+            _insert_chat(db, chat)
         return chat
 
     def list_chats(self) -> list[StoredChat]:
@@ -330,18 +331,30 @@ class ChatStore:
         with self._transaction() as db:
             self._touch(db, "id = ?", chat_id, message.created)
             if after is not None:
-                last = db.execute("SELECT coalesce(max(id), 0) FROM messages WHERE chat_id = ?",
-                                  (chat_id,)).fetchone()[0]
-                if last != after:
-                    raise ChatMovedOn(f"chat {chat_id} gained a message while this turn was "
-                                      "being prepared (another `ask -c` or window?): nothing "
-                                      "was saved; run it again to continue from the latest")
-            cursor = db.execute(
-                f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?)",
-                (chat_id, role, content, _pack(message.token_ids), finish_reason,
-                 message.created, json.dumps(message.timings)))
-            message.id = cursor.lastrowid
+                self._check_after(db, chat_id, after)
+            message.id = self._insert_message(db, message)
         return message
+
+    def start_turn(self, chat: StoredChat, user: tuple[str, list[int]] | None, after: int,
+                   create: bool = False) -> tuple[int | None, int]:
+        """The rows a turn starts with, all written or none (a full disk never leaves a
+        user row without its reply): `chat` itself when `create` (a chat from `new_chat`,
+        saved with its first turn), the user row (`user`: its text and token ids; None for
+        a regenerate) and an empty reply row; their ids (user, reply). `after` is as for
+        `add_message`."""
+        now = time.time()
+        with self._transaction() as db:
+            if create:
+                _insert_chat(db, chat)
+            self._check_after(db, chat.id, after)
+            user_id = None
+            if user is not None:
+                user_id = self._insert_message(db, Message(0, chat.id, "user", user[0],
+                                                           list(user[1]), None, now, {}))
+            reply_id = self._insert_message(db, Message(0, chat.id, "assistant", "", [], None,
+                                                        now, {}))
+            self._touch(db, "id = ?", chat.id, now)
+        return user_id, reply_id
 
     def delete_messages_from(self, chat_id: str, first_id: int) -> None:
         """Delete the chat's messages from `first_id` on: a turn withdrawn whole (its
@@ -385,6 +398,24 @@ class ChatStore:
             self._touch(db, "id = ?", chat_id, time.time())
 
     @staticmethod
+    def _check_after(db: sqlite3.Connection, chat_id: str, after: int) -> None:
+        """ChatMovedOn unless the chat's last message is still `after` (0: none)."""
+        last = db.execute("SELECT coalesce(max(id), 0) FROM messages WHERE chat_id = ?",
+                          (chat_id,)).fetchone()[0]
+        if last != after:
+            raise ChatMovedOn(f"chat {chat_id} gained a message while this turn was "
+                              "being prepared (another `ask -c` or window?): nothing "
+                              "was saved; run it again to continue from the latest")
+
+    @staticmethod
+    def _insert_message(db: sqlite3.Connection, message: Message) -> int:
+        """Insert `message` (its id is ignored); the id it got."""
+        return db.execute(
+            f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?)",
+            (message.chat_id, message.role, message.content, _pack(message.token_ids),
+             message.finish_reason, message.created, json.dumps(message.timings))).lastrowid
+
+    @staticmethod
     def _touch(db: sqlite3.Connection, where: str, key: object, now: float) -> None:
         if db.execute(f"UPDATE chats SET updated = ? WHERE {where}", (now, key)).rowcount == 0:
             raise ChatNotFound(f"no chat with id {key!r}: `paged-chat chats` lists them")
@@ -412,13 +443,13 @@ class ChatStore:
                     raise
                 raise self._write_error(exc) from exc
 
-    def _write_error(self, exc: sqlite3.OperationalError) -> StoreWriteError:
-        """The precise error for a write SQLite refused (the disk full, an I/O error)."""
-        name = getattr(exc, "sqlite_errorname", None)
-        if name == "SQLITE_FULL":
+    def _write_error(self, exc: sqlite3.OperationalError, doing: str = "write to") -> StoreWriteError:
+        """The precise error for a write SQLite refused (the disk full, an I/O error);
+        `doing` says what failed ("write to", "open")."""
+        if getattr(exc, "sqlite_errorname", None) in _FULL:
             return StoreFullError(f"the disk holding the chat store {self.path} is full",
                                   self.path)
-        return StoreWriteError(f"cannot write to the chat store {self.path}: {exc}", self.path)
+        return StoreWriteError(f"cannot {doing} the chat store {self.path}: {exc}", self.path)
 
     def _prepare_files(self) -> list[str]:
         """Check the path, create a missing database file private, and make existing ones
@@ -438,6 +469,9 @@ class ChatStore:
             if not self.path.exists():
                 self._create()
         except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFullError(f"the disk holding the chat store {self.path} is full",
+                                     self.path) from exc
             raise StoreError(f"cannot create the chat store {self.path}: {exc.strerror}") from exc
         return [notice for file in self._files(*_FILE_SUFFIXES)
                 if file.exists() and (notice := make_private(file, 0o600))]
@@ -506,8 +540,11 @@ class ChatStore:
             self._migrate(conn)
         except sqlite3.DatabaseError as exc:
             conn.close()
-            if getattr(exc, "sqlite_errorname", None) in _CORRUPT:
+            name = getattr(exc, "sqlite_errorname", None)
+            if name in _CORRUPT:
                 raise _CorruptDatabase(str(exc)) from exc
+            if name in _FULL or (name or "").startswith("SQLITE_IOERR"):
+                raise self._write_error(exc, "open") from exc
             raise StoreError(f"cannot open the chat store {self.path}: {exc}") from exc
         except BaseException:
             conn.close()
@@ -562,6 +599,20 @@ def _set_wal_mode(conn: sqlite3.Connection) -> None:
             if getattr(exc, "sqlite_errorname", None) != "SQLITE_BUSY" or time.monotonic() > give_up:
                 raise
             time.sleep(0.02)
+
+
+def new_chat(title: str, model: str, system_prompt: str | None = None,
+             sampling: dict | None = None) -> StoredChat:
+    """A chat not yet in any store: `ChatStore.start_turn(create=True)` writes it with its
+    first turn, so a chat whose first turn could not be saved leaves nothing behind."""
+    now = time.time()
+    return StoredChat(_new_id(), title, model, system_prompt, dict(sampling or {}), now, now)
+
+
+def _insert_chat(db: sqlite3.Connection, chat: StoredChat) -> None:
+    db.execute(f"INSERT INTO chats ({_CHAT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+               (chat.id, chat.title, chat.model, chat.system_prompt, json.dumps(chat.sampling),
+                chat.created, chat.updated))
 
 
 def _new_id() -> str:
