@@ -46,10 +46,12 @@ import fcntl
 import itertools
 import json
 import os
+import re
 import sqlite3
 import sys
 import threading
 import time
+import unicodedata
 import uuid
 from array import array
 from collections.abc import Iterator
@@ -67,6 +69,11 @@ INTERRUPTED = "interrupted"
 # name one chat.
 MAX_SEARCH_WORDS = 64
 
+
+
+# A message row that is final: what the search index holds. A reply still streaming (or
+# cut by a kill) has no finish reason yet.
+_FINAL = "({row}.role != 'assistant' OR {row}.finish_reason IS NOT NULL)"
 
 
 def _search_index(index: str, table: str, column: str, key: str) -> tuple[str, ...]:
@@ -117,6 +124,36 @@ MIGRATIONS: list[tuple[str, ...]] = [
     ),
     _search_index("chat_search", "chats", "title", "rowid")
     + _search_index("message_search", "messages", "content", "id"),
+    # A reply is indexed once it is final, not at every save while it streams (each save
+    # re-indexed the whole text: quadratic in the reply's length). The index holds exactly
+    # the final rows, so the delete it is told of is always what it holds.
+    (
+        "DROP TRIGGER message_search_insert",
+        "DROP TRIGGER message_search_delete",
+        "DROP TRIGGER message_search_update",
+        f"""CREATE TRIGGER message_search_insert AFTER INSERT ON messages
+            WHEN {_FINAL.format(row="new")} BEGIN
+            INSERT INTO message_search (rowid, content) VALUES (new.id, new.content);
+        END""",
+        f"""CREATE TRIGGER message_search_delete AFTER DELETE ON messages
+            WHEN {_FINAL.format(row="old")} BEGIN
+            INSERT INTO message_search (message_search, rowid, content)
+                VALUES ('delete', old.id, old.content);
+        END""",
+        f"""CREATE TRIGGER message_search_update AFTER UPDATE OF content, finish_reason
+            ON messages BEGIN
+            INSERT INTO message_search (message_search, rowid, content)
+                SELECT 'delete', old.id, old.content WHERE {_FINAL.format(row="old")};
+            INSERT INTO message_search (rowid, content)
+                SELECT new.id, new.content WHERE {_FINAL.format(row="new")};
+        END""",
+        # What a search reads instead of the index: the few replies not final.
+        "CREATE INDEX messages_not_final ON messages (chat_id) "
+        "WHERE role = 'assistant' AND finish_reason IS NULL",
+        "INSERT INTO message_search (message_search) VALUES ('delete-all')",
+        f"INSERT INTO message_search (rowid, content) SELECT id, content FROM messages "
+        f"WHERE {_FINAL.format(row='messages')}",
+    ),
 ]
 
 _CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
@@ -128,10 +165,13 @@ _CHAT_COLUMNS = "id, title, model, system_prompt, sampling, created, updated"
 _MESSAGE_COLUMNS = "id, chat_id, role, content, token_ids, finish_reason, created, timings"
 _FILE_SUFFIXES = ("", "-wal", "-shm")
 _LOCK_SUFFIX = ".lock"   # the recovery lock's file (see the module docstring)
-# A chat holds search term ?n in its title or in one of its messages.
+# A chat holds search term ?n in its title or in one of its messages: a final one by the
+# index, a reply that is not (streaming, or cut) by reading it (`_holds_word`).
 _CHAT_HOLDS = ("(rowid IN (SELECT rowid FROM chat_search WHERE chat_search MATCH ?{n}) "
                "OR id IN (SELECT chat_id FROM messages WHERE id IN "
-               "(SELECT rowid FROM message_search WHERE message_search MATCH ?{n})))")
+               "(SELECT rowid FROM message_search WHERE message_search MATCH ?{n})) "
+               "OR id IN (SELECT chat_id FROM messages WHERE role = 'assistant' AND "
+               "finish_reason IS NULL AND holds_word(content, ?{n})))")
 
 
 class StoreError(PagedChatError):
@@ -519,6 +559,7 @@ class ChatStore:
             target, uri = f"{self.path.resolve().as_uri()}?mode=ro&immutable=1", True
         conn = sqlite3.connect(target, timeout=_BUSY_TIMEOUT_S, isolation_level=None,
                                check_same_thread=False, uri=uri)
+        conn.create_function("holds_word", 2, _holds_word, deterministic=True)
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version > len(MIGRATIONS):
@@ -635,6 +676,26 @@ def _search_terms(text: str) -> list[str]:
     """The first MAX_SEARCH_WORDS search words of `text`, each a quoted FTS5 prefix query
     ("word"*)."""
     return ['"' + word.replace('"', '""') + '"*' for word in search_words(text)[:MAX_SEARCH_WORDS]]
+
+
+def _index_words(text: str) -> list[str]:
+    """`text`'s words as the search index's tokenizer (unicode61, remove_diacritics 2)
+    sees them: runs of letters and digits, accents dropped, in lower case."""
+    bare = "".join(char for char in unicodedata.normalize("NFD", text)
+                   if unicodedata.category(char) != "Mn")
+    return re.findall(r"[^\W_]+", bare.lower())
+
+
+def _holds_word(text: str, term: str) -> bool:
+    """Whether `text` holds search term `term` (a quoted FTS5 prefix query, "word"*) as
+    the index would find it: its words in a row, the last as the start of a word."""
+    words = _index_words(term[1:-2].replace('""', '"'))
+    if not words:
+        return False
+    *whole, start = words
+    tokens = _index_words(text)
+    return any(tokens[i:i + len(whole)] == whole and tokens[i + len(whole)].startswith(start)
+               for i in range(len(tokens) - len(whole)))
 
 
 def _chat(row: tuple) -> StoredChat:
