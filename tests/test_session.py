@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 from contextlib import aclosing
 
 import pytest
@@ -76,6 +77,24 @@ async def test_a_store_that_fails_mid_reply_costs_one_warning_not_the_reply(clie
     assert len(warnings) == 1 and "database or disk is full" in warnings[0]
     reply = store.get_chat(session.chat_id).messages[-1]
     assert reply.content == text and reply.finish_reason == "length"
+
+
+async def test_streaming_saves_are_written_off_the_event_loop(client, store, monkeypatch):
+    """A save while the reply streams must not hold the UI's loop (every tab's keys and
+    frames) for the write; the last save, once a turn, may."""
+    monkeypatch.setattr("paged_chat.app.chat_session.SAVE_INTERVAL_S", 0.0)
+    session = new_session(store)
+    update, saves = store.update_message, []
+
+    def recording(message_id, content, token_ids, finish_reason, timings=None):
+        saves.append((finish_reason, threading.get_ident()))
+        return update(message_id, content, token_ids, finish_reason, timings)
+
+    monkeypatch.setattr(store, "update_message", recording)
+    text = await asyncio.wait_for(run(session.send(client, "Tell me more", GREEDY)), 60)
+    streaming = [thread for reason, thread in saves if reason is None]
+    assert streaming and threading.get_ident() not in streaming
+    assert store.get_chat(session.chat_id).messages[-1].content == text
 
 
 async def test_a_turn_whose_engine_stops_before_a_word_is_withdrawn(client, store, monkeypatch):

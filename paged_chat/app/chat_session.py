@@ -6,7 +6,8 @@ the chat store and the metrics of its replies. A turn:
 
     user row and an empty assistant row written   (a kill from here on keeps the turn)
     prompt ids streamed through an EngineClient    (deltas yielded to the caller as they come)
-    assistant row updated every SAVE_INTERVAL_S    (a kill keeps what was said so far)
+    assistant row updated every SAVE_INTERVAL_S    (a kill keeps what was said so far; written
+                                                   on a worker thread, off the caller's loop)
     assistant row finished with its reason         (also when the turn is cancelled: "abort")
     the turn joins the Conversation                (cut or empty, as stored)
 
@@ -27,6 +28,7 @@ and read `turn` for the numbers.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import sqlite3
 import time
@@ -294,7 +296,9 @@ class ChatSession:
                     if (turn.token_ids and not turn.finished
                             and time.monotonic() - saved_at >= SAVE_INTERVAL_S):
                         saved_at = time.monotonic()
-                        self._save_reply(turn, final=False)
+                        # Off the loop, which a UI's keys and frames share; awaited, so the
+                        # turn is not changed under the write.
+                        await asyncio.to_thread(self._save_reply, turn, False)
                     yield output
         except BaseException as error:  # cancelled (a closed tab, Ctrl+C) or the engine failed
             reason = "error" if isinstance(error, Exception) else "abort"

@@ -14,6 +14,10 @@ Concatenating every row's ids in order gives the chat's history (see
 updated as it streams; a row still None when loaded was cut by a crash or kill, and reads
 back as finish_reason "interrupted" with whatever content was committed.
 
+Search. An FTS5 index holds every final message (a reply once it has its finish reason,
+so a streaming reply is indexed once, not at every save); `search_chats` reads the few
+replies that are not final (streaming, or cut) itself, word for word as the index would.
+
 Durability. Every write is one transaction, so a crash or a kill at any moment leaves the
 file readable with every committed message intact (WAL with synchronous=NORMAL: a power
 cut may lose the last commits, a killed process loses nothing committed).
