@@ -193,22 +193,30 @@ def structured_output_options(json_schema: TextIO | None, choice: str | None) ->
 
 @dataclass(slots=True, eq=False)
 class Answer:
-    """One prompt of this run: its chat session and what its JSON object leads with."""
+    """One prompt of this run: its chat session and what its JSON object leads with; with
+    `names_chat`, the id of the chat it was saved in follows (null when it was not)."""
 
     index: int
     session: ChatSession
     user_text: str
     params: SamplingParams
     meta: dict[str, Any] = field(default_factory=dict)
+    names_chat: bool = False
 
     @property
     def turn(self) -> Turn:
         assert self.session.turn is not None, "the answer has not started"
         return self.session.turn
 
+    @property
+    def chat_id(self) -> str | None:
+        """The chat this answer is saved in; None when it is in no chat of the store."""
+        return self.session.chat_id if self.session.in_store else None
+
     def to_json(self, load_s: float) -> dict[str, Any]:
         turn, timings = self.turn, self.turn.timings()
-        return {**self.meta, "text": turn.text, "finish_reason": turn.finish_reason,
+        chat = {"chat_id": self.chat_id} if self.names_chat else {}
+        return {**self.meta, **chat, "text": turn.text, "finish_reason": turn.finish_reason,
                 "error": turn.error, "prompt_tokens": len(turn.prompt_ids),
                 "cached_tokens": turn.num_cached_tokens,
                 "tier_cached_tokens": turn.num_tier_cached_tokens,
@@ -308,8 +316,7 @@ def _run_turn(options: PlainTerminalOptions, settings: Settings, make_engine: En
             conversation = (Conversation.from_chat(chat, info.tokenizer, info.chat_template)
                             if chat is not None else None)
             session = ChatSession(system_prompt=system, conversation=conversation)
-        meta = {"model": config.model, "chat_id": session.chat_id}
-        answer = Answer(0, session, user_text, params, meta)
+        answer = Answer(0, session, user_text, params, {"model": config.model}, names_chat=True)
         code = _answer(client, [answer], options, load_s)
         unsaved = session.unsaved or store_error
         if unsaved is not None:
@@ -325,7 +332,7 @@ def unsaved_reply_line(answer: Answer, error: Exception) -> str:
     from paged_chat.app.settings import cache_dir
     from paged_chat.engine.core.errors import describe_error
 
-    turn, chat_id = answer.turn, answer.session.chat_id if answer.session.in_store else None
+    turn, chat_id = answer.turn, answer.chat_id
     chat = f"chat {chat_id} ({answer.session.title})" if chat_id else "a new chat"
     text = (f"# Unsaved turn of {chat}\n\n"
             f"## User\n\n{turn.user_text}\n\n## Assistant\n\n{turn.text}\n")
