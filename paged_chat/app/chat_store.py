@@ -152,11 +152,11 @@ MIGRATIONS: list[tuple[str, ...]] = [
                 SELECT new.id, new.content WHERE {_FINAL.format(row="new")};
         END""",
         # What a search reads instead of the index: the few replies not final.
-        "CREATE INDEX messages_not_final ON messages (chat_id) "
-        "WHERE role = 'assistant' AND finish_reason IS NULL",
+        ("CREATE INDEX messages_not_final ON messages (chat_id) "
+         "WHERE role = 'assistant' AND finish_reason IS NULL"),
         "INSERT INTO message_search (message_search) VALUES ('delete-all')",
-        f"INSERT INTO message_search (rowid, content) SELECT id, content FROM messages "
-        f"WHERE {_FINAL.format(row='messages')}",
+        ("INSERT INTO message_search (rowid, content) SELECT id, content FROM messages "
+         f"WHERE {_FINAL.format(row='messages')}"),
     ),
 ]
 
