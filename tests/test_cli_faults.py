@@ -297,6 +297,37 @@ def test_a_disk_that_fills_during_a_reply_keeps_it_and_exits_1(cli, monkeypatch,
     assert chat.messages[-2].content == "Tell me about the sea."  # what the user wrote is kept
 
 
+def leave_free(folder: Path, free: int) -> None:
+    """Fill `folder`'s file system until about `free` bytes are left."""
+    stats = os.statvfs(folder)
+    with open(folder / "filler", "wb") as file:
+        file.write(b"\0" * max(0, stats.f_bavail * stats.f_frsize - free))
+
+
+@pytest.mark.parametrize("free", [12 << 10, 100 << 10])
+def test_a_full_data_disk_still_answers_and_leaves_no_half_chat(cli, monkeypatch, small_disk, free):
+    """12 KiB free: the store could not even open; 100 KiB: the chat and its user turn were
+    written but not the reply's row. Either way `ask` said nothing and left a chat behind."""
+    monkeypatch.setenv("PAGED_CHAT_DATA_DIR", str(small_disk / "data"))
+    assert cli("ask", "--max-tokens", "2", "Hi").exit_code == 0  # the store exists
+    leave_free(small_disk, free)
+    result = cli("ask", "--max-tokens", "8", "--temperature", "0", "Tell me about the sea.")
+    (small_disk / "filler").unlink()
+    assert result.stdout.strip(), result.stderr
+    chats = cli.store().list_chats()
+    if len(chats) == 1:  # not saved: the answer is kept in the unsaved-replies file
+        assert result.exit_code == 1
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith("Error: the reply was not saved to the chat (the disk holding "
+                               "the chat store"), last
+        kept = Path(last.rsplit("it is kept in ", 1)[1])
+        assert kept.read_text().startswith("# Unsaved turn of a new chat\n")
+        assert kept.read_text().endswith(f"## Assistant\n\n{result.stdout.removesuffix(chr(10))}\n")
+    else:  # the disk took the turn's rows after all: the chat is whole
+        messages = cli.store().get_chat(chats[0].id).messages
+        assert [m.role for m in messages] == ["user", "assistant"], result.stderr
+
+
 def test_a_reply_the_store_refuses_is_kept_whatever_the_file_system(cli, monkeypatch):
     def refuse(self, *args, **kwargs):
         raise StoreFullError(f"the disk holding the chat store {self.path} is full", self.path)

@@ -321,6 +321,27 @@ def test_a_store_that_is_a_directory_is_named(cli, tmp_path):
                                        "PAGED_CHAT_DATA_DIR to use another store")
 
 
+@pytest.mark.parametrize("suffix", ["", "-wal", "-shm", ".lock"])
+def test_a_store_file_that_is_a_symlink_is_refused_untouched(cli, tmp_path, suffix):
+    """A link in the data dir must not carry the store's writes, chmods and moves to a
+    file outside it (a 0644 file went 0600, then was moved aside as corrupt)."""
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not a chat store")
+    outside.chmod(0o644)
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    link = data / f"chats.db{suffix}"
+    link.symlink_to(outside)
+    result = cli("chats")
+    assert result.exit_code == 1
+    assert one_line(result.stderr) == (f"Error: the chat store's file {link} is a symbolic link: "
+                                       "paged-chat does not follow it out of its data directory; "
+                                       "move it away, or set PAGED_CHAT_DATA_DIR to use another "
+                                       "store")
+    assert stat.S_IMODE(outside.stat().st_mode) == 0o644 and outside.read_text() == "not a chat store"
+    assert [path.name for path in data.iterdir()] == [link.name] and link.is_symlink()
+
+
 def test_a_data_dir_that_is_a_file_is_named(cli, tmp_path):
     (tmp_path / "data").write_text("oops")
     for args in (["chats"], ["ask", "Hi"]):

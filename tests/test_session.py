@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 from contextlib import aclosing
 
 import pytest
 from helpers import assert_no_leaks, engine_config, step_as_a_client
 
 from paged_chat.app.chat_session import ChatSession, Turn, chat_title
-from paged_chat.app.chat_store import ChatMovedOn, ChatStore
+from paged_chat.app.chat_store import ChatMovedOn, ChatStore, StoreFullError
 from paged_chat.engine import ClientSpec, Engine, SamplingParams, make_client
 from paged_chat.engine.core.errors import EngineDeadError
 
@@ -76,6 +77,43 @@ async def test_a_store_that_fails_mid_reply_costs_one_warning_not_the_reply(clie
     assert len(warnings) == 1 and "database or disk is full" in warnings[0]
     reply = store.get_chat(session.chat_id).messages[-1]
     assert reply.content == text and reply.finish_reason == "length"
+
+
+async def test_streaming_saves_are_written_off_the_event_loop(client, store, monkeypatch):
+    """A save while the reply streams must not hold the UI's loop (every tab's keys and
+    frames) for the write; the last save, once a turn, may."""
+    monkeypatch.setattr("paged_chat.app.chat_session.SAVE_INTERVAL_S", 0.0)
+    session = new_session(store)
+    update, saves = store.update_message, []
+
+    def recording(message_id, content, token_ids, finish_reason, timings=None):
+        saves.append((finish_reason, threading.get_ident()))
+        return update(message_id, content, token_ids, finish_reason, timings)
+
+    monkeypatch.setattr(store, "update_message", recording)
+    text = await asyncio.wait_for(run(session.send(client, "Tell me more", GREEDY)), 60)
+    streaming = [thread for reason, thread in saves if reason is None]
+    assert streaming and threading.get_ident() not in streaming
+    assert store.get_chat(session.chat_id).messages[-1].content == text
+
+
+async def test_a_turn_the_store_cannot_start_runs_unsaved_and_leaves_the_chat_whole(
+        client, store, monkeypatch):
+    """A full disk when a turn starts: the reply still streams, the user is told once, the
+    store keeps no part of the turn, and the last saved reply is not written over."""
+    warnings: list[str] = []
+    session = new_session(store, warnings)
+    first = await asyncio.wait_for(run(session.send(client, "Hello there", GREEDY)), 60)
+
+    def full_disk(*args, **kwargs):
+        raise StoreFullError(f"the disk holding the chat store {store.path} is full", store.path)
+
+    monkeypatch.setattr(store, "start_turn", full_disk)
+    text = await asyncio.wait_for(run(session.send(client, "Tell me more", GREEDY)), 60)
+    assert text and isinstance(session.unsaved, StoreFullError)
+    assert len(warnings) == 1 and "is full" in warnings[0]
+    rows = store.get_chat(session.chat_id).messages
+    assert [m.content for m in rows[1:]] == [first] and len(rows) == 2
 
 
 async def test_a_turn_whose_engine_stops_before_a_word_is_withdrawn(client, store, monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tempfile
 import tomllib
 import typing
@@ -158,6 +159,17 @@ def test_bad_values_name_the_file_line_and_key(tmp_path, text, line, message):
         load_settings(path)
     assert str(caught.value).startswith(f"{path}, line {line}: ")
     assert message in str(caught.value)
+
+
+def test_threads_beyond_the_machines_cores_are_refused(tmp_path):
+    """100,000 threads crashed libgomp, 5,000 hung: the machine's core count bounds them."""
+    cores = os.cpu_count()
+    assert load_settings(write(tmp_path, f"[engine]\nthreads = {cores}\n")).engine.threads == cores
+    path = write(tmp_path, "[engine]\n\nthreads = 100000\n")
+    with pytest.raises(SettingsError) as caught:
+        load_settings(path)
+    assert str(caught.value).startswith(f"{path}, line 3: engine.threads = 100000 is invalid: ")
+    assert f"expected an integer from 1 to {cores} (this machine's cores)" in str(caught.value)
 
 
 def test_a_syntax_error_names_the_line(tmp_path):

@@ -56,6 +56,54 @@ def test_the_index_follows_updates_renames_forks_and_deletes(store):
     sqlite(store.path, "INSERT INTO message_search (message_search) VALUES ('integrity-check')")
 
 
+def indexed(store: ChatStore, word: str) -> list[int]:
+    """The message ids the search index itself holds `word` for."""
+    return [row[0] for row in sqlite(store.path, "SELECT rowid FROM message_search WHERE "
+                                                 f"message_search MATCH '\"{word}\"'")]
+
+
+def test_a_streaming_reply_is_indexed_once_when_it_is_final(store):
+    """Re-indexing the whole reply at every save made a long reply's saves quadratic: the
+    index takes a reply once it is final, and a search meanwhile still finds what it said
+    so far (and no longer what a regenerated reply said)."""
+    chat = store.create_chat("Tides", "m")
+    store.add_message(chat.id, "user", "Tell me about the sea", [1])
+    reply = store.add_message(chat.id, "assistant", "", [])
+    words = []
+    for number in range(20):
+        words.append(f"Wäve{number}")
+        store.update_message(reply.id, " ".join(words), list(range(number + 1)), None)
+        assert found(store, f"wave{number}") == ["Tides"]   # case and accents ignored, as indexed
+    assert indexed(store, "wave0") == []
+    store.update_message(reply.id, " ".join(words) + " calm", list(range(21)), "stop")
+    assert indexed(store, "wave0") == indexed(store, "calm") == [reply.id]
+    sqlite(store.path, "INSERT INTO message_search (message_search) VALUES ('integrity-check')")
+    store.update_message(reply.id, "A regenerated storm", [7], None)   # a regenerate streams
+    assert found(store, "calm") == [] and found(store, "storm") == ["Tides"]
+    assert found(store, "sea regenerated") == ["Tides"] and found(store, "sea calm") == []
+
+
+@settings(max_examples=80, deadline=None)
+@given(text=st.text(alphabet=st.sampled_from("abé É_'-.\"ßΣ1"), max_size=16),
+       query=st.text(alphabet=st.sampled_from("abé É_'-.\"ßΣ1*"), max_size=8))
+def test_a_streaming_reply_is_found_as_its_final_text_would_be(tmp_path_factory, text, query):
+    with ChatStore(tmp_path_factory.mktemp("store") / "chats.db") as store:
+        chat = store.create_chat("t", "m")
+        reply = store.add_message(chat.id, "assistant", text, [])
+        streaming = found(store, query)
+        store.update_message(reply.id, text, [], "stop")
+        assert streaming == found(store, query)
+
+
+def test_a_reply_cut_by_a_kill_stays_findable(tmp_path):
+    with ChatStore(tmp_path / "chats.db") as store:
+        chat = store.create_chat("Cut short", "m")
+        reply = store.add_message(chat.id, "assistant", "", [])
+        store.update_message(reply.id, "half a sentence about lighthouses", [1], None)
+    with ChatStore(tmp_path / "chats.db") as reopened:
+        assert found(reopened, "lighthouse") == ["Cut short"]
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.text(alphabet=st.sampled_from('ab "*^:()-+.NEAR AND OR NOT {}[]\\\'é_'), max_size=20))
 def test_queries_with_fts_syntax_never_fail(tmp_path_factory, text):

@@ -6,7 +6,8 @@ the chat store and the metrics of its replies. A turn:
 
     user row and an empty assistant row written   (a kill from here on keeps the turn)
     prompt ids streamed through an EngineClient    (deltas yielded to the caller as they come)
-    assistant row updated every SAVE_INTERVAL_S    (a kill keeps what was said so far)
+    assistant row updated every SAVE_INTERVAL_S    (a kill keeps what was said so far; written
+                                                   on a worker thread, off the caller's loop)
     assistant row finished with its reason         (also when the turn is cancelled: "abort")
     the turn joins the Conversation                (cut or empty, as stored)
 
@@ -27,6 +28,7 @@ and read `turn` for the numbers.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import sqlite3
 import time
@@ -35,7 +37,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from paged_chat.app.chat_store import StoreError
+from paged_chat.app.chat_store import StoreError, StoreWriteError
 from paged_chat.app.conversation import Conversation
 from paged_chat.app.text import sanitize_for_terminal
 from paged_chat.engine.core.errors import EngineDeadError, PagedChatError, describe_error
@@ -131,12 +133,13 @@ class ChatSession:
 
     `store` and `chat` are None for a chat that is not kept (`ask --no-save`, `--file`).
     A chat listed without its messages (a TUI tab restored lazily) passes loaded=False and
-    reads them on `load()` or its first turn; the Conversation is built from them on the
+    reads them on `load()` or its first turn; a chat not yet in the store (`new_chat`)
+    passes in_store=False and is written with its first turn; the Conversation is built from them on the
     first turn, when the engine's tokenizer is at hand.
     """
 
     def __init__(self, store: ChatStore | None = None, chat: StoredChat | None = None, *,
-                 loaded: bool = True, system_prompt: str | None = None,
+                 loaded: bool = True, in_store: bool = True, system_prompt: str | None = None,
                  conversation: Conversation | None = None,
                  on_warning: Callable[[str], None] | None = None) -> None:
         assert (store is None) == (chat is None), "a kept chat needs both a store and a chat"
@@ -157,6 +160,7 @@ class ChatSession:
         # means the front end holds the only copy of the reply.
         self.unsaved: Exception | None = None
         self._loaded = loaded
+        self._chat_in_store = in_store   # False: a `new_chat`, written with its first turn
         self._last_message_id = chat.messages[-1].id if chat is not None and chat.messages else 0
         # (last message id, reply id) before this turn's rows and the id of its first row:
         # what a withdrawn turn goes back to; None while the turn wrote no rows.
@@ -178,6 +182,11 @@ class ChatSession:
     @property
     def chat_id(self) -> str | None:
         return self.chat.id if self.chat is not None else None
+
+    @property
+    def in_store(self) -> bool:
+        """Whether the chat is in the store (a `new_chat` is once its first turn is saved)."""
+        return self.chat is not None and self._chat_in_store
 
     @property
     def title(self) -> str:
@@ -267,6 +276,8 @@ class ChatSession:
         self._turns += 1
         request_id = f"{self.chat.id}/{self._turns}" if self.chat is not None else None
         self.turn = turn = Turn(text, prompt_ids, request_id)
+        self._save_failed = False
+        self.unsaved = None
         try:
             self._start_rows(base, prompt_ids, regenerate)
         except BaseException:
@@ -274,8 +285,6 @@ class ChatSession:
             raise
         self._turn_base = base
         self._client = client
-        self._save_failed = False
-        self.unsaved = None
         saved_at = time.monotonic()
         try:
             async with aclosing(client.stream(prompt_ids, params, request_id=request_id,
@@ -287,7 +296,9 @@ class ChatSession:
                     if (turn.token_ids and not turn.finished
                             and time.monotonic() - saved_at >= SAVE_INTERVAL_S):
                         saved_at = time.monotonic()
-                        self._save_reply(turn, final=False)
+                        # Off the loop, which a UI's keys and frames share; awaited, so the
+                        # turn is not changed under the write.
+                        await asyncio.to_thread(self._save_reply, turn, False)
                     yield output
         except BaseException as error:  # cancelled (a closed tab, Ctrl+C) or the engine failed
             reason = "error" if isinstance(error, Exception) else "abort"
@@ -305,23 +316,30 @@ class ChatSession:
                 self._end_turn(working, turn)
 
     def _start_rows(self, base: Conversation, prompt_ids: list[int], regenerate: bool) -> None:
-        """The turn's rows before the first token: a kill from here on keeps the turn. A
-        regenerate writes its reply over the last one, from its first save on."""
+        """The turn's rows before the first token, all or none: a kill from here on keeps
+        the turn. A regenerate writes its reply over the last one, from its first save on.
+        A store that cannot take them (a full disk) costs a warning: the turn runs
+        unsaved (`unsaved` says why) and the store keeps no part of it."""
         self._rows_before = None
         if self.chat is None:
             return
-        store, chat_id = self.store, self.chat.id
         if regenerate and self._reply_id is not None:
             return
         before = (self._last_message_id, self._reply_id)
-        first_id = None
-        if not regenerate:
-            first_id = store.add_message(chat_id, "user", self.turn.user_text,
-                                         base.added_ids(prompt_ids),
-                                         after=self._last_message_id).id
-        self._reply_id = store.add_message(chat_id, "assistant", "", []).id
-        self._rows_before = (*before, first_id if first_id is not None else self._reply_id)
-        self._last_message_id = self._reply_id
+        try:
+            user = None if regenerate else (self.turn.user_text, base.added_ids(prompt_ids))
+            first_id, reply_id = self.store.start_turn(self.chat, user, after=self._last_message_id,
+                                                       create=not self._chat_in_store)
+        except StoreWriteError as error:
+            self._reply_id = None   # its saves would land on the last turn's reply
+            self.unsaved = error
+            self._save_failed = True
+            self.on_warning(f"the turn could not be saved ({error}); it goes on unsaved")
+            return
+        self._chat_in_store = True
+        self._reply_id = reply_id
+        self._rows_before = (*before, first_id if first_id is not None else reply_id)
+        self._last_message_id = reply_id
 
     def _withdraw_rows(self) -> None:
         """Take the turn's rows back out of the store, as if it was never sent."""

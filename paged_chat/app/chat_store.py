@@ -14,6 +14,10 @@ Concatenating every row's ids in order gives the chat's history (see
 updated as it streams; a row still None when loaded was cut by a crash or kill, and reads
 back as finish_reason "interrupted" with whatever content was committed.
 
+Search. An FTS5 index holds every final message (a reply once it has its finish reason,
+so a streaming reply is indexed once, not at every save); `search_chats` reads the few
+replies that are not final (streaming, or cut) itself, word for word as the index would.
+
 Durability. Every write is one transaction, so a crash or a kill at any moment leaves the
 file readable with every committed message intact (WAL with synchronous=NORMAL: a power
 cut may lose the last commits, a killed process loses nothing committed).
@@ -29,7 +33,9 @@ store that replaced it.
 
 Privacy. Chats are personal: chats.db and its -wal and -shm files are created 0600 (SQLite
 gives the -wal and -shm files the database's mode), and looser ones are tightened when
-the store opens, with a notice (the data directory itself is settings.data_dir's).
+the store opens, with a notice (the data directory itself is settings.data_dir's). A
+store file that is a symbolic link is refused: the store touches nothing outside its
+directory.
 
 Read-only stores. A store this process cannot write (a read-only file system, a file
 without write permission) opens read-only, so it can still be listed and shown; a write
@@ -39,14 +45,17 @@ on a read-only file system no other way.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import itertools
 import json
 import os
+import re
 import sqlite3
 import sys
 import threading
 import time
+import unicodedata
 import uuid
 from array import array
 from collections.abc import Iterator
@@ -64,6 +73,11 @@ INTERRUPTED = "interrupted"
 # name one chat.
 MAX_SEARCH_WORDS = 64
 
+
+
+# A message row that is final: what the search index holds. A reply still streaming (or
+# cut by a kill) has no finish reason yet.
+_FINAL = "({row}.role != 'assistant' OR {row}.finish_reason IS NOT NULL)"
 
 
 def _search_index(index: str, table: str, column: str, key: str) -> tuple[str, ...]:
@@ -114,17 +128,54 @@ MIGRATIONS: list[tuple[str, ...]] = [
     ),
     _search_index("chat_search", "chats", "title", "rowid")
     + _search_index("message_search", "messages", "content", "id"),
+    # A reply is indexed once it is final, not at every save while it streams (each save
+    # re-indexed the whole text: quadratic in the reply's length). The index holds exactly
+    # the final rows, so the delete it is told of is always what it holds.
+    (
+        "DROP TRIGGER message_search_insert",
+        "DROP TRIGGER message_search_delete",
+        "DROP TRIGGER message_search_update",
+        f"""CREATE TRIGGER message_search_insert AFTER INSERT ON messages
+            WHEN {_FINAL.format(row="new")} BEGIN
+            INSERT INTO message_search (rowid, content) VALUES (new.id, new.content);
+        END""",
+        f"""CREATE TRIGGER message_search_delete AFTER DELETE ON messages
+            WHEN {_FINAL.format(row="old")} BEGIN
+            INSERT INTO message_search (message_search, rowid, content)
+                VALUES ('delete', old.id, old.content);
+        END""",
+        f"""CREATE TRIGGER message_search_update AFTER UPDATE OF content, finish_reason
+            ON messages BEGIN
+            INSERT INTO message_search (message_search, rowid, content)
+                SELECT 'delete', old.id, old.content WHERE {_FINAL.format(row="old")};
+            INSERT INTO message_search (rowid, content)
+                SELECT new.id, new.content WHERE {_FINAL.format(row="new")};
+        END""",
+        # What a search reads instead of the index: the few replies not final.
+        ("CREATE INDEX messages_not_final ON messages (chat_id) "
+         "WHERE role = 'assistant' AND finish_reason IS NULL"),
+        "INSERT INTO message_search (message_search) VALUES ('delete-all')",
+        ("INSERT INTO message_search (rowid, content) SELECT id, content FROM messages "
+         f"WHERE {_FINAL.format(row='messages')}"),
+    ),
 ]
 
 _CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+# A full disk, as SQLite reports it: a write that did not fit, or a -shm file that could
+# not grow to the size a connection needs.
+_FULL = ("SQLITE_FULL", "SQLITE_IOERR_SHMSIZE")
 _BUSY_TIMEOUT_S = 5.0   # how long a connection waits for another process's lock
 _CHAT_COLUMNS = "id, title, model, system_prompt, sampling, created, updated"
 _MESSAGE_COLUMNS = "id, chat_id, role, content, token_ids, finish_reason, created, timings"
 _FILE_SUFFIXES = ("", "-wal", "-shm")
-# A chat holds search term ?n in its title or in one of its messages.
+_LOCK_SUFFIX = ".lock"   # the recovery lock's file (see the module docstring)
+# A chat holds search term ?n in its title or in one of its messages: a final one by the
+# index, a reply that is not (streaming, or cut) by reading it (`_holds_word`).
 _CHAT_HOLDS = ("(rowid IN (SELECT rowid FROM chat_search WHERE chat_search MATCH ?{n}) "
                "OR id IN (SELECT chat_id FROM messages WHERE id IN "
-               "(SELECT rowid FROM message_search WHERE message_search MATCH ?{n})))")
+               "(SELECT rowid FROM message_search WHERE message_search MATCH ?{n})) "
+               "OR id IN (SELECT chat_id FROM messages WHERE role = 'assistant' AND "
+               "finish_reason IS NULL AND holds_word(content, ?{n})))")
 
 
 class StoreError(PagedChatError):
@@ -226,12 +277,9 @@ class ChatStore:
 
     def create_chat(self, title: str, model: str, system_prompt: str | None = None,
                     sampling: dict | None = None) -> StoredChat:
-        now = time.time()
-        chat = StoredChat(_new_id(), title, model, system_prompt, dict(sampling or {}), now, now)
+        chat = new_chat(title, model, system_prompt, sampling)
         with self._transaction() as db:
-            db.execute(f"INSERT INTO chats ({_CHAT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                       (chat.id, title, model, system_prompt, json.dumps(chat.sampling),
-                        chat.created, chat.updated))
+            _insert_chat(db, chat)
         return chat
 
     def list_chats(self) -> list[StoredChat]:
@@ -327,18 +375,30 @@ class ChatStore:
         with self._transaction() as db:
             self._touch(db, "id = ?", chat_id, message.created)
             if after is not None:
-                last = db.execute("SELECT coalesce(max(id), 0) FROM messages WHERE chat_id = ?",
-                                  (chat_id,)).fetchone()[0]
-                if last != after:
-                    raise ChatMovedOn(f"chat {chat_id} gained a message while this turn was "
-                                      "being prepared (another `ask -c` or window?): nothing "
-                                      "was saved; run it again to continue from the latest")
-            cursor = db.execute(
-                f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?)",
-                (chat_id, role, content, _pack(message.token_ids), finish_reason,
-                 message.created, json.dumps(message.timings)))
-            message.id = cursor.lastrowid
+                self._check_after(db, chat_id, after)
+            message.id = self._insert_message(db, message)
         return message
+
+    def start_turn(self, chat: StoredChat, user: tuple[str, list[int]] | None, after: int,
+                   create: bool = False) -> tuple[int | None, int]:
+        """The rows a turn starts with, all written or none (a full disk never leaves a
+        user row without its reply): `chat` itself when `create` (a chat from `new_chat`,
+        saved with its first turn), the user row (`user`: its text and token ids; None for
+        a regenerate) and an empty reply row; their ids (user, reply). `after` is as for
+        `add_message`."""
+        now = time.time()
+        with self._transaction() as db:
+            if create:
+                _insert_chat(db, chat)
+            self._check_after(db, chat.id, after)
+            user_id = None
+            if user is not None:
+                user_id = self._insert_message(db, Message(0, chat.id, "user", user[0],
+                                                           list(user[1]), None, now, {}))
+            reply_id = self._insert_message(db, Message(0, chat.id, "assistant", "", [], None,
+                                                        now, {}))
+            self._touch(db, "id = ?", chat.id, now)
+        return user_id, reply_id
 
     def delete_messages_from(self, chat_id: str, first_id: int) -> None:
         """Delete the chat's messages from `first_id` on: a turn withdrawn whole (its
@@ -382,6 +442,24 @@ class ChatStore:
             self._touch(db, "id = ?", chat_id, time.time())
 
     @staticmethod
+    def _check_after(db: sqlite3.Connection, chat_id: str, after: int) -> None:
+        """ChatMovedOn unless the chat's last message is still `after` (0: none)."""
+        last = db.execute("SELECT coalesce(max(id), 0) FROM messages WHERE chat_id = ?",
+                          (chat_id,)).fetchone()[0]
+        if last != after:
+            raise ChatMovedOn(f"chat {chat_id} gained a message while this turn was "
+                              "being prepared (another `ask -c` or window?): nothing "
+                              "was saved; run it again to continue from the latest")
+
+    @staticmethod
+    def _insert_message(db: sqlite3.Connection, message: Message) -> int:
+        """Insert `message` (its id is ignored); the id it got."""
+        return db.execute(
+            f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?)",
+            (message.chat_id, message.role, message.content, _pack(message.token_ids),
+             message.finish_reason, message.created, json.dumps(message.timings))).lastrowid
+
+    @staticmethod
     def _touch(db: sqlite3.Connection, where: str, key: object, now: float) -> None:
         if db.execute(f"UPDATE chats SET updated = ? WHERE {where}", (now, key)).rowcount == 0:
             raise ChatNotFound(f"no chat with id {key!r}: `paged-chat chats` lists them")
@@ -409,17 +487,24 @@ class ChatStore:
                     raise
                 raise self._write_error(exc) from exc
 
-    def _write_error(self, exc: sqlite3.OperationalError) -> StoreWriteError:
-        """The precise error for a write SQLite refused (the disk full, an I/O error)."""
-        name = getattr(exc, "sqlite_errorname", None)
-        if name == "SQLITE_FULL":
+    def _write_error(self, exc: sqlite3.OperationalError, doing: str = "write to") -> StoreWriteError:
+        """The precise error for a write SQLite refused (the disk full, an I/O error);
+        `doing` says what failed ("write to", "open")."""
+        if getattr(exc, "sqlite_errorname", None) in _FULL:
             return StoreFullError(f"the disk holding the chat store {self.path} is full",
                                   self.path)
-        return StoreWriteError(f"cannot write to the chat store {self.path}: {exc}", self.path)
+        return StoreWriteError(f"cannot {doing} the chat store {self.path}: {exc}", self.path)
 
     def _prepare_files(self) -> list[str]:
         """Check the path, create a missing database file private, and make existing ones
-        private; the notices of what was tightened."""
+        private; the notices of what was tightened. A link among the store's files is
+        refused before anything follows it (a chmod, a move aside, SQLite's writes would
+        reach a file outside the data directory)."""
+        for file in self._files(*_FILE_SUFFIXES, _LOCK_SUFFIX):
+            if file.is_symlink():
+                raise StoreError(f"the chat store's file {file} is a symbolic link: paged-chat "
+                                 "does not follow it out of its data directory; move it away, "
+                                 "or set PAGED_CHAT_DATA_DIR to use another store")
         if self.path.is_dir():
             raise StoreError(f"the chat store {self.path} is a directory, not a file: move it "
                              "away, or set PAGED_CHAT_DATA_DIR to use another store")
@@ -428,13 +513,20 @@ class ChatStore:
             if not self.path.exists():
                 self._create()
         except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreFullError(f"the disk holding the chat store {self.path} is full",
+                                     self.path) from exc
             raise StoreError(f"cannot create the chat store {self.path}: {exc.strerror}") from exc
-        files = [self.path.with_name(self.path.name + suffix) for suffix in _FILE_SUFFIXES]
-        return [notice for file in files if file.exists() and (notice := make_private(file, 0o600))]
+        return [notice for file in self._files(*_FILE_SUFFIXES)
+                if file.exists() and (notice := make_private(file, 0o600))]
+
+    def _files(self, *suffixes: str) -> list[Path]:
+        """The store's files with these suffixes ("" is the database itself)."""
+        return [self.path.with_name(self.path.name + suffix) for suffix in suffixes]
 
     def _create(self) -> None:
         """An empty database file, private (SQLite would create it with the umask's mode)."""
-        os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT, 0o600))
+        os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600))
 
     def _recover(self) -> str:
         """Under the recovery lock: open the store if another process has already set it
@@ -453,7 +545,7 @@ class ChatStore:
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
         """Hold `chats.db.lock` (an advisory lock every paged-chat process takes here)."""
-        lock = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+        lock = os.open(self._files(_LOCK_SUFFIX)[0], os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             yield
@@ -471,6 +563,7 @@ class ChatStore:
             target, uri = f"{self.path.resolve().as_uri()}?mode=ro&immutable=1", True
         conn = sqlite3.connect(target, timeout=_BUSY_TIMEOUT_S, isolation_level=None,
                                check_same_thread=False, uri=uri)
+        conn.create_function("holds_word", 2, _holds_word, deterministic=True)
         try:
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version > len(MIGRATIONS):
@@ -492,8 +585,11 @@ class ChatStore:
             self._migrate(conn)
         except sqlite3.DatabaseError as exc:
             conn.close()
-            if getattr(exc, "sqlite_errorname", None) in _CORRUPT:
+            name = getattr(exc, "sqlite_errorname", None)
+            if name in _CORRUPT:
                 raise _CorruptDatabase(str(exc)) from exc
+            if name in _FULL or (name or "").startswith("SQLITE_IOERR"):
+                raise self._write_error(exc, "open") from exc
             raise StoreError(f"cannot open the chat store {self.path}: {exc}") from exc
         except BaseException:
             conn.close()
@@ -550,6 +646,20 @@ def _set_wal_mode(conn: sqlite3.Connection) -> None:
             time.sleep(0.02)
 
 
+def new_chat(title: str, model: str, system_prompt: str | None = None,
+             sampling: dict | None = None) -> StoredChat:
+    """A chat not yet in any store: `ChatStore.start_turn(create=True)` writes it with its
+    first turn, so a chat whose first turn could not be saved leaves nothing behind."""
+    now = time.time()
+    return StoredChat(_new_id(), title, model, system_prompt, dict(sampling or {}), now, now)
+
+
+def _insert_chat(db: sqlite3.Connection, chat: StoredChat) -> None:
+    db.execute(f"INSERT INTO chats ({_CHAT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+               (chat.id, chat.title, chat.model, chat.system_prompt, json.dumps(chat.sampling),
+                chat.created, chat.updated))
+
+
 def _new_id() -> str:
     """12 hex digits: short enough to type (a unique prefix will do), 48 random bits."""
     return uuid.uuid4().hex[:12]
@@ -570,6 +680,26 @@ def _search_terms(text: str) -> list[str]:
     """The first MAX_SEARCH_WORDS search words of `text`, each a quoted FTS5 prefix query
     ("word"*)."""
     return ['"' + word.replace('"', '""') + '"*' for word in search_words(text)[:MAX_SEARCH_WORDS]]
+
+
+def _index_words(text: str) -> list[str]:
+    """`text`'s words as the search index's tokenizer (unicode61, remove_diacritics 2)
+    sees them: runs of letters and digits, accents dropped, in lower case."""
+    bare = "".join(char for char in unicodedata.normalize("NFD", text)
+                   if unicodedata.category(char) != "Mn")
+    return re.findall(r"[^\W_]+", bare.lower())
+
+
+def _holds_word(text: str, term: str) -> bool:
+    """Whether `text` holds search term `term` (a quoted FTS5 prefix query, "word"*) as
+    the index would find it: its words in a row, the last as the start of a word."""
+    words = _index_words(term[1:-2].replace('""', '"'))
+    if not words:
+        return False
+    *whole, start = words
+    tokens = _index_words(text)
+    return any(tokens[i:i + len(whole)] == whole and tokens[i + len(whole)].startswith(start)
+               for i in range(len(tokens) - len(whole)))
 
 
 def _chat(row: tuple) -> StoredChat:

@@ -193,22 +193,30 @@ def structured_output_options(json_schema: TextIO | None, choice: str | None) ->
 
 @dataclass(slots=True, eq=False)
 class Answer:
-    """One prompt of this run: its chat session and what its JSON object leads with."""
+    """One prompt of this run: its chat session and what its JSON object leads with; with
+    `names_chat`, the id of the chat it was saved in follows (null when it was not)."""
 
     index: int
     session: ChatSession
     user_text: str
     params: SamplingParams
     meta: dict[str, Any] = field(default_factory=dict)
+    names_chat: bool = False
 
     @property
     def turn(self) -> Turn:
         assert self.session.turn is not None, "the answer has not started"
         return self.session.turn
 
+    @property
+    def chat_id(self) -> str | None:
+        """The chat this answer is saved in; None when it is in no chat of the store."""
+        return self.session.chat_id if self.session.in_store else None
+
     def to_json(self, load_s: float) -> dict[str, Any]:
         turn, timings = self.turn, self.turn.timings()
-        return {**self.meta, "text": turn.text, "finish_reason": turn.finish_reason,
+        chat = {"chat_id": self.chat_id} if self.names_chat else {}
+        return {**self.meta, **chat, "text": turn.text, "finish_reason": turn.finish_reason,
                 "error": turn.error, "prompt_tokens": len(turn.prompt_ids),
                 "cached_tokens": turn.num_cached_tokens,
                 "tier_cached_tokens": turn.num_tier_cached_tokens,
@@ -273,7 +281,7 @@ def run_ask(options: PlainTerminalOptions, settings: Settings, make_engine: Engi
 def _run_turn(options: PlainTerminalOptions, settings: Settings, make_engine: EngineFactory,
               stdin: TextIO | None) -> int:
     """One chat turn: a new chat, or the next turn of a stored one (-c, --chat)."""
-    from paged_chat.app.chat_store import ChatStore
+    from paged_chat.app.chat_store import ChatStore, StoreWriteError, new_chat
     from paged_chat.app.conversation import Conversation
 
     user_text = read_prompt(options.prompt, stdin)
@@ -282,7 +290,13 @@ def _run_turn(options: PlainTerminalOptions, settings: Settings, make_engine: En
                          '(e.g. paged-chat ask "Why is the sky blue?")')
     continuing = options.continue_chat or options.chat_id is not None
     with ExitStack() as cleanup, warnings_to_stderr():
-        store = cleanup.enter_context(ChatStore()) if options.save or continuing else None
+        store, store_error = None, None
+        try:
+            store = cleanup.enter_context(ChatStore()) if options.save or continuing else None
+        except StoreWriteError as error:  # a full disk: a new chat is answered all the same
+            if continuing:
+                raise
+            store_error = error
         if store is not None and store.notice:
             warn(store.notice)
         chat = chat_to_continue(options, store) if continuing else None
@@ -292,21 +306,21 @@ def _run_turn(options: PlainTerminalOptions, settings: Settings, make_engine: En
         client, load_s = load_client(make_engine, config, options)
         params = model_sampling(settings, client, sampling)
         system = options.system or settings.chat.system_prompt
-        if options.save:
-            chat = chat or store.create_chat(chat_title((options.prompt or "").strip() or user_text),
-                                             model_spec(config.model), system,
-                                             chat_sampling(params))
-            session = ChatSession(store, chat, on_warning=warn)
+        if store is not None and options.save:
+            new = chat is None
+            chat = chat or new_chat(chat_title((options.prompt or "").strip() or user_text),
+                                    model_spec(config.model), system, chat_sampling(params))
+            session = ChatSession(store, chat, in_store=not new, on_warning=warn)
         else:
             info = client.info
             conversation = (Conversation.from_chat(chat, info.tokenizer, info.chat_template)
                             if chat is not None else None)
             session = ChatSession(system_prompt=system, conversation=conversation)
-        meta = {"model": config.model, "chat_id": session.chat_id}
-        answer = Answer(0, session, user_text, params, meta)
+        answer = Answer(0, session, user_text, params, {"model": config.model}, names_chat=True)
         code = _answer(client, [answer], options, load_s)
-        if session.unsaved is not None:
-            say(f"Error: {unsaved_reply_line(answer, session.unsaved)}")
+        unsaved = session.unsaved or store_error
+        if unsaved is not None:
+            say(f"Error: {unsaved_reply_line(answer, unsaved)}")
             return code or 1
         return code
 
@@ -318,14 +332,15 @@ def unsaved_reply_line(answer: Answer, error: Exception) -> str:
     from paged_chat.app.settings import cache_dir
     from paged_chat.engine.core.errors import describe_error
 
-    turn = answer.turn
-    text = (f"# Unsaved turn of chat {answer.session.chat_id} ({answer.session.title})\n\n"
+    turn, chat_id = answer.turn, answer.chat_id
+    chat = f"chat {chat_id} ({answer.session.title})" if chat_id else "a new chat"
+    text = (f"# Unsaved turn of {chat}\n\n"
             f"## User\n\n{turn.user_text}\n\n## Assistant\n\n{turn.text}\n")
     why = f"the reply was not saved to the chat ({describe_error(error)})"
     try:
         folder = cache_dir() / UNSAVED_DIR
         folder.mkdir(mode=0o700, exist_ok=True)
-        path = folder / f"{answer.session.chat_id}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.md"
+        path = folder / f"{chat_id or 'new-chat'}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.md"
         with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w",
                   encoding="utf-8") as file:
             file.write(text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -39,9 +40,9 @@ class EngineConfig:
     a host-RAM tier in front of it (default: none on CPU, where the pool is RAM already;
     2 GiB on CUDA). Both need `enable_prefix_caching`.
 
-    `threads` is the number of torch threads a step runs on; None or "auto" starts from
-    the cores this process may use and adapts when other processes compete for them
-    (engine/worker/threads.py).
+    `threads` is the number of torch threads a step runs on, at most the machine's cores
+    (os.cpu_count()); None or "auto" starts from the cores this process may use and adapts
+    when other processes compete for them (engine/worker/threads.py).
 
     `fused_ops` runs the decoder's pointwise work on the CPU in float32 as fused C kernels
     (residual add + RMSNorm, RoPE in place, SiLU-and-mul: engine/models/fused_ops.py)
@@ -99,11 +100,15 @@ class EngineConfig:
                              " is invalid: expected a fraction in (0, 1), below 1 so the CUDA "
                              "context, the allocator's fragmentation and other processes keep "
                              "some room")
+        # More threads than cores only wait on each other: thousands hang a step, and
+        # libgomp crashes on a hundred thousand.
+        cores = os.cpu_count() or 1
         if self.threads is not None and self.threads != "auto" and not (
                 isinstance(self.threads, int) and not isinstance(self.threads, bool)
-                and self.threads >= 1):
+                and 1 <= self.threads <= cores):
             raise ValueError(f"EngineConfig.threads={self.threads!r} is invalid: expected an "
-                             "integer >= 1, or 'auto' (None) to adapt to the machine")
+                             f"integer from 1 to {cores} (this machine's cores), or 'auto' "
+                             "(None) to adapt to the machine")
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("EngineConfig.model is empty: expected an alias, a path or a hub id")
         if not isinstance(self.enforce_eager, bool):
