@@ -97,8 +97,9 @@ def client(default_api):
 def test_the_api_s_logprobs_do_not_depend_on_the_sampling(client) -> None:
     """The issue's case: at the server's default sampling (temperature 0.2, top-p 0.9) the
     first token read 0.0 and its alternatives -9999.0, at temperature 0 -1.46."""
-    request = dict(model="smollm2-135m", max_tokens=1, logprobs=True, top_logprobs=3, seed=1,
-                   messages=[{"role": "user", "content": "What is the capital of France?"}])
+    request = {"model": "smollm2-135m", "max_tokens": 1, "logprobs": True, "top_logprobs": 3,
+               "seed": 1,
+               "messages": [{"role": "user", "content": "What is the capital of France?"}]}
     [default] = client.chat.completions.create(**request).choices[0].logprobs.content
     [greedy] = client.chat.completions.create(**request, temperature=0).choices[0].logprobs.content
     model_s = {top.token: top.logprob for top in greedy.top_logprobs}

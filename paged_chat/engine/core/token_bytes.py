@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -24,7 +24,7 @@ _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 class TokenBytes:
     """`TokenBytes.of(tokenizer)(token_id)`: the token's bytes (see the module docstring)."""
 
-    _cache: weakref.WeakKeyDictionary[object, TokenBytes] = weakref.WeakKeyDictionary()
+    _cache: ClassVar[weakref.WeakKeyDictionary[object, TokenBytes]] = weakref.WeakKeyDictionary()
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self._tokenizer = tokenizer
