@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from collections.abc import Callable
 from io import FileIO
@@ -18,11 +19,12 @@ from pathlib import Path
 
 from paged_chat.engine.regular_files import open_regular
 
-# (stage, done, total), as loader.ProgressHook: here in bytes.
+# (stage, done, total), as loader.ProgressHook: here in MiB, as the stage's name says.
 DigestProgress = Callable[[str, int, int], None]
 
-HASHING_STAGE = "checking the model file"
-_CHUNK_BYTES = 64 * 2**20
+HASHING_STAGE = "checking the model file (MiB)"
+_MIB = 2**20
+_CHUNK_BYTES = 64 * _MIB
 # Bump when what a record holds or how the digest is computed changes.
 _RECORD_VERSION = 1
 
@@ -30,7 +32,7 @@ _RECORD_VERSION = 1
 def file_digest(path: Path, records: Path | None, report: DigestProgress) -> str:
     """The sha256 (hex) of `path`'s bytes: read from its record under `records` while the
     file's size, mtime, inode and device match it, else hashed (with progress reported in
-    bytes) and recorded. A record that cannot be read or written costs a hash, not the load."""
+    MiB) and recorded. A record that cannot be read or written costs a hash, not the load."""
     record_path = None if records is None else records / _record_name(path)
     with open_regular(path, buffered=False) as file:
         signature = _signature(os.fstat(file.fileno()))
@@ -56,12 +58,12 @@ def _hash(file: FileIO, size: int, report: DigestProgress) -> str:
     digest = hashlib.sha256()
     buffer = bytearray(_CHUNK_BYTES)
     view = memoryview(buffer)
-    done = 0
-    report(HASHING_STAGE, 0, size)
+    done, total = 0, math.ceil(size / _MIB)
+    report(HASHING_STAGE, 0, total)
     while count := file.readinto(buffer):
         digest.update(view[:count])
         done += count
-        report(HASHING_STAGE, min(done, size), size)
+        report(HASHING_STAGE, min(math.ceil(done / _MIB), total), total)
     return digest.hexdigest()
 
 
