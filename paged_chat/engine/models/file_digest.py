@@ -24,7 +24,7 @@ DigestProgress = Callable[[str, int, int], None]
 
 HASHING_STAGE = "checking the model file (MiB)"
 _MIB = 2**20
-_CHUNK_BYTES = 64 * _MIB
+_CHUNK_BYTES = 16 * _MIB
 # Bump when what a record holds or how the digest is computed changes.
 _RECORD_VERSION = 1
 
