@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -298,3 +299,29 @@ def test_models_and_health(api):
     assert httpx.get(f"{api.server.url}/health").status_code == 200
     models = client_for(api).models.list()
     assert models.data[0].id == api.model
+
+
+def test_a_request_without_max_tokens_takes_the_chat_settings(tiny_model_dir, tmp_path):
+    """The README: omitted fields take [chat]'s values. Without max_tokens a request ran to
+    the end of the context (8,141 tokens, 7 minutes), and `llm`, which sends none, looped."""
+    config = tmp_path / "config.toml"
+    config.write_text("[chat]\nmax_tokens = 3\n")
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "paged_chat", "serve", "--model", str(tiny_model_dir),
+         "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env={**os.environ, "PAGED_CHAT_CONFIG": str(config)})
+    try:
+        wait_for(lambda: server.poll() is not None or answers_health(port), timeout=180,
+                 what="the server to answer /health")
+        assert server.poll() is None, server.communicate()[1].decode()
+        base = f"http://127.0.0.1:{port}/v1"
+        reply = httpx.post(f"{base}/completions", timeout=60, json={
+            "prompt": [5, 6, 7], "temperature": 0, "ignore_eos": True}).json()
+        assert reply.get("usage", {}).get("completion_tokens") == 3, reply
+        reply = httpx.post(f"{base}/completions", timeout=60, json={
+            "prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0, "ignore_eos": True}).json()
+        assert reply.get("usage", {}).get("completion_tokens") == 5, reply
+    finally:
+        server.kill()
+        server.wait()

@@ -5,6 +5,7 @@ the tokenizer cache key."""
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import torch
 from tiny_models import SYSTEM_CHATML, tiny_gguf
 
 from paged_chat.engine import Engine, EngineConfig
+from paged_chat.engine.models.file_digest import HASHING_STAGE
 from paged_chat.engine.models.loader import load_model, load_model_source
 from paged_chat.engine.models.weight_cache import list_cached_weights
 
@@ -53,7 +55,7 @@ def test_second_load_reads_the_converted_weights(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     source = load_model_source(str(path), cache_dir=cache)
     first, progress = load(source, cache)
-    assert progress.stages() == ["converting weights"]
+    assert progress.stages() == [HASHING_STAGE, "converting weights"]
     stage, done, total = progress.calls[-1]
     assert done == total == len(source.checkpoint.tensors)
     [entry] = list_cached_weights(cache / "weights")
@@ -104,7 +106,7 @@ def test_edited_gguf_is_a_new_entry(tmp_path: Path) -> None:
     edited, _, _ = tiny_gguf(tmp_path / "edited", extra=lambda w: w.add_string("general.name", "x"))
     edited.replace(path)
     _, progress = load(load_model_source(str(path), cache_dir=cache), cache)
-    assert progress.stages() == ["converting weights"]
+    assert progress.stages() == [HASHING_STAGE, "converting weights"]
 
 
 def test_size_bound_evicts_the_least_recently_used(tmp_path: Path) -> None:
@@ -177,5 +179,45 @@ def test_an_unwritable_cache_costs_the_cache_not_the_load(tmp_path: Path) -> Non
     cache.mkdir()
     (cache / "weights").write_text("a file where the entries' folder should be")
     model, progress = load(source, cache)
-    assert progress.stages() == ["converting weights"]
+    assert progress.stages() == [HASHING_STAGE, "converting weights"]
     assert_same_parameters(parameters(model), parameters(load(source, None)[0]))
+
+
+def overwrite_tensor_data(path: Path, source) -> None:
+    """Zeros (finite in every tensor format) over the middle of the file's tensor data:
+    header and size unchanged."""
+    data_start = min(t.offset for t in source.checkpoint.tensors.values())
+    size = path.stat().st_size
+    middle = (data_start + size) // 2
+    length = (size - data_start) // 4
+    with open(path, "r+b") as file:
+        file.seek(middle - length // 2)
+        file.write(bytes(length))
+
+
+def test_a_file_changed_in_its_data_alone_is_not_served_stale_weights(tmp_path: Path) -> None:
+    """The old key hashed the header and the data's size: a GGUF whose tensor data was
+    overwritten in place (two fine-tunes with equal metadata) loaded the old weights."""
+    path, _, _ = tiny_gguf(tmp_path)
+    cache = tmp_path / "cache"
+    source = load_model_source(str(path), cache_dir=cache)
+    old = parameters(load(source, cache)[0])
+    overwrite_tensor_data(path, source)
+
+    changed, progress = load(load_model_source(str(path), cache_dir=cache), cache)
+    assert "converting weights" in progress.stages()
+    fresh = parameters(load(load_model_source(str(path)), None)[0])
+    assert_same_parameters(fresh, parameters(changed))
+    assert any(not torch.equal(old[name], fresh[name]) for name in old)
+
+
+def test_an_unchanged_file_is_hashed_once(tmp_path: Path) -> None:
+    path, _, _ = tiny_gguf(tmp_path)
+    cache = tmp_path / "cache"
+    source = load_model_source(str(path), cache_dir=cache)
+    assert load(source, cache)[1].stages() == [HASHING_STAGE, "converting weights"]
+    assert load(source, cache)[1].stages() == ["loading cached weights"]
+    # touched (a new mtime), the same bytes: hashed again, the same entry
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 10**9))
+    assert load(source, cache)[1].stages() == [HASHING_STAGE, "loading cached weights"]
+    assert load(source, cache)[1].stages() == ["loading cached weights"]

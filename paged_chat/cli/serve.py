@@ -65,10 +65,12 @@ def serve(ctx: typer.Context,
                                                            *(allowed_origin or [])]]
         config = settings.engine_config(model=model)
         client = state.server_engine(config)
+        generation_defaults = client.info.generation_defaults
         try:
             server = ApiServer(client, host, port, api_key, model_names=[config.model],
                                allowed_origins=origins,
-                               defaults=settings.request_defaults(client.info.generation_defaults),
+                               defaults=settings.request_defaults(generation_defaults) | {
+                                   "max_tokens": settings.model_sampling(generation_defaults)["max_tokens"]},
                                tool_choice=tool_choice.value)
             typer.echo(f"serving {client.info.name} on {server.url}/v1 (Ctrl+C stops)", err=True)
             asyncio.run(server.serve())

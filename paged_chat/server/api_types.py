@@ -77,15 +77,18 @@ class SamplingRequest(BaseModel):
     def sampling_params(self, room: int, defaults: dict[str, Any] | None = None,
                         output: dict[str, Any] | None = None) -> list[SamplingParams]:
         """One SamplingParams per choice; `room` is what max_model_len leaves after the
-        prompt, the default for max_tokens (as in vLLM). With a seed, choice i draws from
-        seed + i, so the n choices differ and stay repeatable. `defaults` fill the sampling
-        fields the request omits; `output` (structured output, logprobs) is the caller's."""
+        prompt. With a seed, choice i draws from seed + i, so the n choices differ and stay
+        repeatable. `defaults` fill the sampling fields the request omits, max_tokens
+        included (at most `room`; without one, `room`, as in vLLM); `output` (structured
+        output, logprobs) is the caller's."""
         given = {name: getattr(self, name) for name in (
             "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
             "frequency_penalty", "presence_penalty", "stop", "stop_token_ids")
             if getattr(self, name) is not None}
-        max_tokens = self.token_limit if self.token_limit is not None else room
-        return [SamplingParams(**{**(defaults or {}), **given}, **(output or {}),
+        defaults = dict(defaults or {})
+        default_limit = min(room, defaults.pop("max_tokens", None) or room)
+        max_tokens = self.token_limit if self.token_limit is not None else default_limit
+        return [SamplingParams(**{**defaults, **given}, **(output or {}),
                                max_tokens=max_tokens, ignore_eos=self.ignore_eos,
                                seed=None if self.seed is None else self.seed + choice)
                 for choice in range(self.n)]

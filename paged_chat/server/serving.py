@@ -30,6 +30,7 @@ from typing import Any
 import jinja2
 
 from paged_chat.engine.clients.client_protocol import EngineClient
+from paged_chat.engine.core.detokenizer import IncrementalDetokenizer
 from paged_chat.engine.core.outputs import RequestOutput
 from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.server.api_types import (
@@ -77,7 +78,8 @@ class Job:
     tool_names: set[str] | None = None     # the tools whose calls the reply may hold
     forced_tool_call: bool = False         # a grammar makes the reply one call
     parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per streamed choice
-    text_offsets: dict[int, int] = field(default_factory=dict)  # completions' logprobs, per choice
+    # per streamed choice, its text so far: where completions' logprobs' text_offset counts from
+    texts: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
 
     def tool_parser(self, index: int) -> ToolCallParser | None:
         """The choice's stream parser, where the reply may hold tool calls."""
@@ -272,7 +274,7 @@ class OpenAIServing:
             choice = {"index": index, ("message" if final else "delta"): message}
         else:
             choice = {"index": index, "text": text}
-        choice |= {"logprobs": self._logprobs(job, index, text, output, final),
+        choice |= {"logprobs": self._logprobs(job, index, output, final),
                    "finish_reason": reason}
         if job.return_token_ids:
             choice["token_ids"] = output.token_ids if final else output.new_token_ids
@@ -297,7 +299,7 @@ class OpenAIServing:
             delta["tool_calls"] = tool_call_deltas
         return delta, bool(parser.calls)
 
-    def _logprobs(self, job: Job, index: int, text: str, output: RequestOutput, final: bool
+    def _logprobs(self, job: Job, index: int, output: RequestOutput, final: bool
                   ) -> dict[str, Any] | None:
         """The choice's logprobs object (of all its tokens, or of this delta's)."""
         if output.logprobs is None:
@@ -308,7 +310,8 @@ class OpenAIServing:
         tokenizer = self.client.info.tokenizer
         if job.chat:
             return chat_logprobs(tokenizer, token_ids, logprobs, params.top_logprobs)
-        offset = 0 if final else job.text_offsets.get(index, 0)
-        job.text_offsets[index] = offset + len(text)
-        return completion_logprobs(tokenizer, token_ids, logprobs, params.top_logprobs, offset)
+        if final or index not in job.texts:
+            job.texts[index] = IncrementalDetokenizer(tokenizer, [])
+        return completion_logprobs(tokenizer, token_ids, logprobs, params.top_logprobs,
+                                   job.texts[index])
 

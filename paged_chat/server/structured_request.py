@@ -8,16 +8,16 @@ library refuses or would not enforce is refused by the engine when the request i
 
 from __future__ import annotations
 
-import math
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from paged_chat.engine.core.detokenizer import IncrementalDetokenizer
 from paged_chat.engine.core.outputs import TokenLogprob
 from paged_chat.engine.core.sampling_params import MAX_TOP_LOGPROBS
+from paged_chat.engine.core.token_bytes import TokenBytes
 
-# What a logprob of -inf (a token the grammar or top-k ruled out) is in JSON, as vLLM sends it.
-_NO_CHANCE = -9999.0
+T = TypeVar("T")
 
 
 class JsonSchemaFormat(BaseModel):
@@ -100,26 +100,23 @@ class CompletionLogprobsFields(BaseModel):
         return {"logprobs": self.logprobs is not None, "top_logprobs": self.logprobs or 0}
 
 
-def _finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else _NO_CHANCE
-
-
-def _shown(tokenizer: Any, token_ids: list[int], logprobs: list[TokenLogprob]
-           ) -> list[tuple[int, TokenLogprob]]:
-    """The tokens the reply's text shows, with their logprobs: an end-of-turn or other
-    special token the text leaves out is left out here too."""
+def _shown(tokenizer: Any, token_ids: list[int], items: list[T]) -> list[tuple[int, T]]:
+    """The tokens the reply's text shows, with their items (logprobs): an end-of-turn or
+    other special token the text leaves out is left out here too."""
     special = set(tokenizer.all_special_ids)
-    return [(token_id, item) for token_id, item in zip(token_ids, logprobs) if token_id not in special]
+    return [(token_id, item) for token_id, item in zip(token_ids, items) if token_id not in special]
 
 
 def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[TokenLogprob],
                   num_top: int) -> dict[str, Any]:
-    """OpenAI's chat `logprobs` object for these tokens: per token its text, logprob, UTF-8
-    bytes and its `num_top` likeliest alternatives."""
+    """OpenAI's chat `logprobs` object for these tokens: per token its text, the model's
+    logprob, its own UTF-8 bytes (a part of a character's included) and its `num_top`
+    likeliest alternatives."""
+    token_bytes = TokenBytes.of(tokenizer)
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = tokenizer.decode([token_id])
-        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode())}
+        return {"token": tokenizer.decode([token_id]), "logprob": logprob,
+                "bytes": list(token_bytes(token_id))}
 
     return {"content": [
         entry(token_id, item.logprob) | {"top_logprobs": [
@@ -129,18 +126,19 @@ def chat_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[TokenLogp
 
 
 def completion_logprobs(tokenizer: Any, token_ids: list[int], logprobs: list[TokenLogprob],
-                        num_top: int, text_offset: int) -> dict[str, Any]:
+                        num_top: int, text: IncrementalDetokenizer) -> dict[str, Any]:
     """The completions API's `logprobs` object (tokens, token_logprobs, top_logprobs as
-    token -> logprob, text_offset from `text_offset`, where these tokens' text starts)."""
-    shown = _shown(tokenizer, token_ids, logprobs)
-    logprobs = [item for _, item in shown]
-    tokens = [tokenizer.decode([token_id]) for token_id, _ in shown]
-    offsets, position = [], text_offset
-    for token in tokens:
-        offsets.append(position)
-        position += len(token)
-    return {"tokens": tokens, "token_logprobs": [_finite(item.logprob) for item in logprobs],
-            "top_logprobs": [{tokenizer.decode([top_id]): _finite(top) for top_id, top
+    token -> logprob, text_offset). `text` has read the choice's tokens before these, and
+    reads these on: a token's offset is the length of the text before it, so each indexes
+    the choice's text (the tokens of one character split over several start where it does)."""
+    offsets = []
+    for token_id in token_ids:
+        offsets.append(len(text.text))
+        text.add_token(token_id)
+    shown = _shown(tokenizer, token_ids, list(zip(logprobs, offsets)))
+    return {"tokens": [tokenizer.decode([token_id]) for token_id, _ in shown],
+            "token_logprobs": [item.logprob for _, (item, _) in shown],
+            "top_logprobs": [{tokenizer.decode([top_id]): top for top_id, top
                               in zip(item.top_token_ids[:num_top], item.top_logprobs[:num_top])}
-                             for item in logprobs],
-            "text_offset": offsets}
+                             for _, (item, _) in shown],
+            "text_offset": [offset for _, (_, offset) in shown]}

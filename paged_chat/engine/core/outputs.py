@@ -46,9 +46,9 @@ class ModelRunnerOutput:
 
 @dataclass(slots=True)
 class TokenLogprob:
-    """One sampled token's log-probability under the distribution it was drawn from (the
-    logits after penalties, the grammar mask, temperature and top-k/top-p; greedy rows'
-    before temperature), and the `top_logprobs` likeliest tokens there, best first."""
+    """One sampled token's log-probability under the model's own distribution (the
+    log-softmax of its logits, before penalties, the grammar mask, temperature and
+    top-k/top-p/min-p), and the `top_logprobs` likeliest tokens there, best first."""
 
     logprob: float
     top_token_ids: list[int]

@@ -26,6 +26,7 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError, LocalEntry
 
 from paged_chat.engine.core.errors import ModelLoadError, UnsupportedModelError
 from paged_chat.engine.models.checkpoint import Checkpoint, SafetensorsFile
+from paged_chat.engine.models.file_digest import file_digest
 from paged_chat.engine.models.gguf_file import (
     GGUFCheckpoint,
     gguf_tokenizer_folder,
@@ -189,7 +190,9 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
     format (re-laid out for the kernels, quant/), on the CPU; every other weight, and every
     weight with "dequantize", an HF folder or another device, is read into `dtype`. A GGUF
     is converted on its first load and kept in the converted-weights cache under
-    `cache_dir` (at most `cache_bytes` in all); later loads read that back. An entry whose
+    `cache_dir` (at most `cache_bytes` in all), keyed by the digest of the file's bytes
+    (file_digest: hashed once, remembered while the file is unchanged); later loads of the
+    same bytes read that back. An entry whose
     checksum fails is discarded and converted again. Rope tables are not built here: the
     engine sizes them once it knows its max_model_len.
     """
@@ -202,7 +205,8 @@ def load_model(source: ModelSource, dtype: torch.dtype, device: torch.device,
         stream_weights(model, source.checkpoint, "loading weights", report)
         return model
     cache = WeightCache(Path(cache_dir) / "weights", cache_bytes)
-    key = cache.key(source.header_digest, dtype, quantize)
+    key = cache.key(file_digest(source.path, Path(cache_dir) / "file-digests", report),
+                    dtype, quantize)
     layout = _entry_layout(model, source.checkpoint)
     cached = cache.open(key, layout)
     if cached is not None:

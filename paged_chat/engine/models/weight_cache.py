@@ -2,9 +2,10 @@
 
 An entry is one safetensors file of the model's HF tensors in the target dtype (a weight
 kept quantized as the uint8/float32 tensors of its quant/layout.py layout, under
-"NAME.low", "NAME.scale", ...), named by a key over the GGUF's whole header (metadata and
-tensor infos), its tensor data size, the dtype, whether weights stay quantized and this
-cache's format version: a changed file, dtype or weights mode is a different entry. The
+"NAME.low", "NAME.scale", ...), named by a key over the digest of the GGUF's bytes (header
+and tensor data: file_digest.py), the dtype, whether weights stay quantized and this
+cache's format version: a file changed anywhere, even in its data alone, or another dtype
+or weights mode is a different entry. The
 file is written tensor by tensor while the model loads, under a temporary name, and
 renamed into place only when complete. Its metadata holds a checksum of every tensor's
 bytes, which the next load recomputes as it reads: a corrupt or truncated entry is
@@ -100,8 +101,9 @@ class WeightCache:
         self.max_bytes = max_bytes
 
     @staticmethod
-    def key(header_digest: str, dtype: torch.dtype, quantized: bool) -> str:
-        text = f"{_FORMAT_VERSION}:{header_digest}:{DTYPE_NAMES[dtype]}"
+    def key(file_digest: str, dtype: torch.dtype, quantized: bool) -> str:
+        """The entry's name for a GGUF whose bytes have `file_digest`, read into `dtype`."""
+        text = f"{_FORMAT_VERSION}:{file_digest}:{DTYPE_NAMES[dtype]}"
         if quantized:
             text += ":quantized"
         return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -2,8 +2,9 @@
 
 One pass of torch ops over the whole batch, no Python loop over requests in `sample`. The
 order follows vLLM: penalties -> grammar bitmask (constrained rows) -> greedy argmax ->
-temperature -> min-p, top-k, top-p -> draw; then, for the rows that ask, the logprobs of
-the distribution each token was drawn from.
+temperature -> min-p, top-k, top-p -> draw. The rows that ask for logprobs get the model's
+own: the log-softmax of their logits as the model gave them, before any of that (OpenAI's
+and vLLM's default), so a logprob never depends on the request's sampling settings.
 
 Randomness is counter-based: a row's draw is a splitmix64 hash of (seed, output_index), so a
 request's tokens depend only on its own seed and position, never on which other requests
@@ -297,10 +298,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     return logits
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> list[TokenLogprob]:
-    """Each row's chosen token's log-probability under `logits` and its `num_top` likeliest
-    tokens: `logits` [r, vocab] as the draw saw them, `tokens` int64 [r]."""
-    logprobs = logits.float().log_softmax(dim=-1)
+def token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, num_top: int
+                   ) -> list[TokenLogprob]:
+    """Each row's chosen token's log-probability and its `num_top` likeliest tokens:
+    `logprobs` [r, vocab] (a log-softmax), `tokens` int64 [r]."""
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
     if num_top == 0:
         return [TokenLogprob(lp, [], []) for lp in chosen]
@@ -327,8 +328,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     one per vocabulary entry keeps the hashing negligible. A token with zero probability
     never owns a step of the CDF, so filtered tokens are never picked.
     The constrained rows' logits are masked in place (`apply_token_bitmask`); the logprob
-    rows' TokenLogprobs are left in `batch.logprobs`.
+    rows' TokenLogprobs (of the logits as given) are left in `batch.logprobs`.
     """
+    model_logprobs = (None if batch.logprob_rows is None
+                      else logits[batch.logprob_rows].float().log_softmax(dim=-1))
     logits = apply_penalties(logits.float(), batch)
     if batch.token_bitmask is not None:
         logits = apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
@@ -341,14 +344,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         sampled = draw(scaled, batch, kept)
         if batch.greedy is not None:
             sampled = torch.where(batch.greedy, greedy_tokens(logits), sampled)
-    if batch.logprob_rows is not None:
-        rows = batch.logprob_rows
-        if batch.all_greedy:
-            seen = logits[rows]
-        else:
-            seen = (scaled if kept is None else _drop_all_but(scaled, kept, batch))[rows]
-        if batch.greedy is not None:
-            seen = torch.where(batch.greedy[rows, None], logits[rows], seen)
-        batch.logprobs = token_logprobs(seen, sampled[rows].clamp(max=logits.shape[-1] - 1),
-                                        batch.num_top_logprobs)
+    if model_logprobs is not None:
+        chosen = sampled[batch.logprob_rows].clamp(max=logits.shape[-1] - 1)
+        batch.logprobs = token_logprobs(model_logprobs, chosen, batch.num_top_logprobs)
     return sampled
