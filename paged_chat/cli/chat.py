@@ -65,7 +65,7 @@ HISTORY_LENGTH = 1000
 # (the engine publishes it when it goes idle, just after the reply's last text).
 STATS_SETTLE_S = 1.0
 HELP = """\
-/new           start a new chat (this one stays in the store)
+/new           start a new chat, with the default system prompt (this one stays saved)
 /system TEXT   set this chat's system prompt (/system alone shows it)
 /stats         the last reply's tokens, prefix-cache hits and speed; the KV pool
 /help          this list

@@ -116,11 +116,13 @@ class PagedChatApp(ChatActions, App):
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="main"):
-            yield ChatTabs(self.store, self.open_tabs, model_name=lambda: self.model_name,
-                           system_prompt=self.settings.chat.system_prompt,
-                           wait_for_engine=self.wait_for_engine,
-                           sampling_params=self.sampling_params,
-                           engine_trouble=self.engine_trouble, id="tabs")
+            # Kept: on_unmount asks it for the empty chats when it is off the DOM.
+            self._chat_tabs = ChatTabs(self.store, self.open_tabs, model_name=lambda: self.model_name,
+                                       system_prompt=self.settings.chat.system_prompt,
+                                       wait_for_engine=self.wait_for_engine,
+                                       sampling_params=self.sampling_params,
+                                       engine_trouble=self.engine_trouble, id="tabs")
+            yield self._chat_tabs
             yield EnginePanel(id="engine-panel")
         yield Static(id="status")
         yield KeyFooter()
@@ -432,6 +434,7 @@ class PagedChatApp(ChatActions, App):
     async def on_unmount(self) -> None:
         gc.unfreeze()   # a process that goes on (a test's) collects what the app left
         # The tabs' workers are cancelled by now: their rows got finish_reason "abort".
+        self._chat_tabs.delete_empty_chats()
         if self.api_server is not None:
             self.api_server.stop()
         if self._owns_engine and self.engine is not None:
