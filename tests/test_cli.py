@@ -534,7 +534,8 @@ def test_models_fits_the_terminal_and_names_what_converted_weights_hold(cli, tmp
     assert all(len(line) <= 120 for line in result.stdout.splitlines()), result.stdout
     [converted] = [line for line in result.stdout.splitlines() if "converted" in line]
     shortened = converted.split()[0]
-    assert shortened.startswith("/opt/venv/") and "…" in shortened and shortened.endswith("/smollm2-135m.gguf")
+    assert shortened.startswith("/opt/venv/") and "…" in shortened
+    assert shortened.endswith("/smollm2-135m.gguf")
     assert "Q4_1+Q8_0" in converted and "f32" not in converted
 
 

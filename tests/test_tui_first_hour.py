@@ -91,7 +91,8 @@ async def test_the_help_says_how_to_close_it(engine, tmp_path):
     app = make_app(engine, tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
         await press(pilot, "f1")
-        await wait_until(lambda: isinstance(app.screen, HelpScreen) and app.screen.query(Label), timeout=20)
+        await wait_until(lambda: isinstance(app.screen, HelpScreen) and app.screen.query(Label),
+                         timeout=20)
         shown = "\n".join(text_of(widget) for widget in app.screen.query(Label))
         assert "Esc closes this help" in shown, shown
 

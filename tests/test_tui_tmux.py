@@ -137,7 +137,8 @@ def test_at_80x24_a_first_start_shows_a_fresh_tab_and_only_whole_words(chat_mode
 @pytest.mark.timeout(600)
 @needs_tmux
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
-def test_a_stop_signal_restores_the_terminal_and_saves_the_reply_as_stopped(chat_model_dir, tmp_path, signum):
+def test_a_stop_signal_restores_the_terminal_and_saves_the_reply_as_stopped(chat_model_dir, tmp_path,
+                                                                            signum):
     app = TmuxApp(chat_model_dir, tmp_path, max_tokens=4000)
     try:
         tmux(*app.socket, "set-option", "-t", app.session, "remain-on-exit", "on")
@@ -161,4 +162,5 @@ def test_a_stop_signal_restores_the_terminal_and_saves_the_reply_as_stopped(chat
     with ChatStore(app.store_path) as store:
         [chat] = store.list_chats()
         user, reply = store.get_chat(chat.id).messages
+    assert user.content == "a long reply"
     assert reply.finish_reason == "abort" and reply.content, "saved as stopped, as Ctrl+Q does"

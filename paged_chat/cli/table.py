@@ -26,8 +26,8 @@ def print_table(header: list[str], rows: list[list[str]], fit_column: int | None
             rows = _fitted(header, rows, fit_column, width)
     widths = _column_widths([header, *rows])
     for row in [header, *rows]:
-        typer.echo(_GAP.join(str(cell).ljust(column_width) for cell, column_width in zip(row, widths)).rstrip(),
-                   color=True)
+        cells = (str(cell).ljust(column_width) for cell, column_width in zip(row, widths))
+        typer.echo(_GAP.join(cells).rstrip(), color=True)
 
 
 def terminal_width() -> int | None:

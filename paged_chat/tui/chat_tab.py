@@ -160,8 +160,9 @@ class ChatTab(TabPane):
         mark, label = "█ ", "system: "
         shown = self.query(".chat-info")
         width = shown.first().content_size.width if shown else 0   # 0: not laid out yet
-        # The last cell stays blank: a line that fills its width wraps its last character.
-        room = SYSTEM_PREVIEW if width <= 0 else width - len(mark) - len(label) - len(settings) - len("…") - 1
+        # One cell to spare: a line exactly content_size wide showed without its last character.
+        used = len(mark) + len(label) + len("…") + len(settings) + 1
+        room = SYSTEM_PREVIEW if width <= 0 else width - used
         limit = max(SYSTEM_PREVIEW_MIN, min(SYSTEM_PREVIEW, room))
         system = clean((self.session.system_prompt or "").replace("\n", " "))
         text = Text()

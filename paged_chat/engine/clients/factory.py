@@ -38,7 +38,8 @@ class ClientSpec:
     steps (a child's StepThreads.leave_cores). A remote takes `api_key`, and
     `remote_model`: where to load the served model's tokenizer from (else the first id the
     server lists that resolves locally) and `cache_dir`: where a GGUF's converted tokenizer is
-    saved (read rather than converted again; None: converted every time). `stats_interval_s`: the transport's default when None.
+    saved (read rather than converted again; None: converted every time).
+    `stats_interval_s`: the transport's default when None.
     `fork_if_safe`: a child process may be forked instead of spawned where that is safe (a
     caller with one thread and no torch: faster to start).
     """
