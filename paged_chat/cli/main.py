@@ -154,8 +154,8 @@ def root(ctx: typer.Context,
             raise typer.BadParameter("--serve serves the local engine; it cannot with --server",
                                      param_hint="--serve")
         code = run_app(settings, demo, serve_port=serve, server=server or settings.server.url)
-    if code:
-        raise typer.Exit(code)
+        if code:
+            raise typer.Exit(code)
 
 
 def _has_terminal() -> bool:

@@ -64,9 +64,9 @@ if TYPE_CHECKING:
 LABELS_EVERY_S = 1.0        # how often streaming tabs' headers (TTFT, tokens/s) refresh
 WIDE_FROM = 112   # columns from which the engine panel (48) leaves the prompt 60 or more
 QUIT_GRACE_S = 1.0     # what a quitting app gives a busy engine child before killing it
+RESTART_GRACE_S = 5.0  # ... and a restart (a stopped or hung child is killed at once)
 # The signals that end the app as Ctrl+Q does; the exit status says which, as a shell's would.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
-RESTART_GRACE_S = 5.0  # ... and a restart (a stopped or hung child is killed at once)
 
 
 class PagedChatApp(ChatActions, App):
@@ -102,6 +102,7 @@ class PagedChatApp(ChatActions, App):
                 store = ChatStore()
         self.store = store
         self._caught_signals: list[int] = []   # STOP_SIGNALS whose handlers are installed
+        self._chat_tabs: ChatTabs | None = None  # kept: on_unmount asks it, off the DOM by then
         self.open_tabs = OpenTabs(None if demo else session_path or data_dir() / "tui-session.json")
         self.restore = restore
         self.frame_clock = FrameClock(self._draw_frame, frame_s)
@@ -120,7 +121,6 @@ class PagedChatApp(ChatActions, App):
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="main"):
-            # Kept: on_unmount asks it for the empty chats when it is off the DOM.
             self._chat_tabs = ChatTabs(self.store, self.open_tabs, model_name=lambda: self.model_name,
                                        system_prompt=self.settings.chat.system_prompt,
                                        wait_for_engine=self.wait_for_engine,
@@ -439,7 +439,7 @@ class PagedChatApp(ChatActions, App):
     def _catch_stop_signals(self) -> None:
         """SIGTERM and SIGHUP quit as Ctrl+Q does: the terminal leaves the alternate screen
         with mouse reporting off, and a streaming reply is saved as stopped. Off the main
-        thread (a test's app) signals cannot be caught: they act as usual."""
+        thread signals cannot be caught: they act as usual."""
         loop = asyncio.get_running_loop()
         for signum in STOP_SIGNALS:
             try:
@@ -454,7 +454,8 @@ class PagedChatApp(ChatActions, App):
         for signum in self._caught_signals:
             loop.remove_signal_handler(signum)
         # The tabs' workers are cancelled by now: their rows got finish_reason "abort".
-        self._chat_tabs.delete_empty_chats()
+        if self._chat_tabs is not None:
+            self._chat_tabs.delete_empty_chats()
         if self.api_server is not None:
             self.api_server.stop()
         if self._owns_engine and self.engine is not None:

@@ -22,6 +22,7 @@ from textual.css.query import NoMatches
 from textual.widgets import ContentSwitcher, Tab, TabbedContent, TabPane
 
 from paged_chat.app.chat_session import ChatSession
+from paged_chat.app.chat_store import StoreError
 from paged_chat.app.text import sanitize_for_terminal as clean
 from paged_chat.tui.chat_tab import ChatTab, EngineTrouble, MakeParams, WaitForEngine
 from paged_chat.tui.tab_info import TabInfo
@@ -197,8 +198,6 @@ class ChatTabs(TabbedContent):
             self._delete_if_empty(chat_id)
 
     def _delete_if_empty(self, chat_id: str) -> None:
-        from paged_chat.app.chat_store import StoreError
-
         if chat_id not in self._opened_empty:
             return
         self._opened_empty.discard(chat_id)
