@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -139,24 +140,21 @@ def test_at_80x24_a_first_start_shows_a_fresh_tab_and_only_whole_words(chat_mode
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
 def test_a_stop_signal_restores_the_terminal_and_saves_the_reply_as_stopped(chat_model_dir, tmp_path,
                                                                             signum):
-    app = TmuxApp(chat_model_dir, tmp_path, max_tokens=4000)
+    # A shell in the pane keeps the app's exit status (tmux's pane_dead_status is at times unset).
+    status = tmp_path / "status"
+    app = TmuxApp(chat_model_dir, tmp_path, max_tokens=4000,
+                  command=f"sh -c '{sys.executable} -m paged_chat; echo $? > {status}; sleep 600'")
     try:
-        tmux(*app.socket, "set-option", "-t", app.session, "remain-on-exit", "on")
         app.wait_for(lambda s: "ready" in s and "KV cache" in s)
         app.send("a long reply")
         wait_for_store(app.store_path, lambda saved: saved == {"a long reply"})
-        pid = tmux(*app.socket, "display-message", "-p", "-t", app.session, "#{pane_pid}").strip()
-        os.kill(int(pid), signum)
-        pane = {}
-
-        def ended() -> bool:
-            fields = tmux(*app.socket, "display-message", "-p", "-t", app.session,
-                          "#{pane_dead} #{pane_dead_status} #{alternate_on} #{mouse_any_flag}").split()
-            pane.update(zip(("dead", "status", "alternate_on", "mouse_any"), fields))
-            return pane["dead"] == "1"
-
-        wait_for(ended, 120, what=lambda: f"the app to exit (the pane: {pane})", every=0.1)
-        assert pane == {"dead": "1", "status": str(128 + signum), "alternate_on": "0", "mouse_any": "0"}
+        shell = tmux(*app.socket, "display-message", "-p", "-t", app.session, "#{pane_pid}").strip()
+        [paged_chat] = Path(f"/proc/{shell}/task/{shell}/children").read_text().split()
+        os.kill(int(paged_chat), signum)
+        wait_for(lambda: status.exists() and status.read_text().strip(), 120, what="the app to exit")
+        terminal = tmux(*app.socket, "display-message", "-p", "-t", app.session,
+                        "#{alternate_on} #{mouse_any_flag}").split()
+        assert (status.read_text().strip(), terminal) == (str(128 + signum), ["0", "0"])
     finally:
         app.kill_server()
     with ChatStore(app.store_path) as store:
