@@ -518,6 +518,50 @@ def test_models_without_an_hf_cache_or_the_alias_package(cli, tmp_path, monkeypa
     assert "no Hugging Face cache" in result.stderr
 
 
+def test_models_fits_the_terminal_and_names_what_converted_weights_hold(cli, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from paged_chat.engine.models.weight_cache import CachedWeights
+
+    source = "/opt/venv/lib/python3.11/site-packages/" + "deep/" * 30 + "smollm2-135m.gguf"
+    held = CachedWeights(tmp_path / "entry.safetensors", source, "llama", "F32", 120_000_000, 0.0,
+                         "Q4_1+Q8_0")
+    monkeypatch.setattr("paged_chat.engine.models.weight_cache.list_cached_weights", lambda root: [held])
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "none"))
+    monkeypatch.setattr("paged_chat.cli.table.terminal_width", lambda: 120)
+    result = cli("models")
+    assert result.exit_code == 0, result.stderr
+    assert all(len(line) <= 120 for line in result.stdout.splitlines()), result.stdout
+    [converted] = [line for line in result.stdout.splitlines() if "converted" in line]
+    shortened = converted.split()[0]
+    assert shortened.startswith("/opt/venv/") and "…" in shortened
+    assert shortened.endswith("/smollm2-135m.gguf")
+    assert "Q4_1+Q8_0" in converted and "f32" not in converted
+
+
+def test_models_piped_keeps_whole_paths(cli, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    from paged_chat.engine.models.weight_cache import CachedWeights
+
+    source = "/opt/" + "deep/" * 40 + "model.gguf"
+    plain = CachedWeights(tmp_path / "entry.safetensors", source, "llama", "F32", 500_000_000, 0.0)
+    monkeypatch.setattr("paged_chat.engine.models.weight_cache.list_cached_weights", lambda root: [plain])
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "none"))
+    [converted] = [line for line in cli("models").stdout.splitlines() if "converted" in line]
+    assert converted.split()[0] == source and "f32 0.50 GB" in converted
+
+
+def test_chats_search_is_list_search(cli):
+    cli.json("--max-tokens", "4", "Tell me about penguins")
+    cli.json("--max-tokens", "4", "Tell me about volcanoes")
+    searched = cli("chats", "search", "penguins")
+    assert searched.exit_code == 0, searched.output
+    assert searched.stdout == cli("chats", "list", "--search", "penguins").stdout
+    assert "penguins" in searched.stdout and "volcanoes" not in searched.stdout
+    assert cli("chats", "search", "tell", "volc").stdout == cli("chats", "list", "-s", "tell volc").stdout
+
+
 def test_chats_list_show_export_delete(cli):
     first = cli.json("--max-tokens", "4", "First question")["chat_id"]
     cli.json("-c", "--max-tokens", "4", "Follow-up")

@@ -113,6 +113,29 @@ def test_ask_server_stats_count_the_cached_tokens_of_a_continued_chat(api, tmp_p
     assert int(cached) >= 16, lines[1]
 
 
+def test_ask_server_reads_the_saved_converted_tokenizer(api, tmp_path, monkeypatch):
+    """A GGUF's tokenizer, converted once, is read back: re-parsing the GGUF took seconds."""
+    from tiny_models import tiny_gguf
+
+    from paged_chat.app.settings import cache_dir
+    from paged_chat.engine.models import loader
+    from paged_chat.engine.models.gguf_file import gguf_tokenizer_folder
+
+    monkeypatch.setenv("PAGED_CHAT_DATA_DIR", str(tmp_path / "data"))
+    gguf_path, _, _ = tiny_gguf(tmp_path)
+    source = loader.load_model_source(str(gguf_path), cache_dir())   # converts and saves it
+    assert gguf_tokenizer_folder(source.header_digest, cache_dir()) is not None
+
+    def converted_again(*args, **kwargs):
+        raise AssertionError("the GGUF's tokenizer was converted again")
+
+    monkeypatch.setattr(loader, "load_gguf_tokenizer", converted_again)
+    result = CliRunner().invoke(cli_app, ["ask", "--no-save", "--server", api.url,
+                                          "--model", str(gguf_path), "--max-tokens", "2", "Hi"],
+                                obj=CliState(engine_factory=lambda config: pytest.fail("no local engine")))
+    assert result.exit_code == 0, result.output
+
+
 def test_ask_server_that_is_not_there(tmp_path):
     port = free_port()
     result = CliRunner().invoke(cli_app, ["ask", "--no-save", "--server", f"http://127.0.0.1:{port}/v1", "Hi"])

@@ -7,11 +7,13 @@ from __future__ import annotations
 import pytest
 from helpers import wait_until
 from textual.geometry import Region
-from tui_helpers import make_app, make_settings, press
+from textual.widgets import Label
+from tui_helpers import make_app, make_settings, new_tab, press, text_of
 
 from paged_chat.app.chat_session import chat_title
+from paged_chat.app.chat_store import ChatStore
 from paged_chat.tui.demo import PROMPTS
-from paged_chat.tui.dialogs import ChatSettingsScreen
+from paged_chat.tui.dialogs import ChatSettingsScreen, HelpScreen
 
 
 def keys_of(text: str) -> list[str]:
@@ -67,3 +69,43 @@ async def test_the_legend_wraps_whole_entries_and_keeps_the_symbol_key_at_160x50
         assert named == titles[:len(named)]
         assert (f"+{left_out} more" in shown) if left_out else ("more" not in shown), lines
         assert len(named) >= min(count, 4)
+
+
+@pytest.mark.timeout(60)
+async def test_an_empty_tab_is_not_saved_as_a_chat(engine, tmp_path):
+    app = make_app(engine, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await wait_until(lambda: len(app.tabs.chat_tabs) == 1, timeout=20)
+        closed = await new_tab(pilot)
+        await new_tab(pilot)
+        await wait_until(lambda: len(app.store.list_chats()) == 3, timeout=20)
+        await app.tabs.close_tab(closed)
+        assert closed.chat_id not in {chat.id for chat in app.store.list_chats()}
+        await press(pilot, "ctrl+q")
+    with ChatStore(tmp_path / "chats.db") as store:
+        assert store.list_chats() == []
+
+
+@pytest.mark.timeout(60)
+async def test_the_help_says_how_to_close_it(engine, tmp_path):
+    app = make_app(engine, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await press(pilot, "f1")
+        await wait_until(lambda: isinstance(app.screen, HelpScreen) and app.screen.query(Label),
+                         timeout=20)
+        shown = "\n".join(text_of(widget) for widget in app.screen.query(Label))
+        assert "Esc closes this help" in shown, shown
+
+
+@pytest.mark.timeout(60)
+async def test_the_tab_s_system_line_fits_80x24(engine, tmp_path):
+    app = make_app(engine, tmp_path)
+    async with app.run_test(size=(80, 24)) as pilot:
+        tab = app.active_tab
+        await wait_until(lambda: tab is not None and tab.is_attached, timeout=20)
+        tab.session.update_settings(tab.session.system_prompt, {"max_tokens": 256, "temperature": 0.7})
+        tab.refresh_info()
+        await pilot.pause()
+        info = tab.query_one(".chat-info")
+        lines = [line for line in shown_lines(info) if line.strip()]
+        assert len(lines) == 1 and lines[0].endswith("max_tokens=256, temperature=0.7"), lines

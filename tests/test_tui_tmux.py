@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,32 @@ def test_at_80x24_a_first_start_shows_a_fresh_tab_and_only_whole_words(chat_mode
         app.wait_for(lambda s: "KV cache" not in s)
     finally:
         app.kill_server()
+
+
+@pytest.mark.timeout(600)
+@needs_tmux
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_signal_restores_the_terminal_and_saves_the_reply_as_stopped(chat_model_dir, tmp_path,
+                                                                            signum):
+    # A shell in the pane keeps the app's exit status (tmux's pane_dead_status is at times unset).
+    status = tmp_path / "status"
+    app = TmuxApp(chat_model_dir, tmp_path, max_tokens=4000,
+                  command=f"sh -c '{sys.executable} -m paged_chat; echo $? > {status}; sleep 600'")
+    try:
+        app.wait_for(lambda s: "ready" in s and "KV cache" in s)
+        app.send("a long reply")
+        wait_for_store(app.store_path, lambda saved: saved == {"a long reply"})
+        shell = tmux(*app.socket, "display-message", "-p", "-t", app.session, "#{pane_pid}").strip()
+        [paged_chat] = Path(f"/proc/{shell}/task/{shell}/children").read_text().split()
+        os.kill(int(paged_chat), signum)
+        wait_for(lambda: status.exists() and status.read_text().strip(), 120, what="the app to exit")
+        terminal = tmux(*app.socket, "display-message", "-p", "-t", app.session,
+                        "#{alternate_on} #{mouse_any_flag}").split()
+        assert (status.read_text().strip(), terminal) == (str(128 + signum), ["0", "0"])
+    finally:
+        app.kill_server()
+    with ChatStore(app.store_path) as store:
+        [chat] = store.list_chats()
+        user, reply = store.get_chat(chat.id).messages
+    assert user.content == "a long reply"
+    assert reply.finish_reason == "abort" and reply.content, "saved as stopped, as Ctrl+Q does"

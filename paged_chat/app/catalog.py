@@ -54,9 +54,10 @@ def _converted_entries(root: Path) -> list[ModelEntry]:
 
     from paged_chat.engine.models.weight_cache import CachedWeights, list_cached_weights
 
+    # The WEIGHTS column says what the entry holds (its quantized formats or its dtype).
     def status(entry: CachedWeights) -> str:
         used = time.strftime("%Y-%m-%d %H:%M", time.localtime(entry.last_used))
-        return f"converted to {entry.dtype.lower()}, last used {used}"
+        return f"converted, last used {used}"
 
     return [ModelEntry(entry.source, "converted", _size(entry.size), entry.architecture,
                        status(entry), f"{entry.quantized or entry.dtype.lower()} "

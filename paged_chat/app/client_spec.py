@@ -25,8 +25,10 @@ def client_spec(config: EngineConfig | None, transport: Literal["thread", "proce
     CliState.engine_factory) runs on a thread whatever `transport` says: the engine it
     builds cannot cross to a spawned process."""
     if server:
+        from paged_chat.app.settings import cache_dir
+
         url = server if "://" in server else f"http://{server}"
-        return ClientSpec(url, api_key=api_key, remote_model=model)
+        return ClientSpec(url, api_key=api_key, remote_model=model, cache_dir=cache_dir())
     assert config is not None, "a local engine needs its config"
     if make_engine is not None:
         return ClientSpec("thread", engine=lambda: make_engine(config))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import time
 from collections.abc import Callable
 from contextlib import ExitStack, aclosing
 from typing import TYPE_CHECKING, Annotated, TextIO
@@ -54,13 +55,17 @@ if TYPE_CHECKING:
     from paged_chat.app.settings import Settings
     from paged_chat.cli.state import CliState
     from paged_chat.engine import EngineClient, EngineConfig, SamplingParams
+    from paged_chat.engine.core.stats import EngineStats
 
 
 PROMPT = ">>> "
 HISTORY_FILE = "chat_history"
 HISTORY_LENGTH = 1000
+# How long /stats waits for the engine's snapshot of the step that ended the last reply
+# (the engine publishes it when it goes idle, just after the reply's last text).
+STATS_SETTLE_S = 1.0
 HELP = """\
-/new           start a new chat (this one stays in the store)
+/new           start a new chat, with the default system prompt (this one stays saved)
 /system TEXT   set this chat's system prompt (/system alone shows it)
 /stats         the last reply's tokens, prefix-cache hits and speed; the KV pool
 /help          this list
@@ -87,9 +92,8 @@ def run_chat(options: PlainTerminalOptions, settings: Settings, make_engine: Eng
         client, load_s = load_client(make_engine, config, options)
         cleanup.callback(client.shutdown)
         params = model_sampling(settings, client, sampling)
-        system = chat.system_prompt if chat else options.system or settings.chat.system_prompt
-        repl = Repl(client, store, config, params, system, stdout,
-                    ready_words(options, client, load_s))
+        repl = Repl(client, store, config, params, options.system or settings.chat.system_prompt,
+                    stdout, ready_words(options, client, load_s))
         if chat is not None:
             repl.session = ChatSession(store, chat, on_warning=warn)
         reader = cleanup.enter_context(LineReader(stdin, stdout))
@@ -141,10 +145,12 @@ class Repl:
     """The loop: each line a turn of the current chat, or a /command."""
 
     def __init__(self, client: EngineClient, store: ChatStore, config: EngineConfig,
-                 params: SamplingParams, system: str | None, stdout: TextIO, ready: str) -> None:
-        """`ready`: how the engine came to be ready (ready_words), for /stats."""
+                 params: SamplingParams, default_system: str | None, stdout: TextIO, ready: str) -> None:
+        """`default_system`: the system prompt every new chat starts from (/new included);
+        `ready`: how the engine came to be ready (ready_words), for /stats."""
         self.client, self.store, self.config, self.params = client, store, config, params
-        self.system, self.stdout, self.ready = system, stdout, ready
+        self.default_system, self.stdout, self.ready = default_system, stdout, ready
+        self.system = default_system  # the next new chat's, until /system changes it
         self.session: ChatSession | None = None
         self.sanitizer = StreamSanitizer() if stdout.isatty() else None
 
@@ -187,14 +193,16 @@ class Repl:
 
     def _new(self, _: str) -> None:
         self.session = None
+        self.system = self.default_system
         self._print("(a new chat starts with your next message)")
 
     def _system(self, text: str) -> None:
         if not text:
-            self._print(f"system prompt: {self.system!r}" if self.system else "no system prompt")
+            current = self.system if self.session is None else self.session.system_prompt
+            self._print(f"system prompt: {current!r}" if current else "no system prompt")
             return
-        self.system = text
         if self.session is None:
+            self.system = text
             self._print("(system prompt set for the next chat)")
             return
         restarted = self.session.update_settings(text, self.session.sampling)
@@ -202,13 +210,24 @@ class Repl:
                     else "(system prompt set)")
 
     def _stats(self, _: str) -> None:
-        stats = self.client.stats()
+        stats = self._settled_stats()
         if self.session is None or self.session.turn is None:
             self._print("no reply yet in this chat")
         else:
             self._print(turn_stats_line(self.session.turn, self.ready))
         self._print(f"KV pool: {stats.blocks_in_use} of {stats.num_blocks} blocks in use, "
                     f"{stats.blocks_cached} cached for reuse")
+
+    def _settled_stats(self) -> EngineStats:
+        """The engine's snapshot once it shows no request running or waiting, or after
+        STATS_SETTLE_S (a server's other callers may keep it busy): the snapshot at hand
+        when a reply ends may be from a step before its last."""
+        deadline = time.monotonic() + STATS_SETTLE_S
+        stats = self.client.stats()
+        while (stats.num_running or stats.num_waiting) and time.monotonic() < deadline:
+            time.sleep(0.01)
+            stats = self.client.stats()
+        return stats
 
     def _help(self, _: str) -> None:
         self.stdout.write(HELP)
@@ -240,7 +259,8 @@ class Repl:
             try:
                 async with aclosing(session.send(self.client, text, self.params)) as deltas:
                     async for delta in deltas:
-                        self._write(delta.new_text)
+                        if not received:  # after ^C the terminal shows the reply as it stopped
+                            self._write(delta.new_text)
             except asyncio.CancelledError:  # a second signal: the turn was saved as stopped
                 if not received:
                     raise

@@ -38,7 +38,7 @@ ChatId = Annotated[str, typer.Argument(help="A chat id, or its first characters.
 
 @chats_app.callback(invoke_without_command=True)
 def chats(ctx: typer.Context) -> None:
-    """List, show, export and delete saved chats. Without a command, lists them."""
+    """List, search, show, export and delete saved chats. Without a command, lists them."""
     if ctx.invoked_subcommand is None:
         list_chats(ctx, search=None)
 
@@ -63,6 +63,17 @@ def list_chats(ctx: typer.Context,
                    else f"no chat holds {_shortened(search)!r}", err=True)
         return
     print_table(["ID", "UPDATED", "MODEL", "TITLE"], rows)
+
+
+@chats_app.command("search")
+def search_chats(ctx: typer.Context,
+                 words: Annotated[list[str], typer.Argument(
+                     help="Words the chats' titles or messages all hold (or words starting "
+                          "with them).", show_default=False)],
+                 ) -> None:
+    """List the saved chats that hold these words, most recent first (as `chats list
+    --search`)."""
+    list_chats(ctx, search=" ".join(words))
 
 
 @chats_app.command("show")

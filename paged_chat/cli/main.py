@@ -153,7 +153,9 @@ def root(ctx: typer.Context,
         if serve is not None and (server or settings.server.url):
             raise typer.BadParameter("--serve serves the local engine; it cannot with --server",
                                      param_hint="--serve")
-        run_app(settings, demo, serve_port=serve, server=server or settings.server.url)
+        code = run_app(settings, demo, serve_port=serve, server=server or settings.server.url)
+        if code:
+            raise typer.Exit(code)
 
 
 def _has_terminal() -> bool:

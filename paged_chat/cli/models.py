@@ -21,6 +21,7 @@ def models(ctx: typer.Context) -> None:
     with state.reported():
         entries, notes = find_models()
     print_table(["MODEL", "KIND", "SIZE", "ARCH", "STATUS", "WEIGHTS"],
-                 [[e.name, e.kind, e.size, e.architecture, e.status, e.weights] for e in entries])
+                [[e.name, e.kind, e.size, e.architecture, e.status, e.weights] for e in entries],
+                fit_column=0)
     for note in notes:
         typer.echo(note, err=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -64,6 +65,8 @@ LABELS_EVERY_S = 1.0        # how often streaming tabs' headers (TTFT, tokens/s)
 WIDE_FROM = 112   # columns from which the engine panel (48) leaves the prompt 60 or more
 QUIT_GRACE_S = 1.0     # what a quitting app gives a busy engine child before killing it
 RESTART_GRACE_S = 5.0  # ... and a restart (a stopped or hung child is killed at once)
+# The signals that end the app as Ctrl+Q does; the exit status says which, as a shell's would.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 
 
 class PagedChatApp(ChatActions, App):
@@ -98,6 +101,8 @@ class PagedChatApp(ChatActions, App):
             else:
                 store = ChatStore()
         self.store = store
+        self._caught_signals: list[int] = []   # STOP_SIGNALS whose handlers are installed
+        self._chat_tabs: ChatTabs | None = None  # kept: on_unmount asks it, off the DOM by then
         self.open_tabs = OpenTabs(None if demo else session_path or data_dir() / "tui-session.json")
         self.restore = restore
         self.frame_clock = FrameClock(self._draw_frame, frame_s)
@@ -116,11 +121,12 @@ class PagedChatApp(ChatActions, App):
 
     def compose(self) -> ComposeResult:
         with Horizontal(id="main"):
-            yield ChatTabs(self.store, self.open_tabs, model_name=lambda: self.model_name,
-                           system_prompt=self.settings.chat.system_prompt,
-                           wait_for_engine=self.wait_for_engine,
-                           sampling_params=self.sampling_params,
-                           engine_trouble=self.engine_trouble, id="tabs")
+            self._chat_tabs = ChatTabs(self.store, self.open_tabs, model_name=lambda: self.model_name,
+                                       system_prompt=self.settings.chat.system_prompt,
+                                       wait_for_engine=self.wait_for_engine,
+                                       sampling_params=self.sampling_params,
+                                       engine_trouble=self.engine_trouble, id="tabs")
+            yield self._chat_tabs
             yield EnginePanel(id="engine-panel")
         yield Static(id="status")
         yield KeyFooter()
@@ -170,6 +176,7 @@ class PagedChatApp(ChatActions, App):
 
     async def on_mount(self) -> None:
         self._engine_ready = asyncio.Event()
+        self._catch_stop_signals()
         theme = self.settings.tui.theme
         if theme in self.available_themes:
             self.theme = theme
@@ -429,9 +436,26 @@ class PagedChatApp(ChatActions, App):
 
     # ---- shutdown -------------------------------------------------------------------
 
+    def _catch_stop_signals(self) -> None:
+        """SIGTERM and SIGHUP quit as Ctrl+Q does: the terminal leaves the alternate screen
+        with mouse reporting off, and a streaming reply is saved as stopped. Off the main
+        thread signals cannot be caught: they act as usual."""
+        loop = asyncio.get_running_loop()
+        for signum in STOP_SIGNALS:
+            try:
+                loop.add_signal_handler(signum, self.exit, None, 128 + signum)
+            except (ValueError, RuntimeError):
+                return
+            self._caught_signals.append(signum)
+
     async def on_unmount(self) -> None:
         gc.unfreeze()   # a process that goes on (a test's) collects what the app left
+        loop = asyncio.get_running_loop()
+        for signum in self._caught_signals:
+            loop.remove_signal_handler(signum)
         # The tabs' workers are cancelled by now: their rows got finish_reason "abort".
+        if self._chat_tabs is not None:
+            self._chat_tabs.delete_empty_chats()
         if self.api_server is not None:
             self.api_server.stop()
         if self._owns_engine and self.engine is not None:

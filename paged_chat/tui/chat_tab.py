@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 
 FOOTER_EVERY_S = 0.5   # how often a shown reply's footer (TTFT, tokens/s) refreshes as it streams
 MOUNT_AT_ONCE = 30     # messages mounted when a chat opens; older ones on demand
+SYSTEM_PREVIEW = 60     # characters of the system prompt the tab's info line shows at most (then …)
+SYSTEM_PREVIEW_MIN = 16  # fewer would say nothing: the line wraps instead
 HEADER_FIGURES = " {ttft_s:.2f}s {tokens_per_s:3.0f}t/s"   # one width up to 9.99 s and 999 t/s
 
 WaitForEngine = Callable[[], Awaitable["EngineClient"]]
@@ -149,19 +151,32 @@ class ChatTab(TabPane):
             await reply.catch_up()
 
     def _info_text(self) -> Text:
-        """System prompt and sampling overrides; wraps (never cut) on a narrow terminal."""
-        text = Text()
-        text.append("█ ", style=TAB_COLOURS[self.colour % len(TAB_COLOURS)])
-        system = clean((self.session.system_prompt or "").replace("\n", " "))
-        text.append(f"system: {system[:60] + '…' if len(system) > 60 else system or '(none)'}")
+        """System prompt and sampling overrides on one line: the system prompt's preview is
+        cut to leave the overrides their room; where even that does not fit, the line wraps
+        between two settings (the settings are never cut)."""
         # name=value, no space: a wrap falls between two settings; unset (None) ones are defaults
         overrides = [f"{k}={v}" for k, v in sorted(self.session.sampling.items()) if v is not None]
-        if overrides:
-            text.append("  ·  " + ", ".join(overrides), style="dim")
+        settings = "  ·  " + ", ".join(overrides) if overrides else ""
+        mark, label = "█ ", "system: "
+        shown = self.query(".chat-info")
+        width = shown.first().content_size.width if shown else 0   # 0: not laid out yet
+        # One cell to spare: a line exactly content_size wide showed without its last character.
+        used = len(mark) + len(label) + len("…") + len(settings) + 1
+        room = SYSTEM_PREVIEW if width <= 0 else width - used
+        limit = max(SYSTEM_PREVIEW_MIN, min(SYSTEM_PREVIEW, room))
+        system = clean((self.session.system_prompt or "").replace("\n", " "))
+        text = Text()
+        text.append(mark, style=TAB_COLOURS[self.colour % len(TAB_COLOURS)])
+        text.append(f"{label}{system[:limit] + '…' if len(system) > limit else system or '(none)'}")
+        if settings:
+            text.append(settings, style="dim")
         return text
 
     def refresh_info(self) -> None:
         self.query_one(".chat-info", Static).update(self._info_text())
+
+    def on_resize(self) -> None:
+        self.refresh_info()   # the system prompt's preview is fitted to the width
 
     def label(self) -> str:
         """The tab header: its colour's mark (a dot while a reply streams), its title, and the

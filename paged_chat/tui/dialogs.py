@@ -160,7 +160,7 @@ class HelpScreen(ModalScreen[None]):
         for key, description in self.keys:
             table.add_row(key, description)
         with VerticalScroll(classes="dialog wide help"):
-            yield Label("paged-chat: keys", classes="dialog-title")
+            yield Label("paged-chat: keys (Esc closes this help)", classes="dialog-title")
             yield Static(table)
             yield Static(Text.from_markup(
                 "\n[b]Prompt[/b]: Enter sends; Shift+Enter or Ctrl+J: new line; Up/Down on the "

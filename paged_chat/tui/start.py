@@ -20,9 +20,10 @@ if TYPE_CHECKING:
 
 
 def run_app(settings: Settings, demo: int | None = None, serve_port: int | None = None,
-            server: str | None = None) -> None:
+            server: str | None = None) -> int:
     """The bare `paged-chat` command: open the TUI (with `demo`, N self-chatting tabs; with
-    `serve_port`, the API on its engine too; with `server`, on that remote server's engine)."""
+    `serve_port`, the API on its engine too; with `server`, on that remote server's engine).
+    Returns the exit status: 0, or 128 + the signal that ended it (SIGTERM: 143)."""
     engine: EngineClient | None = None
     engine_start: StartingClient | None = None
     config: EngineConfig | None = None
@@ -45,6 +46,7 @@ def run_app(settings: Settings, demo: int | None = None, serve_port: int | None 
         finally:
             if app.demo_dir is None:
                 app.store.close()
+        return app.return_code or 0
     finally:
         if engine_start is not None:
             engine_start.cancel()   # the app ended before its worker took the engine

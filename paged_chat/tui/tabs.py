@@ -22,6 +22,7 @@ from textual.css.query import NoMatches
 from textual.widgets import ContentSwitcher, Tab, TabbedContent, TabPane
 
 from paged_chat.app.chat_session import ChatSession
+from paged_chat.app.chat_store import StoreError
 from paged_chat.app.text import sanitize_for_terminal as clean
 from paged_chat.tui.chat_tab import ChatTab, EngineTrouble, MakeParams, WaitForEngine
 from paged_chat.tui.tab_info import TabInfo
@@ -61,6 +62,9 @@ class ChatTabs(TabbedContent):
         self._labels: dict[ChatTab, str] = {}
         self._infos: dict[str, TabInfo] | None = None
         self._autopilots: dict[ChatTab, Autopilot] = {}
+        # The chats this run opened empty: one still empty when its tab closes (or the app
+        # quits) is deleted, as a tab opened and left is no saved chat.
+        self._opened_empty: set[str] = set()
 
     @property
     def chat_tabs(self) -> list[ChatTab]:
@@ -107,6 +111,7 @@ class ChatTabs(TabbedContent):
         while f"Chat {number}" in titles:
             number += 1
         chat = self.store.create_chat(f"Chat {number}", self.model_name(), self.system_prompt, {})
+        self._opened_empty.add(chat.id)
         return await self.open_chat_tab(chat, loaded=True)
 
     async def fork_tab(self, tab: ChatTab) -> ChatTab:
@@ -184,6 +189,23 @@ class ChatTabs(TabbedContent):
         await self.remove_pane(tab.id)
         self._infos = None
         self._save_open_tabs()
+        if tab.chat_id is not None:
+            self._delete_if_empty(tab.chat_id)
+
+    def delete_empty_chats(self) -> None:
+        """Delete the chats this run opened that are still empty (the app quits)."""
+        for chat_id in list(self._opened_empty):
+            self._delete_if_empty(chat_id)
+
+    def _delete_if_empty(self, chat_id: str) -> None:
+        if chat_id not in self._opened_empty:
+            return
+        self._opened_empty.discard(chat_id)
+        try:
+            if not self.store.get_chat(chat_id).messages:
+                self.store.delete_chat(chat_id)
+        except StoreError:  # deleted elsewhere meanwhile, or a store that cannot write: it stays
+            pass
 
     def _activate(self, tab: ChatTab) -> None:
         """Show `tab` and give its prompt the focus now: keys already queued behind the

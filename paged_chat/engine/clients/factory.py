@@ -37,7 +37,9 @@ class ClientSpec:
     a child's output; `leave_cores` is how many cores the caller needs while the engine
     steps (a child's StepThreads.leave_cores). A remote takes `api_key`, and
     `remote_model`: where to load the served model's tokenizer from (else the first id the
-    server lists that resolves locally). `stats_interval_s`: the transport's default when None.
+    server lists that resolves locally) and `cache_dir`: where a GGUF's converted tokenizer is
+    saved (read rather than converted again; None: converted every time).
+    `stats_interval_s`: the transport's default when None.
     `fork_if_safe`: a child process may be forked instead of spawned where that is safe (a
     caller with one thread and no torch: faster to start).
     """
@@ -52,6 +54,7 @@ class ClientSpec:
     remote_model: str | None = None
     stats_interval_s: float | None = None
     fork_if_safe: bool = False
+    cache_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if not (self.transport in LOCAL_TRANSPORTS or is_url(self.transport)):
@@ -134,7 +137,8 @@ def _build(spec: ClientSpec) -> EngineClient:
     if is_url(spec.transport):
         from paged_chat.engine.clients.remote import RemoteClient
 
-        return RemoteClient(spec.transport, spec.api_key, model=spec.remote_model, **interval)
+        return RemoteClient(spec.transport, spec.api_key, model=spec.remote_model,
+                            cache_dir=spec.cache_dir, **interval)
     from paged_chat.engine.clients.local import LocalClient
     from paged_chat.engine.clients.thread_transport import ThreadTransport
     from paged_chat.engine.core.engine import Engine

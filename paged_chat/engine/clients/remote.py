@@ -50,6 +50,7 @@ import json
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -92,10 +93,12 @@ class _Scrape:
 
 class RemoteClient:
     """An EngineClient whose engine is an OpenAI-compatible server at `url` (…/v1 or the
-    server's root)."""
+    server's root). A local GGUF's tokenizer is read from its converted copy under
+    `cache_dir` where one is saved (and saved there otherwise)."""
 
     def __init__(self, url: str, api_key: str | None = None, model: str | None = None,
-                 timeout_s: float = 600.0, stats_interval_s: float = 1.0) -> None:
+                 timeout_s: float = 600.0, stats_interval_s: float = 1.0,
+                 cache_dir: Path | None = None) -> None:
         self.base_url = url.rstrip("/").removesuffix("/v1") + "/v1"
         self.api_key = api_key
         self.timeout_s = timeout_s
@@ -114,6 +117,7 @@ class RemoteClient:
         self._scraping: asyncio.Task | None = None
         self._reachable = True        # False while the server cannot be reached
         self._sends_cached = False    # True once the server's usage said its cached tokens
+        self._cache_dir = cache_dir
         served = self._served_models()
         self.model = model if model in served else served[0]
         self.info = self._model_info(served, model)
@@ -161,7 +165,7 @@ class RemoteClient:
         tried: list[str] = []
         for spec in dict.fromkeys(([model] if model else []) + served):
             try:
-                source = load_model_source(spec)
+                source = load_model_source(spec, self._cache_dir)
             except ModelLoadError:
                 tried.append(f"{spec} (not found here)")
                 continue
