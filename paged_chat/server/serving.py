@@ -33,6 +33,7 @@ from paged_chat.engine.clients.client_protocol import EngineClient
 from paged_chat.engine.core.detokenizer import IncrementalDetokenizer
 from paged_chat.engine.core.outputs import RequestOutput
 from paged_chat.engine.core.sampling_params import SamplingParams
+from paged_chat.engine.worker.structured_output import REFUSED
 from paged_chat.server.api_types import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -228,6 +229,8 @@ class OpenAIServing:
                 index, output = await queue.get()
                 if isinstance(output, Exception):
                     raise output
+                if output.finish_reason == "error" and (output.error or "").startswith(REFUSED):
+                    raise ApiError(400, output.error)
                 if output.finished:
                     job.finals[index] = output
                 yield index, output

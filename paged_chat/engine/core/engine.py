@@ -12,10 +12,15 @@ With a KV tier (EngineConfig.kv_tier_*), finished and evicted blocks outlive the
 and the process: `close()` (or interpreter exit) finishes the tier's queued disk writes.
 Between steps the engine has `KVTransfer` do the tier's traffic the scheduler decided:
 a request whose blocks the tier holds waits while they are read, off the step.
+
+A request whose grammar is not cached waits, holding nothing, while it compiles off the
+engine loop (structured_output.py): each step first admits those whose compile is done,
+and fails those whose compile failed or ran past its limit.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import random
 import time
@@ -29,7 +34,8 @@ from paged_chat.engine.core.dtypes import dtype_name, resolve_device, resolve_dt
 from paged_chat.engine.core.output_processor import OutputProcessor
 from paged_chat.engine.core.outputs import EngineCoreOutput, ModelInfo, RequestOutput
 from paged_chat.engine.core.prompt import prompt_token_ids
-from paged_chat.engine.core.request import Request
+from paged_chat.engine.core.outputs import FinishReason
+from paged_chat.engine.core.request import Request, RequestStatus
 from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.core.scheduler import Scheduler
 from paged_chat.engine.core.stats import EngineStats, StepMetrics, snapshot
@@ -44,14 +50,15 @@ from paged_chat.engine.models.loader import (
     load_model_source,
 )
 from paged_chat.engine.worker.runner import ModelRunner
-from paged_chat.engine.worker.structured_output import StructuredOutputManager
+from paged_chat.engine.worker.structured_output import GrammarError, StructuredOutputManager
 from paged_chat.engine.worker.threads import StepThreads
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-# How long a step with nothing to run (every request waiting for KV) waits for a tier read.
-_IDLE_READ_WAIT_S = 0.01
+# How long a step with nothing to run (every request waiting for KV or its grammar) waits for
+# a tier read, and for a grammar's compile.
+_IDLE_WAIT_S = 0.01
 
 
 class Engine:
@@ -127,6 +134,9 @@ class Engine:
         A prompt that can never fit (max_model_len, the pool) is accepted and finishes on
         the next step with finish_reason "error", so callers see one uniform stream. A
         schema, regex or choice the grammar library refuses raises GrammarError (a ValueError).
+        A grammar not cached compiles off the engine loop while the request waits; a compile
+        that fails or passes structured_output.COMPILE_TIMEOUT_S finishes the request with
+        finish_reason "error", its error starting with structured_output.REFUSED.
         """
         params = params or SamplingParams()
         if request_id is not None and not (isinstance(request_id, str) and request_id):
@@ -137,17 +147,22 @@ class Engine:
             request_id = next(free for free in (f"req-{n}" for n in self._ids) if free not in self.requests)
         elif request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        grammar = (self.structured_output.new_matcher(params)
-                   if params.structured_spec is not None else None)
+        grammar = pending_grammar = None
+        if params.structured_spec is not None:
+            grammar = self.structured_output.cached_matcher(params)
+            if grammar is None:
+                pending_grammar = self.structured_output.start_compile(params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(request_id, token_ids, params, seed, time.monotonic(), owner=owner,
                           stop_token_ids=frozenset(params.stop_token_ids) | (
                               frozenset() if params.ignore_eos else self.eos_token_ids),
                           max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len),
-                          grammar=grammar)
+                          grammar=grammar, pending_grammar=pending_grammar)
+        if pending_grammar is not None:
+            request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self.scheduler.add(request)
         if len(token_ids) >= self.max_model_len:
-            self._pending.append(self.scheduler.finish_request(request, "error", (
+            self._pending.append(self._finish(request, "error", (
                 f"the prompt has {len(token_ids)} tokens; this engine holds at most "
                 f"{self.max_model_len} per sequence (max_model_len and the KV pool), "
                 "prompt and reply together")))
@@ -166,7 +181,31 @@ class Engine:
         """Stop a request now and free its blocks; unknown or finished ids are ignored."""
         request = self.requests.get(request_id)
         if request is not None:
-            self._pending.append(self.scheduler.finish_request(request, "abort"))
+            self._pending.append(self._finish(request, "abort"))
+
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None
+                ) -> EngineCoreOutput:
+        """scheduler.finish_request, the request's wait for its grammar dropped first."""
+        if request.pending_grammar is not None:
+            self.structured_output.drop(request.pending_grammar)
+            request.pending_grammar = None
+        return self.scheduler.finish_request(request, reason, error)
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Queue the requests whose grammar has compiled; finish those whose compile failed
+        or ran past its limit (their outputs)."""
+        failed = []
+        for request in list(self.scheduler.compiling):
+            try:
+                grammar = self.structured_output.take(request.pending_grammar)
+            except GrammarError as error:
+                request.pending_grammar = None  # take ended the wait
+                failed.append(self.scheduler.finish_request(request, "error", str(error)))
+                continue
+            if grammar is not None:
+                request.grammar, request.pending_grammar = grammar, None
+                self.scheduler.grammar_ready(request)
+        return failed
 
     def abort_all(self) -> None:
         """Abort every request, discarding their outputs: for a caller that has given up on
@@ -231,12 +270,17 @@ class Engine:
         included, and those an abort or a refused prompt finished since the last step)."""
         outputs, self._pending = self._pending, []
         started = time.perf_counter()
+        if self.scheduler.compiling:
+            outputs += self._admit_compiled()
         self.kv_transfer.complete_reads()
         schedule = self.scheduler.schedule() if self.scheduler.has_unfinished() else None
         self.kv_transfer.offload()  # what left the pool, before a forward can overwrite it
         self.kv_transfer.start_reads()
         if schedule is None or not schedule.scheduled:
-            self.kv_transfer.wait_for_reads(_IDLE_READ_WAIT_S)  # every request waits for KV
+            self.kv_transfer.wait_for_reads(_IDLE_WAIT_S)  # every request waits for KV
+            if self.scheduler.compiling:  # or for its grammar
+                concurrent.futures.wait([r.pending_grammar.future for r in self.scheduler.compiling],
+                                        _IDLE_WAIT_S, concurrent.futures.FIRST_COMPLETED)
             self.metrics.record_step(0, 0, 0, 0, 0.0)
             self.runner.last_forward_s = 0.0
             return outputs

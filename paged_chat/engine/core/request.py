@@ -12,9 +12,12 @@ from paged_chat.engine.core.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from xgrammar import GrammarMatcher
 
+    from paged_chat.engine.worker.structured_output import PendingGrammar
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_GRAMMAR = "waiting for its grammar"  # compiling off the engine loop, no blocks
     WAITING_FOR_KV = "waiting for KV"   # holds its blocks while a KV tier read fills them
     RUNNING = "running"
     FINISHED = "finished"
@@ -54,6 +57,8 @@ class Request:
     max_num_tokens: int = 0
     # Its structured output's matcher, as far as output_token_ids (structured_output.py).
     grammar: GrammarMatcher | None = None
+    # Its grammar's compile, while it waits for it (WAITING_FOR_GRAMMAR).
+    pending_grammar: PendingGrammar | None = None
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -15,6 +15,10 @@ Each step has one budget of `max_num_batched_tokens` shared by every kind of wor
    back off the step; it joins once they are in, counting them as cached, as it would the
    pool's. Then each prefills what is left, chunked.
 
+A request whose grammar compiles off the engine loop (WAITING_FOR_GRAMMAR) holds nothing
+and is never scheduled: it joins the waiting queue when the engine has its matcher
+(`grammar_ready`).
+
 The scheduler does no I/O: a tier read is only issued here (see kv_cache_manager); the
 engine runs it and completes it between steps, so no step waits on a disk.
 
@@ -79,6 +83,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.loading: list[Request] = []    # WAITING_FOR_KV, in the order their reads were issued
+        self.compiling: list[Request] = []  # WAITING_FOR_GRAMMAR
         self.num_preemptions = 0
         self.recomputed_after_fault: set[str] = set()   # request ids, until they finish
         self.prefix_cache_queried_tokens = 0
@@ -87,12 +92,23 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
 
     def add(self, request: Request) -> None:
-        """Queue a request (its id not in `requests`) behind the waiting ones."""
+        """Queue a request (its id not in `requests`) behind the waiting ones, or, one
+        WAITING_FOR_GRAMMAR, aside until `grammar_ready`."""
         self.requests[request.request_id] = request
+        if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
+            self.compiling.append(request)
+        else:
+            self.waiting.append(request)
+
+    def grammar_ready(self, request: Request) -> None:
+        """A request that waited for its grammar (now in `request.grammar`) queues behind
+        the waiting ones."""
+        self.compiling.remove(request)
+        request.status = RequestStatus.WAITING
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.loading)
+        return bool(self.waiting or self.running or self.loading or self.compiling)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
@@ -240,6 +256,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status is RequestStatus.WAITING_FOR_KV:
             self.loading.remove(request)
+        elif request.status is RequestStatus.WAITING_FOR_GRAMMAR:
+            self.compiling.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = RequestStatus.FINISHED

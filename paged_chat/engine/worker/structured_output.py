@@ -2,7 +2,10 @@
 step's token bitmask (xgrammar, the backend vLLM and SGLang default to).
 
 A request whose SamplingParams ask for structured output (a JSON schema, any JSON object,
-a regex, or one of a list of strings) gets a `GrammarMatcher` when it is added. Each step
+a regex, or one of a list of strings) gets a `GrammarMatcher`: at once when its grammar
+is cached, else once its grammar has compiled off the engine loop (`start_compile`, then
+`take`; a huge schema compiles for minutes, and the other requests keep stepping). What
+the grammar library refuses is refused synchronously, before the compile starts. Each step
 `fill_token_bitmask` writes, for the constrained rows only, one bit per vocabulary entry
 (set: the grammar allows that token next); the sampler masks those rows' logits with it
 (`sampler.apply_token_bitmask`) before anything else looks at them. The engine advances a
@@ -25,12 +28,15 @@ output completes.
 from __future__ import annotations
 
 import json
+import queue
 import re
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-import torch
 
 from paged_chat.engine.core.sampling_params import SamplingParams, StructuredSpec
 from paged_chat.engine.worker.unenforceable import (
@@ -40,17 +46,41 @@ from paged_chat.engine.worker.unenforceable import (
     check_satisfiable,
 )
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch too: the server imports REFUSED without loading either
+    import torch
     import xgrammar
 
 # How many bytes of compiled grammars the manager keeps (a schema's is ~50 KB to a few MB).
 CACHE_BYTES = 256 * 2**20
+# How long a request waits for its grammar to compile before it fails with an error naming
+# this limit (an anyOf of thousands of patterns compiles for minutes).
+COMPILE_TIMEOUT_S = 30.0
+# Grammars compiling at once. xgrammar cannot stop a compile: one that no request waits for
+# any more runs to its end on its thread, so more than one thread keeps the next going.
+COMPILE_THREADS = 2
+# What the error of a request whose structured output was refused after add_request
+# returned starts with (its compile failed or passed COMPILE_TIMEOUT_S): the caller's fault,
+# not the engine's (the server answers it with a 400).
+REFUSED = "structured output refused: "
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:line: ": the rest names the problem.
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 class GrammarError(ValueError):
     """A schema, regex or choice list the grammar library refuses; the message says why."""
+
+
+GrammarKey = tuple[str | None, StructuredSpec]  # (cache salt, spec)
+
+
+@dataclass(slots=True, eq=False)
+class PendingGrammar:
+    """One request's wait for a grammar compiling off the engine loop (`start_compile`);
+    requests waiting for the same grammar share its compile."""
+
+    key: GrammarKey
+    future: Future
+    started: float  # time.monotonic() when the request began to wait
 
 
 class StructuredOutputManager:
@@ -71,9 +101,11 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size
         self.cache_bytes = cache_bytes
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-        self._compiled: OrderedDict[tuple[str | None, StructuredSpec],
-                                    xgrammar.CompiledGrammar] = OrderedDict()
+        self._compiled: OrderedDict[GrammarKey, xgrammar.CompiledGrammar] = OrderedDict()
         self._kept_bytes = 0
+        self._compiling: dict[GrammarKey, Future] = {}
+        self._waiters: Counter[GrammarKey] = Counter()
+        self._compile_threads = _DaemonThreads(COMPILE_THREADS, "grammar-compile")
 
     @property
     def kept_bytes(self) -> int:
@@ -89,16 +121,81 @@ class StructuredOutputManager:
         if compiled is not None:
             self._compiled.move_to_end(key)
             return compiled
-        kind, value = spec
         try:
-            compiled = self._compiler.compile_grammar(self._grammar(kind, value))
-        except (RuntimeError, Unenforceable) as error:
-            raise GrammarError(f"{kind}: {_LOCATION.sub('', str(error)).strip()}") from error
+            compiled = self._compiler.compile_grammar(self._grammar(spec))
+        except RuntimeError as error:
+            raise GrammarError(_problem(spec[0], error)) from error
         self._keep(key, compiled)
         return compiled
 
-    def _grammar(self, kind: str, value: str) -> xgrammar.Grammar:
-        """The grammar of one spec, refused (Unenforceable) where it would not be enforced."""
+    def cached_matcher(self, params: SamplingParams) -> xgrammar.GrammarMatcher | None:
+        """A fresh matcher for `params`' structured output when its partition's cache holds
+        the grammar (see `compile`), else None."""
+        key = (params.cache_salt, params.structured_spec)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            return None
+        self._compiled.move_to_end(key)
+        return self._xgr.GrammarMatcher(compiled)
+
+    def start_compile(self, params: SamplingParams) -> PendingGrammar:
+        """Compile `params`' grammar off the caller's thread (joining a compile of the same
+        grammar under the same salt in progress); `take` the matcher once it is done, or
+        `drop` the wait. What the grammar library refuses raises GrammarError here, at once."""
+        spec = params.structured_spec
+        assert spec is not None
+        key = (params.cache_salt, spec)
+        future = self._compiling.get(key)
+        if future is None:
+            future = self._compile_threads.submit(self._compiler.compile_grammar,
+                                                  self._grammar(spec))
+            self._compiling[key] = future
+        self._waiters[key] += 1
+        return PendingGrammar(key, future, time.monotonic())
+
+    def take(self, pending: PendingGrammar) -> xgrammar.GrammarMatcher | None:
+        """The request's matcher once its grammar has compiled (the grammar kept in the
+        cache), else None. Raises GrammarError, the wait over, when the compile failed or
+        has run longer than COMPILE_TIMEOUT_S; its message starts with REFUSED."""
+        if not pending.future.done():
+            if time.monotonic() - pending.started <= COMPILE_TIMEOUT_S:
+                return None
+            self.drop(pending)
+            raise GrammarError(f"{REFUSED}{pending.key[1][0]}: its grammar did not compile "
+                               f"within {COMPILE_TIMEOUT_S:g} s, the limit on a grammar's compile")
+        self._leave(pending)
+        try:
+            compiled = pending.future.result()
+        except RuntimeError as error:
+            raise GrammarError(REFUSED + _problem(pending.key[1][0], error)) from error
+        if pending.key not in self._compiled:
+            self._keep(pending.key, compiled)
+        return self._xgr.GrammarMatcher(compiled)
+
+    def drop(self, pending: PendingGrammar) -> None:
+        """The request no longer waits: the compile is cancelled when nobody else waits for
+        it (one already running goes on; its grammar is not kept)."""
+        if self._leave(pending):
+            pending.future.cancel()
+
+    def _leave(self, pending: PendingGrammar) -> bool:
+        """One waiter fewer; True when it was the last."""
+        self._waiters[pending.key] -= 1
+        if self._waiters[pending.key]:
+            return False
+        del self._waiters[pending.key]
+        del self._compiling[pending.key]
+        return True
+
+    def _grammar(self, spec: StructuredSpec) -> xgrammar.Grammar:
+        """The grammar of one spec; GrammarError where the library refuses it or would not
+        enforce it (unenforceable.py)."""
+        try:
+            return self._checked_grammar(*spec)
+        except (RuntimeError, Unenforceable) as error:
+            raise GrammarError(_problem(spec[0], error)) from error
+
+    def _checked_grammar(self, kind: str, value: str) -> xgrammar.Grammar:
         if kind in ("json_schema", "json_object"):  # an object, as OpenAI's json_object
             schema = value or '{"type": "object"}'
             check_json_schema(schema)
@@ -112,7 +209,7 @@ class StructuredOutputManager:
         check_satisfiable(str(grammar))
         return grammar
 
-    def _keep(self, key: tuple[str | None, StructuredSpec], compiled: xgrammar.CompiledGrammar) -> None:
+    def _keep(self, key: GrammarKey, compiled: xgrammar.CompiledGrammar) -> None:
         size = compiled.memory_size_bytes
         if size > self.cache_bytes:
             return
@@ -129,6 +226,42 @@ class StructuredOutputManager:
         if spec is None:
             return None
         return self._xgr.GrammarMatcher(self.compile(spec, params.cache_salt))
+
+
+def _problem(kind: str, error: Exception) -> str:
+    """What the grammar library's `error` says is wrong with a `kind` spec."""
+    return f"{kind}: {_LOCATION.sub('', str(error)).strip()}"
+
+
+class _DaemonThreads:
+    """A few daemon threads running submitted calls: unlike a ThreadPoolExecutor's, which
+    interpreter exit joins, a compile still running never holds the process's exit."""
+
+    def __init__(self, count: int, name: str) -> None:
+        self._count, self._name = count, name
+        self._calls: queue.SimpleQueue[tuple[Future, Callable, tuple]] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+
+    def submit(self, call: Callable, *args: object) -> Future:
+        """`call(*args)` on one of the threads (started on first use); its future."""
+        if not self._threads:
+            self._threads = [threading.Thread(target=self._run, name=f"{self._name}-{n}",
+                                              daemon=True) for n in range(self._count)]
+            for thread in self._threads:
+                thread.start()
+        future: Future = Future()
+        self._calls.put((future, call, args))
+        return future
+
+    def _run(self) -> None:
+        while True:
+            future, call, args = self._calls.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(call(*args))
+            except BaseException as error:  # the waiter's to raise
+                future.set_exception(error)
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
