@@ -77,6 +77,7 @@ def test_other_requests_finish_while_a_grammar_compiles(make_engine, gated) -> N
     assert finals[fast].finish_reason == "length" and len(tokens[fast]) == 8
     assert slow not in finals and slow not in tokens
     assert engine.requests[slow].status is RequestStatus.WAITING_FOR_GRAMMAR
+    assert engine.stats().num_waiting == 1  # the panel and /metrics count it as waiting
     assert engine.kv_cache.tables.keys() == set()  # the waiting request holds no block
     compiler.gate.set()
     step_until(engine, slow, finals, tokens)

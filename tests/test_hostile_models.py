@@ -268,7 +268,7 @@ def test_models_marks_a_hostile_gguf_unreadable_and_lists_converted_weights(
     assert entries[str(hostile)].architecture == "unreadable"
     converted = entries[str(path)]
     assert (converted.kind, converted.architecture) == ("converted", "llama")
-    assert converted.status.startswith("converted to bf16, last used ")
+    assert converted.status.startswith("converted, last used ")
 
 
 def _hostile_array_gguf(path: Path) -> Path:
