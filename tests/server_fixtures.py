@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -51,6 +55,33 @@ class Served:
         self.server.stop()
         self.thread.join(30)
 
+
+
+@contextmanager
+def serving(model_dir: Path, env: dict[str, str] | None = None
+            ) -> Iterator[tuple[subprocess.Popen, int]]:
+    """`paged-chat serve` on `model_dir` as deployed, in a process of its own, once it answers
+    /health: (the process, its port); killed on the way out whatever happened."""
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "paged_chat", "serve", "--model", str(model_dir),
+         "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        wait_for(lambda: server.poll() is not None or answers_health(port), timeout=180,
+                 what="the server to answer /health")
+        assert server.poll() is None, server.communicate()[1].decode()
+        yield server, port
+    finally:
+        server.kill()
+        server.wait()
+
+
+def engine_child(server: subprocess.Popen) -> int:
+    """The pid of the engine process `server` spawned."""
+    [engine] = [int(child) for task in Path(f"/proc/{server.pid}/task").iterdir()
+                for child in (task / "children").read_text().split()
+                if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
+    return engine
 
 def start_server(client: LocalClient, **options) -> Served:
     server = ApiServer(client, port=0, **options)

@@ -178,44 +178,6 @@ async def test_a_message_the_parent_cannot_take_ends_the_streams_instead_of_hang
     assert own_process_engine.transport._process.exitcode == -signal.SIGKILL
 
 
-def test_the_child_exits_when_its_parent_is_killed(chat_model_dir):
-    """A parent killed outright runs no clean-up; its end of the pipe closes with it, and the
-    child must not linger holding the model and the KV pool."""
-    config = json.dumps(dataclasses.asdict(engine_config(chat_model_dir)))
-    parent = subprocess.Popen(
-        [sys.executable, "-c", PARENT_SCRIPT, config], stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    try:
-        child_pid = int(parent.stdout.readline())
-        assert child_alive(child_pid)
-    finally:
-        parent.kill()
-        parent.wait(30)
-    wait_for(lambda: not child_alive(child_pid), what="the engine process to exit with its parent")
-
-
-def test_a_busy_child_exits_within_seconds_of_its_parent_being_killed(chat_model_dir):
-    """A child whose main thread is in a long step (a grammar that compiles for minutes)
-    reads no pipe: it must still end with its parent, not hold the model for minutes more.
-    The parent forks it with its engine loop replaced by a step that never ends."""
-    config = json.dumps(dataclasses.asdict(engine_config(chat_model_dir)))
-    parent = subprocess.Popen(
-        [sys.executable, "-c", BUSY_PARENT_SCRIPT, config], stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
-    try:
-        child_pid = int(parent.stdout.readline())
-        assert child_alive(child_pid)
-    finally:
-        parent.kill()
-        parent.wait(30)
-    try:
-        wait_for(lambda: not child_alive(child_pid), timeout=30,
-                 what="the busy engine process to exit with its parent")
-    finally:
-        if child_alive(child_pid):
-            os.kill(child_pid, signal.SIGKILL)
-
-
 # The parent imports what an app would before its engine starts, not the tests' helpers
 # (torch and hypothesis: seconds of imports that have nothing to do with being killed).
 PARENT_SCRIPT = """
@@ -242,6 +204,31 @@ if __name__ == "__main__":
     print(engine.transport.pid, flush=True)
     time.sleep(600)
 """
+
+
+@pytest.mark.parametrize("parent_script", [PARENT_SCRIPT, BUSY_PARENT_SCRIPT], ids=["idle", "busy"])
+def test_the_child_exits_when_its_parent_is_killed(chat_model_dir, parent_script):
+    """A parent killed outright runs no clean-up; its end of the pipe closes with it, and the
+    child must not linger holding the model and the KV pool. A busy child (its main thread
+    in a long step, a grammar that compiles for minutes, reads no pipe) must end with its
+    parent too: BUSY_PARENT_SCRIPT forks it with its engine loop replaced by a step that
+    never ends."""
+    config = json.dumps(dataclasses.asdict(engine_config(chat_model_dir)))
+    parent = subprocess.Popen(
+        [sys.executable, "-c", parent_script, config], stdout=subprocess.PIPE,
+        text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        child_pid = int(parent.stdout.readline())
+        assert child_alive(child_pid)
+    finally:
+        parent.kill()
+        parent.wait(30)
+    try:
+        wait_for(lambda: not child_alive(child_pid), timeout=30,
+                 what="the engine process to exit with its parent")
+    finally:
+        if child_alive(child_pid):
+            os.kill(child_pid, signal.SIGKILL)
 
 
 def child_alive(pid: int) -> bool:

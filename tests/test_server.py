@@ -8,8 +8,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -17,7 +15,7 @@ import openai
 import pytest
 from helpers import wait_for
 from prometheus_client.parser import text_string_to_metric_families
-from server_fixtures import answers_health, free_port, start_server
+from server_fixtures import engine_child, serving, start_server
 from typer.testing import CliRunner
 
 from paged_chat.cli.main import app as cli_app
@@ -175,60 +173,24 @@ def test_binding_beyond_loopback_needs_a_key():
     assert line.startswith("Error: refusing to serve on 0.0.0.0 without --api-key")
 
 
-def child_pids(pid: int) -> list[int]:
-    return [int(child) for task in Path(f"/proc/{pid}/task").iterdir()
-            for child in (task / "children").read_text().split()]
-
-
-def test_the_serve_command_steps_its_engine_in_a_process_of_its_own(tiny_model_dir):
-    """`paged-chat serve` as deployed: the engine runs in a child process, so the HTTP event
-    loop and the engine share no GIL; it answers; and Ctrl+C leaves no process behind.
-    (Once that child dies the server exits: test_server_security.py.)"""
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "paged_chat", "serve", "--model", str(tiny_model_dir),
-         "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        wait_for(lambda: server.poll() is not None or answers_health(port), timeout=180,
-                 what="the server to answer /health")
-        assert server.poll() is None, server.communicate()[1].decode()
-        [engine] = [pid for pid in child_pids(server.pid)
-                    if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+@pytest.mark.parametrize("signum, status", [(signal.SIGINT, 130), (signal.SIGTERM, 143),
+                                            (signal.SIGHUP, 129)])
+def test_serve_steps_its_engine_in_a_child_it_shuts_down_on_a_stop_signal(
+        tiny_model_dir, signum, status):
+    """The engine runs in a child process, so the HTTP event loop and the engine share no
+    GIL, and it answers. Ctrl+C, a supervisor's SIGTERM or a closed terminal's SIGHUP: the
+    child is shut down and reaped before serve exits 128 + the signal (uvicorn raised the
+    signal again after its own shutdown, which ended serve before its engine: a child left
+    to init). Once that child dies the server exits: test_server_security.py."""
+    with serving(tiny_model_dir) as (server, port):
+        engine = engine_child(server)
         reply = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
             "prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True}).json()
         assert reply.get("usage", {}).get("completion_tokens") == 4, reply
-        server.send_signal(signal.SIGINT)
-        _, errors = server.communicate(timeout=60)
-        assert server.returncode == 130 and b"Traceback" not in errors, errors.decode()
-        assert not Path(f"/proc/{engine}").exists()
-    finally:
-        server.kill()
-        server.wait()
-
-
-@pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])
-def test_serve_shuts_its_engine_down_on_a_stop_signal_then_exits_with_its_status(
-        tiny_model_dir, signum, status):
-    """A supervisor's SIGTERM (or a closed terminal's SIGHUP): the engine child is shut down
-    and reaped before serve exits 128 + the signal (uvicorn raised the signal again after
-    its own shutdown, which ended serve before its engine: a child left to init)."""
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "paged_chat", "serve", "--model", str(tiny_model_dir),
-         "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        wait_for(lambda: server.poll() is not None or answers_health(port), timeout=180,
-                 what="the server to answer /health")
-        assert server.poll() is None, server.communicate()[1].decode()
-        [engine] = [pid for pid in child_pids(server.pid)
-                    if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         server.send_signal(signum)
         _, errors = server.communicate(timeout=60)
         assert server.returncode == status and b"Traceback" not in errors, errors.decode()
         assert not Path(f"/proc/{engine}").exists()
-    finally:
-        server.kill()
-        server.wait()
 
 
 def test_client_disconnect_mid_stream_frees_the_blocks(api):
@@ -306,15 +268,7 @@ def test_a_request_without_max_tokens_takes_the_chat_settings(tiny_model_dir, tm
     the end of the context (8,141 tokens, 7 minutes), and `llm`, which sends none, looped."""
     config = tmp_path / "config.toml"
     config.write_text("[chat]\nmax_tokens = 3\n")
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "paged_chat", "serve", "--model", str(tiny_model_dir),
-         "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env={**os.environ, "PAGED_CHAT_CONFIG": str(config)})
-    try:
-        wait_for(lambda: server.poll() is not None or answers_health(port), timeout=180,
-                 what="the server to answer /health")
-        assert server.poll() is None, server.communicate()[1].decode()
+    with serving(tiny_model_dir, {**os.environ, "PAGED_CHAT_CONFIG": str(config)}) as (_, port):
         base = f"http://127.0.0.1:{port}/v1"
         reply = httpx.post(f"{base}/completions", timeout=60, json={
             "prompt": [5, 6, 7], "temperature": 0, "ignore_eos": True}).json()
@@ -322,6 +276,3 @@ def test_a_request_without_max_tokens_takes_the_chat_settings(tiny_model_dir, tm
         reply = httpx.post(f"{base}/completions", timeout=60, json={
             "prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0, "ignore_eos": True}).json()
         assert reply.get("usage", {}).get("completion_tokens") == 5, reply
-    finally:
-        server.kill()
-        server.wait()

@@ -12,19 +12,16 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
 from helpers import wait_for
-from server_fixtures import answers_health, free_port, start_server
+from server_fixtures import answers_health, engine_child, serving, start_server
 from typer.testing import CliRunner
 
 from paged_chat.app.settings import SettingsError, load_settings
@@ -330,32 +327,18 @@ def test_connections_that_never_finish_their_headers_are_closed(api):
         server.stop()
 
 
-def serve_command(model_dir: Path, port: int) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "paged_chat", "serve", "--model", str(model_dir), "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
 def test_serve_exits_when_its_engine_dies_and_a_hang_up_is_one_line(tiny_model_dir):
     """As deployed: a client that hangs up mid-body costs one log line (it was a traceback);
     a client that never ends its headers is dropped (it was held for good); and once the
     engine process dies the server exits 1 with one line (it answered 503 forever)."""
-    port = free_port()
-    server = serve_command(tiny_model_dir, port)
-    try:
-        wait_for(lambda: server.poll() is not None or answers_health(port), timeout=180,
-                 what="the server to answer /health")
-        assert server.poll() is None, server.communicate()[1].decode()
+    with serving(tiny_model_dir) as (server, port):
         stalled = raw_connection(port, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-")
         leaver = raw_connection(port, b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
                                       b"application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
         time.sleep(0.2)  # its headers in, the body under way: then it hangs up
         leaver.close()
         assert closed_within(stalled, 60)
-        [engine] = [int(child) for task in Path(f"/proc/{server.pid}/task").iterdir()
-                    for child in (task / "children").read_text().split()
-                    if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
-        os.kill(engine, signal.SIGKILL)
+        os.kill(engine_child(server), signal.SIGKILL)
         _, errors = server.communicate(timeout=60)
         lines = errors.decode().strip().splitlines()
         assert server.returncode == 1, lines
@@ -363,23 +346,13 @@ def test_serve_exits_when_its_engine_dies_and_a_hang_up_is_one_line(tiny_model_d
                              "Error: the engine stopped (the engine process exited unexpectedly (exit "
                              "code -9)), so the server did too"], lines
         assert not answers_health(port)
-    finally:
-        server.kill()
-        server.wait()
 
 
 def test_health_is_503_with_the_reason_while_the_engine_process_is_stopped(tiny_model_dir):
     """`kill -STOP` on the engine child: requests would wait for good, so /health says 503
     and why (it said 200), and 200 again once the child goes on."""
-    port = free_port()
-    server = serve_command(tiny_model_dir, port)
-    try:
-        wait_for(lambda: server.poll() is not None or answers_health(port), timeout=180,
-                 what="the server to answer /health")
-        assert server.poll() is None, server.communicate()[1].decode()
-        [engine] = [int(child) for task in Path(f"/proc/{server.pid}/task").iterdir()
-                    for child in (task / "children").read_text().split()
-                    if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes()]
+    with serving(tiny_model_dir) as (server, port):
+        engine = engine_child(server)
         os.kill(engine, signal.SIGSTOP)
         try:
             wait_for(lambda: not answers_health(port), timeout=60,
@@ -390,9 +363,6 @@ def test_health_is_503_with_the_reason_while_the_engine_process_is_stopped(tiny_
         finally:
             os.kill(engine, signal.SIGCONT)
         wait_for(lambda: answers_health(port), timeout=60, what="/health to be 200 again")
-    finally:
-        server.kill()
-        server.wait()
 
 
 # ---- item 7: client input is a 400 naming the field ---------------------------------------
