@@ -203,19 +203,26 @@ _TOKEN_BY_TOKEN = {"ByteLevel", "Metaspace", "Replace", "ByteFallback", "Fuse"}
 def _token_by_token(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether `_fast_decoder` is the Rust decoder alone (transformers would clean up
     spaces afterwards) and that decoder treats each token on its own."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or backend.decoder is None or getattr(
-            tokenizer, "clean_up_tokenization_spaces", True):
+    steps = decoder_steps(tokenizer)
+    if steps is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return False
+    return all(step.get("stop") == 0 if step.get("type") == "Strip"
+               else step.get("type") in _TOKEN_BY_TOKEN for step in steps)
 
-    def on_its_own(spec: dict) -> bool:
+
+def decoder_steps(tokenizer: PreTrainedTokenizerBase) -> list[dict] | None:
+    """The fast tokenizer's decoder as its steps in order, a Sequence flattened, each as
+    tokenizer.json spells it; None where the tokenizer has no such decoder."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.decoder is None:
+        return None
+
+    def steps(spec: dict) -> list[dict]:
         if spec.get("type") == "Sequence":
-            return all(map(on_its_own, spec.get("decoders", ())))
-        if spec.get("type") == "Strip":
-            return spec.get("stop") == 0
-        return spec.get("type") in _TOKEN_BY_TOKEN
+            return [step for child in spec.get("decoders", ()) for step in steps(child)]
+        return [spec]
 
-    return on_its_own(json.loads(backend.decoder.__getstate__()))
+    return steps(json.loads(backend.decoder.__getstate__()))
 
 
 def _anchor(tokenizer: PreTrainedTokenizerBase, decode: Callable[[list[int]], str]) -> int | None:

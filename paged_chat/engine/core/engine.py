@@ -32,9 +32,8 @@ import torch
 from paged_chat.engine.core.config import EngineConfig
 from paged_chat.engine.core.dtypes import dtype_name, resolve_device, resolve_dtype
 from paged_chat.engine.core.output_processor import OutputProcessor
-from paged_chat.engine.core.outputs import EngineCoreOutput, ModelInfo, RequestOutput
+from paged_chat.engine.core.outputs import EngineCoreOutput, FinishReason, ModelInfo, RequestOutput
 from paged_chat.engine.core.prompt import prompt_token_ids
-from paged_chat.engine.core.outputs import FinishReason
 from paged_chat.engine.core.request import Request, RequestStatus
 from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.core.scheduler import Scheduler

@@ -10,10 +10,11 @@ of a tokenizer whose decoder is neither.
 
 from __future__ import annotations
 
-import json
 import re
 import weakref
 from typing import TYPE_CHECKING, ClassVar
+
+from paged_chat.engine.core.detokenizer import decoder_steps
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -30,7 +31,7 @@ class TokenBytes:
         self._tokenizer = tokenizer
         self._added = {token_id: token.content
                        for token_id, token in tokenizer.added_tokens_decoder.items()}
-        kinds = _decoder_kinds(tokenizer)
+        kinds = {step.get("type", "") for step in decoder_steps(tokenizer) or ()}
         self._byte_level = "ByteLevel" in kinds
         self._byte_fallback = "ByteFallback" in kinds
         self._metaspace = bool(kinds & {"Metaspace", "Replace"})
@@ -62,17 +63,3 @@ class TokenBytes:
         if self._metaspace:
             return piece.replace("\u2581", " ").encode()
         return self._tokenizer.decode([token_id]).encode()
-
-
-def _decoder_kinds(tokenizer: PreTrainedTokenizerBase) -> set[str]:
-    """The types of the fast tokenizer's decoder and of the decoders in its sequence."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None or backend.decoder is None:
-        return set()
-
-    def kinds(spec: dict) -> set[str]:
-        if spec.get("type") == "Sequence":
-            return set().union(*map(kinds, spec.get("decoders", ())))
-        return {spec.get("type", "")}
-
-    return kinds(json.loads(backend.decoder.__getstate__()))
