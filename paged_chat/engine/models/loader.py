@@ -107,8 +107,9 @@ class ModelSource:
     weights stay on disk until `load_model` streams them into a decoder. Of a vision-language
     model, `hf_config` and `checkpoint` are its text decoder's, as a text-only model has them.
 
-    `header_digest` identifies a GGUF file's contents (its converted tokenizer and weights
-    are cached under it); None for HF folders, which are read directly. The tokenizer and
+    `header_digest` identifies a GGUF file's header (its converted tokenizer is cached under
+    it; converted weights are keyed by the whole file's digest, `file_digest`); None for HF
+    folders, which are read directly. The tokenizer and
     chat template come from `tokenizer_source`: a GGUF's saved tokenizer loads on first use
     (an engine child may never need it), any other is loaded here.
     """
