@@ -414,3 +414,21 @@ def test_good_tui_keys_and_themes_pass(cli, tmp_path):
     result = cli("--config", str(config), "config")
     assert result.exit_code == 0, result.stderr
     assert 'theme = "nord"' in result.stdout and 'new_chat = "ctrl+t"' in result.stdout
+
+
+# A TUI whose terminal hung up: the app ended (SIGHUP quits as Ctrl+Q does), but Textual's
+# input thread, not a daemon, kept reading end of file from the dead terminal, so the
+# interpreter's exit waited on it, a core busy, for good (seen after a tmux was killed).
+STUCK_INPUT_THREAD = """
+import threading, time
+from paged_chat.cli.main import _end_process
+from paged_chat.tui.textual_compat import INPUT_THREAD_NAME
+threading.Thread(target=lambda: time.sleep(600), name=INPUT_THREAD_NAME).start()
+_end_process(129)
+"""
+
+
+def test_a_tui_whose_terminal_hung_up_ends_past_textuals_input_thread():
+    done = subprocess.run([sys.executable, "-c", STUCK_INPUT_THREAD], capture_output=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, timeout=60)
+    assert done.returncode == 129, done.stderr.decode()

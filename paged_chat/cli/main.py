@@ -173,18 +173,22 @@ def main() -> NoReturn:
 
 
 def _end_process(code: int | str | None) -> NoReturn:
-    """Exit with `code`. An engine thread still alive here is in native code that does not
-    return in time: a model load that Ctrl+C cut short goes on on its thread, or a step is
-    stuck. Finalizing the interpreter under it kills the process: CPython ends a daemon
-    thread that takes the GIL during finalization with pthread_exit, whose unwinding through
-    torch's C++ frames calls std::terminate ("terminate called without an active
-    exception", status 134), and torch's atexit hooks run while it still uses torch (a
-    traceback). So then, and only then, the process ends at once, once its output is
-    flushed; every store was closed on the way here."""
-    transport = sys.modules.get("paged_chat.engine.clients.thread_transport")
-    engine_name = getattr(transport, "ENGINE_THREAD_NAME", None)
-    if engine_name and any(thread.name == engine_name and thread.is_alive()
-                           for thread in threading.enumerate()):
+    """Exit with `code`. A thread still alive here that would hold the interpreter's exit
+    ends the process at once, once its output is flushed (every store was closed on the way
+    here); otherwise it exits as usual.
+
+    - The engine thread, in native code that does not return in time: a model load that
+      Ctrl+C cut short goes on on its thread, or a step is stuck. Finalizing the interpreter
+      under it kills the process: CPython ends a daemon thread that takes the GIL during
+      finalization with pthread_exit, whose unwinding through torch's C++ frames calls
+      std::terminate ("terminate called without an active exception", status 134), and
+      torch's atexit hooks run while it still uses torch (a traceback).
+    - Textual's input thread on a terminal that hung up (tui/textual_compat.py,
+      INPUT_THREAD_NAME): the exit would wait on it for good, spinning a core."""
+    names = {getattr(sys.modules.get(module), attribute, None) for module, attribute in (
+        ("paged_chat.engine.clients.thread_transport", "ENGINE_THREAD_NAME"),
+        ("paged_chat.tui.textual_compat", "INPUT_THREAD_NAME"))} - {None}
+    if any(thread.name in names and thread.is_alive() for thread in threading.enumerate()):
         for stream in (sys.stdout, sys.stderr):
             with suppress(OSError, ValueError):
                 stream.flush()

@@ -15,6 +15,10 @@ Textual private (tests/test_tui_textual_api.py checks).
   one shown needs only a repaint.
 - `set_border_subtitle`: the `border_subtitle` setter repaints the whole widget (every
   line of a reply, for its footer); here the caller repaints the border's row.
+- `INPUT_THREAD_NAME`: Textual's terminal input thread is not a daemon, and on a terminal
+  that hung up (a closed window: SIGHUP, which the app answers as Ctrl+Q) its select
+  reports end of file at once, for ever: if the app's exit could not stop it, the
+  interpreter's exit would wait on it spinning a core. The CLI ends the process past it.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ except ImportError:   # a Textual without it: `overrides_apply` is False there
     Compositor = object
 
 WRITTEN_FOR = "8.2.8"
+INPUT_THREAD_NAME = "textual-input"   # LinuxDriver's
 
 
 @cache
