@@ -82,3 +82,9 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+def check_priority(priority: object) -> None:
+    """Raise ValueError, naming the field, unless `priority` is an int (a bool is none)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority={priority!r} is invalid: expected an integer")
