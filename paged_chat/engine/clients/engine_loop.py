@@ -141,6 +141,6 @@ def _apply(engine: Engine, command: Add | Abort | Reprioritize | ResetPrefixCach
     else:
         try:
             engine.add_request(command.prompt, command.params, command.request_id, command.owner,
-                               command.priority)
+                               priority=command.priority)
         except Exception as error:  # a bad prompt: that stream raises it
             events.on_request_failed(command.request_id, error)
