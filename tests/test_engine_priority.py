@@ -9,9 +9,9 @@ import asyncio
 from contextlib import aclosing
 
 import pytest
-from helpers import assert_no_leaks, wait_until
+from helpers import assert_no_leaks, engine_config, wait_until
 
-from paged_chat.engine import SamplingParams
+from paged_chat.engine import ClientSpec, SamplingParams, make_client
 
 LONG = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 SHORT = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -91,3 +91,32 @@ async def test_the_local_client_carries_the_priority_and_moves_a_request_in_flig
         await reading
     with pytest.raises(ValueError, match="priority"):
         client.reprioritize("chat/1", 0.5)
+
+
+async def test_a_process_client_carries_priorities_across_the_pipe(chat_model_dir):
+    """One seat: a request sent at a higher priority, or raised while it waits, takes the
+    seat of the running one in the child and finishes first."""
+    client = make_client(ClientSpec("process", engine_config(chat_model_dir, max_num_seqs=1),
+                                    stats_interval_s=0.01))
+    finished: list[str] = []
+
+    async def run(request_id: str, params: SamplingParams, priority: int) -> None:
+        async for _ in client.stream(prompt(len(finished) + 3), params, request_id=request_id,
+                                     priority=priority):
+            pass
+        finished.append(request_id)
+
+    try:
+        longest = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
+        background = asyncio.ensure_future(run("background", longest, 1))
+        await wait_until(lambda: client.stats().num_running == 1, what="the background request")
+        await asyncio.wait_for(run("shown", SHORT, 0), 60)
+        waiting = asyncio.ensure_future(run("waiting", SHORT, 1))
+        await asyncio.sleep(0)   # its task sends its Add: the Reprioritize goes after it
+        client.reprioritize("waiting", -1)
+        await asyncio.wait_for(waiting, 60)
+        assert finished == ["shown", "waiting"] and not background.done()
+        background.cancel()
+        await wait_until(lambda: client.stats().num_running == 0, what="the background aborted")
+    finally:
+        client.shutdown()
