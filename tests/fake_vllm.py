@@ -3,7 +3,8 @@ model served under a name no local tokenizer resolves (vLLM's `--served-model-na
 smollm2`). It answers every prompt with the same reply, so no test depends on what a
 model says: /v1/models (with max_model_len), /v1/completions streaming (token-id prompts,
 `return_token_ids`, usage in a last chunk, with `prompt_tokens_details` only when told, as
-`--enable-prompt-tokens-details` does), /tokenize and /detokenize (chat messages templated
+`--enable-prompt-tokens-details` does; a `priority` other than 0 refused with vLLM's 400
+unless told, as `--scheduling-policy priority` does), /tokenize and /detokenize (chat messages templated
 by the server), /metrics with vLLM's names. Its prefix cache is a count: the longest
 prefix, in whole 16-token blocks, that an earlier prompt shares (the last token always
 computed)."""
@@ -19,7 +20,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from helpers import wait_for
 from server_fixtures import free_port
 
@@ -34,9 +35,13 @@ class FakeVllm:
     name: str = "smollm2"
     prompt_tokens_details: bool = False   # vLLM's --enable-prompt-tokens-details
     metrics: bool = True
+    priority_scheduling: bool = False   # vLLM's --scheduling-policy priority
     max_model_len: int = 2048
     prompts: list[list[int]] = field(default_factory=list)
     cached: list[int] = field(default_factory=list)   # per prompt, its prefix-cache hit
+    # per prompt, its `priority` field (None when absent) and whether it came as token ids
+    priorities: list[tuple[int | None, bool]] = field(default_factory=list)
+    refused_priorities: int = 0
     running: int = 0
     counters: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens", "generation_tokens"), 0.0))
@@ -110,6 +115,13 @@ class FakeVllm:
         @app.post("/v1/completions")
         async def completions(request: Request):
             body = await request.json()
+            if body.get("priority", 0) != 0 and not self.priority_scheduling:
+                self.refused_priorities += 1
+                return JSONResponse({"error": {
+                    "message": f"Got priority {body['priority']} but Priority scheduling is "
+                               "not enabled.", "type": "BadRequestError", "param": None,
+                    "code": 400}}, status_code=400)
+            self.priorities.append((body.get("priority"), isinstance(body["prompt"], list)))
             prompt = body["prompt"]
             prompt = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             cached = self.cached_tokens(prompt)

@@ -73,6 +73,25 @@ async def test_a_model_with_no_local_tokenizer_chats_on_the_servers(fake_vllm, s
     assert fake.prompts[1][:len(fake.prompts[0])] == fake.prompts[0]
 
 
+@pytest.mark.parametrize("priority_scheduling", [True, False])
+async def test_a_priority_goes_as_vllms_field_and_a_server_that_refuses_it_gets_none(
+        fake_vllm, priority_scheduling):
+    fake = fake_vllm(priority_scheduling=priority_scheduling)
+    remote = make_client(ClientSpec(fake.url))
+    assert not remote.capabilities.reprioritize
+    for priority in (2, 0, -1):
+        async with aclosing(remote.stream([1, 2, 3], GREEDY, priority=priority)) as stream:
+            async for output in stream:
+                pass
+        assert output.finish_reason == "stop"
+    remote.shutdown()
+    if priority_scheduling:
+        assert fake.priorities == [(2, True), (None, True), (-1, True)]
+    else:   # refused once by name: none from then on, and the prompts stay token ids
+        assert fake.refused_priorities == 1
+        assert fake.priorities == [(None, True)] * 3
+
+
 def test_a_matching_local_tokenizer_is_used(fake_vllm, chat_model_dir):
     fake = fake_vllm()
     remote = make_client(ClientSpec(fake.url, remote_model=str(chat_model_dir)))

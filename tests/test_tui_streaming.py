@@ -60,7 +60,7 @@ class FedClient:
         return self.engine.stats()
 
     async def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                     request_id: str | None = None, owner: str | None = None
+                     request_id: str | None = None, owner: str | None = None, priority: int = 0
                      ) -> AsyncIterator[RequestOutput]:
         text, ids = "", []
         while True:

@@ -76,6 +76,7 @@ class Turn:
     first_token_at: float | None = None
     finished_at: float | None = None
     withdrawn: bool = False            # taken back whole: its engine stopped before a word
+    priority: int = 0                  # its request's in the engine (the lower served first)
 
     def add(self, output: RequestOutput, now: float) -> None:
         if output.new_token_ids and self.first_token_at is None:
@@ -244,15 +245,16 @@ class ChatSession:
 
     # ---- turns ------------------------------------------------------------------------
 
-    def send(self, client: EngineClient, text: str, params: SamplingParams
+    def send(self, client: EngineClient, text: str, params: SamplingParams, priority: int = 0
              ) -> AsyncIterator[RequestOutput]:
         """Ask `text`; yield the reply's deltas as the engine produces them. Close the
-        iterator (contextlib.aclosing) if you stop early: that aborts and saves the turn."""
+        iterator (contextlib.aclosing) if you stop early: that aborts and saves the turn.
+        `priority`: the request's in the engine (EngineClient.stream)."""
         self.load()
         base = _copy(self._conversation(client))
-        return self._run(client, base, text, params, regenerate=False)
+        return self._run(client, base, text, params, priority, regenerate=False)
 
-    def regenerate(self, client: EngineClient, params: SamplingParams
+    def regenerate(self, client: EngineClient, params: SamplingParams, priority: int = 0
                    ) -> AsyncIterator[RequestOutput]:
         """Ask the last question again; the new reply replaces the last one."""
         self.load()
@@ -260,7 +262,16 @@ class ChatSession:
         base = self._regenerate_base(client)
         if text is None or base is None:
             raise PagedChatError("nothing to regenerate yet")
-        return self._run(client, base, text, params, regenerate=True)
+        return self._run(client, base, text, params, priority, regenerate=True)
+
+    def reprioritize(self, priority: int) -> None:
+        """Serve the streaming reply at `priority` from now on, where the client can move a
+        request in flight (capabilities.reprioritize) and the turn has a request id."""
+        turn, client = self.turn, self._client
+        if (self.streaming and client is not None and turn.request_id is not None
+                and turn.priority != priority and client.capabilities.reprioritize):
+            turn.priority = priority
+            client.reprioritize(turn.request_id, priority)
 
     def stop(self) -> bool:
         """Stop the streaming reply (its blocks go back to the pool); True if one was."""
@@ -270,12 +281,13 @@ class ChatSession:
         return True
 
     async def _run(self, client: EngineClient, base: Conversation, text: str,
-                   params: SamplingParams, regenerate: bool) -> AsyncIterator[RequestOutput]:
+                   params: SamplingParams, priority: int, regenerate: bool
+                   ) -> AsyncIterator[RequestOutput]:
         working = _copy(base)
         prompt_ids = working.next_prompt_ids(text)
         self._turns += 1
         request_id = f"{self.chat.id}/{self._turns}" if self.chat is not None else None
-        self.turn = turn = Turn(text, prompt_ids, request_id)
+        self.turn = turn = Turn(text, prompt_ids, request_id, priority=priority)
         self._save_failed = False
         self.unsaved = None
         try:
@@ -288,7 +300,7 @@ class ChatSession:
         saved_at = time.monotonic()
         try:
             async with aclosing(client.stream(prompt_ids, params, request_id=request_id,
-                                              owner=self.chat_id)) as stream:
+                                              owner=self.chat_id, priority=turn.priority)) as stream:
                 async for output in stream:
                     turn.add(output, time.perf_counter())
                     # Not before the first token: a regenerate's reply row still holds the

@@ -1,7 +1,8 @@
 """The OpenAI API's request and response bodies, as far as paged-chat serves them.
 
 Requests take OpenAI's sampling names plus vLLM's extras (`top_k`, `min_p`,
-`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `return_token_ids`, `cache_salt`); fields
+`repetition_penalty`, `stop_token_ids`, `ignore_eos`, `return_token_ids`, `cache_salt`,
+`priority`); fields
 neither knows are ignored, as OpenAI-compatible servers do. Types are strict, as OpenAI's
 are ("2" is no integer, "yes" no boolean, true no token id; an integer is a fine float).
 Type errors are pydantic's; range errors are SamplingParams' (a ValueError naming the
@@ -63,6 +64,7 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     return_token_ids: bool = False   # vLLM's: each choice carries its token ids too
     cache_salt: str | None = Field(None, min_length=1)  # vLLM's: a prefix-cache partition
+    priority: int = 0   # vLLM's: the lower served first
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 

@@ -75,6 +75,7 @@ class Job:
     stream: bool
     include_usage: bool
     return_token_ids: bool
+    priority: int
     finals: dict[int, RequestOutput] = field(default_factory=dict)
     tool_names: set[str] | None = None     # the tools whose calls the reply may hold
     forced_tool_call: bool = False         # a grammar makes the reply one call
@@ -196,7 +197,8 @@ class OpenAIServing:
         return Job(kind, completion_id(prefix), request.user or DEFAULT_OWNER, prompt_ids,
                    self._salted(request.sampling_params(room, self.defaults, output),
                                 request.cache_salt),
-                   request.stream, request.include_usage, request.return_token_ids)
+                   request.stream, request.include_usage, request.return_token_ids,
+                   request.priority)
 
     def _salted(self, params: list[SamplingParams], requested: str | None) -> list[SamplingParams]:
         """`params` under the server's partition and the request's own `cache_salt`."""
@@ -217,7 +219,8 @@ class OpenAIServing:
             try:
                 async with aclosing(self.client.stream(job.prompt_ids, params,
                                                        request_id=f"{job.request_id}-{index}",
-                                                       owner=job.owner)) as stream:
+                                                       owner=job.owner,
+                                                       priority=job.priority)) as stream:
                     async for output in stream:
                         queue.put_nowait((index, output))
             except Exception as error:  # handed to the reader, who raises it

@@ -44,6 +44,10 @@ MOUNT_AT_ONCE = 30     # messages mounted when a chat opens; older ones on deman
 SYSTEM_PREVIEW = 60     # characters of the system prompt the tab's info line shows at most (then …)
 SYSTEM_PREVIEW_MIN = 16  # fewer would say nothing: the line wraps instead
 HEADER_FIGURES = " {ttft_s:.2f}s {tokens_per_s:3.0f}t/s"   # one width up to 9.99 s and 999 t/s
+# Engine priorities (the lower served first): the reply the user watches goes before those
+# of hidden tabs (the demo's, a broadcast's), which wait while it needs the budget or the pool.
+SHOWN_TAB_PRIORITY = 0
+HIDDEN_TAB_PRIORITY = 1
 
 WaitForEngine = Callable[[], Awaitable["EngineClient"]]
 MakeParams = Callable[[dict], "SamplingParams"]
@@ -91,6 +95,15 @@ class ChatTab(TabPane):
     @property
     def title(self) -> str:
         return self.session.title
+
+    @property
+    def priority(self) -> int:
+        """The engine priority of this tab's turns: the shown tab's go first."""
+        return SHOWN_TAB_PRIORITY if self.display else HIDDEN_TAB_PRIORITY
+
+    def reprioritize(self) -> None:
+        """The tab was shown or hidden: its streaming reply moves to its new priority."""
+        self.session.reprioritize(self.priority)
 
     # ---- layout ---------------------------------------------------------------------
 
@@ -357,8 +370,8 @@ class ChatTab(TabPane):
             client = await self.wait_for_engine()
             await self.ensure_loaded()
             params = self.sampling_params(self.session.sampling)
-            deltas = (self.session.send(client, text, params) if text is not None
-                      else self.session.regenerate(client, params))
+            deltas = (self.session.send(client, text, params, self.priority) if text is not None
+                      else self.session.regenerate(client, params, self.priority))
             reply.footer = "prefilling…"
             async with aclosing(deltas):
                 async for output in deltas:

@@ -278,6 +278,10 @@ class ChatTabs(TabbedContent):
 
     @on(TabbedContent.TabActivated)
     def _tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        # The tab shown now (not necessarily event.pane, which a later switch may have left)
+        # has its streaming reply served first, the others' after it.
+        for tab in self.chat_tabs:
+            tab.reprioritize()
         # Shown from the app's queue: while the app is still opening tabs (the last run's,
         # one by one) the activations wait, and by then the stale ones are plain to see.
         self.app.call_later(self._show, event.pane)

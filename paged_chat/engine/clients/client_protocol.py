@@ -29,13 +29,15 @@ class ClientCapabilities:
     /metrics did not answer with vLLM's names, where only a client's own timings say
     anything. `where`: one line for a status bar on where the engine runs. `restart`: the
     client runs its engine itself: `restart(timeout_s)` serves again after it stopped, and
-    `responding` is False while its process is stopped or hung.
+    `responding` is False while its process is stopped or hung. `reprioritize`:
+    `reprioritize(request_id, priority)` moves a request in flight to another priority.
     """
 
     block_map: bool
     metrics: bool
     where: str
     restart: bool = False
+    reprioritize: bool = False
 
 
 @runtime_checkable
@@ -57,10 +59,11 @@ class EngineClient(Protocol):
         """Whether it serves requests: False after shutdown, or once its engine died."""
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-               request_id: str | None = None, owner: str | None = None
+               request_id: str | None = None, owner: str | None = None, priority: int = 0
                ) -> AsyncIterator[RequestOutput]:
         """The request's deltas until it finishes; leaving the iteration early aborts it.
-        `owner` tags the request's blocks (the block map colours them by owner)."""
+        `owner` tags the request's blocks (the block map colours them by owner).
+        `priority`: vLLM's, the lower served first (the engine's scheduler orders by it)."""
 
     def abort(self, request_id: str) -> None:
         """Stop a request now; its stream ends with finish_reason "abort"."""

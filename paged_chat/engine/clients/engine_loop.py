@@ -29,11 +29,18 @@ class Add:
     prompt: str | Sequence[int]
     params: SamplingParams | None
     owner: str | None
+    priority: int = 0
 
 
 @dataclass(slots=True)
 class Abort:
     request_id: str
+
+
+@dataclass(slots=True)
+class Reprioritize:
+    request_id: str
+    priority: int
 
 
 @dataclass(slots=True)
@@ -46,7 +53,7 @@ class Shutdown:
     reason: str  # what the open streams are told
 
 
-Command = Add | Abort | ResetPrefixCache | Shutdown
+Command = Add | Abort | Reprioritize | ResetPrefixCache | Shutdown
 
 # Requests sent together (tabs that send at once, a broadcast, `ask --file`) arrive
 # milliseconds apart: each is encoded and stored before it goes, and a busy UI thread holds
@@ -123,13 +130,17 @@ def _rest_of_burst(receive: Callable[[bool], list[Command]]) -> list[Command]:
     return commands
 
 
-def _apply(engine: Engine, command: Add | Abort | ResetPrefixCache, events: LoopEvents) -> None:
+def _apply(engine: Engine, command: Add | Abort | Reprioritize | ResetPrefixCache,
+           events: LoopEvents) -> None:
     if isinstance(command, Abort):
         engine.abort(command.request_id)
+    elif isinstance(command, Reprioritize):
+        engine.reprioritize(command.request_id, command.priority)
     elif isinstance(command, ResetPrefixCache):
         engine.reset_prefix_cache()
     else:
         try:
-            engine.add_request(command.prompt, command.params, command.request_id, command.owner)
+            engine.add_request(command.prompt, command.params, command.request_id, command.owner,
+                               priority=command.priority)
         except Exception as error:  # a bad prompt: that stream raises it
             events.on_request_failed(command.request_id, error)

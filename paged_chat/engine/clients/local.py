@@ -24,11 +24,19 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Protocol
 
 from paged_chat.engine.clients.client_protocol import ClientCapabilities
-from paged_chat.engine.clients.engine_loop import Abort, Add, Command, LoopEvents, ResetPrefixCache
+from paged_chat.engine.clients.engine_loop import (
+    Abort,
+    Add,
+    Command,
+    LoopEvents,
+    Reprioritize,
+    ResetPrefixCache,
+)
 from paged_chat.engine.clients.streams import Streams
 from paged_chat.engine.core.errors import EngineDeadError
 from paged_chat.engine.core.output_processor import OutputProcessor
 from paged_chat.engine.core.outputs import EngineCoreOutput, ModelInfo, RequestOutput
+from paged_chat.engine.core.request import check_priority
 from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.core.stats import EngineStats
 
@@ -93,7 +101,7 @@ class LocalClient:
     @property
     def capabilities(self) -> ClientCapabilities:
         return ClientCapabilities(block_map=True, metrics=True, where=self.transport.where,
-                                  restart=True)
+                                  restart=True, reprioritize=True)
 
     @property
     def running(self) -> bool:
@@ -112,16 +120,24 @@ class LocalClient:
         return self._stats
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-               request_id: str | None = None, owner: str | None = None
+               request_id: str | None = None, owner: str | None = None, priority: int = 0
                ) -> AsyncIterator[RequestOutput]:
         """Yield the request's deltas until it finishes; stop early to abort it. Raises
         EngineDeadError when a step fails or the engine stops; the request is then gone from
         the engine too."""
         request_id = request_id or f"stream-{next(self._ids)}"
-        return self._streams.stream(Add(request_id, prompt, params, owner), self._from_stream)
+        return self._streams.stream(Add(request_id, prompt, params, owner, priority),
+                                    self._from_stream)
 
     def abort(self, request_id: str) -> None:
         self.transport.send(Abort(request_id))
+
+    def reprioritize(self, request_id: str, priority: int) -> None:
+        """Serve a request in flight at `priority` from the engine's next step on; an id the
+        engine does not hold (finished, or not sent yet) is ignored; a priority that is no
+        int raises ValueError here."""
+        check_priority(priority)
+        self.transport.send(Reprioritize(request_id, priority))
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix, where the engine runs, before its next step."""

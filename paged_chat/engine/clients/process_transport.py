@@ -15,7 +15,7 @@ import again. Either way it builds the Engine on its
 main thread, so its OpenMP pool is the only one, and runs the same loop as the thread
 transport (engine_loop.py) over one duplex pipe:
 
-    parent -> child   Add, Abort, ResetPrefixCache, Shutdown       (engine_loop's commands)
+    parent -> child   Add, Abort, Reprioritize, ResetPrefixCache, Shutdown  (engine_loop's)
     child -> parent   _Progress while loading, _Tokenizer once the model's source is read
                       (the tokenizer, or the folder it is saved in), then _Ready
                       (ModelInfo less its tokenizer, first stats) or

@@ -7,7 +7,9 @@ as a token-id prompt, which vLLM, SGLang and paged-chat take. A server that refu
 token-id prompts (a 400 or 422 on the first one) is sent the ids decoded back to text by
 the local tokenizer from then on (it re-tokenizes them; the prefix cache still matches
 where the tokenizations agree). A server that refuses vLLM's sampling extras (`top_k`,
-`min_p`, ..., as `transformers serve` does) gets OpenAI's fields only from then on. Reply
+`min_p`, ..., as `transformers serve` does) gets OpenAI's fields only from then on. A
+priority other than 0 goes as vLLM's `priority`; a server that refuses it by name (vLLM
+without `--scheduling-policy priority`) gets none from then on. Reply
 ids come from the server when it returns them (vLLM's `return_token_ids`), and the output
 processor turns them into text as it does for a local engine; else they come from encoding
 the reply's text locally, and the text is the server's. Streams are streams.py's, as for a
@@ -113,6 +115,7 @@ class RemoteClient:
         self._ids = 0
         self._token_prompts = True    # False once the server refused a token-id prompt
         self._vllm_extras = True      # False once it refused vLLM's sampling fields
+        self._priorities = True       # False once it refused a `priority`
         self._scrapes: list[_Scrape] = []
         self._scraping: asyncio.Task | None = None
         self._reachable = True        # False while the server cannot be reached
@@ -206,13 +209,13 @@ class RemoteClient:
                                         f"({self.info.tokenizer_from} tokenizer)")
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-               request_id: str | None = None, owner: str | None = None
+               request_id: str | None = None, owner: str | None = None, priority: int = 0
                ) -> AsyncIterator[RequestOutput]:
         """The reply's deltas as the server streams them; stop early (or `abort`) and the
         HTTP stream is closed, which makes the server abort the request."""
         self._ids += 1
         request_id = request_id or f"remote-{self._ids}"
-        return self._streams.stream(Add(request_id, prompt, params, owner), self._send)
+        return self._streams.stream(Add(request_id, prompt, params, owner, priority), self._send)
 
     def abort(self, request_id: str) -> None:
         """Close the request's HTTP stream; its stream ends with finish_reason "abort"."""
@@ -274,7 +277,7 @@ class RemoteClient:
             prompt_ids = self._prompt_ids(add.prompt)  # a bad prompt raises as it is
             hits_before = await self._prefix_hits() if self._counts_by_metrics() else None
             started = self._ids
-            async for chunk in self._chunks(add.prompt, prompt_ids, params, add.owner):
+            async for chunk in self._chunks(add.prompt, prompt_ids, params, add.owner, add.priority):
                 cached = _cached_tokens(chunk, cached)
                 for choice in chunk.choices:
                     streaming = True
@@ -336,17 +339,22 @@ class RemoteClient:
         return core.finished or bool(processed.to_abort)
 
     async def _chunks(self, prompt: str | Sequence[int], prompt_ids: list[int],
-                      params: SamplingParams, owner: str | None) -> AsyncIterator[Any]:
+                      params: SamplingParams, owner: str | None, priority: int
+                      ) -> AsyncIterator[Any]:
         while True:
             as_text = isinstance(prompt, str) or not self._token_prompts
+            sends_priority = priority != 0 and self._priorities and self._vllm_extras
             try:
                 stream = await self._create(self.info.tokenizer.decode(prompt_ids) if as_text
-                                            else prompt_ids, params, owner)
+                                            else prompt_ids, params, owner,
+                                            priority if sends_priority else None)
                 break
             except openai.APIStatusError as error:
                 if error.status_code not in (400, 422) or (as_text and not self._vllm_extras):
                     raise
-                if as_text:
+                if sends_priority and "priority" in _error_message(error).lower():
+                    self._priorities = False    # no priority scheduling there
+                elif as_text:
                     self._vllm_extras = False   # a strict server: OpenAI's fields only
                 else:
                     self._token_prompts = False  # this server takes text prompts only
@@ -354,11 +362,14 @@ class RemoteClient:
             async for chunk in stream:
                 yield chunk
 
-    async def _create(self, prompt: str | list[int], params: SamplingParams, owner: str | None) -> Any:
+    async def _create(self, prompt: str | list[int], params: SamplingParams, owner: str | None,
+                      priority: int | None) -> Any:
         extra = {"top_k": params.top_k, "min_p": params.min_p,
                  "repetition_penalty": params.repetition_penalty, "ignore_eos": params.ignore_eos,
                  "stop_token_ids": params.stop_token_ids, "return_token_ids": True,
                  "stream_options": {"include_usage": True}} if self._vllm_extras else {}
+        if priority is not None:
+            extra["priority"] = priority
         if (spec := params.structured_spec) is not None:  # vLLM's name, which serve takes too
             kind, value = spec
             extra["structured_outputs"] = {"json": json.loads(value or '{"type": "object"}')

@@ -34,7 +34,7 @@ from paged_chat.engine.core.dtypes import dtype_name, resolve_device, resolve_dt
 from paged_chat.engine.core.output_processor import OutputProcessor
 from paged_chat.engine.core.outputs import EngineCoreOutput, FinishReason, ModelInfo, RequestOutput
 from paged_chat.engine.core.prompt import prompt_token_ids
-from paged_chat.engine.core.request import Request, RequestStatus
+from paged_chat.engine.core.request import Request, RequestStatus, check_priority
 from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.core.scheduler import Scheduler
 from paged_chat.engine.core.stats import EngineStats, StepMetrics, snapshot
@@ -125,11 +125,13 @@ class Engine:
     # ---- requests -------------------------------------------------------------------
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, owner: str | None = None) -> str:
+                    request_id: str | None = None, owner: str | None = None,
+                    priority: int = 0) -> str:
         """Queue a prompt (text or token ids); return its request id.
 
         `request_id`, when given, is a non-empty string not in use; when not, the engine
         picks one (`req-N`) that no request in flight has, a caller's included.
+        `priority`: an int, the lower served first (the scheduler's docstring says how).
         A prompt that can never fit (max_model_len, the pool) is accepted and finishes on
         the next step with finish_reason "error", so callers see one uniform stream. A
         schema, regex or choice the grammar library refuses raises GrammarError (a ValueError).
@@ -138,6 +140,7 @@ class Engine:
         finish_reason "error", its error starting with structured_output.REFUSED.
         """
         params = params or SamplingParams()
+        check_priority(priority)
         if request_id is not None and not (isinstance(request_id, str) and request_id):
             raise ValueError(f"request_id={request_id!r} is invalid: expected a non-empty string")
         token_ids = prompt_token_ids(prompt, self.tokenizer if isinstance(prompt, str) else None,
@@ -153,6 +156,7 @@ class Engine:
                 pending_grammar = self.structured_output.start_compile(params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(request_id, token_ids, params, seed, time.monotonic(), owner=owner,
+                          priority=priority,
                           stop_token_ids=frozenset(params.stop_token_ids) | (
                               frozenset() if params.ignore_eos else self.eos_token_ids),
                           max_num_tokens=min(len(token_ids) + params.max_tokens, self.max_model_len),
@@ -181,6 +185,14 @@ class Engine:
         request = self.requests.get(request_id)
         if request is not None:
             self._pending.append(self._finish(request, "abort"))
+
+    def reprioritize(self, request_id: str, priority: int) -> None:
+        """Serve a request at `priority` from the next step on; unknown or finished ids are
+        ignored. Costs a move within one queue, nothing per token."""
+        check_priority(priority)
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.scheduler.reprioritize(request, priority)
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None
                 ) -> EngineCoreOutput:

@@ -32,6 +32,8 @@ class Request:
     (prefix hits included); the scheduler advances it.
     `block_hashes[i]` is the prefix hash of full block `i` of `all_token_ids`, filled in
     as blocks fill up (the tokens never change, so it survives preemption).
+    `priority`: vLLM's convention, the lower value is served first (0 by default); the
+    scheduler orders by it, then by `arrival_time`.
     """
 
     request_id: str
@@ -51,6 +53,7 @@ class Request:
     num_preemptions: int = 0
     first_token_time: float | None = None
     owner: str | None = None
+    priority: int = 0
     # What the engine ends it on after each token, set when it is added: its own stop ids
     # and the model's EOS unless ignore_eos; max_tokens or max_model_len, prompt included.
     stop_token_ids: frozenset[int] = frozenset()
@@ -79,3 +82,9 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+
+def check_priority(priority: object) -> None:
+    """Raise ValueError, naming the field, unless `priority` is an int (a bool is none)."""
+    if not isinstance(priority, int) or isinstance(priority, bool):
+        raise ValueError(f"priority={priority!r} is invalid: expected an integer")

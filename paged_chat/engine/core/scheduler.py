@@ -1,19 +1,25 @@
-"""Token-budget scheduler: decode first, chunked prefill, preemption by recompute.
+"""Token-budget scheduler: priorities, decode first, chunked prefill, preemption by recompute.
 
-Each step has one budget of `max_num_batched_tokens` shared by every kind of work:
+Requests are served by priority (vLLM's convention: the lower value first), then arrival.
+`running` is kept in that order (priority, then admission), `waiting` by priority, then
+arrival. Each step has one budget of `max_num_batched_tokens` shared by every kind of work,
+given out in priority order:
 
-1. Running requests, oldest first, each take the tokens they still need: one for a
-   decode, the rest of the prompt (capped by the budget) for a prefill in chunks. When the
-   pool cannot grow a table, a request is preempted: one waiting for KV if there is one,
-   else the most recently admitted running request. Its blocks go back (their content
-   stays cached, so the recompute is mostly prefix hits) and it returns to the head of
-   the waiting queue.
-2. Requests whose KV tier read is done, then waiting requests in arrival order, join
-   while budget, `max_num_seqs` and blocks last. A waiting request first takes over its
-   cached prefix from the pool. When the KV tier holds blocks past it, the request takes
-   blocks for them and waits for KV (`loading`, not scheduled) while the engine reads them
-   back off the step; it joins once they are in, counting them as cached, as it would the
-   pool's. Then each prefills what is left, chunked.
+1. Running requests each take the tokens they still need: one for a decode, the rest of
+   the prompt (capped by the budget) for a prefill in chunks. When the pool cannot grow a
+   table, the request of lowest priority is preempted: among equals one waiting for KV if
+   there is one, else the most recently admitted running request; never one of higher
+   priority than the request that needs the room (it preempts itself first). Its blocks go
+   back (their content stays cached, so the recompute is mostly prefix hits) and it returns
+   to the waiting queue, ahead of every later arrival of its priority.
+2. Requests whose KV tier read is done, then waiting requests, join while budget,
+   `max_num_seqs` and blocks last; a request of higher priority than a running one joins
+   before it, and when there is no room for it (a seat or blocks), requests of lower
+   priority are preempted for it. A waiting request first takes over its cached prefix from
+   the pool. When the KV tier holds blocks past it, the request takes blocks for them and
+   waits for KV (`loading`, not scheduled) while the engine reads them back off the step;
+   it joins once they are in, counting them as cached, as it would the pool's. Then each
+   prefills what is left, chunked.
 
 A request whose grammar compiles off the engine loop (WAITING_FOR_GRAMMAR) holds nothing
 and is never scheduled: it joins the waiting queue when the engine has its matcher
@@ -22,9 +28,11 @@ and is never scheduled: it joins the waiting queue when the engine has its match
 The scheduler does no I/O: a tier read is only issued here (see kv_cache_manager); the
 engine runs it and completes it between steps, so no step waits on a disk.
 
-Nothing waits behind a long prompt: decodes are scheduled before it every step, and it
-only gets what budget is left. A preempted request goes back to the head of the queue, and
-no waiting request is admitted in a step that preempted, so nobody starves.
+Within a priority nothing waits behind a long prompt: decodes are scheduled before it every
+step, and it only gets what budget is left. A preempted request goes back ahead of later
+arrivals of its priority, and no waiting request is admitted in a step whose running
+requests needed a preemption, so nobody starves among equals; a request of lower priority
+waits while those above it take the budget or the pool.
 
 After the forward, `update_from_output` takes the runner's output: it advances each
 scheduled request, appends the sampled tokens (advancing a request's grammar matcher with
@@ -34,9 +42,10 @@ each), and ends a request on its stop ids, a completed grammar or its length lim
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import NamedTuple
 
 from paged_chat.engine.core.outputs import (
@@ -80,8 +89,8 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: list[Request] = []    # by priority, then arrival
+        self.running: list[Request] = []    # by priority, then admission
         self.loading: list[Request] = []    # WAITING_FOR_KV, in the order their reads were issued
         self.compiling: list[Request] = []  # WAITING_FOR_GRAMMAR
         self.num_preemptions = 0
@@ -92,20 +101,34 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every unfinished request, by id
 
     def add(self, request: Request) -> None:
-        """Queue a request (its id not in `requests`) behind the waiting ones, or, one
-        WAITING_FOR_GRAMMAR, aside until `grammar_ready`."""
+        """Queue a request (its id not in `requests`) in the waiting queue, by its priority
+        and arrival, or, one WAITING_FOR_GRAMMAR, aside until `grammar_ready`."""
         self.requests[request.request_id] = request
         if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
             self.compiling.append(request)
         else:
-            self.waiting.append(request)
+            bisect.insort_right(self.waiting, request, key=_waiting_order)
 
     def grammar_ready(self, request: Request) -> None:
-        """A request that waited for its grammar (now in `request.grammar`) queues behind
-        the waiting ones."""
+        """A request that waited for its grammar (now in `request.grammar`) joins the waiting
+        queue."""
         self.compiling.remove(request)
         request.status = RequestStatus.WAITING
-        self.waiting.append(request)
+        bisect.insort_right(self.waiting, request, key=_waiting_order)
+
+    def reprioritize(self, request: Request, priority: int) -> None:
+        """Serve an unfinished request at `priority` from the next step on: it moves to its
+        place in its queue (a running one after the running requests of that priority)."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            request.priority = priority
+            bisect.insort_right(self.running, request, key=_priority)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+            request.priority = priority
+            bisect.insort_right(self.waiting, request, key=_waiting_order)
+        else:
+            request.priority = priority
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading or self.compiling)
@@ -114,81 +137,133 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[Request] = []
-
-        allocate = self.kv_cache.allocate
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_left = len(request.all_token_ids) - request.num_computed_tokens
-            num_new = num_left if num_left < budget else budget
-            while not allocate(request, num_new):
-                # One waiting for KV has computed nothing, and holds blocks: it goes first.
-                victim = self.loading[-1] if self.loading else self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-            else:
-                scheduled.append(ScheduledRequest(request, num_new, num_new == num_left))
-                budget -= num_new
-                index += 1
-
-        while budget > 0 and not preempted and (request := self._next_to_admit()) is not None:
-            if request.status is RequestStatus.WAITING_FOR_KV:   # its prefix is in its table
-                read = self.kv_cache.tier_reads[request.request_id]
-                cached_prefix: list[KVBlock] = []
-                num_cached, num_tier_cached = read.num_cached_tokens, read.num_tier_tokens
-                request.num_computed_tokens = num_cached
-            else:
-                cached_prefix = self.kv_cache.find_cached_prefix(request)
-                num_tier_blocks = self.kv_cache.tier_blocks_to_read(request, cached_prefix, budget)
-                if num_tier_blocks is None:
-                    break
-                if num_tier_blocks:
-                    self.kv_cache.start_tier_read(request, cached_prefix, num_tier_blocks)
-                    self.waiting.popleft()
-                    request.status = RequestStatus.WAITING_FOR_KV
-                    self.loading.append(request)
+        index = 0  # self.running[:index] is scheduled
+        candidate = self._next_to_admit()
+        while budget > 0:
+            running = self.running[index] if index < len(self.running) else None
+            if candidate is not None and not preempted and (
+                    running is None or candidate.priority < running.priority):
+                num_new = self._admit(candidate, budget, scheduled, preempted)
+                if num_new is None:
+                    candidate = None  # no room for it: none for those behind it either
                     continue
-                num_cached, num_tier_cached = len(cached_prefix) * self.kv_cache.block_size, 0
-            num_left = request.num_tokens - num_cached
-            num_new = min(num_left, budget)
-            if not self.kv_cache.allocate(request, num_new, cached_prefix):
-                break
-            if request.status is RequestStatus.WAITING_FOR_KV:
-                self.loading.remove(request)
-                self.kv_cache.admit_tier_read(request)
+                if num_new:  # it joined `running` at `index` (nothing of lower priority is before it)
+                    budget -= num_new
+                    index += 1
+                candidate = self._next_to_admit()
+            elif running is not None:
+                num_new = self._schedule_running(running, budget, scheduled, preempted)
+                if num_new:  # else it was preempted, the last of `running`
+                    budget -= num_new
+                    index += 1
             else:
-                self.waiting.popleft()
-            self.kv_cache.record_tier_misses(request, num_cached)
-            self.prefix_cache_queried_tokens += request.num_tokens
-            self.prefix_cache_hit_tokens += num_cached
-            if request.num_preemptions == 0:
-                request.num_cached_prompt_tokens = num_cached
-                request.num_tier_cached_tokens = num_tier_cached
-            request.num_computed_tokens = num_cached
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            scheduled.append(ScheduledRequest(request, num_new, num_new == num_left))
-            budget -= num_new
+                break
 
         # Decodes first: attention backends batch the single-token queries together.
         scheduled.sort(key=_not_a_decode)
         return SchedulerOutput(scheduled, preempted, self.max_num_batched_tokens - budget)
 
+    def _schedule_running(self, request: Request, budget: int, scheduled: list[ScheduledRequest],
+                          preempted: list[Request]) -> int:
+        """Schedule the next tokens of a running request: one for a decode, the rest of its
+        prompt up to `budget` for a prefill. While the pool cannot grow its table, the
+        request to preempt first (`_victim`, never one of higher priority: it comes last
+        itself) is preempted. Returns the tokens scheduled, 0 when it was preempted."""
+        num_left = len(request.all_token_ids) - request.num_computed_tokens
+        num_new = num_left if num_left < budget else budget
+        while not self.kv_cache.allocate(request, num_new):
+            victim = self._victim()
+            assert victim is not None and victim.priority >= request.priority
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is request:
+                return 0
+        scheduled.append(ScheduledRequest(request, num_new, num_new == num_left))
+        return num_new
+
+    def _admit(self, request: Request, budget: int, scheduled: list[ScheduledRequest],
+               preempted: list[Request]) -> int | None:
+        """Admit the next request to admit with a first chunk of up to `budget` tokens,
+        preempting requests of lower priority while there is no room for it (a seat under
+        `max_num_seqs`, blocks for its chunk or its tier read). Returns the tokens
+        scheduled; 0 when it now waits for a tier read instead; None when there is no room
+        and nothing of lower priority holds any."""
+        while (num_new := self._try_admit(request, budget, scheduled)) is None:
+            victim = self._victim()
+            if victim is None or victim.priority <= request.priority:
+                return None
+            self._preempt(victim)
+            preempted.append(victim)
+        return num_new
+
+    def _try_admit(self, request: Request, budget: int, scheduled: list[ScheduledRequest]
+                   ) -> int | None:
+        """`_admit` without preempting: None, changing nothing, when there is no room."""
+        if request.status is RequestStatus.WAITING_FOR_KV:   # its prefix is in its table
+            read = self.kv_cache.tier_reads[request.request_id]
+            cached_prefix: list[KVBlock] = []
+            num_cached, num_tier_cached = read.num_cached_tokens, read.num_tier_tokens
+            request.num_computed_tokens = num_cached
+        else:
+            if len(self.running) + len(self.loading) >= self.max_num_seqs:
+                return None
+            cached_prefix = self.kv_cache.find_cached_prefix(request)
+            num_tier_blocks = self.kv_cache.tier_blocks_to_read(request, cached_prefix, budget)
+            if num_tier_blocks is None:
+                return None
+            if num_tier_blocks:
+                self.kv_cache.start_tier_read(request, cached_prefix, num_tier_blocks)
+                self.waiting.remove(request)
+                request.status = RequestStatus.WAITING_FOR_KV
+                self.loading.append(request)
+                return 0
+            num_cached, num_tier_cached = len(cached_prefix) * self.kv_cache.block_size, 0
+        num_left = request.num_tokens - num_cached
+        num_new = min(num_left, budget)
+        if not self.kv_cache.allocate(request, num_new, cached_prefix):
+            return None
+        if request.status is RequestStatus.WAITING_FOR_KV:
+            self.loading.remove(request)
+            self.kv_cache.admit_tier_read(request)
+        else:
+            self.waiting.remove(request)
+        self.kv_cache.record_tier_misses(request, num_cached)
+        self.prefix_cache_queried_tokens += request.num_tokens
+        self.prefix_cache_hit_tokens += num_cached
+        if request.num_preemptions == 0:
+            request.num_cached_prompt_tokens = num_cached
+            request.num_tier_cached_tokens = num_tier_cached
+        request.num_computed_tokens = num_cached
+        request.status = RequestStatus.RUNNING
+        bisect.insort_right(self.running, request, key=_priority)
+        scheduled.append(ScheduledRequest(request, num_new, num_new == num_left))
+        return num_new
+
     def _next_to_admit(self) -> Request | None:
-        """The first request whose tier read is done (it holds its blocks: it goes first),
-        else the head of the waiting queue while `max_num_seqs` allows one more. A request
-        whose read came back short starts over at the head of the waiting queue."""
+        """The request to admit next: of those whose tier read is done (they hold their
+        blocks: among equals they go first, in the order their reads were issued) and the
+        head of the waiting queue, the one of highest priority. A request whose read came
+        back short starts over in the waiting queue."""
         for request in [r for r in self.loading if self.kv_cache.tier_read_state(r)
                         is TierReadState.SHORT]:
             self._preempt(request, count=False)
-        for request in self.loading:
-            if self.kv_cache.tier_read_state(request) is TierReadState.DONE:
-                return request
-        if self.waiting and len(self.running) + len(self.loading) < self.max_num_seqs:
-            return self.waiting[0]
-        return None
+        loaded = min((r for r in self.loading
+                      if self.kv_cache.tier_read_state(r) is TierReadState.DONE),
+                     key=_priority, default=None)
+        head = self.waiting[0] if self.waiting else None
+        if loaded is not None and (head is None or loaded.priority <= head.priority):
+            return loaded
+        return head
+
+    def _victim(self) -> Request | None:
+        """The request to preempt first: the lowest priority; among equals one waiting for
+        KV (it holds blocks and has computed nothing), the latest read first, else the
+        running request admitted last."""
+        loading = max(reversed(self.loading), key=_priority, default=None)
+        running = self.running[-1] if self.running else None
+        if loading is not None and (running is None or loading.priority >= running.priority):
+            return loading
+        return running
 
     def update_from_output(self, output: SchedulerOutput, runner_output: ModelRunnerOutput
                            ) -> StepUpdate:
@@ -274,20 +349,22 @@ class Scheduler:
                 or not self.kv_cache.drop_restored_kv(request)):
             return False
         self.recomputed_after_fault.add(request.request_id)
-        self.running.remove(request)
         self._preempt(request, count=False, keep_kv=False)
         return True
 
     def _preempt(self, request: Request, count: bool = True, keep_kv: bool = True) -> None:
-        """Free the request's blocks and put it back at the head of the waiting queue;
+        """Take a running request, or one waiting for KV, out of its queue, free its blocks
+        and put it back in the waiting queue ahead of the later arrivals of its priority;
         `count`: as a preemption (not for a tier read that came back short or a recompute
         after a fault); `keep_kv`: see KVCacheManager.free."""
         if request.status is RequestStatus.WAITING_FOR_KV:
             self.loading.remove(request)
+        else:
+            self.running.remove(request)
         self.kv_cache.free(request, keep_kv)
         request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
-        self.waiting.appendleft(request)
+        bisect.insort_left(self.waiting, request, key=_waiting_order)
         if count:
             request.num_preemptions += 1
             self.num_preemptions += 1
@@ -308,3 +385,7 @@ def check_stop(request: Request) -> FinishReason | None:
 
 def _not_a_decode(item: ScheduledRequest) -> bool:
     return item.num_new_tokens != 1
+
+
+_priority = attrgetter("priority")
+_waiting_order = attrgetter("priority", "arrival_time")
