@@ -104,7 +104,8 @@ def test_the_null_block_is_reserved():
     assert sorted(block.block_id for block in blocks) == [1, 2, 3, 4]
     assert NULL_BLOCK not in blocks and pool.num_free_blocks == 0
     pool.free(blocks)
-    assert pool.ref_counts().tolist() == [0] * 4 and not pool.hashed_mask().any()
+    assert [block.ref_count for block in pool.blocks] == [0] * 4
+    assert not pool.cached_blocks and all(block.block_hash is None for block in pool.blocks)
     pool.check_invariants()
 
 

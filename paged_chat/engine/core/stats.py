@@ -11,6 +11,7 @@ released (`num_released`) hold no block.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from paged_chat.engine.core.block_states import BlockChanges, BlockStates
 
 if TYPE_CHECKING:
     from paged_chat.engine.core.scheduler import Scheduler
@@ -56,6 +59,19 @@ class BlockMap:
                    np.fromiter(map(len, tables.values()), dtype=np.int64, count=len(tables)),
                    np.fromiter((released.get(rid, 0) for rid in request_ids), dtype=np.int64,
                                count=len(request_ids)))
+
+    def without_states(self) -> "BlockMap":
+        """This map less its per-block arrays (empty), for a stream whose snapshots' block
+        changes carry them: `with_states` puts them back on the other side."""
+        empty = np.zeros(0, dtype=bool)
+        return dataclasses.replace(self, ref_counts=np.zeros(0, dtype=np.int32), cached=empty,
+                                   from_tier=empty, _holders=[])
+
+    def with_states(self, states: BlockStates) -> "BlockMap":
+        """This map with copies of `states`' per-block arrays."""
+        return dataclasses.replace(self, ref_counts=states.ref_counts.copy(),
+                                   cached=states.cached.copy(), from_tier=states.from_tier.copy(),
+                                   _holders=[])
 
     @property
     def num_in_use(self) -> int:
@@ -165,6 +181,9 @@ class EngineStats:
     step_time_s: float       # the last step, end to end
     forward_time_s: float    # the model's forward in the last step (the rest is host work)
     blocks: BlockMap
+    # The cells whose state changed since the engine's previous snapshot: applied in order
+    # to a BlockStates, every snapshot's changes keep the map's arrays (process_transport).
+    block_changes: BlockChanges = BlockChanges.none()
     tier: KVTierStats = KVTierStats()
     # Totals since the engine started (vLLM's counters): every request's whole prompt,
     # cached tokens included, counted once at its first token; and every sampled token.
@@ -239,8 +258,8 @@ def snapshot(num_blocks: int, scheduler: Scheduler, metrics: StepMetrics,
     """The engine's stats now: its pool of `num_blocks` blocks through the scheduler's KV
     manager and requests, its queues and counters, and the last step's `metrics`."""
     kv_cache = scheduler.kv_cache
-    blocks, wasted = kv_cache.block_map(scheduler.requests)
-    in_use, cached = blocks.num_in_use, blocks.num_cached
+    blocks, changes, wasted = kv_cache.block_map(scheduler.requests)
+    in_use, cached = kv_cache.block_states.num_in_use, kv_cache.block_states.num_cached
     return EngineStats(
         num_blocks=num_blocks,
         block_size=kv_cache.block_size,
@@ -261,6 +280,7 @@ def snapshot(num_blocks: int, scheduler: Scheduler, metrics: StepMetrics,
         step_time_s=metrics.step_time_s,
         forward_time_s=forward_time_s,
         blocks=blocks,
+        block_changes=changes,
         tier=kv_cache.tier.stats() if kv_cache.tier is not None else KVTierStats(),
         prompt_tokens_total=scheduler.prompt_tokens_total,
         generation_tokens_total=metrics.generation_tokens_total,
