@@ -112,11 +112,18 @@ def test_the_map_rebuilt_from_the_stream_is_the_pools_true_state(make_engine):
         assert np.array_equal(blocks.from_tier, from_tier)
         assert rebuilt.blocks_in_use == np.count_nonzero(ref) == blocks.num_in_use
         assert rebuilt.blocks_cached == np.count_nonzero(cached & (ref == 0)) == blocks.num_cached
-        free_or_cached = BlockMap.build(ref, cached, {}, {}, from_tier)
-        owners = {owner: index for index, owner in enumerate(dict.fromkeys(blocks.request_owners))}
-        assert np.array_equal(block_codes(blocks, owners), block_codes(stats.blocks, owners))
-        assert np.array_equal(block_codes(free_or_cached, owners)[ref == 0],
-                              block_codes(blocks, owners)[ref == 0])
+        tables = {rid: [block.block_id - 1 for block in table]
+                  for rid, table in engine.kv_cache.tables.items()}
+        truth = BlockMap.build(ref, cached, tables,
+                               {rid: engine.requests[rid].owner for rid in tables}, from_tier,
+                               engine.kv_cache.num_released)
+        owners = {f"tab{index}": index for index in range(3)}
+        assert np.array_equal(block_codes(blocks, owners), block_codes(truth, owners))
+        cells, first_holder, count = blocks.first_holders()
+        holder_count = np.diff(blocks.holder_ptr)
+        assert np.array_equal(cells, np.flatnonzero(holder_count))
+        assert np.array_equal(count, holder_count[cells])
+        assert np.array_equal(first_holder, blocks.holders[blocks.holder_ptr[cells]])
         seen.update(name for name, happened in (
             ("evictions", stats.num_evictions), ("preemptions", stats.num_preemptions),
             ("prefix hits", stats.prefix_cache_hit_tokens), ("tier reads", stats.tier.hit_blocks),
@@ -124,8 +131,8 @@ def test_the_map_rebuilt_from_the_stream_is_the_pools_true_state(make_engine):
 
     check()
     for round_prompts in (prompts[:6], prompts[6:], prompts[:3]):
-        for prompt in round_prompts:
-            engine.add_request(prompt, params)
+        for index, prompt in enumerate(round_prompts):
+            engine.add_request(prompt, params, owner=f"tab{index % 3}")
         while engine.has_unfinished():
             engine.step()
             check()

@@ -97,6 +97,15 @@ class BlockMap:
         """int32, parallel to holders: index in that request's table"""
         return self._holder_arrays()[2]
 
+    def first_holders(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The cells the tables hold, sorted; for each, the index into request_ids of the
+        first request holding it, and how many hold it. From the tables alone: the cost
+        follows the blocks in use, not the pool's size."""
+        cells, request_index, _ = _held_entries(self.table_ids, self.table_lengths,
+                                                self.table_released)
+        cells, first, counts = np.unique(cells, return_index=True, return_counts=True)
+        return cells, request_index[first], counts
+
     def _holder_arrays(self) -> list[np.ndarray]:
         if not self._holders:  # two threads may both build it: the same arrays either way
             self._holders[:] = _holder_arrays(self.table_ids, self.table_lengths,
@@ -111,16 +120,24 @@ def _concatenate(tables: list[Sequence[int]]) -> np.ndarray:
     return np.concatenate(tables, dtype=np.int64, casting="unsafe")
 
 
+def _held_entries(block_ids: np.ndarray, lengths: np.ndarray, released: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The entries that hold a block, of the tables `block_ids` holds one after another,
+    `lengths` long, the first `released` of each holding none: their blocks, the index of
+    their table, and their index in it."""
+    request_index = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+    table_starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    positions = (np.arange(len(block_ids)) - table_starts).astype(np.int32)
+    held = positions >= np.repeat(released, lengths)
+    return block_ids[held], request_index[held], positions[held]
+
+
 def _holder_arrays(block_ids: np.ndarray, lengths: np.ndarray, released: np.ndarray,
                    num_blocks: int) -> list[np.ndarray]:
     """[holder_ptr, holders, holder_positions] of the module docstring, for the tables
     `block_ids` holds one after another, `lengths` long, the first `released` of each
     holding no block."""
-    request_index = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
-    table_starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    positions = (np.arange(len(block_ids)) - table_starts).astype(np.int32)
-    held = positions >= np.repeat(released, lengths)
-    block_ids, request_index, positions = block_ids[held], request_index[held], positions[held]
+    block_ids, request_index, positions = _held_entries(block_ids, lengths, released)
     order = np.argsort(block_ids, kind="stable")
     counts = np.bincount(block_ids, minlength=num_blocks)
     holder_ptr = np.zeros(num_blocks + 1, dtype=np.int32)
