@@ -15,6 +15,7 @@ import torch
 
 import paged_chat.engine.kv.transfer as transfer
 from paged_chat.engine import Engine, SamplingParams
+from paged_chat.engine.clients.engine_loop import Add, Shutdown, serve_engine
 from paged_chat.engine.kv.transfer import HostCopy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -154,3 +155,32 @@ def test_a_block_on_its_way_is_not_copied_again(make_engine, held_copies):
     engine.generate([prompt(2)], GREEDY)    # evicts the first's blocks, copies in flight
     first, *rest = held_copies
     assert not any(set(first.block_hashes) & set(other.block_hashes) for other in rest)
+
+
+def test_the_loop_going_idle_lands_the_copies_in_flight(make_engine, held_copies):
+    """Copies still in flight when the last request finishes land once the loop has nothing
+    to step, before it waits for commands (its idle snapshot shows them in the tier)."""
+    engine = make_engine(num_blocks=64, kv_tier_host_bytes="1MiB", kv_tier_disk_bytes=0)
+    sent: list[str] = []
+    waited_in_steps: list[int] = []
+    idle_host_blocks: list[int] = []
+
+    def receive(block: bool) -> list:
+        if not block:
+            return []
+        sent.append("request" if not sent else "shutdown")
+        return [Add("r", prompt(1), GREEDY, None)] if len(sent) == 1 else [Shutdown("done")]
+
+    class Events:
+        def on_outputs(self, outputs) -> None:
+            waited_in_steps.extend(held.event.waited for held in held_copies)
+
+        def on_stats(self, stats) -> None:
+            if not engine.has_unfinished():
+                idle_host_blocks.append(stats.tier.host_blocks)
+
+    assert serve_engine(engine, receive, Events(), stats_interval_s=1.0) == "done"
+    assert not any(waited_in_steps), "a step waited for a copy"
+    [copy] = held_copies
+    assert copy.event.waited == 1
+    assert idle_host_blocks[:2] == [0, len(copy.block_hashes)]
