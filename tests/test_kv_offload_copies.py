@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import paged_chat.engine.kv.transfer as transfer
 from paged_chat.engine import Engine, SamplingParams
 from paged_chat.engine.clients.engine_loop import Add, Shutdown, serve_engine
+from paged_chat.engine.kv import transfer
 from paged_chat.engine.kv.transfer import HostCopy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)

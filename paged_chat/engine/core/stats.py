@@ -200,7 +200,7 @@ class EngineStats:
     blocks: BlockMap
     # The cells whose state changed since the engine's previous snapshot: applied in order
     # to a BlockStates, every snapshot's changes keep the map's arrays (process_transport).
-    block_changes: BlockChanges = BlockChanges.none()
+    block_changes: BlockChanges = field(default_factory=BlockChanges.none)
     tier: KVTierStats = KVTierStats()
     # Totals since the engine started (vLLM's counters): every request's whole prompt,
     # cached tokens included, counted once at its first token; and every sampled token.
