@@ -7,6 +7,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from paged_chat.engine.core.block_states import BlockStates
 from paged_chat.engine.core.request import Request
 from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.kv.block_pool import NULL_BLOCK, BlockPool
@@ -35,8 +36,20 @@ def check(manager: KVCacheManager, live: dict[str, Request]) -> None:
                 assert block.block_hash == request.block_hashes[index]
 
 
+def check_block_states(manager: KVCacheManager, states: BlockStates) -> None:
+    """The pool's changes since the last check, applied, give its state block by block."""
+    states.apply(manager.pool.take_changes())
+    blocks = manager.pool.blocks
+    assert states.ref_counts.tolist() == [block.ref_count for block in blocks]
+    assert states.cached.tolist() == [block.block_hash is not None for block in blocks]
+    assert states.from_tier.tolist() == [block.from_tier for block in blocks]
+    assert states.num_in_use == sum(block.ref_count > 0 for block in blocks)
+    assert states.num_cached == sum(block.ref_count == 0 and block.block_hash is not None
+                                    for block in blocks)
+
+
 operations = st.lists(st.tuples(
-    st.sampled_from(["add", "append", "fork", "free"]),
+    st.sampled_from(["add", "append", "fork", "free", "reset"]),
     st.integers(0, 7),
     st.lists(st.integers(0, 3), min_size=1, max_size=9)), max_size=60)
 
@@ -45,6 +58,7 @@ operations = st.lists(st.tuples(
 @given(operations, st.booleans())
 def test_random_operations_keep_the_invariants(ops, caching):
     manager = KVCacheManager(num_blocks=12, block_size=BLOCK_SIZE, enable_caching=caching)
+    states = BlockStates(12)
     live: dict[str, Request] = {}
     counter = 0
 
@@ -73,10 +87,15 @@ def test_random_operations_keep_the_invariants(ops, caching):
                 del request.all_token_ids[request.num_computed_tokens:]
         elif op == "free" and names:
             manager.free(live.pop(names[pick % len(names)]))
+        elif op == "reset":
+            manager.reset_prefix_cache()
         check(manager, live)
+        if pick % 2:   # a snapshot now and then: the changes add up over several operations
+            check_block_states(manager, states)
     for request in list(live.values()):
         manager.free(request)
     check(manager, {})
+    check_block_states(manager, states)
     assert manager.pool.num_free_blocks == 12, "a block leaked"
 
 
@@ -104,7 +123,8 @@ def test_the_null_block_is_reserved():
     assert sorted(block.block_id for block in blocks) == [1, 2, 3, 4]
     assert NULL_BLOCK not in blocks and pool.num_free_blocks == 0
     pool.free(blocks)
-    assert pool.ref_counts().tolist() == [0] * 4 and not pool.hashed_mask().any()
+    assert [block.ref_count for block in pool.blocks] == [0] * 4
+    assert not pool.cached_blocks and all(block.block_hash is None for block in pool.blocks)
     pool.check_invariants()
 
 

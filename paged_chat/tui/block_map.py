@@ -1,6 +1,7 @@
 """The KV block map: one cell per physical block, coloured by the tab that holds it.
 
-Everything per block is computed with numpy from the compact `BlockMap` arrays; per frame
+Everything per block is computed with numpy from the compact `BlockMap` arrays (who holds
+a block from the tables alone, whatever the pool's size); per frame
 the widget makes one run-length-merged `Segment` per run of equal cells, so the cost is
 bounded by the panel's size, not the pool's (10k+ blocks fit: they are scaled down).
 
@@ -53,17 +54,14 @@ def block_codes(blocks: BlockMap, owner_colour: Mapping[str, int]) -> np.ndarray
     cached = np.asarray(blocks.cached, dtype=bool) & (ref == 0)
     codes[cached] = CACHED
     codes[cached & np.asarray(blocks.from_tier, dtype=bool)] = RESTORED
-    ptr = np.asarray(blocks.holder_ptr)
-    count = np.diff(ptr)
-    held = count > 0
-    codes[(ref > 0) & ~held] = OTHER
-    if held.any():
+    codes[ref > 0] = OTHER   # no table holds it (a table's holder recodes it below)
+    cells, first_holder, count = blocks.first_holders()
+    if len(cells):
         request_code = np.array(
             [TAB0 + owner_colour[o] % len(TAB_COLOURS) if o in owner_colour else OTHER
              for o in blocks.request_owners], dtype=np.uint8)
-        first_holder = np.asarray(blocks.holders)[ptr[:-1][held]]
-        codes[held] = request_code[first_holder]
-    codes[count > 1] = SHARED
+        codes[cells] = request_code[first_holder]
+    codes[cells[count > 1]] = SHARED
     return codes
 
 

@@ -91,6 +91,7 @@ def serve_engine(engine: Engine, receive: Callable[[bool], list[Command]], event
     while True:
         idle = not engine.has_unfinished()
         if idle:
+            engine.settle()
             events.on_stats(engine.stats())
         commands = receive(idle)
         if idle and any(isinstance(command, Add) for command in commands):

@@ -30,7 +30,9 @@ parent's reader thread.
 In the parent a sender thread writes the commands (a long prompt never blocks the event
 loop on a full pipe while the child is in a step) and a reader thread hands each step's
 core outputs, stats and failures to the client, as the engine thread does in-process.
-The client's `stats()` is the last snapshot the child sent, block map included.
+The client's `stats()` is the last snapshot the child sent, block map included: a snapshot
+crosses without the map's per-block arrays (2 MB for an H200's pool), and the reader keeps
+them by applying each snapshot's block changes (core/block_states.py) in order.
 
 Failures. A failed step ends the open streams and the child keeps serving, as on a thread.
 A child that dies (killed, out of memory, a crash in native code) ends every stream with
@@ -70,6 +72,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from paged_chat.engine.clients.engine_loop import Command, Shutdown
+from paged_chat.engine.core.block_states import BlockStates
 from paged_chat.engine.core.config import EngineConfig
 from paged_chat.engine.core.errors import EngineDeadError, PagedChatError, describe_error
 from paged_chat.engine.core.outputs import EngineCoreOutput, ModelInfo
@@ -107,7 +110,7 @@ class _Tokenizer:
 class _Ready:
     info: ModelInfo   # its tokenizer None (and its template "" when the parent loads the
                       # tokenizer itself): the _Tokenizer before it says where they are
-    stats: EngineStats
+    stats: _Stats
 
 
 @dataclass(slots=True)
@@ -122,7 +125,20 @@ class _Outputs:
 
 @dataclass(slots=True)
 class _Stats:
+    """A snapshot, its block map without the per-block arrays: its block changes bring
+    them, so the parent must apply every snapshot's, in order (BlockStates)."""
+
     stats: EngineStats
+
+    @classmethod
+    def of(cls, stats: EngineStats) -> "_Stats":
+        return cls(dataclasses.replace(stats, blocks=stats.blocks.without_states()))
+
+    def restore(self, states: BlockStates) -> EngineStats:
+        """The whole snapshot: `states` (this stream's, applied up to the last snapshot)
+        take its changes, and its map gets their arrays."""
+        states.apply(self.stats.block_changes)
+        return dataclasses.replace(self.stats, blocks=self.stats.blocks.with_states(states))
 
 
 @dataclass(slots=True)
@@ -294,8 +310,10 @@ class ProcessTransport:
                 assert tokenizer is not None, "the child sends its tokenizer first"
                 template = (TokenizerSource.loaded(message.info.name, tokenizer).chat_template
                             if loaded_here else message.info.chat_template)
+                self._block_states = BlockStates(message.info.num_blocks)
                 return (dataclasses.replace(message.info, tokenizer=tokenizer,
-                                            chat_template=template), message.stats)
+                                            chat_template=template),
+                        message.stats.restore(self._block_states))
 
     def _write(self) -> None:
         while (command := self._commands.get()) is not None:
@@ -312,7 +330,7 @@ class ProcessTransport:
                 if isinstance(message, _Outputs):
                     events.on_outputs(message.outputs)
                 elif isinstance(message, _Stats):
-                    events.on_stats(message.stats)
+                    events.on_stats(message.restore(self._block_states))
                 elif isinstance(message, _RequestFailed):
                     events.on_request_failed(message.request_id, message.error)
                 else:
@@ -351,7 +369,7 @@ class _PipeEvents:
             self.conn.send(_Outputs(outputs))
 
     def on_stats(self, stats: EngineStats) -> None:
-        self.conn.send(_Stats(stats))
+        self.conn.send(_Stats.of(stats))
 
     def on_request_failed(self, request_id: str, error: Exception) -> None:
         self.conn.send(_RequestFailed(request_id, _portable(error)))
@@ -389,7 +407,7 @@ def _child_main(conn: Connection, beats: Connection, config: EngineConfig,
         conn.send(_LoadFailed(_portable(error)))
         return
     engine.threads.leave_cores(leave_cores)
-    conn.send(_Ready(dataclasses.replace(engine.info, tokenizer=None), engine.stats()))
+    conn.send(_Ready(dataclasses.replace(engine.info, tokenizer=None), _Stats.of(engine.stats())))
     threading.Thread(target=_beat, args=(beats,), name="paged-chat-heartbeat", daemon=True).start()
 
     def receive(block: bool) -> list[Command]:

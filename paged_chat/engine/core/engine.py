@@ -244,6 +244,11 @@ class Engine:
         --host-overhead` times the engine's own work per step over a stub forward."""
         self.runner.model = forward
 
+    def settle(self) -> None:
+        """Hand the KV tier the blocks' copies still in flight (kv_transfer.settle): for a
+        loop going idle, so they are kept without a step waiting for them."""
+        self.kv_transfer.settle()
+
     def flush(self) -> None:
         """Wait until the KV tier's queued disk writes are done (kv_transfer.flush)."""
         self.kv_transfer.flush()

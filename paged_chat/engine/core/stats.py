@@ -11,6 +11,7 @@ released (`num_released`) hold no block.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from paged_chat.engine.core.block_states import BlockChanges, BlockStates
 
 if TYPE_CHECKING:
     from paged_chat.engine.core.scheduler import Scheduler
@@ -57,6 +60,19 @@ class BlockMap:
                    np.fromiter((released.get(rid, 0) for rid in request_ids), dtype=np.int64,
                                count=len(request_ids)))
 
+    def without_states(self) -> "BlockMap":
+        """This map less its per-block arrays (empty), for a stream whose snapshots' block
+        changes carry them: `with_states` puts them back on the other side."""
+        empty = np.zeros(0, dtype=bool)
+        return dataclasses.replace(self, ref_counts=np.zeros(0, dtype=np.int32), cached=empty,
+                                   from_tier=empty, _holders=[])
+
+    def with_states(self, states: BlockStates) -> "BlockMap":
+        """This map with copies of `states`' per-block arrays."""
+        return dataclasses.replace(self, ref_counts=states.ref_counts.copy(),
+                                   cached=states.cached.copy(), from_tier=states.from_tier.copy(),
+                                   _holders=[])
+
     @property
     def num_in_use(self) -> int:
         return int(np.count_nonzero(self.ref_counts))
@@ -81,6 +97,15 @@ class BlockMap:
         """int32, parallel to holders: index in that request's table"""
         return self._holder_arrays()[2]
 
+    def first_holders(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The cells the tables hold, sorted; for each, the index into request_ids of the
+        first request holding it, and how many hold it. From the tables alone: the cost
+        follows the blocks in use, not the pool's size."""
+        cells, request_index, _ = _held_entries(self.table_ids, self.table_lengths,
+                                                self.table_released)
+        cells, first, counts = np.unique(cells, return_index=True, return_counts=True)
+        return cells, request_index[first], counts
+
     def _holder_arrays(self) -> list[np.ndarray]:
         if not self._holders:  # two threads may both build it: the same arrays either way
             self._holders[:] = _holder_arrays(self.table_ids, self.table_lengths,
@@ -95,16 +120,24 @@ def _concatenate(tables: list[Sequence[int]]) -> np.ndarray:
     return np.concatenate(tables, dtype=np.int64, casting="unsafe")
 
 
+def _held_entries(block_ids: np.ndarray, lengths: np.ndarray, released: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The entries that hold a block, of the tables `block_ids` holds one after another,
+    `lengths` long, the first `released` of each holding none: their blocks, the index of
+    their table, and their index in it."""
+    request_index = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+    table_starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    positions = (np.arange(len(block_ids)) - table_starts).astype(np.int32)
+    held = positions >= np.repeat(released, lengths)
+    return block_ids[held], request_index[held], positions[held]
+
+
 def _holder_arrays(block_ids: np.ndarray, lengths: np.ndarray, released: np.ndarray,
                    num_blocks: int) -> list[np.ndarray]:
     """[holder_ptr, holders, holder_positions] of the module docstring, for the tables
     `block_ids` holds one after another, `lengths` long, the first `released` of each
     holding no block."""
-    request_index = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
-    table_starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    positions = (np.arange(len(block_ids)) - table_starts).astype(np.int32)
-    held = positions >= np.repeat(released, lengths)
-    block_ids, request_index, positions = block_ids[held], request_index[held], positions[held]
+    block_ids, request_index, positions = _held_entries(block_ids, lengths, released)
     order = np.argsort(block_ids, kind="stable")
     counts = np.bincount(block_ids, minlength=num_blocks)
     holder_ptr = np.zeros(num_blocks + 1, dtype=np.int32)
@@ -165,6 +198,9 @@ class EngineStats:
     step_time_s: float       # the last step, end to end
     forward_time_s: float    # the model's forward in the last step (the rest is host work)
     blocks: BlockMap
+    # The cells whose state changed since the engine's previous snapshot: applied in order
+    # to a BlockStates, every snapshot's changes keep the map's arrays (process_transport).
+    block_changes: BlockChanges = field(default_factory=BlockChanges.none)
     tier: KVTierStats = KVTierStats()
     # Totals since the engine started (vLLM's counters): every request's whole prompt,
     # cached tokens included, counted once at its first token; and every sampled token.
@@ -239,8 +275,8 @@ def snapshot(num_blocks: int, scheduler: Scheduler, metrics: StepMetrics,
     """The engine's stats now: its pool of `num_blocks` blocks through the scheduler's KV
     manager and requests, its queues and counters, and the last step's `metrics`."""
     kv_cache = scheduler.kv_cache
-    blocks, wasted = kv_cache.block_map(scheduler.requests)
-    in_use, cached = blocks.num_in_use, blocks.num_cached
+    blocks, changes, wasted = kv_cache.block_map(scheduler.requests)
+    in_use, cached = kv_cache.block_states.num_in_use, kv_cache.block_states.num_cached
     return EngineStats(
         num_blocks=num_blocks,
         block_size=kv_cache.block_size,
@@ -261,6 +297,7 @@ def snapshot(num_blocks: int, scheduler: Scheduler, metrics: StepMetrics,
         step_time_s=metrics.step_time_s,
         forward_time_s=forward_time_s,
         blocks=blocks,
+        block_changes=changes,
         tier=kv_cache.tier.stats() if kv_cache.tier is not None else KVTierStats(),
         prompt_tokens_total=scheduler.prompt_tokens_total,
         generation_tokens_total=metrics.generation_tokens_total,

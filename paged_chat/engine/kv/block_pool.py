@@ -23,6 +23,10 @@ hashes mean equal whole prefixes, not just equal blocks; a first block's parent 
 request's cache salt (kv_cache_manager.salt_root), so prefixes of different salts never
 match. Only full blocks are hashed.
 
+Every change of a block's ref count, hash or `from_tier` marks it, and `take_changes`
+returns the marked blocks' state (the stats' incremental block map: core.block_states), so
+what a snapshot costs follows the blocks that changed, not the pool's size.
+
 With `track_evictions`, `allocate` lists each evicted block's (hash, block id) in
 `evicted`: its KV is intact until the next forward, so the owner of a KV tier can copy
 it out first (and must clear the list).
@@ -34,6 +38,8 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 import numpy as np
+
+from paged_chat.engine.core.block_states import BlockChanges
 
 
 @dataclass(slots=True, eq=False)
@@ -52,8 +58,9 @@ class KVBlock:
 # the cache with its id and masks those keys. Never in the pool or its queue.
 NULL_BLOCK = KVBlock(0)
 
-# The stats read these of every block: map() with an attrgetter is ~2x a generator's speed.
-_REF_COUNT, _BLOCK_ID = attrgetter("ref_count"), attrgetter("block_id")
+# The stats read these of every changed block: map() with an attrgetter is ~2x a
+# generator's speed.
+_REF_COUNT, _FROM_TIER = attrgetter("ref_count"), attrgetter("from_tier")
 
 
 class FreeBlockQueue:
@@ -105,6 +112,7 @@ class BlockPool:
         self.num_evictions = 0
         self.track_evictions = track_evictions
         self.evicted: list[tuple[bytes, int]] = []
+        self._changed: set[KVBlock] = set()   # since the last take_changes
 
     @property
     def num_blocks(self) -> int:
@@ -133,6 +141,7 @@ class BlockPool:
             block.ref_count = 1
             block.from_tier = False
             taken.append(block)
+        self._changed.update(taken)
         return taken
 
     def touch(self, blocks: list[KVBlock]) -> None:
@@ -141,6 +150,7 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue.remove(block)
             block.ref_count += 1
+        self._changed.update(blocks)
 
     def free(self, blocks: list[KVBlock]) -> None:
         """Drop one reference from each block; blocks nobody holds go to the queue's tail.
@@ -153,6 +163,7 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_queue.append(block)
+        self._changed.update(blocks)
 
     def cache(self, block: KVBlock, block_hash: bytes) -> None:
         """Index a full block under its prefix hash (first one wins on a duplicate)."""
@@ -161,6 +172,7 @@ class BlockPool:
         if block_hash not in self.cached_blocks:
             block.block_hash = block_hash
             self.cached_blocks[block_hash] = block
+            self._changed.add(block)
 
     def uncache(self, blocks: list[KVBlock]) -> None:
         """Take blocks out of the prefix-cache index (their KV is not to be trusted)."""
@@ -168,26 +180,32 @@ class BlockPool:
             if block.block_hash is not None:
                 del self.cached_blocks[block.block_hash]
                 block.block_hash = None
+                self._changed.add(block)
+
+    def mark_from_tier(self, blocks: list[KVBlock]) -> None:
+        """Their KV was read back from a KV tier (until they are allocated again)."""
+        for block in blocks:
+            block.from_tier = True
+        self._changed.update(blocks)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (weights changed, or a test wants a cold cache)."""
         for block in self.cached_blocks.values():
             block.block_hash = None
+        self._changed.update(self.cached_blocks.values())
         self.cached_blocks.clear()
 
-    # The arrays below are per block of the pool, in id order: entry i is block i + 1.
-
-    def ref_counts(self) -> np.ndarray:
-        return np.fromiter(map(_REF_COUNT, self.blocks), dtype=np.int32, count=len(self.blocks))
-
-    def hashed_mask(self) -> np.ndarray:
-        mask = np.zeros(len(self.blocks), dtype=bool)
-        mask[np.fromiter(map(_BLOCK_ID, self.cached_blocks.values()), dtype=np.int64,
-                         count=len(self.cached_blocks)) - 1] = True
-        return mask
-
-    def from_tier_mask(self) -> np.ndarray:
-        return np.fromiter((b.from_tier for b in self.blocks), dtype=bool, count=len(self.blocks))
+    def take_changes(self) -> BlockChanges:
+        """The state of every block whose ref count, hash or `from_tier` changed since the
+        last call (cells: block id - 1), and forget them."""
+        changed, self._changed = list(self._changed), set()
+        count = len(changed)
+        return BlockChanges(
+            np.fromiter((block.block_id - 1 for block in changed), dtype=np.int64, count=count),
+            np.fromiter(map(_REF_COUNT, changed), dtype=np.int32, count=count),
+            np.fromiter((block.block_hash is not None for block in changed), dtype=bool,
+                        count=count),
+            np.fromiter(map(_FROM_TIER, changed), dtype=bool, count=count))
 
     def check_invariants(self) -> None:
         """Assert the three-state invariant of the module docstring (tests call this)."""

@@ -29,6 +29,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from paged_chat.engine.core.block_states import BlockChanges, BlockStates
 from paged_chat.engine.core.request import Request
 from paged_chat.engine.core.stats import BlockMap
 from paged_chat.engine.kv.block_id_rows import BlockIdRows
@@ -90,6 +91,7 @@ class KVCacheManager:
         assert tier is None or enable_caching, "a KV tier needs the prefix cache"
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, enable_caching, track_evictions=tier is not None)
+        self.block_states = BlockStates(num_blocks)   # as of the last block_map
         self.tier = tier
         rows = BlockIdRows() if rows is None else rows
         self.single_type_manager: SingleTypeKVManager = (
@@ -120,18 +122,23 @@ class KVCacheManager:
     def block_id_rows(self) -> BlockIdRows:
         return self.single_type_manager.rows
 
-    def block_map(self, requests: dict[str, Request]) -> tuple[BlockMap, int]:
-        """The pool's block map, each table tagged with its request's owner, and how many
-        slots the tables hold past their requests' computed tokens. The map's cells are the
-        pool's blocks: cell i is block i + 1 (block 0 is the null block)."""
+    def block_map(self, requests: dict[str, Request]) -> tuple[BlockMap, BlockChanges, int]:
+        """The pool's block map, each table tagged with its request's owner; the blocks whose
+        state changed since the previous call (applied to `block_states`, which the map's
+        arrays are copies of); and how many slots the tables hold past their requests'
+        computed tokens. The map's cells are the pool's blocks: cell i is block i + 1
+        (block 0 is the null block). Costs the changes and the tables, plus one copy of the
+        per-block arrays."""
+        changes = self.pool.take_changes()
+        self.block_states.apply(changes)
         tables = {rid: self.block_id_rows.of(rid) - 1 for rid in self.tables}
         wasted = sum(len(table) * self.block_size - requests[rid].num_computed_tokens
                      for rid, table in tables.items() if rid in requests)
         owners = {rid: requests[rid].owner for rid in tables if rid in requests}
-        blocks = BlockMap.build(self.pool.ref_counts(), self.pool.hashed_mask(), tables, owners,
-                                self.pool.from_tier_mask() if self.tier is not None else None,
-                                self.num_released)
-        return blocks, wasted
+        states = self.block_states
+        blocks = BlockMap.build(states.ref_counts.copy(), states.cached.copy(), tables, owners,
+                                states.from_tier.copy(), self.num_released)
+        return blocks, changes, wasted
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -286,8 +293,7 @@ class KVCacheManager:
         if not complete:
             read.state = TierReadState.SHORT
             return
-        for block in read.blocks:
-            block.from_tier = True
+        self.pool.mark_from_tier(read.blocks)
         self._cache_full_blocks(read.request, read.num_cached_tokens)
         read.state = TierReadState.DONE
 

@@ -5,7 +5,8 @@ chained prefix hash, so a hit means the same tokens at the same positions. What 
 KV depends on (the model's weights, the dtype, the block size, the cache layout) is a
 `TierLayout`: entries of another layout are never loaded.
 
-- Host tier: a bounded LRU of CPU tensors (pinned on CUDA), in front of the disk tier.
+- Host tier: a bounded LRU of CPU tensors (pinned on CUDA: kv_transfer copies the pool's
+  blocks into pinned memory), in front of the disk tier.
 - Disk tier: one file per block under `<cache_dir>/kv-tier`, bounded in bytes, LRU by
   last use (file mtime across processes). Every file is a fixed header (magic, version,
   model fingerprint, block hash, dtype, block size, layout, shape, length) then the
@@ -453,9 +454,8 @@ class KVTier:
     """
 
     def __init__(self, layout: TierLayout, host_bytes: int, disk_dir: Path | None,
-                 disk_bytes: int, pin_memory: bool = False) -> None:
+                 disk_bytes: int) -> None:
         self.layout = layout
-        self.pin_memory = pin_memory
         self.host = HostTier(host_bytes, layout.block_nbytes) if host_bytes > 0 else None
         self.disk = DiskTier(disk_dir, disk_bytes, layout) if disk_dir and disk_bytes > 0 else None
         self.host_hit_blocks = self.disk_hit_blocks = self.miss_blocks = 0
@@ -475,17 +475,18 @@ class KVTier:
             return self.host.capacity_blocks
         return self.disk.room() if self.disk is not None else 0
 
-    def store(self, block_hashes: list[bytes], kv: torch.Tensor) -> None:
-        """Keep blocks' KV, `kv[i]` for `block_hashes[i]`: a CPU tensor nobody writes again.
-        A block holding a NaN or inf is not kept (one check of the whole batch finds it)."""
+    def store(self, block_hashes: list[bytes], kv: torch.Tensor,
+              finite: torch.Tensor | None = None) -> None:
+        """Keep blocks' KV, `kv[i]` for `block_hashes[i]`: a CPU tensor nobody writes again
+        (pinned on CUDA, as kv_transfer copies it). A block holding a NaN or inf is not kept:
+        `finite` says which are (per block, checked where the KV was), else it is checked here."""
         assert kv.device.type == "cpu" and len(kv) == len(block_hashes)
-        if not torch.isfinite(kv).all():
+        if finite is None:
             finite = torch.isfinite(kv).flatten(1).all(1)
+        if not finite.all():
             self.blocks_not_finite += len(kv) - int(finite.sum())
             block_hashes = [h for h, ok in zip(block_hashes, finite.tolist()) if ok]
             kv = kv[finite]
-        if self.pin_memory:
-            kv = kv.pin_memory()
         for block_hash, block_kv in zip(block_hashes, kv):
             if self.host is not None:
                 self.host.put(block_hash, block_kv)
@@ -591,4 +592,4 @@ def build_kv_tier(config: EngineConfig, fingerprint: bytes, kv_cache: torch.Tens
     num_layers, _, kv_heads, _, block_size, head_dim = kv_cache.shape
     block_shape = (num_layers, 2, kv_heads, block_size, head_dim)
     layout = TierLayout(fingerprint, kv_cache.dtype, block_shape)
-    return KVTier(layout, host_bytes, disk_dir, config.kv_tier_disk_bytes, pin_memory=on_cuda)
+    return KVTier(layout, host_bytes, disk_dir, config.kv_tier_disk_bytes)

@@ -264,10 +264,12 @@ class ModelRunner:
     # ---- whole blocks, for the KV tier (kv_transfer) ---------------------------------
 
     def read_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """A copy of whole blocks' KV on the CPU, [blocks, layers, 2, kv_heads, block_size,
-        head_dim], that no later step touches (a KV tier keeps it)."""
-        index = torch.tensor(block_ids, device=self.device)
-        return self.kv_cache.movedim(_BLOCK_AXIS, 0)[index].cpu()
+        """A copy of whole blocks' KV on the cache's device, [blocks, layers, 2, kv_heads,
+        block_size, head_dim], that no later step touches (a KV tier copies it to the host
+        without waiting: kv_transfer). Queued on the device's stream, never waited for."""
+        on_cuda = self.device.type == "cuda"
+        index = torch.tensor(block_ids, pin_memory=on_cuda).to(self.device, non_blocking=on_cuda)
+        return self.kv_cache.movedim(_BLOCK_AXIS, 0)[index]
 
     def write_blocks(self, block_ids: list[int], kv: torch.Tensor) -> None:
         """Put whole blocks' KV (as `read_blocks` returns it) into the cache."""
