@@ -31,7 +31,7 @@ from paged_chat.engine.attention.torch_backend import TorchAttention
 from paged_chat.engine.attention.triton_backend import SHARED_MEMORY_BYTES, TritonAttention
 from paged_chat.engine.attention.triton_paged_attention import (  # noqa: E402
     MAX_SPLITS,
-    _cache_offsets,
+    cache_offsets,
     choose_num_splits,
     paged_attention,
     store_kv,
@@ -319,7 +319,7 @@ def _cache_offsets_probe(blocks_ptr, heads_ptr, out_ptr, stride_cb, stride_cs, s
     index = tl.arange(0, N)
     block = tl.load(blocks_ptr + index)
     head = tl.load(heads_ptr + index)
-    offsets = _cache_offsets(block, index % 16, head, index, stride_cb, stride_cs, stride_ch,
+    offsets = cache_offsets(block, index % 16, head, index, stride_cb, stride_cs, stride_ch,
                              stride_cd)
     tl.store(out_ptr + index, offsets)
 

@@ -1,0 +1,206 @@
+"""engine/models/triton_fused_ops.py against the torch ops of llama.py, under TRITON_INTERPRET=1
+when there is no GPU: each kernel alone on ragged shapes, then the decoder on the CUDA
+path (those kernels and Triton attention) against the decoder on the torch ops.
+
+The interpreter does not catch out-of-bounds accesses, so inputs are views whose
+neighbours in memory are NaN (`poisoned`) and the caches are NaN where no token was
+stored: a load a mask should have stopped shows up as NaN in the output, a stray store as
+a changed slot. Sizes are not powers of two where the kernels pad them.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="the Triton kernels need the triton package (extra 'gpu')")
+
+from paged_chat.engine.attention.metadata import AttentionMetadata  # noqa: E402
+from paged_chat.engine.attention.torch_backend import TorchAttention  # noqa: E402
+from paged_chat.engine.attention.triton_backend import TritonAttention  # noqa: E402
+from paged_chat.engine.models import triton_fused_ops  # noqa: E402
+from paged_chat.engine.models.llama import MLP, RMSNorm, rotate_half  # noqa: E402
+from paged_chat.engine.worker.model_loading import use_triton_ops  # noqa: E402
+from tests.test_triton_kernels import DEVICE, poisoned  # noqa: E402
+from tests.tiny_models import build_tiny_model, load_decoder  # noqa: E402
+
+# One bf16 ulp at the values these make: rsqrt and exp differ in their last fp32 bits from
+# torch's, which can flip a bf16 rounding, and the interpreter casts fp32 to bf16 by
+# truncation (a GPU rounds to nearest, as torch does); fp32 to its rounding.
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5),
+             torch.bfloat16: dict(atol=2e-2, rtol=1.6e-2)}
+# RoPE after a q/k norm rounds three times in a row (the norm, its weight, the rotation's
+# products): three ulps under the interpreter's truncation.
+ROPE_TOLERANCE = TOLERANCE | {torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def random_weight(size: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (1 + 0.3 * torch.randn(size, generator=generator)).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [48, 80, 200])
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["llama", "gemma"])
+def test_add_rms_norm_matches_torch(dtype, hidden, unit_offset):
+    generator = torch.Generator().manual_seed(hidden)
+    norm = RMSNorm(hidden, 1e-6, unit_offset).to(dtype).to(DEVICE)
+    norm.weight.data = random_weight(hidden, dtype, hidden)
+    delta = poisoned((5, hidden), dtype, generator)
+    residual = poisoned((5, hidden), dtype, generator)
+    expected_sum = delta + residual
+    expected = norm(expected_sum)
+
+    norm.triton_ops = triton_fused_ops
+    ours, returned = norm(delta, residual)
+    assert returned is residual
+    torch.testing.assert_close(residual, expected_sum, **TOLERANCE[dtype])
+    torch.testing.assert_close(ours, expected, **TOLERANCE[dtype])
+    torch.testing.assert_close(norm(residual), expected, **TOLERANCE[dtype])
+    assert norm(residual[:0]).shape == (0, hidden)
+
+
+def rope_reference(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                   norms: tuple[RMSNorm, RMSNorm] | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) as llama.py's Attention makes them on the torch ops."""
+    tokens = qkv.shape[0]
+    q, k, v = qkv.split((heads * head_dim, kv_heads * head_dim, kv_heads * head_dim), dim=-1)
+    q = q.reshape(tokens, heads, head_dim)
+    k = k.reshape(tokens, kv_heads, head_dim)
+    v = v.reshape(tokens, kv_heads, head_dim)
+    if norms is not None:
+        q, k = norms[0](q), norms[1](k)
+    cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin, v
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(6, 2, 16), (3, 1, 80), (7, 7, 32)])
+@pytest.mark.parametrize("qk_norm", [None, "llama", "gemma"])
+def test_rope_and_store_matches_torch(dtype, heads, kv_heads, head_dim, qk_norm):
+    """Q rotated in place, rotated K and V in their slots, slot -1 stores nothing, K and V
+    of the QKV output untouched, every other cache slot untouched (still NaN)."""
+    generator = torch.Generator().manual_seed(head_dim + heads)
+    width = (heads + 2 * kv_heads) * head_dim
+    tokens, block_size, num_blocks = 6, 16, 5
+    qkv = poisoned((tokens, width), dtype, generator)
+    positions = torch.tensor([0, 17, 5, 300, 31, 8], device=DEVICE)
+    slots = torch.tensor([3, 40, -1, 79, 16, 64], device=DEVICE)
+    model_cos, model_sin = rope_tables(head_dim, 512, dtype)
+    norms = None
+    if qk_norm is not None:
+        norms = tuple(RMSNorm(head_dim, 1e-6, qk_norm == "gemma").to(dtype).to(DEVICE)
+                      for _ in range(2))
+        for seed, norm in enumerate(norms):
+            norm.weight.data = random_weight(head_dim, dtype, seed)
+    expected_q, expected_k, expected_v = rope_reference(qkv, positions, model_cos, model_sin,
+                                                        heads, kv_heads, head_dim, norms)
+    shape = (kv_heads, num_blocks, block_size, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+    expected_caches = [key_cache.clone(), value_cache.clone()]
+    stored = slots >= 0
+    for cache, new in zip(expected_caches, (expected_k, expected_v)):
+        cache.view(kv_heads, -1, head_dim)[:, slots[stored]] = new[stored].transpose(0, 1)
+    kv_before = qkv[:, heads * head_dim:].clone()
+
+    query = triton_fused_ops.rope_and_store(
+        qkv, positions, model_cos, model_sin, key_cache, value_cache, slots, heads, kv_heads,
+        head_dim, None if norms is None else (norms[0].weight, norms[1].weight), 1e-6,
+        qk_norm == "gemma")
+    assert query.data_ptr() == qkv.data_ptr() and query.shape == (tokens, heads, head_dim)
+    torch.testing.assert_close(query, expected_q, **ROPE_TOLERANCE[dtype])
+    assert torch.equal(qkv[:, heads * head_dim:], kv_before)
+    for ours, expected in zip((key_cache, value_cache), expected_caches):
+        assert torch.equal(ours.isnan(), expected.isnan()), "a store outside its slot"
+        torch.testing.assert_close(ours, expected, equal_nan=True, **ROPE_TOLERANCE[dtype])
+
+
+def rope_tables(head_dim: int, positions: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables as LlamaForCausalLM.build_rope_tables makes them."""
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(positions).float()[:, None] * inv_freq[None, :]
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
+
+
+class _MLPConfig:
+    def __init__(self, hidden: int, intermediate: int, gemma: bool) -> None:
+        self.hidden_size, self.intermediate_size, self.gemma = hidden, intermediate, gemma
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("size", [40, 1100])  # one column block padded; two, the last ragged
+@pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
+def test_act_and_mul_matches_torch(dtype, size, gelu):
+    generator = torch.Generator().manual_seed(size)
+    mlp = MLP(_MLPConfig(8, size, gelu))
+    gate_up = 3 * poisoned((3, 2 * size), dtype, generator)
+    mlp.gate_up_proj = mlp.down_proj = torch.nn.Identity()
+    expected = mlp(gate_up)
+    mlp.triton_ops = triton_fused_ops
+    torch.testing.assert_close(mlp(gate_up), expected, **TOLERANCE[dtype])
+
+
+def run_steps(model, attention, steps: list[list[tuple[int, int]]], num_blocks: int = 24
+              ) -> list[torch.Tensor]:
+    """Run the decoder over a batch of sequences step by step: each step gives, per
+    sequence (in batch order), (its index, new tokens); returns each step's logits of the
+    last token of every sequence. Token ids and block tables are fixed by the seed."""
+    config = model.config
+    generator = torch.Generator().manual_seed(7)
+    block_size = 8
+    cache = torch.zeros(config.num_layers, 2, *attention.kv_cache_shape(num_blocks, block_size),
+                        dtype=model.norm.weight.dtype, device=DEVICE)
+    order = 1 + torch.randperm(num_blocks - 1, generator=generator)
+    tables = order[:(num_blocks - 1) // 3 * 3].view(3, -1).int()
+    lengths = [0, 0, 0]
+    logits = []
+    for step in steps:
+        query_lens = [new for _, new in step]
+        positions = torch.cat([torch.arange(lengths[seq], lengths[seq] + new)
+                               for seq, new in step])
+        slot_rows = torch.cat([torch.full((new,), seq) for seq, new in step])
+        slots = tables[slot_rows, positions // block_size] * block_size + positions % block_size
+        for seq, new in step:
+            lengths[seq] += new
+        meta = AttentionMetadata.build(query_lens, [lengths[seq] for seq, _ in step],
+                                       tables[[seq for seq, _ in step]], block_size, DEVICE,
+                                       slot_mapping=slots.to(DEVICE))
+        token_ids = torch.randint(3, config.vocab_size, (len(positions),), generator=generator)
+        last = torch.cumsum(torch.tensor(query_lens), 0) - 1
+        with torch.inference_mode():
+            logits.append(model(token_ids.to(DEVICE), meta.positions, cache, meta, attention,
+                                last.to(DEVICE)))
+    return logits
+
+
+# Prefill chunks (one ends mid-block), then decodes with a chunk mixed in, then decodes.
+STEPS = [[(0, 11), (1, 5)], [(0, 1), (1, 1), (2, 9)], [(0, 1), (1, 1), (2, 1)],
+         [(2, 1), (0, 1), (1, 1)]]
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3", "gemma3_text"])
+def test_decoder_on_the_cuda_path_matches_the_torch_ops(architecture, tmp_path):
+    """The whole decoder, prefill and decode, with the Triton kernels and attention's
+    `attend` (the CUDA path) against the torch ops and the torch attention."""
+    build_tiny_model(architecture, tmp_path, head_dim=16, num_heads=6, num_kv_heads=2)
+    reference = load_decoder(tmp_path).to(DEVICE)
+    config = reference.config
+    torch_attention = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim,
+                                     config.attention_scale)
+    assert not use_triton_ops(reference, torch_attention)
+    expected = run_steps(reference, torch_attention, STEPS)
+
+    model = load_decoder(tmp_path).to(DEVICE)
+    triton_attention = TritonAttention(config.num_heads, config.num_kv_heads, config.head_dim,
+                                       config.attention_scale)
+    assert use_triton_ops(model, triton_attention)
+    ours = run_steps(model, triton_attention, STEPS)
+    for step, (got, want) in enumerate(zip(ours, expected)):
+        scale = want.abs().max()
+        assert (got - want).abs().max() / scale < 1e-4, f"step {step}"
