@@ -1,7 +1,8 @@
 """Count the kernels code launches: the aten ops that do work (seen by a TorchDispatchMode)
 and every Triton launch (seen at the launcher all of them go through, compiled or under
-TRITON_INTERPRET). Views and bare allocations launch nothing and are not counted; neither
-are the aten ops the interpreter itself runs inside a Triton launch (its copies in and out).
+TRITON_INTERPRET). Views and bare allocations launch nothing and are not counted (an op
+that may return a view counts when it copied); neither are the aten ops the interpreter
+itself runs inside a Triton launch (its copies in and out).
 
 `region` names what the kernels are counted for (a model's layer, "step"), so one run can
 say how many each part of a decode step takes.
@@ -22,6 +23,14 @@ _ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided
                 torch.ops.aten.new_empty_strided.default, torch.ops.aten.lift_fresh.default}
 
 
+def _aliases(out: Any, args: tuple) -> bool:
+    """Whether an op that may return a view (`to`, `reshape`...) did: else it copied."""
+    first = out[0] if isinstance(out, (tuple, list)) else out
+    source = next((arg for arg in args if isinstance(arg, torch.Tensor)), None)
+    return (not isinstance(first, torch.Tensor) or source is None
+            or first.untyped_storage().data_ptr() == source.untyped_storage().data_ptr())
+
+
 class KernelCounter(TorchDispatchMode):
     """Use as `with KernelCounter() as counter:`; `counter.kernels` is (region, kernel name)
     per launch, in order."""
@@ -34,9 +43,11 @@ class KernelCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
-        if not self._in_triton and not func.is_view and func not in _ALLOCATIONS:
+        out = func(*args, **(kwargs or {}))
+        if not self._in_triton and func not in _ALLOCATIONS and not (
+                func.is_view and _aliases(out, args)):
             self.kernels.append((self.region, str(func.overloadpacket).removeprefix("aten.")))
-        return func(*args, **(kwargs or {}))
+        return out
 
     def by_region(self) -> Counter[str]:
         return Counter(region for region, _ in self.kernels)
