@@ -10,11 +10,16 @@ a changed slot. Sizes are not powers of two where the kernels pad them.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (extra 'gpu')")
 
+from paged_chat.engine import SamplingParams  # noqa: E402
 from paged_chat.engine.attention.metadata import AttentionMetadata  # noqa: E402
 from paged_chat.engine.attention.torch_backend import TorchAttention  # noqa: E402
 from paged_chat.engine.attention.triton_backend import TritonAttention  # noqa: E402
@@ -204,3 +209,60 @@ def test_decoder_on_the_cuda_path_matches_the_torch_ops(architecture, tmp_path):
     for step, (got, want) in enumerate(zip(ours, expected)):
         scale = want.abs().max()
         assert (got - want).abs().max() / scale < 1e-4, f"step {step}"
+
+
+@contextlib.contextmanager
+def recorded_fused_launches() -> Iterator[list[tuple[Any, dict[str, Any], dict[str, Any]]]]:
+    """Launch the fused ops' kernels as usual, recording (kernel, arguments by name, launch
+    options) per launch, as device_check.captured_launches does for the attention's."""
+    launches: list[tuple[Any, dict[str, Any], dict[str, Any]]] = []
+    names = ("_add_rms_norm_kernel", "_rope_and_store_kernel", "_act_and_mul_kernel")
+    originals = {name: getattr(triton_fused_ops, name) for name in names}
+
+    class Recorder:
+        def __init__(self, kernel: Any) -> None:
+            self.kernel = kernel
+
+        def __getitem__(self, grid: tuple[int, ...]) -> Any:
+            def record(*args: Any, **kwargs: Any) -> None:
+                options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+                named = dict(zip(self.kernel.arg_names, args)) | {
+                    k: v for k, v in kwargs.items() if k not in options}
+                launches.append((self.kernel, named, options))
+                self.kernel[grid](*args, **kwargs)
+            return record
+
+    for name, kernel in originals.items():
+        setattr(triton_fused_ops, name, Recorder(kernel))
+    try:
+        yield launches
+    finally:
+        for name, kernel in originals.items():
+            setattr(triton_fused_ops, name, kernel)
+
+
+def test_engine_on_the_cuda_path_compiles_nothing_after_warm_up(make_engine):
+    """An engine whose model runs the fused kernels (as on CUDA) generates the torch
+    backend's greedy tokens, and after `ModelRunner.warm_up` a generation that mixes
+    decodes, chunked prefill ending mid-block and a prefix hit launches no variant of them
+    the warm-up did not compile (a pause of a second or more each on a GPU)."""
+    from benchmarks.device_check import variant_key
+
+    shared = list(range(3, 23))
+    prompts = [shared + [40, 41, 42], list(range(100, 131)), shared + [50, 51]]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    settings = dict(max_num_batched_tokens=24, num_blocks=32, fused_ops=False)
+    expected = make_engine(attention_backend="torch", **settings).generate(prompts, params)
+    engine = make_engine(attention_backend="triton", max_model_len=160, **settings)
+    assert use_triton_ops(engine.runner.model, engine.runner.attention)
+    with recorded_fused_launches() as launches:
+        engine.runner.warm_up()
+        warmed = {variant_key(*launch) for launch in launches}
+        launches.clear()
+        outputs = engine.generate(prompts, params)
+        seen = {variant_key(*launch) for launch in launches}
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    assert engine.stats().prefix_cache_hit_tokens > 0
+    assert {variant[0] for variant in seen} == {
+        "_add_rms_norm_kernel", "_rope_and_store_kernel", "_act_and_mul_kernel"}
+    assert seen <= warmed, seen - warmed
