@@ -37,7 +37,8 @@ def tiny_model(architecture: str, num_layers: int = 2) -> LlamaForCausalLM:
     config = ModelConfig.from_hf({
         "model_type": architecture, "vocab_size": 256, "hidden_size": 96,
         "intermediate_size": 160, "num_hidden_layers": num_layers, "num_attention_heads": 6,
-        "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True})
+        "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True,
+        "sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"]})
     model = LlamaForCausalLM.empty(config, torch.bfloat16, "cpu")
     generator = torch.Generator().manual_seed(0)
     for param in model.parameters():
@@ -73,9 +74,10 @@ def count_decode_step(model: LlamaForCausalLM, monkeypatch) -> KernelCounter:
     return counter
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "gemma3_text"])
 def test_a_decode_step_on_the_cuda_path_is_a_few_kernels_a_layer(architecture, monkeypatch):
-    """llama: the default model's kind; qwen2 adds the QKV bias, qwen3 the q/k norms."""
+    """llama: the default model's kind; qwen2 adds the QKV bias, qwen3 the q/k norms,
+    Gemma 3 its norms after attention and the MLP and a sliding window."""
     model = tiny_model(architecture)
     assert use_triton_ops(model, TritonAttention(6, 2, 16, 0.25))
     counter = count_decode_step(model, monkeypatch)

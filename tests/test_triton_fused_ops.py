@@ -66,6 +66,28 @@ def test_add_rms_norm_matches_torch(dtype, hidden, unit_offset):
     assert norm(residual[:0]).shape == (0, hidden)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [False, True], ids=["llama", "gemma"])
+def test_norm_add_norm_matches_torch(dtype, unit_offset):
+    """Gemma's norm after attention, residual add and norm before the MLP as one kernel."""
+    hidden = 80
+    generator = torch.Generator().manual_seed(3)
+    post, pre = (RMSNorm(hidden, eps, unit_offset).to(dtype).to(DEVICE) for eps in (1e-6, 1e-5))
+    post.weight.data, pre.weight.data = (random_weight(hidden, dtype, seed) for seed in (1, 2))
+    delta = poisoned((5, hidden), dtype, generator)
+    residual = poisoned((5, hidden), dtype, generator)
+    expected, expected_sum = pre.add_normed(post, delta, residual)
+
+    post.triton_ops = pre.triton_ops = triton_fused_ops
+    ours, returned = pre.add_normed(post, delta, residual)
+    assert returned is residual
+    # The sum adds the normed delta after its two roundings (values up to ~4 in bf16: two
+    # ulps are 1/32 where the sum cancels them to a small number).
+    tolerance = TOLERANCE[dtype] | ({"atol": 4e-2} if dtype == torch.bfloat16 else {})
+    torch.testing.assert_close(residual, expected_sum, **tolerance)
+    torch.testing.assert_close(ours, expected, **TOLERANCE[dtype])
+
+
 def rope_reference(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
                    norms: tuple[RMSNorm, RMSNorm] | None

@@ -75,6 +75,18 @@ class RMSNorm(nn.Module):
             return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
 
+    def add_normed(self, delta_norm: "RMSNorm", delta: torch.Tensor, residual: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + delta_norm(delta)), residual + delta_norm(delta)): Gemma's norm
+        after a block, residual add and norm before the next; one kernel with `triton_ops`
+        (the sum written into `residual` in place)."""
+        if self.triton_ops is not None:
+            return self.triton_ops.add_rms_norm(delta, residual, self.weight, self.eps,
+                                                self.unit_offset,
+                                                (delta_norm.weight, delta_norm.eps)), residual
+        residual = residual + delta_norm(delta)
+        return self(residual), residual
+
 
 def rope_inverse_frequencies(head_dim: int, theta: float,
                              scaling: dict | None) -> torch.Tensor:
@@ -218,9 +230,9 @@ class GemmaDecoderLayer(DecoderLayer):
                 attention: AttentionBackend) -> tuple[torch.Tensor, None]:
         attended = self.self_attn(self.input_layernorm(x), cos, sin, key_cache, value_cache,
                                   meta, attention)
-        x = x + self.post_attention_layernorm(attended)
-        mlp = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        return x + mlp, None
+        normed, x = self.pre_feedforward_layernorm.add_normed(self.post_attention_layernorm,
+                                                              attended, x)
+        return x + self.post_feedforward_layernorm(self.mlp(normed)), None
 
 
 class LlamaForCausalLM(nn.Module):

@@ -27,30 +27,40 @@ _ACTIVATION_BLOCK = 1024
 
 
 @triton.jit
-def _add_rms_norm_kernel(
-    delta_ptr, residual_ptr, weight_ptr, out_ptr, eps,
-    stride_delta, stride_residual, stride_out,
-    HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr, HAS_DELTA: tl.constexpr,
-    UNIT_OFFSET: tl.constexpr,
-):
-    """One program per row: residual += delta (rounded, stored) unless HAS_DELTA is off,
-    then out = RMSNorm(residual) * weight (Llama) or * (1 + weight) (Gemma)."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, HIDDEN_PAD)
-    valid = cols < HIDDEN
-    x = tl.load(residual_ptr + row * stride_residual + cols, mask=valid, other=0.0)
-    if HAS_DELTA:
-        delta = tl.load(delta_ptr + row * stride_delta + cols, mask=valid, other=0.0)
-        x = (x.to(tl.float32) + delta.to(tl.float32)).to(residual_ptr.dtype.element_ty)
-        tl.store(residual_ptr + row * stride_residual + cols, x, mask=valid)
-    x = x.to(tl.float32)
+def _rms_norm(x, weight_ptr, cols, valid, eps, dtype, HIDDEN: tl.constexpr,
+              UNIT_OFFSET: tl.constexpr):
+    """RMSNorm(x) * weight (Llama) or * (1 + weight) (Gemma) of fp32 `x`, in `dtype`."""
     normed = x * tl.rsqrt(tl.sum(x * x, axis=0) / HIDDEN + eps)
     weight = tl.load(weight_ptr + cols, mask=valid, other=0.0).to(tl.float32)
     if UNIT_OFFSET:
-        out = normed * (1.0 + weight)
-    else:
-        out = normed.to(out_ptr.dtype.element_ty).to(tl.float32) * weight
-    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=valid)
+        return (normed * (1.0 + weight)).to(dtype)
+    return (normed.to(dtype).to(tl.float32) * weight).to(dtype)
+
+
+@triton.jit
+def _add_rms_norm_kernel(
+    delta_ptr, residual_ptr, weight_ptr, delta_weight_ptr, out_ptr, eps, delta_eps,
+    stride_delta, stride_residual, stride_out,
+    HIDDEN: tl.constexpr, HIDDEN_PAD: tl.constexpr, HAS_DELTA: tl.constexpr,
+    DELTA_NORM: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+):
+    """One program per row: residual += delta (RMSNormed by the delta weights first if
+    DELTA_NORM; the sum rounded and stored) unless HAS_DELTA is off, then
+    out = RMSNorm(residual) * weight (Llama) or * (1 + weight) (Gemma, both norms)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, HIDDEN_PAD)
+    valid = cols < HIDDEN
+    dtype = residual_ptr.dtype.element_ty
+    x = tl.load(residual_ptr + row * stride_residual + cols, mask=valid, other=0.0)
+    if HAS_DELTA:
+        delta = tl.load(delta_ptr + row * stride_delta + cols, mask=valid, other=0.0)
+        if DELTA_NORM:
+            delta = _rms_norm(delta.to(tl.float32), delta_weight_ptr, cols, valid, delta_eps,
+                              dtype, HIDDEN, UNIT_OFFSET)
+        x = (x.to(tl.float32) + delta.to(tl.float32)).to(dtype)
+        tl.store(residual_ptr + row * stride_residual + cols, x, mask=valid)
+    out = _rms_norm(x.to(tl.float32), weight_ptr, cols, valid, eps, dtype, HIDDEN, UNIT_OFFSET)
+    tl.store(out_ptr + row * stride_out + cols, out, mask=valid)
 
 
 @triton.jit
@@ -166,20 +176,25 @@ def _row_warps(width: int) -> int:
 
 
 def add_rms_norm(delta: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float, unit_offset: bool = False) -> torch.Tensor:
+                 eps: float, unit_offset: bool = False,
+                 delta_norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """residual += delta in place (unless None), then RMSNorm(residual) times `weight`
-    (times 1 + weight with `unit_offset`, Gemma's); rows [rows, hidden], unit column stride."""
+    (times 1 + weight with `unit_offset`, Gemma's); rows [rows, hidden], unit column stride.
+    `delta_norm` (weight, eps): the delta is RMSNormed with them first (Gemma's norm after
+    attention, then the residual add and the norm before the MLP, in one kernel)."""
     rows, hidden = residual.shape
     out = torch.empty((rows, hidden), dtype=residual.dtype, device=residual.device)
     if rows == 0:
         return out
     assert residual.stride(1) == 1 and (delta is None or delta.stride(1) == 1)
     has_delta = delta is not None
+    delta_weight, delta_eps = delta_norm if delta_norm is not None else (weight, eps)
     _add_rms_norm_kernel[(rows,)](
-        delta if has_delta else residual, residual, weight, out, eps,
+        delta if has_delta else residual, residual, weight, delta_weight, out, eps, delta_eps,
         delta.stride(0) if has_delta else 0, residual.stride(0), out.stride(0),
         HIDDEN=hidden, HIDDEN_PAD=triton.next_power_of_2(hidden), HAS_DELTA=has_delta,
-        UNIT_OFFSET=unit_offset, num_warps=_row_warps(hidden))
+        DELTA_NORM=delta_norm is not None, UNIT_OFFSET=unit_offset,
+        num_warps=_row_warps(hidden))
     return out
 
 
