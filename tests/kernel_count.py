@@ -1,7 +1,7 @@
 """Count the kernels code launches: the aten ops that do work (seen by a TorchDispatchMode)
 and every Triton launch (seen at the launcher all of them go through, compiled or under
-TRITON_INTERPRET). Views and bare allocations launch nothing and are not counted (an op
-that may return a view counts when it copied); neither are the aten ops the interpreter
+TRITON_INTERPRET). Views, bare allocations and metadata changes launch nothing and are not
+counted (an op that may return a view counts when it copied); neither are the aten ops the interpreter
 itself runs inside a Triton launch (its copies in and out).
 
 `region` names what the kernels are counted for (a model's layer, "step"), so one run can
@@ -18,9 +18,11 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
-                torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
-                torch.ops.aten.new_empty_strided.default, torch.ops.aten.lift_fresh.default}
+# Allocations and changes of a tensor's metadata alone.
+_NO_KERNEL = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_strided.default,
+              torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+              torch.ops.aten.new_empty_strided.default, torch.ops.aten.lift_fresh.default,
+              torch.ops.aten.detach_.default}
 
 
 def _aliases(out: Any, args: tuple) -> bool:
@@ -44,7 +46,7 @@ class KernelCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
                            kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if not self._in_triton and func not in _ALLOCATIONS and not (
+        if not self._in_triton and func not in _NO_KERNEL and not (
                 func.is_view and _aliases(out, args)):
             self.kernels.append((self.region, str(func.overloadpacket).removeprefix("aten.")))
         return out
