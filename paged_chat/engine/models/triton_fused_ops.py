@@ -1,11 +1,12 @@
 """The decoder's pointwise work on the CUDA path as one Triton kernel each: residual add +
 RMSNorm, RoPE (after the q/k norm where the model has one) fused with the K/V store into
 the paged cache, and the gated activation (SiLU or GELU-tanh, times the up projection).
+Gemma 3's norm after attention, residual add and norm before the MLP are one kernel too.
 
 Numerics follow the torch ops in llama.py, rounding where they round: the sum of the
 residual add, the normalised rows before Llama's weight, each product of the rotation and
 the activation before its multiply are rounded to the model's dtype, everything else is
-fp32. The decode step these make is what `tests/kernel_count.py` counts.
+fp32.
 
 Each kernel takes its sizes from the model (constexprs: one compiled variant per model)
 and its row count from the grid, so a step's batch never compiles another variant.
