@@ -311,3 +311,50 @@ def test_kernels_compile_without_spills(tmp_path):
         (arch, kernel) for arch in (80, 89, 90)
         for kernel in ("_add_rms_norm_kernel", "_rope_and_store_kernel", "_act_and_mul_kernel")}
     assert all(c["spill_bytes"] == 0 for c in compiled)
+
+
+def test_a_padded_decode_step_as_a_cuda_graph_replays_it(tmp_path, monkeypatch):
+    """The CUDA path on a decode step laid out as a captured graph replays it (batch padded
+    with dummy decodes at slot -1, fixed-width tables, splits planned for the longest
+    context): the padding stores nothing and the real rows get the unpadded step's logits."""
+    from paged_chat.engine.attention import triton_backend
+    from paged_chat.engine.attention import triton_paged_attention as triton_kernels
+
+    monkeypatch.setattr(triton_backend, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(triton_kernels, "MIN_KEYS_PER_SPLIT", 16)
+    build_tiny_model("llama", tmp_path, head_dim=16, num_heads=6, num_kv_heads=2)
+    model = load_decoder(tmp_path).to(DEVICE)
+    config = model.config
+    attention = TritonAttention(config.num_heads, config.num_kv_heads, config.head_dim,
+                                config.attention_scale)
+    assert use_triton_ops(model, attention)
+    block_size, tables = 8, [[3, 1, 6], [2, 5]]
+    cache = torch.zeros(config.num_layers, 2, *attention.kv_cache_shape(8, block_size),
+                        device=DEVICE)
+    prompts = [list(range(3, 22)), list(range(40, 53))]
+    with torch.inference_mode():
+        prefill = AttentionMetadata.build([19, 13], [19, 13], tables, block_size, DEVICE)
+        model(torch.tensor(sum(prompts, [])).to(DEVICE), prefill.positions, cache, prefill,
+              attention, torch.tensor([18, 31]).to(DEVICE))
+        steps = {}
+        for padded in (False, True):
+            step_cache = cache.clone()
+            layout = dict(table_width=6, pad_to=4) if padded else {}
+            meta = AttentionMetadata.build([1, 1], [20, 14], tables, block_size, DEVICE, **layout)
+            if padded:
+                attention.plan_graph(meta, step_cache, longest=48)
+            rows = meta.num_seqs
+            input_ids = torch.tensor([7, 9] + [0] * (rows - 2)).to(DEVICE)
+            logits = model(input_ids, meta.positions, step_cache, meta, attention,
+                           torch.arange(rows).to(DEVICE))
+            steps[padded] = (logits[:2], step_cache)
+    assert [launch.num_splits for launch in meta.per_step["triton_launches"]] == [2]
+    torch.testing.assert_close(steps[True][0], steps[False][0], atol=1e-5, rtol=1e-5)
+    # Each layer's matmuls over 4 rows may round differently from over 2: close, not equal.
+    torch.testing.assert_close(steps[True][1], steps[False][1], atol=1e-5, rtol=1e-5)
+    written = torch.zeros(cache.shape[:-1], dtype=torch.bool, device=DEVICE)
+    for table, position in zip(tables, (19, 13)):
+        written[..., table[position // block_size], position % block_size] = True
+    for _, step_cache in steps.values():
+        assert torch.equal(step_cache[~written], cache[~written]), "stored outside its slots"
+        assert not torch.equal(step_cache[written], cache[written]), "stored nothing"
