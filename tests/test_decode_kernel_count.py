@@ -1,6 +1,6 @@
 """How many kernels one decode step of the decoder launches on the path CUDA takes (the
-Triton kernels of models/triton_fused_ops.py and Triton attention), counted under the
-interpreter (tests/kernel_count.py): launches cost ~5-8 us each on a GPU, so a step of
+Triton kernels of models/triton_fused_ops.py and Triton attention), counted on a GPU or,
+without one, under the interpreter (tests/kernel_count.py): launches cost ~5-8 us each on a GPU, so a step of
 small kernels is bound by their number, not by the bytes it reads.
 
 Splits are planned as for a 132-SM GPU from 16 keys on, so the decode attention splits and
@@ -22,6 +22,7 @@ from paged_chat.engine.models.llama import LlamaForCausalLM  # noqa: E402
 from paged_chat.engine.models.model_config import ModelConfig  # noqa: E402
 from paged_chat.engine.worker.model_loading import use_triton_ops  # noqa: E402
 from tests.kernel_count import KernelCounter, count_by_layer  # noqa: E402
+from tests.test_triton_kernels import DEVICE  # noqa: E402
 
 MAX_KERNELS_PER_LAYER = 12
 # Embedding, the final norm and the LM head; the sampler's share of the step's 30 is the
@@ -39,10 +40,10 @@ def tiny_model(architecture: str, num_layers: int = 2) -> LlamaForCausalLM:
         "intermediate_size": 160, "num_hidden_layers": num_layers, "num_attention_heads": 6,
         "num_key_value_heads": 2, "head_dim": 16, "tie_word_embeddings": True,
         "sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"]})
-    model = LlamaForCausalLM.empty(config, torch.bfloat16, "cpu")
+    model = LlamaForCausalLM.empty(config, torch.bfloat16, DEVICE)
     generator = torch.Generator().manual_seed(0)
     for param in model.parameters():
-        param.data.copy_(0.1 * torch.randn(param.shape, generator=generator))
+        param.data.copy_(0.1 * torch.randn(param.shape, generator=generator).to(DEVICE))
     model.build_rope_tables(256)
     return model
 
@@ -57,16 +58,15 @@ def count_decode_step(model: LlamaForCausalLM, monkeypatch) -> KernelCounter:
                                 config.attention_scale)
     num_blocks = 1 + sum(-(-length // BLOCK_SIZE) for length in SEQ_LENS)
     cache = torch.zeros(config.num_layers, 2, *attention.kv_cache_shape(num_blocks, BLOCK_SIZE),
-                        dtype=torch.bfloat16)
+                        dtype=torch.bfloat16, device=DEVICE)
     tables, first = [], 1
     for length in SEQ_LENS:
         count = -(-length // BLOCK_SIZE)
         tables.append(list(range(first, first + count)) + [0] * (3 - count))
         first += count
-    meta = AttentionMetadata.build([1] * len(SEQ_LENS), SEQ_LENS, tables, BLOCK_SIZE,
-                                   torch.device("cpu"))
-    input_ids = torch.tensor([5, 6, 7])
-    logits_indices = torch.arange(len(SEQ_LENS))
+    meta = AttentionMetadata.build([1] * len(SEQ_LENS), SEQ_LENS, tables, BLOCK_SIZE, DEVICE)
+    input_ids = torch.tensor([5, 6, 7], device=DEVICE)
+    logits_indices = torch.arange(len(SEQ_LENS), device=DEVICE)
     with torch.inference_mode(), KernelCounter() as counter, count_by_layer(model, counter):
         logits = model(input_ids, meta.positions, cache, meta, attention, logits_indices)
     assert logits.shape == (len(SEQ_LENS), config.vocab_size) and logits.isfinite().all()

@@ -17,6 +17,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -160,19 +161,14 @@ def rope_tables(head_dim: int, positions: int, dtype: torch.dtype
     return angles.cos().to(dtype).to(DEVICE), angles.sin().to(dtype).to(DEVICE)
 
 
-class _MLPConfig:
-    def __init__(self, hidden: int, intermediate: int, gemma: bool) -> None:
-        self.hidden_size, self.intermediate_size, self.gemma = hidden, intermediate, gemma
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("size", [40, 1100])  # one column block padded; two, the last ragged
 @pytest.mark.parametrize("gelu", [False, True], ids=["silu", "gelu_tanh"])
 def test_act_and_mul_matches_torch(dtype, size, gelu):
     generator = torch.Generator().manual_seed(size)
-    mlp = MLP(_MLPConfig(8, size, gelu))
-    gate_up = 3 * poisoned((3, 2 * size), dtype, generator)
-    mlp.gate_up_proj = mlp.down_proj = torch.nn.Identity()
+    mlp = MLP(SimpleNamespace(hidden_size=8, intermediate_size=size, gemma=gelu))
+    gate_up = poisoned((3, 2 * size), dtype, generator).mul_(3)  # NaN neighbours kept
+    mlp.gate_up_proj = mlp.down_proj = torch.nn.Identity()  # the activation alone
     expected = mlp(gate_up)
     mlp.triton_ops = triton_fused_ops
     torch.testing.assert_close(mlp(gate_up), expected, **TOLERANCE[dtype])
