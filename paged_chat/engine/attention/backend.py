@@ -17,9 +17,11 @@ from paged_chat.engine.attention.metadata import AttentionMetadata
 class AttentionBackend:
     """Stores a step's K/V by slot mapping, then attends. `scale` is 1/sqrt(head_dim)
     unless the model says otherwise. `compiles_kernels`: its kernels compile on first use
-    (the engine warms such a backend up before it serves)."""
+    (the engine warms such a backend up before it serves). `attends_stored_kv`: it has
+    `attend`, attention over K/V the model already stored (Triton's)."""
 
     compiles_kernels = False
+    attends_stored_kv = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"

@@ -115,6 +115,7 @@ class TritonAttention(AttentionBackend):
     """Paged attention on Triton kernels, with the torch backend's cache layout and call."""
 
     compiles_kernels = True
+    attends_stored_kv = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
@@ -130,7 +131,13 @@ class TritonAttention(AttentionBackend):
                  key_cache: torch.Tensor, value_cache: torch.Tensor,
                  meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
         store_kv(key, value, key_cache, value_cache, meta.slot_mapping)
-        output = torch.empty_like(query)
+        return self.attend(query, key_cache, value_cache, meta, sliding_window)
+
+    def attend(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
+        """Attention alone, the step's K/V already in their slots (stored by the model's
+        fused RoPE-and-store kernel): `query` [T, heads, dim] (any strides) -> [T, heads, dim]."""
+        output = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         for launch in self._launches(meta, key_cache):
             paged_attention(query, key_cache, value_cache, output, meta, launch.seqs, self.scale,
                             block_q=launch.block_q, tile_n=launch.tiles.tile_n,

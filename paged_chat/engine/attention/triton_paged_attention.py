@@ -58,7 +58,7 @@ MIN_KEYS_PER_SPLIT = 256
 
 
 @triton.jit
-def _cache_offsets(block, row, head, dim, stride_cb, stride_cs, stride_ch, stride_cd):
+def cache_offsets(block, row, head, dim, stride_cb, stride_cs, stride_ch, stride_cd):
     """Element offsets into a cache, in int64: a pool holds more than 2**31 elements, so
     `block * stride_cb` (and a head's stride in a head-major cache) overflow int32."""
     return (block.to(tl.int64) * stride_cb + row.to(tl.int64) * stride_cs
@@ -82,7 +82,7 @@ def _store_kv_kernel(
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, HEAD_DIM_PAD)[None, :]
     mask = (heads < num_kv_heads) & (dims < head_dim)
-    dst = _cache_offsets(slot // BLOCK_SIZE, slot % BLOCK_SIZE, heads, dims,
+    dst = cache_offsets(slot // BLOCK_SIZE, slot % BLOCK_SIZE, heads, dims,
                          stride_cb, stride_cs, stride_ch, stride_cd)
     key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims * stride_kd, mask=mask)
     tl.store(key_cache_ptr + dst, key.to(key_cache_ptr.dtype.element_ty), mask=mask)
@@ -163,7 +163,7 @@ def _paged_attention_kernel(
         keys = tile * TILE_N + tl.arange(0, TILE_N)
         key_valid = keys < kv_len
         block = tl.load(table + keys // BLOCK_SIZE, mask=key_valid, other=0)
-        kv_offset = _cache_offsets(block, keys % BLOCK_SIZE, kv_head, 0,
+        kv_offset = cache_offsets(block, keys % BLOCK_SIZE, kv_head, 0,
                                    stride_cb, stride_cs, stride_ch, stride_cd)
         k = tl.load(key_cache_ptr + kv_offset[None, :] + dims[:, None] * stride_cd,
                     mask=dim_valid[:, None] & key_valid[None, :], other=0.0)   # [dim, keys]
@@ -229,7 +229,7 @@ def _merge_splits_kernel(
              out.to(output_ptr.dtype.element_ty), mask=dim_valid)
 
 
-def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int, int]:
+def cache_strides(cache: torch.Tensor) -> tuple[int, int, int, int]:
     """A [kv_heads, blocks, block_size, head_dim] cache's strides as the kernels take them."""
     heads, block, row, dim = cache.stride()
     return block, row, heads, dim
@@ -244,7 +244,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
     assert key_cache.stride() == value_cache.stride(), "K and V caches must share a layout"
     _store_kv_kernel[(num_tokens,)](
         key, value, key_cache, value_cache, slot_mapping,
-        *key.stride(), *value.stride(), *_cache_strides(key_cache),
+        *key.stride(), *value.stride(), *cache_strides(key_cache),
         num_kv_heads, head_dim,
         BLOCK_SIZE=key_cache.shape[2], HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim))
@@ -322,7 +322,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         meta.block_tables, meta.seq_lens, meta.query_start_loc,
         seqs.start, first_token, num_heads, scale * math.log2(math.e), num_splits,
         sliding_window or 0,
-        *query.stride(), *_cache_strides(key_cache), *output.stride(),
+        *query.stride(), *cache_strides(key_cache), *output.stride(),
         meta.block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=key_cache.shape[2], BLOCK_Q=block_q, TILE_N=tile_n, DOT_FP32=dot_fp32,

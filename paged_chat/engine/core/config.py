@@ -44,9 +44,11 @@ class EngineConfig:
     (os.cpu_count()); None or "auto" starts from the cores this process may use and adapts
     when other processes compete for them (engine/worker/threads.py).
 
-    `fused_ops` runs the decoder's pointwise work on the CPU in float32 as fused C kernels
-    (residual add + RMSNorm, RoPE in place, SiLU-and-mul: engine/models/fused_ops.py)
-    where a C compiler builds them; False keeps the torch ops (the reference).
+    `fused_ops` runs the decoder's pointwise work as fused kernels: on the CPU in float32 as
+    C kernels (residual add + RMSNorm, RoPE in place, SiLU-and-mul: engine/models/fused_ops.py)
+    where a C compiler builds them; on CUDA with the Triton backend as Triton kernels (the
+    same, RoPE with the K/V store: engine/models/triton_fused_ops.py). False keeps the torch
+    ops (the reference).
 
     `enforce_eager=False` captures CUDA graphs of decode steps (per batch-size bucket, Triton
     backend on CUDA only). It stays True by default until the capture path has run on a GPU.

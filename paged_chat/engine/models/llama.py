@@ -18,6 +18,7 @@ too, GELU-tanh, and its sliding-window layers with their own RoPE base.
 from __future__ import annotations
 
 import math
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +40,8 @@ _LOGITS_SLICE = 1024  # vocabulary rows per output-projection matmul on the CPU
 
 class RMSNorm(nn.Module):
     """Llama's `weight * norm(x).to(dtype)`, or Gemma's `(norm(x) * (1 + weight)).to(dtype)`.
-    `fused`: one C call (fused_ops.py) instead of the torch ops."""
+    `fused`: one C call (fused_ops.py) instead of the torch ops; `triton_ops`: one Triton
+    kernel (triton_fused_ops.py, the CUDA path)."""
 
     def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
@@ -47,11 +49,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.unit_offset = unit_offset
         self.fused = False
+        self.triton_ops: ModuleType | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x); with `residual`, (norm(x + residual), x + residual): the sum is the new
         residual stream (fused, written into `residual` in place)."""
+        if self.triton_ops is not None:
+            if residual is None:
+                return self.triton_ops.add_rms_norm(None, x, self.weight, self.eps,
+                                                    self.unit_offset)
+            return self.triton_ops.add_rms_norm(x, residual, self.weight, self.eps,
+                                                self.unit_offset), residual
         if self.fused:
             if residual is None:
                 return fused_ops.add_rms_norm(None, x, self.weight, self.eps)
@@ -65,6 +74,18 @@ class RMSNorm(nn.Module):
         if self.unit_offset:
             return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
+
+    def add_normed(self, delta_norm: "RMSNorm", delta: torch.Tensor, residual: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + delta_norm(delta)), residual + delta_norm(delta)): Gemma's norm
+        after a block, residual add and norm before the next; one kernel with `triton_ops`
+        (the sum written into `residual` in place)."""
+        if self.triton_ops is not None:
+            return self.triton_ops.add_rms_norm(delta, residual, self.weight, self.eps,
+                                                self.unit_offset,
+                                                (delta_norm.weight, delta_norm.eps)), residual
+        residual = residual + delta_norm(delta)
+        return self(residual), residual
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float,
@@ -113,12 +134,26 @@ class Attention(nn.Module):
         self.q_norm = norm() if config.qk_norm else None
         self.k_norm = norm() if config.qk_norm else None
         self.fused_rope = False  # RoPE in place in the QKV output, one C call (fused_ops.py)
+        # The q/k norm, RoPE and the K/V store as one Triton kernel (triton_fused_ops.py),
+        # attention by the backend's `attend`: the CUDA path.
+        self.triton_ops: ModuleType | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata,
                 attention: AttentionBackend) -> torch.Tensor:
+        """cos/sin: each token's rows [T, 1, head_dim]; with `triton_ops`, the whole tables
+        [positions, head_dim], which the kernel reads at `meta.positions`."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
+        if self.triton_ops is not None:
+            qk_norm = None if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight)
+            eps = 0.0 if self.q_norm is None else self.q_norm.eps
+            query = self.triton_ops.rope_and_store(
+                qkv, meta.positions, cos, sin, key_cache, value_cache, meta.slot_mapping,
+                self.num_heads, self.num_kv_heads, self.head_dim, qk_norm, eps,
+                self.q_norm is not None and self.q_norm.unit_offset)
+            out = attention.attend(query, key_cache, value_cache, meta, sliding_window=self.window)
+            return self.o_proj(out.reshape(num_tokens, -1))
         if self.fused_rope:
             fused_ops.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin)
         q, k, v = qkv.split(self.split_sizes, dim=-1)
@@ -141,8 +176,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
         self.gelu = config.gemma
         self.fused = False  # SiLU-and-mul in one C call (fused_ops.py)
+        self.triton_ops: ModuleType | None = None  # the activation in one Triton kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.triton_ops is not None:
+            return self.down_proj(self.triton_ops.act_and_mul(self.gate_up_proj(x), self.gelu))
         if self.fused:
             return self.down_proj(fused_ops.silu_and_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -192,9 +230,9 @@ class GemmaDecoderLayer(DecoderLayer):
                 attention: AttentionBackend) -> tuple[torch.Tensor, None]:
         attended = self.self_attn(self.input_layernorm(x), cos, sin, key_cache, value_cache,
                                   meta, attention)
-        x = x + self.post_attention_layernorm(attended)
-        mlp = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        return x + mlp, None
+        normed, x = self.pre_feedforward_layernorm.add_normed(self.post_attention_layernorm,
+                                                              attended, x)
+        return x + self.post_feedforward_layernorm(self.mlp(normed)), None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -222,6 +260,8 @@ class LlamaForCausalLM(nn.Module):
                            "mlp.gate_up_proj": (config.intermediate_size,) * 2}
         # Each layer's step as one C call, where the worker's fused ops find it exact.
         self.fused_decode: FusedDecode | None = None
+        # The CUDA path's Triton kernels (triton_fused_ops.py), set with every module's.
+        self.triton_ops: ModuleType | None = None
 
     @classmethod
     def empty(cls, config: ModelConfig, dtype: torch.dtype,
@@ -347,12 +387,19 @@ class LlamaForCausalLM(nn.Module):
                 kv_cache: torch.Tensor, meta: AttentionMetadata, attention: AttentionBackend,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; kv_cache: [layers, 2, ...] in the attention
-        backend's layout; returns fp32 logits [len(logits_indices), vocab]."""
-        rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
-        local = rope
-        if self.config.local_rope_theta is not None:
-            local = (self.local_rope_cos[positions].unsqueeze(1),
-                     self.local_rope_sin[positions].unsqueeze(1))
+        backend's layout; returns fp32 logits [len(logits_indices), vocab]. With
+        `triton_ops`, the kernel that applies RoPE reads the positions at `meta.positions`."""
+        if self.triton_ops is not None:
+            rope = (self.rope_cos, self.rope_sin)
+            local = rope
+            if self.config.local_rope_theta is not None:
+                local = (self.local_rope_cos, self.local_rope_sin)
+        else:
+            rope = (self.rope_cos[positions].unsqueeze(1), self.rope_sin[positions].unsqueeze(1))
+            local = rope
+            if self.config.local_rope_theta is not None:
+                local = (self.local_rope_cos[positions].unsqueeze(1),
+                         self.local_rope_sin[positions].unsqueeze(1))
         x, residual = self.embed_tokens(input_ids), None
         if self.config.gemma:
             x = x * self.embed_scale
@@ -363,14 +410,20 @@ class LlamaForCausalLM(nn.Module):
                 cos, sin = local if layer.local_rope else rope
                 x, residual = layer(x, residual, cos, sin, layer_cache[0], layer_cache[1],
                                     meta, attention)
-        x = x[logits_indices] if residual is None else x[logits_indices] + residual[logits_indices]
-        return self._logits(self.norm(x)).float()
+        if residual is None:
+            x = self.norm(x[logits_indices])
+        elif self.triton_ops is not None:
+            x, _ = self.norm(x[logits_indices], residual[logits_indices])
+        else:
+            x = self.norm(x[logits_indices] + residual[logits_indices])
+        return self._logits(x).float()
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         if isinstance(self.lm_head, (PackedLinear, QuantizedLinear)):
             return self.lm_head(x)  # oneDNN does best with the whole vocabulary in one call
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if x.device.type == "cpu":
+        # The Triton path is the GPU's, under the interpreter (CPU tensors) too.
+        if x.device.type == "cpu" and self.triton_ops is None:
             # A few rows against the whole vocabulary at once is a poor shape for MKL's GEMM
             # (~30% slower than in slices, whose outputs stay in cache); each logit is the
             # same dot product either way, so the logits are bit-identical.

@@ -1,6 +1,6 @@
 """The runner's model: its weights read from a ModelSource onto the device, described while
-they are still plain tensors (LoadedModel), and, on the CPU, packed for oneDNN and switched
-to the fused C ops where they apply (`EngineConfig.fused_ops`)."""
+they are still plain tensors (LoadedModel); on the CPU packed for oneDNN and switched to the
+fused C ops where they apply, on CUDA to the Triton ones (`EngineConfig.fused_ops`)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
+from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.core.config import EngineConfig
 from paged_chat.engine.core.errors import out_of_memory
 from paged_chat.engine.kv.tier import model_fingerprint
 from paged_chat.engine.models import fused_ops
 from paged_chat.engine.models.fused_decode import FusedDecode
-from paged_chat.engine.models.llama import LlamaForCausalLM
+from paged_chat.engine.models.llama import MLP, Attention, LlamaForCausalLM, RMSNorm
 from paged_chat.engine.models.loader import ModelSource, ProgressHook, load_model
 from paged_chat.engine.models.packed_linear import pack_for_cpu
 
@@ -50,6 +51,24 @@ def prepare_for_cpu(model: LlamaForCausalLM, fused: bool) -> None:
     pack_for_cpu(model)
     if fused:
         use_fused_ops(model)
+
+
+def use_triton_ops(model: LlamaForCausalLM, attention: AttentionBackend) -> bool:
+    """Run the pointwise work as one Triton kernel each (triton_fused_ops.py): residual
+    add + RMSNorm, the q/k norm and RoPE with the K/V store, the gated activation. They
+    apply with an attention backend that attends K/V already stored (Triton's, the CUDA
+    path; CPU tensors under TRITON_INTERPRET). Returns whether they are on."""
+    if not attention.attends_stored_kv:
+        return False
+    # Imported here: triton is an optional extra, and TRITON_INTERPRET is read when the
+    # kernels are defined (see attention/selector.py).
+    from paged_chat.engine.models import triton_fused_ops
+
+    model.triton_ops = triton_fused_ops
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, Attention, MLP)):
+            module.triton_ops = triton_fused_ops
+    return True
 
 
 def use_fused_ops(model: LlamaForCausalLM) -> bool:

@@ -49,7 +49,12 @@ from paged_chat.engine.kv.pool_sizing import (
 )
 from paged_chat.engine.models.loader import ModelSource, ProgressHook
 from paged_chat.engine.native.build import use_cache_dir
-from paged_chat.engine.worker.model_loading import LoadedModel, load_weights, prepare_for_cpu
+from paged_chat.engine.worker.model_loading import (
+    LoadedModel,
+    load_weights,
+    prepare_for_cpu,
+    use_triton_ops,
+)
 from paged_chat.engine.worker.sampler import SamplingBatch, sample
 from paged_chat.engine.worker.structured_output import fill_token_bitmask
 
@@ -92,6 +97,8 @@ class ModelRunner:
             config.attention_backend, num_heads=model_config.num_heads,
             num_kv_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
             scale=model_config.attention_scale, device=device, dtype=dtype)
+        if device.type == "cuda" and config.fused_ops:
+            use_triton_ops(model, self.attention)
         self.device = device
         self.max_num_batched_tokens = config.max_num_batched_tokens
         spec = KVCacheSpec(model_config.num_layers, self.block_size, self.attention, dtype, device)
