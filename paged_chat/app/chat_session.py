@@ -82,6 +82,8 @@ class Turn:
     first_token_at: float | None = None
     finished_at: float | None = None
     withdrawn: bool = False            # taken back whole: its engine stopped before a word
+    user_message_id: int | None = None   # the turn's rows in the chat store (None: not there;
+    reply_message_id: int | None = None  # a regenerate has no user row of its own)
 
     def add(self, output: RequestOutput, now: float) -> None:
         if output.new_token_ids and self.first_token_at is None:
@@ -294,19 +296,19 @@ class ChatSession:
         versions = self.chat.branches.get(message_id) if self.chat is not None else None
         return None if not versions else (versions.index(message_id) + 1, len(versions))
 
-    def switch_branch(self, message_id: int, step: int) -> bool:
+    def switch_branch(self, message_id: int, step: int) -> int | None:
         """Go to the version `step` places after message `message_id` (-1: the one before)
-        and the branch below it; the store's branch last used becomes that one. False when
-        there is none that far."""
+        and the branch below it; the store's branch last used becomes that one. The id of
+        that version; None when there is none that far."""
         assert self.chat is not None and not self.streaming
         versions = self.chat.branches.get(message_id, [message_id])
         target = versions.index(message_id) + step
         if not 0 <= target < len(versions):
-            return False
+            return None
         self.chat = self.store.select_branch(self.chat.id, versions[target])
         self._last_message_id = self.chat.leaf_id or 0
         self.conversation = self._turn_base = self.turn = None
-        return True
+        return versions[target]
 
     def stop(self) -> bool:
         """Stop the streaming reply (its blocks go back to the pool); True if one was."""
@@ -382,7 +384,8 @@ class ChatSession:
             self.on_warning(f"the turn could not be saved ({error}); it goes on unsaved")
             return
         self._chat_in_store = True
-        self._reply_id = reply_id
+        self._reply_id = self.turn.reply_message_id = reply_id
+        self.turn.user_message_id = first_id
         self._rows_before = (before, first_id if first_id is not None else reply_id)
         self._last_message_id = reply_id
 
@@ -397,6 +400,7 @@ class ChatSession:
             self.on_warning(f"the failed turn could not be taken out of the chat ({error})")
             return
         self._last_message_id, self._reply_id = last_message_id, None
+        self.turn.user_message_id = self.turn.reply_message_id = None
 
     def _end_turn(self, base: Conversation, working: Conversation, turn: Turn) -> None:
         refused = turn.finish_reason == "error" and not turn.token_ids
