@@ -81,8 +81,12 @@ async def test_an_edit_of_the_second_of_four_messages_branches_there(engine, tmp
         await press(pilot, "alt+shift+right")
         await wait_until(lambda: asked(tab) == ["first question", "second question, edited"])
         assert titles(tab) == ["you", "you ◀ 2/2 ▶"]
-        # The palette lists the other branch.
-        assert [label for label, *_ in tab.branch_choices()] == ["Branch 1/2 at message 3 (user)"]
+        # The palette lists the other branch, and goes there.
+        commands = {command.title: command for command in app.get_system_commands(app.screen)}
+        assert [title for title in commands if title.startswith("Branch")] == \
+            ["Branch 1/2 at message 3 (user)"]
+        await commands["Branch 1/2 at message 3 (user)"].callback()
+        await wait_until(lambda: asked(tab) == list(QUESTIONS))
 
 
 @pytest.mark.timeout(180)

@@ -371,8 +371,10 @@ class ChatTab(TabPane):
         return choices
 
     async def _show_branch(self, select: int | None = None) -> None:
-        """Mount the session's branch afresh, message `select` selected."""
+        """Mount the session's branch afresh, message `select` selected (an edit under way
+        ends: its message may be gone)."""
         self._select(None)
+        self._stop_editing()
         self._unshown.clear()
         await self.messages.query(".message").remove()
         self._loaded = False
