@@ -55,7 +55,7 @@ def test_an_edit_branches_and_the_old_branch_stays(store):
 
 
 def test_a_new_turn_continues_the_branch_last_used(store):
-    chat, q1, a1, q2, edited = two_branches(store)
+    chat, _, _, q2, _ = two_branches(store)
     old = store.select_branch(chat.id, q2.id)
     store.add_message(chat.id, "user", "q3", [7])
     assert contents(store.get_chat(chat.id)) == ["q1", "a1", "q2", "a2", "q3"]
