@@ -108,10 +108,11 @@ async def test_a_selected_reply_regenerates_as_a_branch_and_esc_gives_up_an_edit
         [reply] = tab.query(AssistantMessage)
         assert asked(tab) == ["first question"] and reply.text != first_reply
         assert str(reply.border_title) == "assistant ◀ 2/2 ▶"
-        await press(pilot, "alt+up", "alt+up", "alt+e")
+        await press(pilot, *"draft", "alt+up", "alt+up", "alt+e")
         await wait_until(lambda: tab.prompt.text == "first question")
-        await press(pilot, "escape")
-        await wait_until(lambda: tab.prompt.text == "" and not tab.prompt.border_title)
+        await press(pilot, "escape")   # the edit given up: the draft is back
+        await wait_until(lambda: tab.prompt.text == "draft" and not tab.prompt.border_title)
+        tab.prompt.clear()
         await type_prompt(pilot, "a plain follow-up")
         await wait_until(lambda: idle(app) and tab.session.turn.user_text == "a plain follow-up",
                          timeout=60)

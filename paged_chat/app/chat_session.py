@@ -17,16 +17,16 @@ the same way. A new turn whose engine stopped before its first token (EngineDead
 engine process died, a step failed) is withdrawn instead: its rows leave the store and
 `turn.withdrawn` tells the front end to give the user's text back, so no empty reply is
 ever kept for a turn that never ran; a regenerate withdrawn so leaves the reply it was to
-replace as it was.
+replace as it was. A store that fails mid-reply (disk full, the chat deleted elsewhere) costs
+one warning: the reply goes on, and is saved when the store takes it again. A chat that
+another writer added to since the session last saw it refuses the new turn
+(ChatMovedOn) rather than interleave two conversations.
 
 Branches. An edit of an earlier user message, or a regenerate of any reply, branches the
 chat there: the new turn's prompt is the stored ids of the branch up to that message plus
 the new turn (so the engine's prefix cache holds all of it), its rows hang under that
 message's parent in the store, and the branch it replaces stays (`switch_branch` goes
-back to it). `chat.messages` is the branch the session is on, with the store's ids. A store that fails mid-reply (disk full, the chat deleted elsewhere) costs
-one warning: the reply goes on, and is saved when the store takes it again. A chat that
-another writer added to since the session last saw it refuses the new turn
-(ChatMovedOn) rather than interleave two conversations.
+back to it). `chat.messages` is the branch the session is on, with the store's ids.
 
 The session knows nothing of widgets or terminals: callers render the deltas it yields
 and read `turn` for the numbers.

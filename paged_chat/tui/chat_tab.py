@@ -91,6 +91,7 @@ class ChatTab(TabPane):
         self._unshown: list[Widget] = []       # a hidden tab's new views, mounted once it is shown
         self._selected: UserMessage | AssistantMessage | None = None   # Alt+Up / Alt+Down's
         self._editing: UserMessage | None = None   # the message Enter sends the prompt in place of
+        self._draft = ""                           # the prompt's text before the edit, for Esc
 
     @property
     def chat_id(self) -> str:
@@ -316,7 +317,8 @@ class ChatTab(TabPane):
 
     def edit_selected(self) -> bool:
         """Put the selected user message's text in the prompt: Enter sends it in the
-        message's place, as a new branch (Esc, `stop`, gives up)."""
+        message's place, as a new branch (Esc, `stop`, gives up and gives the prompt's
+        text before back)."""
         view = self._selected
         if not isinstance(view, UserMessage):
             self.notify("select one of your messages first (Alt+Up)", severity="warning", markup=False)
@@ -325,6 +327,8 @@ class ChatTab(TabPane):
             self.notify("this message is not in the chat store: it cannot be edited",
                         severity="warning", markup=False)
             return False
+        if self._editing is None:
+            self._draft = self.prompt.text
         self._editing = view
         self.prompt.text = view.text
         self.prompt.move_cursor(self.prompt.document.end)
@@ -401,11 +405,11 @@ class ChatTab(TabPane):
 
     def stop(self) -> bool:
         """Stop the streaming reply (its blocks go back to the pool); True if one was. Not
-        streaming, it gives up an edit (the prompt empties)."""
+        streaming, it gives up an edit (the prompt gets back what it held before)."""
         if not self.streaming:
             if self._editing is not None:
                 self._stop_editing()
-                self.prompt.clear()
+                self.prompt.text = self._draft
             return False
         if not self.session.stop():  # still waiting for the model: drop the turn
             self.workers.cancel_group(self, "turn")
