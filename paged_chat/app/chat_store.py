@@ -10,15 +10,15 @@ it left off with its prompt ids unchanged and the engine's prefix cache hits:
   whole rendered prompt, system prompt included);
 - an assistant row holds exactly the generated ids, end-of-turn token included.
 Concatenating the ids of every row of a branch in order gives its history (see
-`Conversation.from_chat`).
+`Conversation.from_chat`). A reply is written when it starts (finish_reason None) and
+updated as it streams; a row still None when loaded was cut by a crash or kill, and reads
+back as finish_reason "interrupted" with whatever content was committed.
 
 Branches. The messages of a chat form a tree: each row names its parent (the message it
 follows; NULL for a first message), and an edited message or a regenerated reply is a new
 sibling of the one it replaces, which stays. `chats.leaf_id` is the last message of the
 branch last used: a chat is read as the path from its root to that leaf, and a new turn
-continues it. A reply is written when it starts (finish_reason None) and
-updated as it streams; a row still None when loaded was cut by a crash or kill, and reads
-back as finish_reason "interrupted" with whatever content was committed.
+continues it.
 
 Search. An FTS5 index holds every final message (a reply once it has its finish reason,
 so a streaming reply is indexed once, not at every save); `search_chats` reads the few
