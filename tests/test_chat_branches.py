@@ -9,7 +9,8 @@ import json
 from contextlib import aclosing
 
 import pytest
-from helpers import assert_no_leaks, engine_config
+import numpy as np
+from helpers import assert_no_leaks, blocks_owned, engine_config
 
 from paged_chat.app.chat_session import ChatSession
 from paged_chat.app.chat_store import ChatStore
@@ -81,6 +82,27 @@ async def test_an_edit_prefills_only_from_the_edited_message_and_keeps_the_old_b
     await asyncio.wait_for(run(session.send(client, "fifth question", GREEDY)), 60)
     assert session.turn.prompt_ids[:len(old)] == old
     assert session.turn.num_cached_tokens >= (len(old) - 1) // BLOCK * BLOCK
+
+
+async def test_a_branch_holds_the_very_blocks_its_shared_history_is_in(client, store):
+    """What the block map shows: the edited branch's request holds the blocks the first
+    turn's KV is in (the blocks of the old branch's second turn), not copies of them."""
+    chat = store.create_chat("Chat 1", "tiny", "Be brief.", {})
+    session = ChatSession(store, chat)
+
+    async def blocks_held(deltas) -> set[int]:
+        held: set[int] = set()
+        async with aclosing(deltas) as stream:
+            async for _ in stream:
+                held |= set(blocks_owned(client.stats(), chat.id).tolist())
+        return held
+
+    await asyncio.wait_for(run(session.send(client, "first question", GREEDY)), 60)
+    old = await asyncio.wait_for(blocks_held(session.send(client, "second question", GREEDY)), 60)
+    second = session.chat.messages[2]
+    first_turn = [t for m in session.chat.messages[:2] for t in m.token_ids]
+    edited = await asyncio.wait_for(blocks_held(session.edit(client, second.id, "other", GREEDY)), 60)
+    assert len(np.intersect1d(list(old), list(edited))) >= (len(first_turn) - 1) // BLOCK > 0
 
 
 async def test_any_reply_regenerates_as_a_branch_beside_it(client, store):
