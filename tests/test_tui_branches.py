@@ -5,10 +5,13 @@ branches come back after a restart."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from helpers import wait_until
 from tui_helpers import idle, make_app, make_settings, press, type_prompt
 
+from paged_chat.app.chat_store import ChatStore
 from paged_chat.tui.message_widgets import AssistantMessage, UserMessage
 
 QUESTIONS = ("first question", "second question", "third question", "fourth question")
@@ -117,3 +120,22 @@ async def test_a_selected_reply_regenerates_as_a_branch_and_esc_gives_up_an_edit
         await wait_until(lambda: idle(app) and tab.session.turn.user_text == "a plain follow-up",
                          timeout=60)
         assert asked(tab) == ["first question", "a plain follow-up"]
+
+
+@pytest.mark.timeout(120)
+async def test_alt_up_past_the_first_mounted_message_mounts_the_earlier_ones(engine, tmp_path):
+    with ChatStore(tmp_path / "chats.db") as store:
+        chat = store.create_chat("long", "tiny")
+        for index in range(40):
+            store.add_message(chat.id, "user", f"question {index}", [1])
+            store.add_message(chat.id, "assistant", f"answer {index}", [2], "stop")
+    (tmp_path / "session.json").write_text(json.dumps({"open": [chat.id], "active": chat.id}))
+    app = make_app(engine, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        tab = app.active_tab
+        await wait_until(lambda: len(tab.query(".message")) == 30 and app.focused is tab.prompt)
+        await press(pilot, *["alt+up"] * 31)
+        await wait_until(lambda: selected(tab) is not None and selected(tab).text == "answer 24")
+        assert len(tab.query(".message")) == 60
+        await press(pilot, "alt+down")
+        await wait_until(lambda: selected(tab).text == "question 25")

@@ -163,15 +163,15 @@ class ChatActions:
         if tab is not None:
             tab.regenerate()
 
-    def action_select_prev_message(self) -> None:
+    async def action_select_prev_message(self) -> None:
         tab = self._need_tab()
         if tab is not None:
-            tab.select_message(-1)
+            await tab.select_message(-1)
 
-    def action_select_next_message(self) -> None:
+    async def action_select_next_message(self) -> None:
         tab = self._need_tab()
         if tab is not None:
-            tab.select_message(+1)
+            await tab.select_message(+1)
 
     def action_edit_message(self) -> None:
         tab = self._need_tab()

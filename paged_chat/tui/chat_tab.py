@@ -299,11 +299,16 @@ class ChatTab(TabPane):
         return [view for view in self.messages.query(".message")
                 if isinstance(view, (UserMessage, AssistantMessage))]
 
-    def select_message(self, step: int) -> None:
+    async def select_message(self, step: int) -> None:
         """Select the message `step` places from the selected one (-1: the one before; from
-        none, -1 selects the last); past the last message, none is selected."""
+        none, -1 selects the last); past the last message, none is selected. Before the
+        first one mounted, the earlier ones are mounted."""
         views = self._message_views()
         at = views.index(self._selected) if self._selected in views else len(views)
+        if at + step < 0 and self._earlier:
+            await self.show_earlier()
+            views = self._message_views()
+            at = views.index(self._selected) if self._selected in views else len(views)
         target = max(0, at + step)
         self._select(views[target] if target < len(views) else None)
 
