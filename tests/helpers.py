@@ -10,6 +10,7 @@ import importlib.util
 import json
 import os
 import sqlite3
+import struct
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -207,6 +208,22 @@ def sqlite(path: Path, statement: str) -> list[tuple]:
         return connection.execute(statement).fetchall()
     finally:
         connection.commit()
+        connection.close()
+
+
+def insert_old_message(path: Path, chat_id: str, role: str, content: str,
+                       token_ids: list[int]) -> None:
+    """A message row as every schema version writes it (no column a later one added): for
+    stores built at an old version, which today's ChatStore no longer writes to."""
+    connection = sqlite3.connect(path)
+    try:
+        connection.execute(
+            "INSERT INTO messages (chat_id, role, content, token_ids, finish_reason, created, "
+            "timings) VALUES (?, ?, ?, ?, ?, ?, '{}')",
+            (chat_id, role, content, struct.pack(f"<{len(token_ids)}i", *token_ids),
+             "stop" if role == "assistant" else None, time.time()))
+        connection.commit()
+    finally:
         connection.close()
 
 

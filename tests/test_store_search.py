@@ -4,7 +4,7 @@ step with the store by triggers, and built for stores from before it existed."""
 from __future__ import annotations
 
 import pytest
-from helpers import sqlite
+from helpers import insert_old_message, sqlite
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -129,7 +129,7 @@ def test_a_store_from_before_search_is_indexed_when_opened(tmp_path, monkeypatch
     monkeypatch.setattr(store_module, "MIGRATIONS", store_module.MIGRATIONS[:SEARCH_VERSION])
     with ChatStore(path) as old:
         chat = old.create_chat("Old chat about tides", "m")
-        old.add_message(chat.id, "user", "How do the moon and tides relate?", [1, 2])
+        insert_old_message(path, chat.id, "user", "How do the moon and tides relate?", [1, 2])
         assert sqlite(path, "PRAGMA user_version") == [(SEARCH_VERSION,)]
     monkeypatch.undo()
     with ChatStore(path) as new:

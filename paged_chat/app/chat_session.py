@@ -22,6 +22,12 @@ one warning: the reply goes on, and is saved when the store takes it again. A ch
 another writer added to since the session last saw it refuses the new turn
 (ChatMovedOn) rather than interleave two conversations.
 
+Branches. An edit of an earlier user message, or a regenerate of any reply, branches the
+chat there: the new turn's prompt is the stored ids of the branch up to that message plus
+the new turn (so the engine's prefix cache holds all of it), its rows hang under that
+message's parent in the store, and the branch it replaces stays (`switch_branch` goes
+back to it). `chat.messages` is the branch the session is on, with the store's ids.
+
 The session knows nothing of widgets or terminals: callers render the deltas it yields
 and read `turn` for the numbers.
 """
@@ -77,6 +83,8 @@ class Turn:
     finished_at: float | None = None
     withdrawn: bool = False            # taken back whole: its engine stopped before a word
     priority: int = 0                  # its request's in the engine (the lower served first)
+    user_message_id: int | None = None   # the turn's rows in the chat store (None: not there;
+    reply_message_id: int | None = None  # a regenerate has no user row of its own)
 
     def add(self, output: RequestOutput, now: float) -> None:
         if output.new_token_ids and self.first_token_at is None:
@@ -163,9 +171,10 @@ class ChatSession:
         self._loaded = loaded
         self._chat_in_store = in_store   # False: a `new_chat`, written with its first turn
         self._last_message_id = chat.messages[-1].id if chat is not None and chat.messages else 0
-        # (last message id, reply id) before this turn's rows and the id of its first row:
-        # what a withdrawn turn goes back to; None while the turn wrote no rows.
-        self._rows_before: tuple[int, int | None, int] | None = None
+        # (the leaf before this turn's rows, the id of its first row): what a withdrawn turn
+        # goes back to; None while the turn wrote no rows.
+        self._rows_before: tuple[int, int] | None = None
+        self._turn_stored = False   # the last turn's rows are in the store
 
     def load(self) -> list[Message]:
         """The chat's stored messages, read once from the store."""
@@ -252,17 +261,57 @@ class ChatSession:
         `priority`: the request's in the engine (EngineClient.stream)."""
         self.load()
         base = _copy(self._conversation(client))
-        return self._run(client, base, text, params, priority, regenerate=False)
+        return self._run(client, base, text, params, priority, regenerate=False,
+                         parent=self._last_message_id or None)
 
-    def regenerate(self, client: EngineClient, params: SamplingParams, priority: int = 0
-                   ) -> AsyncIterator[RequestOutput]:
-        """Ask the last question again; the new reply replaces the last one."""
+    def edit(self, client: EngineClient, message_id: int, text: str, params: SamplingParams,
+             priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Branch the chat at its user message `message_id`: `text` takes its place and is
+        answered (deltas as for `send`); the branch it was on stays in the store."""
         self.load()
-        text = self.last_user_text
-        base = self._regenerate_base(client)
-        if text is None or base is None:
+        index = self._index_of(message_id, "user")
+        return self._run(client, self._base_before(client, index), text, params, priority,
+                         regenerate=False, parent=self.chat.messages[index].parent_id)
+
+    def regenerate(self, client: EngineClient, params: SamplingParams,
+                   message_id: int | None = None, priority: int = 0
+                   ) -> AsyncIterator[RequestOutput]:
+        """Ask again the question reply `message_id` answers (None: the last reply): the new
+        reply is a branch beside it, which stays in the store. A last turn the store never
+        took is asked again as a new turn."""
+        self.load()
+        if message_id is None and self._turn_base is not None and not self._turn_stored:
+            return self._run(client, _copy(self._turn_base), self.turn.user_text, params,
+                             priority, regenerate=False, parent=self._last_message_id or None)
+        replies = [m.id for m in (self.chat.messages if self.chat else []) if m.role == "assistant"]
+        if message_id is None and not replies:
             raise PagedChatError("nothing to regenerate yet")
-        return self._run(client, base, text, params, priority, regenerate=True)
+        index = self._index_of(replies[-1] if message_id is None else message_id, "assistant")
+        question = self.chat.messages[index - 1] if index else None
+        if question is None or question.role != "user":
+            raise PagedChatError("this reply answers no question of the chat: nothing to regenerate")
+        return self._run(client, self._base_before(client, index - 1), question.content, params,
+                         priority, regenerate=True, parent=question.id)
+
+    def branch_of(self, message_id: int) -> tuple[int, int] | None:
+        """Which version of its message `message_id` is and how many there are (1-based),
+        None where it has no other (an edited message, a regenerated reply have)."""
+        versions = self.chat.branches.get(message_id) if self.chat is not None else None
+        return None if not versions else (versions.index(message_id) + 1, len(versions))
+
+    def switch_branch(self, message_id: int, step: int) -> int | None:
+        """Go to the version `step` places after message `message_id` (-1: the one before)
+        and the branch below it; the store's branch last used becomes that one. The id of
+        that version; None when there is none that far."""
+        assert self.chat is not None and not self.streaming
+        versions = self.chat.branches.get(message_id, [message_id])
+        target = versions.index(message_id) + step
+        if not 0 <= target < len(versions):
+            return None
+        self.chat = self.store.select_branch(self.chat.id, versions[target])
+        self._last_message_id = self.chat.leaf_id or 0
+        self.conversation = self._turn_base = self.turn = None
+        return versions[target]
 
     def reprioritize(self, priority: int) -> None:
         """Serve the streaming reply at `priority` from now on, where the client can move a
@@ -281,7 +330,8 @@ class ChatSession:
         return True
 
     async def _run(self, client: EngineClient, base: Conversation, text: str,
-                   params: SamplingParams, priority: int, regenerate: bool
+                   params: SamplingParams, priority: int, regenerate: bool,
+                   parent: int | None
                    ) -> AsyncIterator[RequestOutput]:
         working = _copy(base)
         prompt_ids = working.next_prompt_ids(text)
@@ -291,11 +341,10 @@ class ChatSession:
         self._save_failed = False
         self.unsaved = None
         try:
-            self._start_rows(base, prompt_ids, regenerate)
+            self._start_rows(base, prompt_ids, regenerate, parent)
         except BaseException:
             turn.finish("error", None, time.perf_counter())
             raise
-        self._turn_base = base
         self._client = client
         saved_at = time.monotonic()
         try:
@@ -303,8 +352,7 @@ class ChatSession:
                                               owner=self.chat_id, priority=turn.priority)) as stream:
                 async for output in stream:
                     turn.add(output, time.perf_counter())
-                    # Not before the first token: a regenerate's reply row still holds the
-                    # reply it replaces, which a withdrawn turn leaves as it was.
+                    # Not before the first token: a turn withdrawn then leaves no write behind.
                     if (turn.token_ids and not turn.finished
                             and time.monotonic() - saved_at >= SAVE_INTERVAL_S):
                         saved_at = time.monotonic()
@@ -325,22 +373,22 @@ class ChatSession:
             if turn.withdrawn:
                 self._withdraw_rows()
             else:
-                self._end_turn(working, turn)
+                self._end_turn(base, working, turn)
 
-    def _start_rows(self, base: Conversation, prompt_ids: list[int], regenerate: bool) -> None:
-        """The turn's rows before the first token, all or none: a kill from here on keeps
-        the turn. A regenerate writes its reply over the last one, from its first save on.
-        A store that cannot take them (a full disk) costs a warning: the turn runs
-        unsaved (`unsaved` says why) and the store keeps no part of it."""
+    def _start_rows(self, base: Conversation, prompt_ids: list[int], regenerate: bool,
+                    parent: int | None) -> None:
+        """The turn's rows before the first token, all or none, under `parent`: a kill from
+        here on keeps the turn. A regenerate writes a new reply row under its question. A
+        store that cannot take them (a full disk) costs a warning: the turn runs unsaved
+        (`unsaved` says why) and the store keeps no part of it."""
         self._rows_before = None
         if self.chat is None:
             return
-        if regenerate and self._reply_id is not None:
-            return
-        before = (self._last_message_id, self._reply_id)
+        before = self._last_message_id
         try:
             user = None if regenerate else (self.turn.user_text, base.added_ids(prompt_ids))
-            first_id, reply_id = self.store.start_turn(self.chat, user, after=self._last_message_id,
+            first_id, reply_id = self.store.start_turn(self.chat, user, parent,
+                                                       after=self._last_message_id,
                                                        create=not self._chat_in_store)
         except StoreWriteError as error:
             self._reply_id = None   # its saves would land on the last turn's reply
@@ -349,28 +397,37 @@ class ChatSession:
             self.on_warning(f"the turn could not be saved ({error}); it goes on unsaved")
             return
         self._chat_in_store = True
-        self._reply_id = reply_id
-        self._rows_before = (*before, first_id if first_id is not None else reply_id)
+        self._reply_id = self.turn.reply_message_id = reply_id
+        self.turn.user_message_id = first_id
+        self._rows_before = (before, first_id if first_id is not None else reply_id)
         self._last_message_id = reply_id
 
     def _withdraw_rows(self) -> None:
         """Take the turn's rows back out of the store, as if it was never sent."""
         if self._rows_before is None:  # no rows were written (no store)
             return
-        last_message_id, reply_id, first_id = self._rows_before
+        last_message_id, first_id = self._rows_before
         try:
-            self.store.delete_messages_from(self.chat.id, first_id)
+            self.store.withdraw_turn(self.chat.id, first_id, last_message_id or None)
         except (StoreError, sqlite3.Error) as error:
             self.on_warning(f"the failed turn could not be taken out of the chat ({error})")
             return
-        self._last_message_id, self._reply_id = last_message_id, reply_id
+        self._last_message_id, self._reply_id = last_message_id, None
+        self.turn.user_message_id = self.turn.reply_message_id = None
 
-    def _end_turn(self, working: Conversation, turn: Turn) -> None:
+    def _end_turn(self, base: Conversation, working: Conversation, turn: Turn) -> None:
         refused = turn.finish_reason == "error" and not turn.token_ids
         if not refused:
             working.add_reply(turn.prompt_ids, turn.token_ids, turn.text)
             self.conversation = working
         self._save_reply(turn, final=True)
+        self._turn_base = base
+        self._turn_stored = self._rows_before is not None
+        if self._turn_stored:
+            try:   # the branch the turn is on, with its rows' ids and its siblings
+                self.chat = self.store.get_chat(self.chat.id, self._reply_id)
+            except (StoreError, sqlite3.Error):   # the chat deleted meanwhile: said already
+                pass
 
     def _save_reply(self, turn: Turn, final: bool) -> None:
         """Write the reply so far; a store that fails is one warning, never the reply's end
@@ -401,21 +458,20 @@ class ChatSession:
                                                  self.system_prompt)
         return self.conversation
 
-    def _regenerate_base(self, client: EngineClient) -> Conversation | None:
-        """The conversation as it was before the last user turn."""
-        if self._turn_base is not None:
-            return _copy(self._turn_base)
-        if self.chat is None:
-            return None
-        messages = list(self.chat.messages)
-        while messages and messages[-1].role != "user":
-            dropped = messages.pop()
-            if dropped.role == "assistant" and self._reply_id is None:
-                self._reply_id = dropped.id
-        if not messages:
-            return None
+    def _index_of(self, message_id: int, role: str) -> int:
+        """Where message `message_id` is in the branch; PagedChatError unless it is there
+        and has `role`."""
+        messages = self.chat.messages if self.chat is not None else []
+        index = next((i for i, m in enumerate(messages) if m.id == message_id), None)
+        if index is None or messages[index].role != role:
+            raise PagedChatError(f"the chat's branch has no {role} message {message_id} "
+                                 "(a turn the store never took cannot be branched from)")
+        return index
+
+    def _base_before(self, client: EngineClient, index: int) -> Conversation:
+        """The conversation of the branch's first `index` messages, from their stored ids."""
         info = client.info
-        earlier = dataclasses.replace(self.chat, messages=messages[:-1])
+        earlier = dataclasses.replace(self.chat, messages=self.chat.messages[:index])
         if not earlier.messages:
             return Conversation(info.tokenizer, info.chat_template, self.system_prompt)
         return Conversation.from_chat(earlier, info.tokenizer, info.chat_template)

@@ -9,10 +9,16 @@ it left off with its prompt ids unchanged and the engine's prefix cache hits:
   previous reply, the new user turn and the generation prompt (for the first turn, the
   whole rendered prompt, system prompt included);
 - an assistant row holds exactly the generated ids, end-of-turn token included.
-Concatenating every row's ids in order gives the chat's history (see
+Concatenating the ids of every row of a branch in order gives its history (see
 `Conversation.from_chat`). A reply is written when it starts (finish_reason None) and
 updated as it streams; a row still None when loaded was cut by a crash or kill, and reads
 back as finish_reason "interrupted" with whatever content was committed.
+
+Branches. The messages of a chat form a tree: each row names its parent (the message it
+follows; NULL for a first message), and an edited message or a regenerated reply is a new
+sibling of the one it replaces, which stays. `chats.leaf_id` is the last message of the
+branch last used: a chat is read as the path from its root to that leaf, and a new turn
+continues it.
 
 Search. An FTS5 index holds every final message (a reply once it has its finish reason,
 so a streaming reply is indexed once, not at every save); `search_chats` reads the few
@@ -158,6 +164,16 @@ MIGRATIONS: list[tuple[str, ...]] = [
         ("INSERT INTO message_search (rowid, content) SELECT id, content FROM messages "
          f"WHERE {_FINAL.format(row='messages')}"),
     ),
+    # Branches: each message names its parent, each chat the leaf of the branch last used.
+    # A chat stored before had one branch: each message follows the one before it.
+    (
+        "ALTER TABLE messages ADD COLUMN parent_id INTEGER REFERENCES messages (id) ON DELETE CASCADE",
+        "ALTER TABLE chats ADD COLUMN leaf_id INTEGER",
+        """UPDATE messages SET parent_id = (SELECT max(earlier.id) FROM messages AS earlier
+            WHERE earlier.chat_id = messages.chat_id AND earlier.id < messages.id)""",
+        "UPDATE chats SET leaf_id = (SELECT max(id) FROM messages WHERE chat_id = chats.id)",
+        "CREATE INDEX messages_by_parent ON messages (parent_id)",
+    ),
 ]
 
 _CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
@@ -166,7 +182,13 @@ _CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
 _FULL = ("SQLITE_FULL", "SQLITE_IOERR_SHMSIZE")
 _BUSY_TIMEOUT_S = 5.0   # how long a connection waits for another process's lock
 _CHAT_COLUMNS = "id, title, model, system_prompt, sampling, created, updated"
-_MESSAGE_COLUMNS = "id, chat_id, role, content, token_ids, finish_reason, created, timings"
+_MESSAGE_COLUMNS = "id, chat_id, role, content, token_ids, finish_reason, created, timings, parent_id"
+# The messages of one branch: the path from the leaf ?1 up to its root, in chat ?2.
+_BRANCH = ("WITH RECURSIVE branch (id) AS (SELECT ?1 UNION ALL SELECT messages.parent_id "
+           "FROM messages JOIN branch ON messages.id = branch.id "
+           "WHERE messages.parent_id IS NOT NULL) "
+           f"SELECT {_MESSAGE_COLUMNS} FROM messages "
+           "WHERE chat_id = ?2 AND id IN (SELECT id FROM branch) ORDER BY id")
 _FILE_SUFFIXES = ("", "-wal", "-shm")
 _LOCK_SUFFIX = ".lock"   # the recovery lock's file (see the module docstring)
 # A chat holds search term ?n in its title or in one of its messages: a final one by the
@@ -224,11 +246,15 @@ class Message:
     finish_reason: str | None
     created: float
     timings: dict
+    parent_id: int | None = None   # the message this one follows; None for a first message
 
 
 @dataclass(slots=True)
 class StoredChat:
-    """One chat as the store keeps it: its row, and its messages once loaded."""
+    """One chat as the store keeps it: its row, and its messages once loaded: the branch
+    last used (root first, `leaf_id` last), or every message (`get_chat_tree`).
+    `branches` maps each message of the branch that has siblings (other versions of it: an
+    edited message, a regenerated reply) to their ids, its own included, oldest first."""
 
     id: str
     title: str
@@ -238,6 +264,8 @@ class StoredChat:
     created: float
     updated: float
     messages: list[Message] = field(default_factory=list)  # empty unless loaded
+    leaf_id: int | None = None
+    branches: dict[int, list[int]] = field(default_factory=dict)
 
 
 class _CorruptDatabase(Exception):
@@ -303,9 +331,35 @@ class ChatStore:
                               "ORDER BY updated DESC, rowid DESC", terms)
             return [_chat(row) for row in rows]
 
-    def get_chat(self, chat_id: str) -> StoredChat:
-        """The chat with its messages in order; ChatNotFound if there is none."""
+    def get_chat(self, chat_id: str, leaf_id: int | None = None) -> StoredChat:
+        """The chat with the messages of a branch in order: the branch last used, or the one
+        ending at `leaf_id`; ChatNotFound if there is none."""
         with self._transaction(write=False) as db:
+            return self._load_chat(db, chat_id, leaf_id)
+
+    def get_chat_tree(self, chat_id: str) -> StoredChat:
+        """The chat with every message of every branch, in the order they were written
+        (each names its parent); `leaf_id` is the branch last used."""
+        with self._transaction(write=False) as db:
+            chat = self._load_chat(db, chat_id)
+            rows = db.execute(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE chat_id = ? ORDER BY id",
+                              (chat_id,))
+            chat.messages = [_message(row) for row in rows]
+            return chat
+
+    def select_branch(self, chat_id: str, message_id: int) -> StoredChat:
+        """Make the branch through `message_id` the chat's branch (the one `get_chat` reads
+        and a new turn continues): it ends at the newest message below `message_id`. The
+        chat read along it."""
+        with self._transaction() as db:
+            if db.execute("SELECT 1 FROM messages WHERE id = ? AND chat_id = ?",
+                          (message_id, chat_id)).fetchone() is None:
+                raise MessageNotFound(f"chat {chat_id} has no message with id {message_id}")
+            leaf = message_id
+            while (child := db.execute("SELECT max(id) FROM messages WHERE parent_id = ?",
+                                       (leaf,)).fetchone()[0]) is not None:
+                leaf = child
+            db.execute("UPDATE chats SET leaf_id = ? WHERE id = ?", (leaf, chat_id))
             return self._load_chat(db, chat_id)
 
     def latest_chat(self) -> StoredChat | None:
@@ -336,8 +390,8 @@ class ChatStore:
         self._update_chat(chat_id, "system_prompt = ?, sampling = ?", (system_prompt, json.dumps(sampling)))
 
     def fork_chat(self, chat_id: str, title: str | None = None) -> StoredChat:
-        """A new chat with a copy of every message, token ids included, so the fork's next
-        prompt shares the original's cached blocks."""
+        """A new chat with a copy of every message of the branch last used, token ids
+        included, so the fork's next prompt shares the original's cached blocks."""
         new_id, now = _new_id(), time.time()
         with self._transaction() as db:
             source = db.execute("SELECT title FROM chats WHERE id = ?", (chat_id,)).fetchone()
@@ -346,10 +400,14 @@ class ChatStore:
             db.execute(f"INSERT INTO chats ({_CHAT_COLUMNS}) SELECT ?, ?, model, system_prompt, "
                        "sampling, ?, ? FROM chats WHERE id = ?",
                        (new_id, title or f"{source[0]} (fork)", now, now, chat_id))
-            db.execute("INSERT INTO messages (chat_id, role, content, token_ids, finish_reason, "
-                       "created, timings) SELECT ?, role, content, token_ids, finish_reason, "
-                       "created, timings FROM messages WHERE chat_id = ? ORDER BY id",
-                       (new_id, chat_id))
+            parent = None
+            for message in self._load_chat(db, chat_id).messages:
+                parent = db.execute(
+                    "INSERT INTO messages (chat_id, role, content, token_ids, finish_reason, "
+                    "created, timings, parent_id) SELECT ?, role, content, token_ids, "
+                    "finish_reason, created, timings, ? FROM messages WHERE id = ?",
+                    (new_id, parent, message.id)).lastrowid
+            self._set_leaf(db, new_id, parent)
         return self.get_chat(new_id)
 
     def delete_chat(self, chat_id: str) -> None:
@@ -363,7 +421,8 @@ class ChatStore:
     def add_message(self, chat_id: str, role: str, content: str, token_ids: list[int],
                     finish_reason: str | None = None, timings: dict | None = None,
                     after: int | None = None) -> Message:
-        """Append a message (see the module docstring for which token ids it holds).
+        """Append a message to the branch last used (see the module docstring for which
+        token ids it holds).
 
         `after` is the id of the chat's last message as the writer last saw it (0: none):
         if the chat has moved on since, nothing is written and ChatMovedOn is raised.
@@ -376,16 +435,20 @@ class ChatStore:
             self._touch(db, "id = ?", chat_id, message.created)
             if after is not None:
                 self._check_after(db, chat_id, after)
+            message.parent_id = self._leaf(db, chat_id)
             message.id = self._insert_message(db, message)
+            self._set_leaf(db, chat_id, message.id)
         return message
 
-    def start_turn(self, chat: StoredChat, user: tuple[str, list[int]] | None, after: int,
-                   create: bool = False) -> tuple[int | None, int]:
+    def start_turn(self, chat: StoredChat, user: tuple[str, list[int]] | None,
+                   parent: int | None, after: int, create: bool = False) -> tuple[int | None, int]:
         """The rows a turn starts with, all written or none (a full disk never leaves a
         user row without its reply): `chat` itself when `create` (a chat from `new_chat`,
         saved with its first turn), the user row (`user`: its text and token ids; None for
-        a regenerate) and an empty reply row; their ids (user, reply). `after` is as for
-        `add_message`."""
+        a regenerate) and an empty reply row, which becomes the chat's leaf; their ids
+        (user, reply). The first of them follows `parent` (None: a first message): the
+        leaf for a turn that continues the branch, an earlier message for one that branches
+        off it. `after` is the leaf as the writer last saw it, as for `add_message`."""
         now = time.time()
         with self._transaction() as db:
             if create:
@@ -393,18 +456,21 @@ class ChatStore:
             self._check_after(db, chat.id, after)
             user_id = None
             if user is not None:
-                user_id = self._insert_message(db, Message(0, chat.id, "user", user[0],
-                                                           list(user[1]), None, now, {}))
+                user_id = parent = self._insert_message(db, Message(
+                    0, chat.id, "user", user[0], list(user[1]), None, now, {}, parent))
             reply_id = self._insert_message(db, Message(0, chat.id, "assistant", "", [], None,
-                                                        now, {}))
+                                                        now, {}, parent))
+            self._set_leaf(db, chat.id, reply_id)
             self._touch(db, "id = ?", chat.id, now)
         return user_id, reply_id
 
-    def delete_messages_from(self, chat_id: str, first_id: int) -> None:
-        """Delete the chat's messages from `first_id` on: a turn withdrawn whole (its
-        engine stopped before it said a word, so it holds nothing but what was sent)."""
+    def withdraw_turn(self, chat_id: str, first_id: int, leaf_id: int | None) -> None:
+        """Delete a turn withdrawn whole (its engine stopped before it said a word, so it
+        holds nothing but what was sent): its first row `first_id` and the rows below it;
+        the chat's leaf goes back to `leaf_id`."""
         with self._transaction() as db:
-            db.execute("DELETE FROM messages WHERE chat_id = ? AND id >= ?", (chat_id, first_id))
+            db.execute("DELETE FROM messages WHERE chat_id = ? AND id = ?", (chat_id, first_id))
+            self._set_leaf(db, chat_id, leaf_id)
 
     def update_message(self, message_id: int, content: str, token_ids: list[int],
                        finish_reason: str | None, timings: dict | None = None) -> None:
@@ -426,15 +492,32 @@ class ChatStore:
     # ---- internals --------------------------------------------------------------------
 
     @staticmethod
-    def _load_chat(db: sqlite3.Connection, chat_id: str) -> StoredChat:
+    def _load_chat(db: sqlite3.Connection, chat_id: str, leaf_id: int | None = None) -> StoredChat:
+        """The chat with the branch ending at `leaf_id` (None: its leaf) and its siblings."""
         row = db.execute(f"SELECT {_CHAT_COLUMNS} FROM chats WHERE id = ?", (chat_id,)).fetchone()
         if row is None:
             raise ChatNotFound(f"no chat with id {chat_id!r}: `paged-chat chats` lists them")
         chat = _chat(row)
-        rows = db.execute(f"SELECT {_MESSAGE_COLUMNS} FROM messages WHERE chat_id = ? ORDER BY id",
-                          (chat_id,))
-        chat.messages = [_message(row) for row in rows]
+        chat.leaf_id = ChatStore._leaf(db, chat_id) if leaf_id is None else leaf_id
+        if chat.leaf_id is None:
+            return chat
+        chat.messages = [_message(row) for row in db.execute(_BRANCH, (chat.leaf_id, chat_id))]
+        children: dict[int | None, list[int]] = {}
+        for message_id, parent_id in db.execute(
+                "SELECT id, parent_id FROM messages WHERE chat_id = ? ORDER BY id", (chat_id,)):
+            children.setdefault(parent_id, []).append(message_id)
+        chat.branches = {message.id: children[message.parent_id] for message in chat.messages
+                         if len(children[message.parent_id]) > 1}
         return chat
+
+    @staticmethod
+    def _leaf(db: sqlite3.Connection, chat_id: str) -> int | None:
+        row = db.execute("SELECT leaf_id FROM chats WHERE id = ?", (chat_id,)).fetchone()
+        return None if row is None else row[0]
+
+    @staticmethod
+    def _set_leaf(db: sqlite3.Connection, chat_id: str, leaf_id: int | None) -> None:
+        db.execute("UPDATE chats SET leaf_id = ? WHERE id = ?", (leaf_id, chat_id))
 
     def _update_chat(self, chat_id: str, assignments: str, values: tuple) -> None:
         with self._transaction() as db:
@@ -443,10 +526,8 @@ class ChatStore:
 
     @staticmethod
     def _check_after(db: sqlite3.Connection, chat_id: str, after: int) -> None:
-        """ChatMovedOn unless the chat's last message is still `after` (0: none)."""
-        last = db.execute("SELECT coalesce(max(id), 0) FROM messages WHERE chat_id = ?",
-                          (chat_id,)).fetchone()[0]
-        if last != after:
+        """ChatMovedOn unless the chat's leaf is still `after` (0: none)."""
+        if (ChatStore._leaf(db, chat_id) or 0) != after:
             raise ChatMovedOn(f"chat {chat_id} gained a message while this turn was "
                               "being prepared (another `ask -c` or window?): nothing "
                               "was saved; run it again to continue from the latest")
@@ -455,9 +536,10 @@ class ChatStore:
     def _insert_message(db: sqlite3.Connection, message: Message) -> int:
         """Insert `message` (its id is ignored); the id it got."""
         return db.execute(
-            f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?)",
             (message.chat_id, message.role, message.content, _pack(message.token_ids),
-             message.finish_reason, message.created, json.dumps(message.timings))).lastrowid
+             message.finish_reason, message.created, json.dumps(message.timings),
+             message.parent_id)).lastrowid
 
     @staticmethod
     def _touch(db: sqlite3.Connection, where: str, key: object, now: float) -> None:
@@ -708,11 +790,11 @@ def _chat(row: tuple) -> StoredChat:
 
 
 def _message(row: tuple) -> Message:
-    message_id, chat_id, role, content, token_ids, finish_reason, created, timings = row
+    message_id, chat_id, role, content, token_ids, finish_reason, created, timings, parent_id = row
     if role == "assistant" and finish_reason is None:
         finish_reason = INTERRUPTED
     return Message(message_id, chat_id, role, content, _unpack(token_ids), finish_reason,
-                   created, json.loads(timings))
+                   created, json.loads(timings), parent_id)
 
 
 def _pack(token_ids: list[int]) -> bytes:

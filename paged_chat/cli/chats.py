@@ -22,7 +22,7 @@ from paged_chat.cli.table import print_table
 from paged_chat.cli.typer_patches import FlagsShowNoType
 
 if TYPE_CHECKING:
-    from paged_chat.app.chat_store import ChatStore, StoredChat
+    from paged_chat.app.chat_store import ChatStore, Message, StoredChat
     from paged_chat.cli.state import CliState
 
 chats_app = typer.Typer(cls=FlagsShowNoType, rich_markup_mode="markdown")
@@ -78,7 +78,7 @@ def search_chats(ctx: typer.Context,
 
 @chats_app.command("show")
 def show_chat(ctx: typer.Context, chat_id: ChatId) -> None:
-    """Print a chat as Markdown."""
+    """Print a chat as Markdown: the branch last used (`paged-chat` switches branches)."""
     with _open_store(ctx) as store:
         chat = store.get_chat(store.resolve_id(chat_id))
     _echo_stored(_markdown(chat), nl=False)
@@ -89,14 +89,22 @@ def export_chat(ctx: typer.Context, chat_id: ChatId,
                 export_format: Annotated[ExportFormat, typer.Option(
                     "--format", help="md: readable Markdown; json: everything, token ids included.")
                 ] = ExportFormat.md,
+                all_branches: Annotated[bool, typer.Option(
+                    "--all-branches", help="Every branch of the chat (edited messages, "
+                                           "regenerated replies), not only the one last used.")
+                ] = False,
                 ) -> None:
-    """Print a chat as Markdown or JSON (redirect it to a file to keep it)."""
+    """Print a chat as Markdown or JSON (redirect it to a file to keep it): the branch last
+    used, or with --all-branches every one (JSON: every message, each with its parent_id)."""
     from dataclasses import asdict
 
     with _open_store(ctx) as store:
-        chat = store.get_chat(store.resolve_id(chat_id))
+        found = store.resolve_id(chat_id)
+        chat = store.get_chat_tree(found) if all_branches else store.get_chat(found)
     if export_format is ExportFormat.json:
         _echo_stored(json.dumps(asdict(chat), ensure_ascii=False, indent=2))
+    elif all_branches:
+        _echo_stored(_all_branches_markdown(chat), nl=False)
     else:
         _echo_stored(_markdown(chat), nl=False)
 
@@ -146,15 +154,45 @@ def _open_store(ctx: typer.Context) -> Iterator[ChatStore]:
 
 
 def _markdown(chat: StoredChat) -> str:
-    """A chat as Markdown: a heading, what it ran on, then each message under its role."""
+    """A chat as Markdown: a heading, what it ran on, then each message of its branch under
+    its role (and which of its versions it is, where it has several)."""
+    return "\n".join(_heading(chat) + _message_lines(chat.messages, chat.branches))
+
+
+def _all_branches_markdown(tree: StoredChat) -> str:
+    """Every branch of a chat (a tree from `get_chat_tree`) in full, oldest first, each
+    under its own heading."""
+    children = {message.parent_id for message in tree.messages}
+    by_id = {message.id: message for message in tree.messages}
+    leaves = [message.id for message in tree.messages if message.id not in children]
+    lines = _heading(tree)
+    for number, leaf in enumerate(leaves, 1):
+        branch = [by_id[leaf]]
+        while branch[-1].parent_id is not None:
+            branch.append(by_id[branch[-1].parent_id])
+        current = " (current)" if leaf == tree.leaf_id else ""
+        lines += [f"# Branch {number} of {len(leaves)}{current}", ""]
+        lines += _message_lines(branch[::-1], {})
+    return "\n".join(lines)
+
+
+def _heading(chat: StoredChat) -> list[str]:
     lines = [f"# {chat.title}", "", f"chat `{chat.id}` · {chat.model} · {_local_time(chat.created)}", ""]
     if chat.system_prompt:
         lines += ["## System", "", chat.system_prompt, ""]
-    for message in chat.messages:
+    return lines
+
+
+def _message_lines(messages: list[Message], branches: dict[int, list[int]]) -> list[str]:
+    lines = []
+    for message in messages:
         label = finish_label(message.finish_reason) if message.finish_reason else ""
-        cut = f" ({label})" if label else ""
-        lines += [f"## {message.role.capitalize()}{cut}", "", message.content, ""]
-    return "\n".join(lines)
+        versions = branches.get(message.id)
+        notes = [note for note in (label, versions and f"branch {versions.index(message.id) + 1} "
+                                                       f"of {len(versions)}") if note]
+        suffix = f" ({', '.join(notes)})" if notes else ""
+        lines += [f"## {message.role.capitalize()}{suffix}", "", message.content, ""]
+    return lines
 
 
 def _echo_stored(text: str, nl: bool = True) -> None:

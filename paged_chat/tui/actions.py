@@ -39,7 +39,12 @@ ACTIONS: list[tuple[str, str, str, str, bool]] = [
     ("fork_chat", "ctrl+f", "Fork", "Fork chat (shares its KV blocks)", True),
     ("chat_settings", "f4", "Settings", "System prompt and sampling", True),
     ("stop", "escape", "Stop", "Stop the reply", False),
-    ("regenerate", "ctrl+r", "Regenerate", "Regenerate the last reply", True),
+    ("regenerate", "ctrl+r", "Regenerate", "Regenerate the selected or the last reply", True),
+    ("select_prev_message", "alt+up", "Earlier message", "Select the message before", False),
+    ("select_next_message", "alt+down", "Later message", "Select the message after", False),
+    ("edit_message", "alt+e", "Edit", "Edit the selected message (branches the chat)", False),
+    ("prev_branch", "alt+shift+left", "◀ Branch", "Previous branch of the selected message", False),
+    ("next_branch", "alt+shift+right", "Branch ▶", "Next branch of the selected message", False),
     ("copy_reply", "alt+c", "Copy", "Copy the last reply", False),
     ("copy_code", "alt+x", "Copy code", "Copy the last code block", False),
     ("broadcast", "ctrl+b", "Broadcast", "Broadcast the prompt to every tab", True),
@@ -158,6 +163,31 @@ class ChatActions:
         if tab is not None:
             tab.regenerate()
 
+    async def action_select_prev_message(self) -> None:
+        tab = self._need_tab()
+        if tab is not None:
+            await tab.select_message(-1)
+
+    async def action_select_next_message(self) -> None:
+        tab = self._need_tab()
+        if tab is not None:
+            await tab.select_message(+1)
+
+    def action_edit_message(self) -> None:
+        tab = self._need_tab()
+        if tab is not None:
+            tab.edit_selected()
+
+    async def action_prev_branch(self) -> None:
+        tab = self._need_tab()
+        if tab is not None:
+            await tab.switch_branch(-1)
+
+    async def action_next_branch(self) -> None:
+        tab = self._need_tab()
+        if tab is not None:
+            await tab.switch_branch(+1)
+
     def action_copy_reply(self) -> None:
         tab = self._need_tab()
         text = tab.last_reply() if tab else None
@@ -239,6 +269,9 @@ class ChatActions:
         yield SystemCommand("Delete chat", DELETE_CHAT_HELP, partial(self.run_action, "delete_chat"))
         tab = self.active_tab
         if tab is not None:
+            for label, message_id, step in tab.branch_choices():
+                yield SystemCommand(label, "show this branch of the chat",
+                                    partial(tab.switch_branch, step, message_id), discover=False)
             for index, block in enumerate(tab.code_blocks()):
                 first = block.strip().splitlines()[0][:40] if block.strip() else ""
                 yield SystemCommand(f"Copy code block {index + 1}", first,

@@ -6,6 +6,12 @@ Its turn worker streams the session's deltas on the app's event loop (the engine
 hands over one batch of deltas per step, never one call per token) into a MarkdownStream;
 the session keeps the store and the conversation. The first message the user sends is
 shown at once; if the model is still loading, the turn waits.
+
+Branches: Alt+Up / Alt+Down select a message; an edit of a selected user message (the
+prompt takes its text; Enter sends it) or a regenerate of a selected reply branches the
+chat there (the session's `edit` / `regenerate`), and the views from that message on give
+way to the new branch's. A message with other versions shows which it is (`◀ 2/3 ▶`);
+switching versions shows the branch below the one switched to, as the store reads it.
 """
 
 from __future__ import annotations
@@ -87,6 +93,9 @@ class ChatTab(TabPane):
         self._footer_at = 0.0                  # when a frame last refreshed its footer
         self._earlier: list = []               # stored messages not mounted yet
         self._unshown: list[Widget] = []       # a hidden tab's new views, mounted once it is shown
+        self._selected: UserMessage | AssistantMessage | None = None   # Alt+Up / Alt+Down's
+        self._editing: UserMessage | None = None   # the message Enter sends the prompt in place of
+        self._draft = ""                           # the prompt's text before the edit, for Esc
 
     @property
     def chat_id(self) -> str:
@@ -247,7 +256,7 @@ class ChatTab(TabPane):
         self.refresh_info()
         self.prompt.prompt_history = [m.content for m in messages if m.role == "user"]
         self._earlier, recent = messages[:-MOUNT_AT_ONCE], messages[-MOUNT_AT_ONCE:]
-        await self.messages.mount_all([_view_of(m) for m in recent])
+        await self.messages.mount_all([self._view_of(m) for m in recent])
         self._show_earlier_button()
         self.messages.scroll_end(animate=False)
 
@@ -260,7 +269,7 @@ class ChatTab(TabPane):
     async def show_earlier(self) -> None:
         batch, self._earlier = self._earlier[-MOUNT_AT_ONCE:], self._earlier[:-MOUNT_AT_ONCE]
         button = self.query_one(".earlier", Button)
-        await self.messages.mount_all([_view_of(m) for m in batch], after=button)
+        await self.messages.mount_all([self._view_of(m) for m in batch], after=button)
         self._show_earlier_button()
 
     # ---- the public actions -----------------------------------------------------------
@@ -273,8 +282,11 @@ class ChatTab(TabPane):
     @on(PromptInput.Submitted)
     def _on_submitted(self, event: PromptInput.Submitted) -> None:
         event.stop()
-        if self.send(event.text):
+        editing = self._editing
+        if self._start_turn(event.text, branch_at=editing):
             event.prompt.remember(event.text)
+            if editing is not None:
+                self._stop_editing()
 
     def send(self, text: str) -> bool:
         """Start a turn with `text`; False (and a notice) while a reply is streaming or the
@@ -282,12 +294,120 @@ class ChatTab(TabPane):
         return self._start_turn(text)
 
     def regenerate(self) -> bool:
+        """Answer again the selected reply's question (none selected: the last one's), as
+        a branch beside that reply."""
+        target = self._selected if isinstance(self._selected, AssistantMessage) else None
+        if target is not None and target.message_id is None:
+            self.notify("this reply is not in the chat store: only the last reply can be "
+                        "regenerated", severity="warning", markup=False)
+            return False
         if not self.streaming and self.session.last_user_text is None:
             self.notify("nothing to regenerate yet", severity="warning", markup=False)
             return False
-        return self._start_turn(None)
+        return self._start_turn(None, branch_at=target)
 
-    def _start_turn(self, text: str | None) -> bool:
+    # ---- branches ---------------------------------------------------------------------
+
+    def _message_views(self) -> list[UserMessage | AssistantMessage]:
+        return [view for view in self.messages.query(".message")
+                if isinstance(view, (UserMessage, AssistantMessage))]
+
+    async def select_message(self, step: int) -> None:
+        """Select the message `step` places from the selected one (-1: the one before; from
+        none, -1 selects the last); past the last message, none is selected. Before the
+        first one mounted, the earlier ones are mounted."""
+        views = self._message_views()
+        at = views.index(self._selected) if self._selected in views else len(views)
+        if at + step < 0 and self._earlier:
+            await self.show_earlier()
+            views = self._message_views()
+            at = views.index(self._selected) if self._selected in views else len(views)
+        target = max(0, at + step)
+        self._select(views[target] if target < len(views) else None)
+
+    def _select(self, view: UserMessage | AssistantMessage | None) -> None:
+        if self._selected is not None:
+            self._selected.remove_class("selected")
+        self._selected = view
+        if view is not None:
+            view.add_class("selected")
+            self.messages.scroll_to_widget(view, animate=False)
+
+    def edit_selected(self) -> bool:
+        """Put the selected user message's text in the prompt: Enter sends it in the
+        message's place, as a new branch (Esc, `stop`, gives up and gives the prompt's
+        text before back)."""
+        view = self._selected
+        if not isinstance(view, UserMessage):
+            self.notify("select one of your messages first (Alt+Up)", severity="warning", markup=False)
+            return False
+        if view.message_id is None:
+            self.notify("this message is not in the chat store: it cannot be edited",
+                        severity="warning", markup=False)
+            return False
+        if self._editing is None:
+            self._draft = self.prompt.text
+        self._editing = view
+        self.prompt.text = view.text
+        self.prompt.move_cursor(self.prompt.document.end)
+        self.prompt.border_title = "editing: Enter sends it as a new branch, Esc gives up"
+        self.prompt.focus()
+        return True
+
+    def _stop_editing(self) -> None:
+        self._editing = None
+        self.prompt.border_title = None
+
+    async def switch_branch(self, step: int, message_id: int | None = None) -> bool:
+        """Show the version `step` places from message `message_id`'s (None: the selected
+        message, else the last one with versions) and the branch below it."""
+        if self.streaming:
+            self.notify("wait for the reply to finish (or stop it) before switching branches",
+                        severity="warning", markup=False)
+            return False
+        if message_id is None:
+            views = [self._selected] if self._selected is not None else self._message_views()[::-1]
+            message_id = next((view.message_id for view in views if view.message_id is not None
+                               and self.session.branch_of(view.message_id)), None)
+        switched = None if message_id is None else self.session.switch_branch(message_id, step)
+        if switched is None:
+            self.notify("no other branch that way", severity="warning", markup=False)
+            return False
+        await self._show_branch(select=switched)
+        self.post_message(self.Changed(self))
+        return True
+
+    def branch_choices(self) -> list[tuple[str, int, int]]:
+        """The branches the palette offers: for each message of the branch shown that has
+        other versions, (label, message id, step to that version) per other version."""
+        choices = []
+        messages = self.session.chat.messages if self.session.chat is not None else []
+        for number, message in enumerate(messages, 1):
+            branch = self.session.branch_of(message.id)
+            if branch is None:
+                continue
+            at, count = branch
+            choices += [(f"Branch {version}/{count} at message {number} ({message.role})",
+                         message.id, version - at)
+                        for version in range(1, count + 1) if version != at]
+        return choices
+
+    async def _show_branch(self, select: int | None = None) -> None:
+        """Mount the session's branch afresh, message `select` selected (an edit under way
+        ends: its message may be gone)."""
+        self._select(None)
+        self._stop_editing()
+        self._unshown.clear()
+        await self.messages.query(".message").remove()
+        self._loaded = False
+        await self.ensure_loaded()
+        self._select(next((view for view in self._message_views() if view.message_id == select), None))
+
+    def _view_of(self, message) -> Static | AssistantMessage:
+        return _view_of(message, self.session.branch_of(message.id))
+
+    def _start_turn(self, text: str | None, branch_at: UserMessage | AssistantMessage | None = None
+                    ) -> bool:
         if self.streaming:
             self.notify("a reply is still streaming: Esc stops it", severity="warning", markup=False)
             return False
@@ -297,12 +417,17 @@ class ChatTab(TabPane):
             self.notify(f"not sent: {trouble}{kept}", severity="error", timeout=8, markup=False)
             return False
         self.streaming = True
-        self._run_turn(text)
+        self._select(None)
+        self._run_turn(text, branch_at)
         return True
 
     def stop(self) -> bool:
-        """Stop the streaming reply (its blocks go back to the pool); True if one was."""
+        """Stop the streaming reply (its blocks go back to the pool); True if one was. Not
+        streaming, it gives up an edit (the prompt gets back what it held before)."""
         if not self.streaming:
+            if self._editing is not None:
+                self._stop_editing()
+                self.prompt.text = self._draft
             return False
         if not self.session.stop():  # still waiting for the model: drop the turn
             self.workers.cancel_group(self, "turn")
@@ -330,6 +455,8 @@ class ChatTab(TabPane):
     async def start_over(self) -> None:
         """Go on in a new chat with the same settings (the demo's tabs do, every few turns)."""
         self._unshown.clear()
+        self._select(None)
+        self._stop_editing()
         await self.messages.query(".message").remove()
         client = await self.wait_for_engine()
         self.session.start_over(client.info.name)
@@ -338,8 +465,11 @@ class ChatTab(TabPane):
     # ---- the turn -------------------------------------------------------------------
 
     @work(group="turn", exclusive=True)
-    async def _run_turn(self, text: str | None) -> None:
-        """Stream one reply (a regenerate when `text` is None) into the tab.
+    async def _run_turn(self, text: str | None, branch_at: UserMessage | AssistantMessage | None
+                        ) -> None:
+        """Stream one reply (a regenerate when `text` is None) into the tab; `branch_at` is
+        the message the turn branches at (an edited message, a regenerated reply), whose
+        view and those after it give way to the turn's.
 
         The turn's views mount while its request goes out, not before: the request leaves
         in this worker's first run on the event loop, so tabs that send at once (a
@@ -349,7 +479,12 @@ class ChatTab(TabPane):
         messages = self.messages
         views: list[Widget] = []   # the turn's new views
         replaced: AssistantMessage | None = None  # a regenerate's old reply, to show again
-        if text is None:  # the last reply (and any error after the last prompt) goes
+        if branch_at is not None:   # the branch from that message on goes
+            await self._mount_unshown()
+            shown = list(messages.query(".message"))
+            if branch_at in shown:
+                await messages.remove_children(shown[shown.index(branch_at):])
+        elif text is None:  # the last reply (and any error after the last prompt) goes
             await self._mount_unshown()
             shown = list(messages.query(".message"))
             while shown and not isinstance(shown[-1], UserMessage):
@@ -357,7 +492,7 @@ class ChatTab(TabPane):
                 if isinstance(view, AssistantMessage) and replaced is None:
                     replaced = AssistantMessage(view.text, footer=view.footer)
                 await view.remove()
-        else:
+        if text is not None:
             sent = UserMessage(text)
             views.append(sent)
             if self.title.startswith("Chat ") and self.session.turn is None and not self.session.load():
@@ -370,8 +505,15 @@ class ChatTab(TabPane):
             client = await self.wait_for_engine()
             await self.ensure_loaded()
             params = self.sampling_params(self.session.sampling)
-            deltas = (self.session.send(client, text, params, self.priority) if text is not None
-                      else self.session.regenerate(client, params, self.priority))
+            if isinstance(branch_at, UserMessage):
+                deltas = self.session.edit(client, branch_at.message_id, text, params,
+                                           self.priority)
+            elif text is not None:
+                deltas = self.session.send(client, text, params, self.priority)
+            else:
+                deltas = self.session.regenerate(
+                    client, params, branch_at.message_id if branch_at is not None else None,
+                    self.priority)
             reply.footer = "prefilling…"
             async with aclosing(deltas):
                 async for output in deltas:
@@ -403,8 +545,14 @@ class ChatTab(TabPane):
         if withdrawn:
             # The engine stopped before a word: the turn is not in the chat, so the user's
             # text goes back into the prompt to send again (after F5), or a regenerate's
-            # old reply, still the chat's, back on screen.
-            if text is not None:
+            # old reply, still the chat's, back on screen; a branch's whole branch.
+            if branch_at is not None:
+                await self._show_branch()
+                if self.error:
+                    await messages.mount(ErrorMessage(self.error))
+                if text is not None and not self.prompt.text:
+                    self.prompt.text = text
+            elif text is not None:
                 await sent.remove()
                 if not self.prompt.text:
                     self.prompt.text = text
@@ -413,9 +561,18 @@ class ChatTab(TabPane):
                     await reply.remove()
                 await messages.mount(replaced, before=messages.query(ErrorMessage).last()
                                      if self.error else None)
+        elif turn is not None and turn.reply_message_id is not None:
+            self._show_ids(reply, turn.reply_message_id)
+            if text is not None:
+                self._show_ids(sent, turn.user_message_id)
         reply.footer = self._footer()
         self.streaming = False
         self.post_message(self.TurnEnded(self))
+
+    def _show_ids(self, view: UserMessage | AssistantMessage, message_id: int) -> None:
+        """A turn's view takes its row's id in the store, and shows its version."""
+        view.message_id = message_id
+        view.show_branch(self.session.branch_of(message_id))
 
     async def _shown(self, mount: AwaitMount | None, reply: AssistantMessage) -> None:
         """Wait for the turn's views to mount (None: a hidden tab's wait until it is shown);
@@ -442,9 +599,9 @@ class ChatTab(TabPane):
         return " · ".join(parts)
 
 
-def _view_of(message) -> Static | AssistantMessage:
+def _view_of(message, branch: tuple[int, int] | None = None) -> Static | AssistantMessage:
     if message.role == "user":
-        return UserMessage(message.content)
+        return UserMessage(message.content, message.id, branch)
     if message.role == "assistant":
         footer = finish_label(message.finish_reason)
         timings = message.timings or {}
@@ -452,5 +609,5 @@ def _view_of(message) -> Static | AssistantMessage:
             footer = " · ".join(p for p in (f"ttft {timings['ttft_s']:.2f}s",
                                             f"{timings.get('tokens_per_s', 0):.1f} tok/s",
                                             footer) if p)
-        return AssistantMessage(message.content, footer=footer)
+        return AssistantMessage(message.content, footer=footer, message_id=message.id, branch=branch)
     return Static(Text(clean(message.content)), classes="message system")

@@ -103,13 +103,25 @@ class ReplyMarkdown(Markdown):
         super().__init__(markdown, parser_factory=lambda: _PARSER)
 
 
-class UserMessage(Static):
-    """The user's prompt, as typed (no markup)."""
+def branch_title(label: str, branch: tuple[int, int] | None) -> str:
+    """A message's border title: who said it and, where the message has other versions
+    (an edit, a regenerate), which of them it is: `you ◀ 2/3 ▶`."""
+    return label if branch is None else f"{label} ◀ {branch[0]}/{branch[1]} ▶"
 
-    def __init__(self, text: str) -> None:
+
+class UserMessage(Static):
+    """The user's prompt, as typed (no markup). `message_id` is its row in the chat store
+    (None until the store has it); `branch` which of its versions it is, when it has several."""
+
+    def __init__(self, text: str, message_id: int | None = None,
+                 branch: tuple[int, int] | None = None) -> None:
         super().__init__(Text(clean(text)), classes="message user")
         self.text = text
-        self.border_title = "you"
+        self.message_id = message_id
+        self.show_branch(branch)
+
+    def show_branch(self, branch: tuple[int, int] | None) -> None:
+        self.border_title = branch_title("you", branch)
 
 
 class ErrorMessage(Static):
@@ -122,12 +134,15 @@ class AssistantMessage(Vertical):
     """A reply: Markdown chunks plus a one-line footer (finish reason, timings).
 
     `text` is the reply exactly (copy, code blocks); what is shown has escape sequences
-    and control characters removed (`sanitize_for_terminal`), piece by piece."""
+    and control characters removed (`sanitize_for_terminal`), piece by piece.
+    `message_id` and `branch` are as for UserMessage."""
 
-    def __init__(self, text: str = "", footer: str = "") -> None:
+    def __init__(self, text: str = "", footer: str = "", message_id: int | None = None,
+                 branch: tuple[int, int] | None = None) -> None:
         super().__init__(classes="message assistant")
         self.text = text
-        self.border_title = "assistant"
+        self.message_id = message_id
+        self.show_branch(branch)
         self._footer = footer   # " · "-joined parts (timings, how the reply ended)
         self._show_footer(footer)
         self._chunks: list[Markdown] = []
@@ -143,6 +158,9 @@ class AssistantMessage(Vertical):
         markdown = ReplyMarkdown(self._chunk_text or None)
         self._chunks.append(markdown)
         yield markdown
+
+    def show_branch(self, branch: tuple[int, int] | None) -> None:
+        self.border_title = branch_title("assistant", branch)
 
     @property
     def footer(self) -> str:
