@@ -24,9 +24,11 @@ row by row to find the culprits) and the engine finishes only those requests wit
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,13 +60,46 @@ from paged_chat.engine.worker.structured_output import fill_token_bitmask
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+# How far under the eager step's best logit a replayed step's pick may sit and still count as
+# the same token, relative to the row's largest logit: a graph plans its attention splits for
+# the longest context, so its sums run in another order than an eager step's, and a near-tie
+# may flip in half precision.
+_GRAPH_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+logger = logging.getLogger(__name__)
+
+
 @dataclass(slots=True)
 class _DecodeGraph:
-    """A captured decode step: `meta`'s tensors are its inputs, `logits` its output."""
+    """A captured decode step: `meta`'s tensors are its inputs, `logits` its output, which
+    each `replay()` rewrites."""
 
-    graph: torch.cuda.CUDAGraph
+    replay: Callable[[], object]
     meta: AttentionMetadata
     logits: torch.Tensor
+
+
+class GraphMismatch(Exception):
+    """A decode step replayed from its CUDA graph picks other tokens than the eager step."""
+
+
+class CudaGraphCapture:
+    """Captures forwards as CUDA graphs that share one memory pool."""
+
+    def __init__(self) -> None:
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def __call__(self, forward: Callable[[], torch.Tensor]
+                 ) -> tuple[Callable[[], object], torch.Tensor]:
+        """The replay of `forward` captured, and the output tensor each replay rewrites.
+        `forward` runs eagerly first: lazy initialisation (cuBLAS handles, the split
+        workspace, which the graph then reuses) must not happen during a capture."""
+        forward()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = forward()
+        return graph.replay, output
 # The cache is [layers, 2, kv_heads, blocks, block_size, head_dim] (AttentionBackend.kv_cache_shape).
 _BLOCK_AXIS = 3
 
@@ -87,6 +122,7 @@ class ModelRunner:
         self.loaded: LoadedModel = loaded
         model_config = source.config
         self.model = model
+        self.vocab_size = model_config.vocab_size
         self.block_size = config.block_size
         self.attention = select_attention(
             config.attention_backend, num_heads=model_config.num_heads,
@@ -123,7 +159,7 @@ class ModelRunner:
         if self.attention.compiles_kernels and device.type == "cuda":
             self.warm_up(on_progress)
             if not config.enforce_eager:
-                self.capture_decode_graphs(config.max_num_seqs, on_progress or _no_progress)
+                self.use_decode_graphs(config.max_num_seqs, on_progress or _no_progress)
         if device.type == "cpu":
             prepare_for_cpu(model, config.fused_ops)
 
@@ -192,6 +228,19 @@ class ModelRunner:
 
     # ---- CUDA graphs of decode steps -------------------------------------------------
 
+    def use_decode_graphs(self, max_batch: int, on_progress: ProgressHook) -> bool:
+        """Capture the decode graphs (`capture_decode_graphs`) and check them against eager
+        steps (`check_decode_graphs`); when a capture raises or a check fails, drop them,
+        log why, and run every step eagerly. Returns whether graphs are on."""
+        try:
+            self.capture_decode_graphs(max_batch, on_progress)
+            self.check_decode_graphs()
+        except (RuntimeError, GraphMismatch) as error:
+            self._graphs.clear()
+            logger.warning("CUDA graphs are off, every step runs eagerly: %s", error)
+            return False
+        return True
+
     def capture_decode_graphs(self, max_batch: int, on_progress: ProgressHook) -> None:
         """Capture one CUDA graph of a whole decode step (every layer, logits of every row) per
         batch-size bucket up to `max_batch`, largest first, in one shared memory pool.
@@ -200,33 +249,58 @@ class ModelRunner:
         staging buffer of its own (`_graph_meta` lays a bucket's arrays out the same way at
         every step, the tables `ceil(max_model_len / block_size)` wide, the batch padded
         with decodes that store nothing), and its splits are planned for `max_model_len`.
-        Only the Triton backend qualifies (its launches read lengths on the device; the
-        torch backend reads them on the host). Not yet run on a GPU: off by default
-        (`EngineConfig.enforce_eager`).
+        Only a backend that reads a step's lengths on the device qualifies (Triton on CUDA;
+        the torch backend reads them on the host).
         """
-        assert self.device.type == "cuda" and self.attention.compiles_kernels
         self._graph_width = -(-self.max_model_len // self.block_size)
         self._graph_staging = StagingBuffer(self.device)
         buckets = sorted({b for b in GRAPH_BATCH_SIZES if b < max_batch} | {max_batch},
                          reverse=True)
-        pool = torch.cuda.graph_pool_handle()
+        capture = CudaGraphCapture()
         for done, batch in enumerate(buckets):
             on_progress("capturing CUDA graphs", done, len(buckets))
             meta = self._graph_meta(batch, [], [], [])
             self.attention.plan_graph(meta, self.kv_cache, self.max_model_len)
             input_ids, logits_indices = meta.extra
             with torch.inference_mode():
-                # An eager run first: lazy initialisation (cuBLAS handles, the split
-                # workspace, which the graph then reuses) must not happen during capture.
-                self.model(input_ids, meta.positions, self.kv_cache, meta, self.attention,
-                           logits_indices)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self.model(input_ids, meta.positions, self.kv_cache, meta,
-                                        self.attention, logits_indices)
-            self._graphs[batch] = _DecodeGraph(graph, meta, logits)
+                replay, logits = capture(functools.partial(
+                    self.model, input_ids, meta.positions, self.kv_cache, meta, self.attention,
+                    logits_indices))
+            self._graphs[batch] = _DecodeGraph(replay, meta, logits)
         on_progress("capturing CUDA graphs", len(buckets), len(buckets))
+
+    @torch.inference_mode()
+    def check_decode_graphs(self) -> None:
+        """Run a made-up decode step in every captured bucket both ways, replayed and eager;
+        raise GraphMismatch where a row's replayed token is not the eager step's (but for a
+        near-tie, `_GRAPH_CHECK_TOLERANCE`). Each step is one row short of its bucket (but
+        in bucket 1), so the padding runs too; each row's context spans a few blocks of its
+        own in the empty pool, so both ways read and write the same KV."""
+        num_blocks = self.kv_cache.shape[_BLOCK_AXIS] - 1
+        for batch in sorted(self._graphs):
+            rows = max(1, batch - 1)
+            blocks_per_row = max(1, min(4, num_blocks // rows))
+            longest = min(self.max_model_len, blocks_per_row * self.block_size)
+            seq_lens = [1 + (37 * row + 5) % longest for row in range(rows)]
+            tables = [[1 + (row * blocks_per_row + block) % num_blocks
+                       for block in range(-(-length // self.block_size))]
+                      for row, length in enumerate(seq_lens)]
+            tokens = [(7919 * row + 11) % self.vocab_size for row in range(rows)]
+            meta = AttentionMetadata.build(
+                [1] * rows, seq_lens, tables, self.block_size, self.device,
+                extra=(np.array(tokens, dtype=np.int64), np.arange(rows, dtype=np.int64)),
+                staging=self._staging)
+            input_ids, logits_indices = meta.extra
+            eager = self.model(input_ids, meta.positions, self.kv_cache, meta, self.attention,
+                               logits_indices).float()
+            replayed = self._replay_decode(batch, seq_lens, tables, tokens)[:rows].float()
+            picked = eager.gather(1, replayed.argmax(dim=-1, keepdim=True)).squeeze(1)
+            slack = _GRAPH_CHECK_TOLERANCE[self.kv_cache.dtype] * eager.abs().amax(dim=-1)
+            off = picked < eager.amax(dim=-1) - slack
+            if bool(off.any()):  # once per bucket, at start-up
+                raise GraphMismatch(
+                    f"the decode graph of batch {batch} picks other tokens than an eager step "
+                    f"in rows {off.nonzero().flatten().tolist()}")
 
     def _graph_batch(self, scheduled: list[ScheduledRequest]) -> int | None:
         """The captured bucket this step replays in: every item a single token, and few enough."""
@@ -248,18 +322,26 @@ class ModelRunner:
     def _replay(self, batch: int, scheduled: list[ScheduledRequest],
                 block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """Logits of the sampling rows of a decode step, by replaying its bucket's graph."""
-        captured = self._graphs[batch]
         requests = [item.request for item in scheduled]
-        meta = self._graph_meta(batch, [r.num_computed_tokens + 1 for r in requests],
-                                block_tables,
-                                [r.all_token_ids[r.num_computed_tokens] for r in requests])
-        assert meta.block_tables.data_ptr() == captured.meta.block_tables.data_ptr(), \
-            "a graph's inputs moved: the staging buffer grew after capture"
-        captured.graph.replay()
+        logits = self._replay_decode(batch, [r.num_computed_tokens + 1 for r in requests],
+                                     block_tables,
+                                     [r.all_token_ids[r.num_computed_tokens] for r in requests])
         samples = [row for row, item in enumerate(scheduled) if item.samples]
         if len(samples) == len(scheduled):
-            return captured.logits[:len(samples)]
-        return captured.logits[torch.tensor(samples, device=self.device)]
+            return logits[:len(samples)]
+        return logits[torch.tensor(samples, device=self.device)]
+
+    def _replay_decode(self, batch: int, seq_lens: list[int],
+                       block_tables: Sequence[Sequence[int]], token_ids: list[int]
+                       ) -> torch.Tensor:
+        """The logits of every row of bucket `batch`'s graph replayed over these decodes
+        (the rows past them are padding)."""
+        captured = self._graphs[batch]
+        meta = self._graph_meta(batch, seq_lens, block_tables, token_ids)
+        assert meta.block_tables.data_ptr() == captured.meta.block_tables.data_ptr(), \
+            "a graph's inputs moved: the staging buffer grew after capture"
+        captured.replay()
+        return captured.logits
 
     # ---- whole blocks, for the KV tier (kv_transfer) ---------------------------------
 
