@@ -36,6 +36,7 @@ class StagingBuffer:
     def _allocate(self, capacity: int) -> None:
         cuda = self.device.type == "cuda"
         self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=cuda)
+        self._host_bytes = self.host.numpy()
         self.on_device = torch.empty(capacity, dtype=torch.uint8, device=self.device) if cuda \
             else self.host
 
@@ -49,7 +50,7 @@ class StagingBuffer:
             self._allocate(max(total, 2 * self.host.numel()))
         if self._copied is not None:  # the last step's copy may still read the host buffer
             self._copied.synchronize()
-        host = self.host.numpy()
+        host = self._host_bytes
         for array, offset in zip(arrays, offsets):
             host[offset:offset + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).ravel()
         if self.on_device is not self.host:

@@ -51,8 +51,9 @@ from paged_chat.engine.kv.pool_sizing import (
 )
 from paged_chat.engine.models.loader import ModelSource, ProgressHook
 from paged_chat.engine.native.build import use_cache_dir
+from paged_chat.engine.worker.device_to_host import DeviceToHost
 from paged_chat.engine.worker.model_loading import LoadedModel, load_weights, prepare_for_cpu
-from paged_chat.engine.worker.sampler import SamplingBatch, sample
+from paged_chat.engine.worker.sampler import SamplingBatch, logprob_entries, sample
 from paged_chat.engine.worker.structured_output import fill_token_bitmask
 
 # Batch sizes a decode step's CUDA graph is captured for (plus max_num_seqs); a step runs in
@@ -150,6 +151,10 @@ class ModelRunner:
         # The last step's TokenLogprobs per sampled item (as `execute` returns tokens), None
         # for one that asked for none; None when none did.
         self._step_logprobs: list[TokenLogprob | None] | None = None
+        self._logprob_rows: list[int] = []  # the last batch's rows that want logprobs
+        # Whether sampling may read tensors on the host (sampler.SamplingBatch.host_reads).
+        self.sample_on_host = device.type == "cpu"
+        self._to_host = DeviceToHost(device)
         # Every request's block table as ids, written by the KV manager as tables change.
         self.block_id_rows = BlockIdRows()
         self._staging = StagingBuffer(self.device)
@@ -379,22 +384,32 @@ class ModelRunner:
         give an id past the vocabulary), and fed back as input it would fail the next forward
         for the whole batch. Checking the chosen logit finds it at the cost of one gather:
         argmax picks a NaN or +inf when there is one, and a draw over NaN leaves the vocabulary.
+
+        The tokens (-1 for such a row) and the logprobs asked for come to the host in the
+        step's one device-to-host copy (`DeviceToHost.fetch`).
         """
         vocab_size = logits.shape[-1]
         batch = self._sampling_batch(samplers, vocab_size)
         started = time.thread_time()
         tokens = sample(logits, batch)
-        self.last_sample_cpu_s = time.thread_time() - started
-        if batch.logprobs is not None:
-            self._step_logprobs = [None] * len(samplers)
-            for row, logprob in zip(batch.logprob_rows.tolist(), batch.logprobs):
-                self._step_logprobs[row] = logprob
         chosen = logits.gather(1, tokens.clamp(max=vocab_size - 1)[:, None]).squeeze(1)
-        bad = (tokens >= vocab_size) | ~torch.isfinite(chosen)
-        if not bad.any():
-            return tokens.tolist()
+        tokens = tokens.masked_fill((tokens >= vocab_size) | ~torch.isfinite(chosen), -1)
+        parts = [tokens] if batch.logprobs is None else [tokens, *batch.logprobs]
+        packed = torch.cat([part.flatten().double() for part in parts])
+        self.last_sample_cpu_s = time.thread_time() - started
+        host = self._to_host.fetch(packed)
+        num_rows = len(samplers)
+        if batch.logprobs is not None:
+            wanting, width = self._logprob_rows, batch.num_top_logprobs
+            chosen_at, top_at = num_rows + len(wanting), num_rows + len(wanting) * (1 + width)
+            entries = logprob_entries(
+                host[num_rows:chosen_at], host[chosen_at:top_at].reshape(len(wanting), width),
+                host[top_at:].reshape(len(wanting), width))
+            self._step_logprobs = [None] * num_rows
+            for row, entry in zip(wanting, entries):
+                self._step_logprobs[row] = entry
         return [SamplingError("the model's logits for this request are not finite (NaN or inf)")
-                if token < 0 else token for token in torch.where(bad, -1, tokens).tolist()]
+                if token < 0 else token for token in host[:num_rows].astype(np.int64).tolist()]
 
     def _prepare(self, scheduled: list[ScheduledRequest], block_tables: Sequence[Sequence[int]]
                  ) -> AttentionMetadata:
@@ -423,7 +438,7 @@ class ModelRunner:
             batch.bitmask_rows = torch.tensor(constrained, device=self.device)
             batch.token_bitmask = fill_token_bitmask([requests[row].grammar for row in constrained],
                                                      vocab_size, self.device)
-        wanting = [row for row, p in enumerate(params) if p.wants_logprobs]
+        wanting = self._logprob_rows = [row for row, p in enumerate(params) if p.wants_logprobs]
         if wanting:
             batch.logprob_rows = torch.tensor(wanting, device=self.device)
             batch.num_top_logprobs = max(params[row].top_logprobs for row in wanting)
@@ -431,7 +446,7 @@ class ModelRunner:
 
     def _base_sampling_batch(self, requests: list[Request], params: list[SamplingParams],
                              vocab_size: int) -> SamplingBatch:
-        if (greedy_only := SamplingBatch.greedy_only(params)) is not None:
+        if (greedy_only := SamplingBatch.greedy_only(params, self.sample_on_host)) is not None:
             return greedy_only  # the other columns are not read: do not gather them
         penalised = any(p.uses_penalties for p in params)
         return SamplingBatch.build(
@@ -442,6 +457,7 @@ class ModelRunner:
             prompt_lens=[request.num_prompt_tokens for request in requests] if penalised else None,
             vocab_size=vocab_size,
             device=self.device,
+            host_reads=self.sample_on_host,
         )
 
 

@@ -1,8 +1,10 @@
 """Batched token sampling: penalties, greedy, temperature, min-p / top-k / top-p, seeded draws.
 
-One pass of torch ops over the whole batch, no Python loop over requests in `sample`. The
-order follows vLLM: penalties -> grammar bitmask (constrained rows) -> greedy argmax ->
-temperature -> min-p, top-k, top-p -> draw. The rows that ask for logprobs get the model's
+One pass of torch ops over the whole batch, no Python loop over requests in `sample`, and on
+a device no read of a tensor on the host (each would stall the step until the device caught
+up): what depends on the rows' settings is decided from them on the host, when the batch is
+built (`SamplingBatch.host_reads`). The order follows vLLM: penalties -> grammar bitmask
+(constrained rows) -> greedy argmax -> temperature -> min-p, top-k, top-p -> draw. The rows that ask for logprobs get the model's
 own: the log-softmax of their logits as the model gave them, before any of that (OpenAI's
 and vLLM's default), so a logprob never depends on the request's sampling settings.
 
@@ -97,23 +99,34 @@ class SamplingBatch:
     # for; `sample` leaves their TokenLogprobs, in that order, in `logprobs`.
     logprob_rows: torch.Tensor | None = None
     num_top_logprobs: int = 0
-    logprobs: list[TokenLogprob] | None = None
+    # What `sample` leaves for the logprob rows, on the logits' device: each row's chosen
+    # token's logprob [r], its likeliest tokens [r, num_top_logprobs] and their logprobs.
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Whether sampling may read tensors on the host: on the CPU it may (numpy's argmax, the
+    # top-p candidates widened only as far as a row needs); on a device it reads nothing
+    # (torch's argmax, the candidates sized from the settings alone).
+    host_reads: bool = True
+    all_truncated: bool = False  # every row has top-k or top-p on, and none is greedy
+    num_candidates: int = 0  # the first number of top candidates `kept_candidates` sorts
 
     @classmethod
-    def greedy_only(cls, params: list[SamplingParams]) -> SamplingBatch | None:
+    def greedy_only(cls, params: list[SamplingParams], host_reads: bool = True
+                    ) -> SamplingBatch | None:
         """The batch of rows that are all greedy without penalties (the common case: `sample`
         then reads nothing but `all_greedy`), or None when some row needs more."""
         if not all(p.greedy and not p.uses_penalties for p in params):
             return None
         return cls(all_greedy=True, greedy=None, temperature=None, uniforms=None, min_p=None,
                    top_k=None, top_p=None, truncated=None, repetition_penalty=None,
-                   frequency_penalty=None, presence_penalty=None, seen=None, output_counts=None)
+                   frequency_penalty=None, presence_penalty=None, seen=None, output_counts=None,
+                   host_reads=host_reads)
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], output_indices: list[int],
               token_histories: list[list[int]] | None, prompt_lens: list[int] | None,
-              vocab_size: int, device: torch.device) -> SamplingBatch:
-        """Gather the rows' settings into tensors.
+              vocab_size: int, device: torch.device, host_reads: bool = True) -> SamplingBatch:
+        """Gather the rows' settings into tensors on `device`; `host_reads` False for logits
+        on an accelerator (see the field).
 
         `seeds` are the requests' `sampling_seed`; `output_indices` the number of tokens each
         has generated so far. `token_histories` (prompt + output ids) and `prompt_lens` are
@@ -126,11 +139,15 @@ class SamplingBatch:
         def column(values: list, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=device)
 
-        if (greedy_only := cls.greedy_only(params)) is not None:
+        if (greedy_only := cls.greedy_only(params, host_reads)) is not None:
             return greedy_only
         greedy = [p.greedy for p in params]
         penalised = any(p.uses_penalties for p in params)
         top_k = [min(p.top_k or vocab_size, vocab_size) for p in params]
+        truncated = [not g and (k < vocab_size or p.top_p < 1)
+                     for p, g, k in zip(params, greedy, top_k)]
+        largest_top_k = max((k for k in top_k if k < vocab_size), default=0)
+        uses_top_p = any(p.top_p < 1 for p in params)
         batch = cls(
             all_greedy=all(greedy),
             greedy=column(greedy, torch.bool) if any(greedy) else None,
@@ -142,10 +159,11 @@ class SamplingBatch:
             top_k=column(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
             top_p=(column([p.top_p if p.top_p < 1 else math.inf for p in params], torch.float32)
                    if any(p.top_p < 1 for p in params) else None),
-            truncated=column([not g and (k < vocab_size or p.top_p < 1)
-                              for p, g, k in zip(params, greedy, top_k)], torch.bool),
+            truncated=column(truncated, torch.bool),
             repetition_penalty=None, frequency_penalty=None, presence_penalty=None,
-            seen=None, output_counts=None,
+            seen=None, output_counts=None, host_reads=host_reads, all_truncated=all(truncated),
+            num_candidates=(vocab_size if uses_top_p and not host_reads
+                            else min(vocab_size, max(_MIN_CANDIDATES, largest_top_k))),
         )
         if penalised:
             if token_histories is None or prompt_lens is None:
@@ -162,18 +180,18 @@ class SamplingBatch:
 
 def _token_stats(histories: list[list[int]], prompt_lens: list[int], vocab_size: int,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seen-mask (prompt + output) and output counts, scattered from all histories at once."""
-    lengths = torch.tensor([len(h) for h in histories], dtype=torch.int64, device=device)
-    rows = torch.repeat_interleave(torch.arange(len(histories), device=device), lengths)
+    """Seen-mask (prompt + output) and output counts, scattered from all histories at once
+    (no mask indexing, which would read a count on the host)."""
+    lengths = [len(history) for history in histories]
+    rows = torch.tensor(np.repeat(np.arange(len(histories)), lengths), device=device)
     tokens = torch.tensor(list(itertools.chain.from_iterable(histories)), dtype=torch.int64,
                           device=device)
-    position = torch.arange(len(tokens), device=device) - (lengths.cumsum(0) - lengths)[rows]
-    is_output = position >= torch.tensor(prompt_lens, dtype=torch.int64, device=device)[rows]
+    is_output = torch.tensor(np.concatenate([np.arange(length) >= prompt_len for length, prompt_len
+                                             in zip(lengths, prompt_lens)]), device=device)
     seen = torch.zeros(len(histories), vocab_size, dtype=torch.bool, device=device)
     seen[rows, tokens] = True
     counts = torch.zeros(len(histories), vocab_size, device=device)
-    counts.index_put_((rows[is_output], tokens[is_output]),
-                      torch.ones(len(tokens), device=device)[is_output], accumulate=True)
+    counts.index_put_((rows, tokens), is_output.float(), accumulate=True)
     return seen, counts
 
 
@@ -226,14 +244,15 @@ def kept_candidates(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.T
     on the CPU, while the kept set is almost always small. So sort only the top `k`
     candidates (`topk`) and widen `k` (in the end to the whole vocabulary: the plain sort)
     until every truncated row's kept set provably ends inside them: its top-k fits, or the
-    candidates' mass reaches its top_p.
+    candidates' mass reaches its top_p. Without host reads the first `k` holds every row's
+    kept set by construction (`num_candidates`: the whole vocabulary where top-p is on).
     """
     vocab = logits.shape[-1]
     top_k = batch.top_k if batch.top_k is not None else torch.full_like(batch.truncated, vocab,
                                                                          dtype=torch.int64)
     top_p = (batch.top_p if batch.top_p is not None
              else torch.full_like(batch.temperature, math.inf))
-    k = min(vocab, max(_MIN_CANDIDATES, int(top_k.masked_fill(top_k >= vocab, 0).max())))
+    k = min(vocab, batch.num_candidates)
     full_log_z = _log_sum_exp(logits)
     while True:
         values, indices = logits.topk(k, dim=-1)
@@ -244,7 +263,7 @@ def kept_candidates(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.T
         probs = (values - log_z[:, None]).exp()
         mass = probs.cumsum(dim=-1)
         covered = (top_k <= k) | (mass[:, -1] >= top_p)
-        if k == vocab or bool((covered | ~batch.truncated).all()):
+        if k == vocab or not batch.host_reads or bool((covered | ~batch.truncated).all()):
             break
         k = k * _GROWTH if k * _GROWTH <= vocab // 4 else vocab
     # The most probable token is always kept: a tiny top_p (1e-300 is 0 in float32) would
@@ -268,7 +287,7 @@ def draw(scaled: torch.Tensor, batch: SamplingBatch,
     by_id = indices.argsort(dim=-1)
     ids = indices.gather(1, by_id)
     picked = ids.gather(1, _inverse_cdf(values.gather(1, by_id), batch.uniforms)[:, None]).squeeze(1)
-    if bool(batch.truncated.all()):
+    if batch.all_truncated:
         return picked
     return torch.where(batch.truncated, picked, _inverse_cdf(scaled, batch.uniforms))
 
@@ -299,15 +318,20 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
 
 
 def token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, num_top: int
-                   ) -> list[TokenLogprob]:
-    """Each row's chosen token's log-probability and its `num_top` likeliest tokens:
-    `logprobs` [r, vocab] (a log-softmax), `tokens` int64 [r]."""
-    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-    if num_top == 0:
-        return [TokenLogprob(lp, [], []) for lp in chosen]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's chosen token's log-probability [r], its `num_top` likeliest tokens [r, num_top]
+    and their log-probabilities, on the device: `logprobs` [r, vocab] (a log-softmax),
+    `tokens` int64 [r]. `logprob_entries` makes TokenLogprobs of them on the host."""
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     top = logprobs.topk(num_top, dim=-1)
-    return [TokenLogprob(lp, ids, values) for lp, ids, values
-            in zip(chosen, top.indices.tolist(), top.values.tolist())]
+    return chosen, top.indices, top.values
+
+
+def logprob_entries(chosen: np.ndarray, top_ids: np.ndarray, top_logprobs: np.ndarray
+                    ) -> list[TokenLogprob]:
+    """TokenLogprobs of what `token_logprobs` gave, on the host: [r], [r, k] and [r, k]."""
+    return [TokenLogprob(float(lp), ids, values) for lp, ids, values
+            in zip(chosen, top_ids.astype(np.int64).tolist(), top_logprobs.tolist())]
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -320,6 +344,10 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def _device_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Pick one token per row: `[num_seqs, vocab]` logits of any float dtype -> int64 `[num_seqs]`.
 
@@ -328,22 +356,23 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     one per vocabulary entry keeps the hashing negligible. A token with zero probability
     never owns a step of the CDF, so filtered tokens are never picked.
     The constrained rows' logits are masked in place (`apply_token_bitmask`); the logprob
-    rows' TokenLogprobs (of the logits as given) are left in `batch.logprobs`.
+    rows' logprobs (of the logits as given, `token_logprobs`) are left in `batch.logprobs`.
     """
     model_logprobs = (None if batch.logprob_rows is None
                       else logits[batch.logprob_rows].float().log_softmax(dim=-1))
     logits = apply_penalties(logits.float(), batch)
     if batch.token_bitmask is not None:
         logits = apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
+    argmax = greedy_tokens if batch.host_reads else _device_argmax
     if batch.all_greedy:
-        sampled = greedy_tokens(logits)
+        sampled = argmax(logits)
     else:
         scaled = apply_min_p(logits / batch.temperature[:, None], batch)
         kept = (None if batch.top_k is None and batch.top_p is None
                 else kept_candidates(scaled, batch))
         sampled = draw(scaled, batch, kept)
         if batch.greedy is not None:
-            sampled = torch.where(batch.greedy, greedy_tokens(logits), sampled)
+            sampled = torch.where(batch.greedy, argmax(logits), sampled)
     if model_logprobs is not None:
         chosen = sampled[batch.logprob_rows].clamp(max=logits.shape[-1] - 1)
         batch.logprobs = token_logprobs(model_logprobs, chosen, batch.num_top_logprobs)
