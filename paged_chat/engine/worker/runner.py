@@ -52,6 +52,7 @@ from paged_chat.engine.kv.pool_sizing import (
 from paged_chat.engine.models.loader import ModelSource, ProgressHook
 from paged_chat.engine.native.build import use_cache_dir
 from paged_chat.engine.worker.device_to_host import DeviceToHost
+from paged_chat.engine.worker.input_batch import SamplingRows
 from paged_chat.engine.worker.model_loading import LoadedModel, load_weights, prepare_for_cpu
 from paged_chat.engine.worker.sampler import SamplingBatch, logprob_entries, sample
 from paged_chat.engine.worker.structured_output import fill_token_bitmask
@@ -155,6 +156,7 @@ class ModelRunner:
         # Whether sampling may read tensors on the host (sampler.SamplingBatch.host_reads).
         self.sample_on_host = device.type == "cpu"
         self._to_host = DeviceToHost(device)
+        self._sampling_rows = SamplingRows(self.vocab_size, device)
         # Every request's block table as ids, written by the KV manager as tables change.
         self.block_id_rows = BlockIdRows()
         self._staging = StagingBuffer(self.device)
@@ -448,17 +450,16 @@ class ModelRunner:
                              vocab_size: int) -> SamplingBatch:
         if (greedy_only := SamplingBatch.greedy_only(params, self.sample_on_host)) is not None:
             return greedy_only  # the other columns are not read: do not gather them
-        penalised = any(p.uses_penalties for p in params)
-        return SamplingBatch.build(
-            params=params,
-            seeds=[request.sampling_seed for request in requests],
-            output_indices=[request.num_output_tokens for request in requests],
-            token_histories=[request.all_token_ids for request in requests] if penalised else None,
-            prompt_lens=[request.num_prompt_tokens for request in requests] if penalised else None,
-            vocab_size=vocab_size,
-            device=self.device,
-            host_reads=self.sample_on_host,
-        )
+        assert vocab_size == self._sampling_rows.vocab_size, "the logits are not the model's"
+        output_indices = np.fromiter((request.num_output_tokens for request in requests),
+                                     dtype=np.int64, count=len(requests))
+        batch = self._sampling_rows.batch(self._sampling_rows.rows(requests), output_indices,
+                                          self.sample_on_host)
+        if batch.repetition_penalty is not None:
+            batch.count_tokens([request.all_token_ids for request in requests],
+                               [request.num_prompt_tokens for request in requests],
+                               vocab_size, self.device)
+        return batch
 
 
 def _no_progress(stage: str, done: int, total: int) -> None:

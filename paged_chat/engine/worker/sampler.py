@@ -38,7 +38,7 @@ _GROWTH = 16  # then 1024 candidates, then (past a quarter of the vocabulary) al
 _EXP_FLOOR = -87.0
 
 
-def _int64(x: int) -> int:
+def as_int64(x: int) -> int:
     """Reinterpret the low 64 bits of `x` as a signed int64 (torch has no uint64 math)."""
     x &= (1 << 64) - 1
     return x - (1 << 64) if x >= 1 << 63 else x
@@ -54,9 +54,9 @@ def _mix64(z: torch.Tensor) -> torch.Tensor:
 
     int64 multiplication wraps modulo 2^64, which is exactly the unsigned arithmetic wanted.
     """
-    z = z + _int64(_GOLDEN)
-    z = (z ^ _shr(z, 30)) * _int64(_MUL1)
-    z = (z ^ _shr(z, 27)) * _int64(_MUL2)
+    z = z + as_int64(_GOLDEN)
+    z = (z ^ _shr(z, 30)) * as_int64(_MUL1)
+    z = (z ^ _shr(z, 27)) * as_int64(_MUL2)
     return z ^ _shr(z, 31)
 
 
@@ -135,47 +135,82 @@ class SamplingBatch:
         if not len(seeds) == len(output_indices) == len(params):
             raise ValueError(f"SamplingBatch.build: {len(params)} params, {len(seeds)} seeds, "
                              f"{len(output_indices)} output indices: expected equal lengths")
-
-        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
         if (greedy_only := cls.greedy_only(params, host_reads)) is not None:
             return greedy_only
-        greedy = [p.greedy for p in params]
-        penalised = any(p.uses_penalties for p in params)
-        top_k = [min(p.top_k or vocab_size, vocab_size) for p in params]
-        truncated = [not g and (k < vocab_size or p.top_p < 1)
-                     for p, g, k in zip(params, greedy, top_k)]
-        largest_top_k = max((k for k in top_k if k < vocab_size), default=0)
-        uses_top_p = any(p.top_p < 1 for p in params)
-        batch = cls(
-            all_greedy=all(greedy),
-            greedy=column(greedy, torch.bool) if any(greedy) else None,
-            temperature=column([p.temperature or 1.0 for p in params], torch.float32),
-            uniforms=counter_uniforms(column([_int64(s) for s in seeds], torch.int64),
-                                      column(output_indices, torch.int64)),
-            min_p=(column([p.min_p for p in params], torch.float32)
-                   if any(p.min_p > 0 for p in params) else None),
-            top_k=column(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
-            top_p=(column([p.top_p if p.top_p < 1 else math.inf for p in params], torch.float32)
-                   if any(p.top_p < 1 for p in params) else None),
-            truncated=column(truncated, torch.bool),
-            repetition_penalty=None, frequency_penalty=None, presence_penalty=None,
-            seen=None, output_counts=None, host_reads=host_reads, all_truncated=all(truncated),
-            num_candidates=(vocab_size if uses_top_p and not host_reads
-                            else min(vocab_size, max(_MIN_CANDIDATES, largest_top_k))),
-        )
-        if penalised:
+        host = sampling_columns(params, vocab_size)
+        batch = cls.from_columns(
+            host, torch.from_numpy(host).to(device),
+            torch.tensor([as_int64(s) for s in seeds], dtype=torch.int64, device=device),
+            torch.tensor(output_indices, dtype=torch.int64, device=device), vocab_size,
+            host_reads)
+        if batch.repetition_penalty is not None:
             if token_histories is None or prompt_lens is None:
                 raise ValueError("SamplingBatch.build: a request uses penalties, so "
                                  "token_histories and prompt_lens are required")
-            batch.repetition_penalty = column([p.repetition_penalty for p in params],
-                                              torch.float32)
-            batch.frequency_penalty = column([p.frequency_penalty for p in params], torch.float32)
-            batch.presence_penalty = column([p.presence_penalty for p in params], torch.float32)
-            batch.seen, batch.output_counts = _token_stats(token_histories, prompt_lens,
-                                                           vocab_size, device)
+            batch.count_tokens(token_histories, prompt_lens, vocab_size, device)
         return batch
+
+    @classmethod
+    def from_columns(cls, host: np.ndarray, columns: torch.Tensor, seeds: torch.Tensor,
+                     output_indices: torch.Tensor, vocab_size: int, host_reads: bool
+                     ) -> SamplingBatch:
+        """The batch of the rows whose settings are `columns` (`sampling_columns`' layout, on
+        the logits' device), their `seeds` (int64) and `output_indices` on the device too.
+        `host` holds the same settings on the host: what it says decides what `sample` runs,
+        so nothing is read back. A batch that uses penalties still needs `count_tokens`."""
+        greedy, truncated = host[:, _GREEDY] > 0, host[:, _TRUNCATED] > 0
+        top_k = host[:, _TOP_K]
+        penalised = bool((host[:, _REPETITION] != 1).any() or host[:, _FREQUENCY].any()
+                         or host[:, _PRESENCE].any())
+        uses_top_p = bool(np.isfinite(host[:, _TOP_P]).any())
+        largest_top_k = int(top_k[top_k < vocab_size].max(initial=0))
+
+        def column(index: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+            values = columns[:, index]
+            return values if dtype is None else values.to(dtype)
+
+        return cls(
+            all_greedy=bool(greedy.all()),
+            greedy=column(_GREEDY, torch.bool) if greedy.any() and not greedy.all() else None,
+            temperature=column(_TEMPERATURE),
+            uniforms=counter_uniforms(seeds, output_indices),
+            min_p=column(_MIN_P) if (host[:, _MIN_P] > 0).any() else None,
+            top_k=column(_TOP_K, torch.int64) if (top_k < vocab_size).any() else None,
+            top_p=column(_TOP_P) if uses_top_p else None,
+            truncated=column(_TRUNCATED, torch.bool),
+            repetition_penalty=column(_REPETITION) if penalised else None,
+            frequency_penalty=column(_FREQUENCY) if penalised else None,
+            presence_penalty=column(_PRESENCE) if penalised else None,
+            seen=None, output_counts=None, host_reads=host_reads,
+            all_truncated=bool(truncated.all()),
+            num_candidates=(vocab_size if uses_top_p and not host_reads
+                            else min(vocab_size, max(_MIN_CANDIDATES, largest_top_k))))
+
+    def count_tokens(self, histories: list[list[int]], prompt_lens: list[int], vocab_size: int,
+                     device: torch.device) -> None:
+        """Fill `seen` and `output_counts` from the rows' prompt + output ids (penalties)."""
+        self.seen, self.output_counts = _token_stats(histories, prompt_lens, vocab_size, device)
+
+
+# sampling_columns' layout: one float32 column per setting (top_k and the flags are exact).
+(_TEMPERATURE, _MIN_P, _TOP_K, _TOP_P, _GREEDY, _TRUNCATED, _REPETITION, _FREQUENCY,
+ _PRESENCE) = range(9)
+NUM_COLUMNS = 9
+
+
+def sampling_columns(params: list[SamplingParams], vocab_size: int) -> np.ndarray:
+    """Each row's settings as `SamplingBatch.from_columns` reads them, float32 [n, NUM_COLUMNS]:
+    temperature (1 on greedy rows), min_p (0 where off), top_k (vocab_size where off), top_p
+    (inf where off: rounding may make mass reach 1), greedy, truncated (a sampled row with
+    top-k or top-p on), and the repetition, frequency and presence penalties."""
+    columns = np.empty((len(params), NUM_COLUMNS), dtype=np.float32)
+    for row, p in enumerate(params):
+        top_k = min(p.top_k or vocab_size, vocab_size)
+        columns[row] = (p.temperature or 1.0, p.min_p, top_k,
+                        p.top_p if p.top_p < 1 else math.inf, p.greedy,
+                        not p.greedy and (top_k < vocab_size or p.top_p < 1),
+                        p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+    return columns
 
 
 def _token_stats(histories: list[list[int]], prompt_lens: list[int], vocab_size: int,
