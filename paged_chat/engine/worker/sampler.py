@@ -4,9 +4,10 @@ One pass of torch ops over the whole batch, no Python loop over requests in `sam
 a device no read of a tensor on the host (each would stall the step until the device caught
 up): what depends on the rows' settings is decided from them on the host, when the batch is
 built (`SamplingBatch.host_reads`). The order follows vLLM: penalties -> grammar bitmask
-(constrained rows) -> greedy argmax -> temperature -> min-p, top-k, top-p -> draw. The rows that ask for logprobs get the model's
-own: the log-softmax of their logits as the model gave them, before any of that (OpenAI's
-and vLLM's default), so a logprob never depends on the request's sampling settings.
+(constrained rows) -> greedy argmax -> temperature -> min-p, top-k, top-p -> draw. The rows
+that ask for logprobs get the model's own: the log-softmax of their logits as the model gave
+them, before any of that (OpenAI's and vLLM's default), so a logprob never depends on the
+request's sampling settings.
 
 Randomness is counter-based: a row's draw is a splitmix64 hash of (seed, output_index), so a
 request's tokens depend only on its own seed and position, never on which other requests
