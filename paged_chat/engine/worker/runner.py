@@ -102,6 +102,8 @@ class CudaGraphCapture:
         with torch.cuda.graph(graph, pool=self._pool):
             output = forward()
         return graph.replay, output
+
+
 # The cache is [layers, 2, kv_heads, blocks, block_size, head_dim] (AttentionBackend.kv_cache_shape).
 _BLOCK_AXIS = 3
 
@@ -152,7 +154,6 @@ class ModelRunner:
         # The last step's TokenLogprobs per sampled item (as `execute` returns tokens), None
         # for one that asked for none; None when none did.
         self._step_logprobs: list[TokenLogprob | None] | None = None
-        self._logprob_rows: list[int] = []  # the last batch's rows that want logprobs
         # Whether sampling may read tensors on the host (sampler.SamplingBatch.host_reads).
         self.sample_on_host = device.type == "cpu"
         self._to_host = DeviceToHost(device)
@@ -402,7 +403,9 @@ class ModelRunner:
         host = self._to_host.fetch(packed)
         num_rows = len(samplers)
         if batch.logprobs is not None:
-            wanting, width = self._logprob_rows, batch.num_top_logprobs
+            wanting = [row for row, item in enumerate(samplers)
+                       if item.request.params.wants_logprobs]
+            width = batch.num_top_logprobs
             chosen_at, top_at = num_rows + len(wanting), num_rows + len(wanting) * (1 + width)
             entries = logprob_entries(
                 host[num_rows:chosen_at], host[chosen_at:top_at].reshape(len(wanting), width),
@@ -440,7 +443,7 @@ class ModelRunner:
             batch.bitmask_rows = torch.tensor(constrained, device=self.device)
             batch.token_bitmask = fill_token_bitmask([requests[row].grammar for row in constrained],
                                                      vocab_size, self.device)
-        wanting = self._logprob_rows = [row for row, p in enumerate(params) if p.wants_logprobs]
+        wanting = [row for row, p in enumerate(params) if p.wants_logprobs]
         if wanting:
             batch.logprob_rows = torch.tensor(wanting, device=self.device)
             batch.num_top_logprobs = max(params[row].top_logprobs for row in wanting)
