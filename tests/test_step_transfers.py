@@ -162,3 +162,27 @@ def test_a_decode_step_reads_the_device_once(make_engine, host_reads, monkeypatc
     while engine.has_unfinished():
         engine.step()
     assert decode_steps >= 4
+
+
+def test_the_device_path_gives_the_engine_the_host_path_s_outputs(make_engine):
+    """Seeded draws, penalties, a grammar and logprobs: an engine sampling as on a device
+    gives the same tokens and logprobs as one sampling on the host."""
+    params = [SamplingParams(temperature=0.2, top_p=0.9, seed=1, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_k=20, repetition_penalty=1.3,
+                             frequency_penalty=0.2, seed=2, max_tokens=8, ignore_eos=True),
+              SamplingParams(temperature=0.7, min_p=0.05, seed=3, max_tokens=8, ignore_eos=True,
+                             logprobs=True, top_logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=4, choice=["ab", "cd"])]
+    prompts = random_prompts(len(params), seed=9)
+    runs = []
+    for on_host in (True, False):
+        engine = make_engine()
+        engine.runner.sample_on_host = on_host
+        runs.append([(out.token_ids, out.logprobs) for out in engine.generate(prompts, params)])
+    on_host, on_device = runs
+    assert [tokens for tokens, _ in on_device] == [tokens for tokens, _ in on_host]
+    for (_, host_logprobs), (_, device_logprobs) in zip(on_host, on_device):
+        assert (host_logprobs is None) == (device_logprobs is None)
+        for host_entry, device_entry in zip(host_logprobs or [], device_logprobs or []):
+            assert device_entry.top_token_ids == host_entry.top_token_ids
+            assert device_entry.logprob == pytest.approx(host_entry.logprob, abs=1e-6)
