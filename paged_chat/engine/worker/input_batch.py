@@ -15,14 +15,15 @@ from paged_chat.engine.core.request import Request
 from paged_chat.engine.worker.sampler import (
     NUM_COLUMNS,
     SamplingBatch,
-    sampling_columns,
     as_int64,
+    sampling_columns,
+    seed_streams,
 )
 
 
 class SamplingRows:
-    """A row per request: its settings (`sampler.sampling_columns`' layout) and seed, on the
-    host and on the device.
+    """A row per request: its settings (`sampler.sampling_columns`' layout) and its seed's
+    stream (`sampler.seed_streams`), on the host and on the device.
 
     Invariants: a row belongs to at most one request, held while it has the row (so its
     `id` names no other); the device table equals the host's once `batch` has run; a row
@@ -45,14 +46,14 @@ class SamplingRows:
         cuda = self.device.type == "cuda"
         old = len(self._owners)
         host = torch.zeros(capacity, NUM_COLUMNS, dtype=torch.float32, pin_memory=cuda)
-        seeds = torch.zeros(capacity, dtype=torch.int64, pin_memory=cuda)
+        streams = torch.zeros(capacity, dtype=torch.int64, pin_memory=cuda)
         if old:
             self._wait_for_copy()
-            host[:old], seeds[:old] = self._host_table, self._host_seeds
-        self._host_table, self._host_seeds = host, seeds
+            host[:old], streams[:old] = self._host_table, self._host_streams
+        self._host_table, self._host_streams = host, streams
         self._host_array = host.numpy()
         self._table = host.to(self.device) if cuda else host
-        self._seeds = seeds.to(self.device) if cuda else seeds
+        self._streams = streams.to(self.device) if cuda else streams
         self._owners.extend([None] * (capacity - old))
         self._free.extend(range(capacity - 1, old - 1, -1))
 
@@ -70,13 +71,13 @@ class SamplingRows:
         gather from the device tables, and one copy of the indices to the device."""
         if self._changed and self.device.type == "cuda":
             self._table.copy_(self._host_table, non_blocking=True)
-            self._seeds.copy_(self._host_seeds, non_blocking=True)
+            self._streams.copy_(self._host_streams, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
         self._changed = False
         on_device, indices = self._staging.transfer([rows, output_indices])
         return SamplingBatch.from_columns(self._host_array[rows], self._table[on_device],
-                                          self._seeds[on_device], indices, self.vocab_size,
+                                          self._streams[on_device], indices, self.vocab_size,
                                           host_reads)
 
     def _add(self, request: Request) -> int:
@@ -89,7 +90,8 @@ class SamplingRows:
         self._row_of[id(request)] = row
         self._owners[row] = request
         self._host_array[row] = sampling_columns([request.params], self.vocab_size)[0]
-        self._host_seeds[row] = as_int64(request.sampling_seed)
+        seed = np.array([as_int64(request.sampling_seed)], dtype=np.int64)
+        self._host_streams[row] = int(seed_streams(seed)[0])
         self._changed = True
         return row
 

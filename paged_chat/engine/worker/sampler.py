@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -45,12 +46,16 @@ def as_int64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+# 64-bit words: int64 tensors on any device, or int64 numpy arrays (a row's seed, once).
+Words = TypeVar("Words", torch.Tensor, np.ndarray)
+
+
+def _shr(z: Words, bits: int) -> Words:
     """Logical right shift: torch's `>>` on int64 is arithmetic, so mask off the sign copies."""
     return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def _mix64(z: torch.Tensor) -> torch.Tensor:
+def _mix64(z: Words) -> Words:
     """splitmix64's output function: a bijection on 64-bit words with full avalanche.
 
     int64 multiplication wraps modulo 2^64, which is exactly the unsigned arithmetic wanted.
@@ -67,7 +72,18 @@ def counter_uniforms(seeds: torch.Tensor, output_indices: torch.Tensor) -> torch
     Hashing twice keeps distinct pairs apart (seed s at index i+1 is not seed s+1 at index i).
     52 bits plus a half step give values in [2^-53, 1 - 2^-53], each exact in float64.
     """
-    bits = _shr(_mix64(_mix64(seeds) + output_indices), 12)
+    return stream_uniforms(_mix64(seeds), output_indices)
+
+
+def seed_streams(seeds: np.ndarray) -> np.ndarray:
+    """The first of `counter_uniforms`' two hashes, which depends on the seed alone (int64
+    words): worked out on the host once per request rather than on the device every step."""
+    return _mix64(seeds)
+
+
+def stream_uniforms(streams: torch.Tensor, output_indices: torch.Tensor) -> torch.Tensor:
+    """`counter_uniforms` of the seeds whose `seed_streams` are `streams`."""
+    bits = _shr(_mix64(streams + output_indices), 12)
     return (bits.double() + 0.5) * 2.0**-52
 
 
@@ -139,9 +155,9 @@ class SamplingBatch:
         if (greedy_only := cls.greedy_only(params, host_reads)) is not None:
             return greedy_only
         host = sampling_columns(params, vocab_size)
+        streams = seed_streams(np.array([as_int64(s) for s in seeds], dtype=np.int64))
         batch = cls.from_columns(
-            host, torch.from_numpy(host).to(device),
-            torch.tensor([as_int64(s) for s in seeds], dtype=torch.int64, device=device),
+            host, torch.from_numpy(host).to(device), torch.from_numpy(streams).to(device),
             torch.tensor(output_indices, dtype=torch.int64, device=device), vocab_size,
             host_reads)
         if batch.repetition_penalty is not None:
@@ -152,11 +168,12 @@ class SamplingBatch:
         return batch
 
     @classmethod
-    def from_columns(cls, host: np.ndarray, columns: torch.Tensor, seeds: torch.Tensor,
+    def from_columns(cls, host: np.ndarray, columns: torch.Tensor, streams: torch.Tensor,
                      output_indices: torch.Tensor, vocab_size: int, host_reads: bool
                      ) -> SamplingBatch:
         """The batch of the rows whose settings are `columns` (`sampling_columns`' layout, on
-        the logits' device), their `seeds` (int64) and `output_indices` on the device too.
+        the logits' device), their seeds' `seed_streams` (int64) and `output_indices` on the
+        device too.
         `host` holds the same settings on the host: what it says decides what `sample` runs,
         so nothing is read back. A batch that uses penalties still needs `count_tokens`."""
         greedy, truncated = host[:, _GREEDY] > 0, host[:, _TRUNCATED] > 0
@@ -174,7 +191,7 @@ class SamplingBatch:
             all_greedy=bool(greedy.all()),
             greedy=column(_GREEDY, torch.bool) if greedy.any() and not greedy.all() else None,
             temperature=column(_TEMPERATURE),
-            uniforms=counter_uniforms(seeds, output_indices),
+            uniforms=stream_uniforms(streams, output_indices),
             min_p=column(_MIN_P) if (host[:, _MIN_P] > 0).any() else None,
             top_k=column(_TOP_K, torch.int64) if (top_k < vocab_size).any() else None,
             top_p=column(_TOP_P) if uses_top_p else None,
