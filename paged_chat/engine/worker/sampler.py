@@ -301,29 +301,38 @@ def kept_candidates(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.T
     kept set by construction (`num_candidates`: the whole vocabulary where top-p is on).
     """
     vocab = logits.shape[-1]
-    top_k = batch.top_k if batch.top_k is not None else torch.full_like(batch.truncated, vocab,
-                                                                         dtype=torch.int64)
-    top_p = (batch.top_p if batch.top_p is not None
-             else torch.full_like(batch.temperature, math.inf))
     k = min(vocab, batch.num_candidates)
-    full_log_z = _log_sum_exp(logits)
+    full_log_z = _log_sum_exp(logits) if batch.top_p is not None else None
     while True:
         values, indices = logits.topk(k, dim=-1)
-        outside_top_k = torch.arange(k, device=logits.device) >= top_k[:, None]
-        values = values.masked_fill(outside_top_k, float("-inf"))
+        if batch.top_k is not None:
+            outside_top_k = torch.arange(k, device=logits.device) >= batch.top_k[:, None]
+            values = values.masked_fill(outside_top_k, float("-inf"))
+        if batch.top_p is None:
+            return values, indices  # `num_candidates` is at least every row's top-k
         # rows with top-k on have it inside the candidates: renormalise over it, as vLLM does
-        log_z = torch.where(top_k < vocab, values.logsumexp(dim=-1), full_log_z)
+        log_z = (full_log_z if batch.top_k is None
+                 else torch.where(batch.top_k < vocab, values.logsumexp(dim=-1), full_log_z))
         probs = (values - log_z[:, None]).exp()
         mass = probs.cumsum(dim=-1)
-        covered = (top_k <= k) | (mass[:, -1] >= top_p)
-        if k == vocab or not batch.host_reads or bool((covered | ~batch.truncated).all()):
+        if k == vocab or not batch.host_reads or _kept_sets_inside(batch, k, mass):
             break
         k = k * _GROWTH if k * _GROWTH <= vocab // 4 else vocab
     # The most probable token is always kept: a tiny top_p (1e-300 is 0 in float32) would
     # drop every token, and the draw over no token is NaN.
-    outside_top_p = mass - probs >= top_p[:, None]
+    outside_top_p = mass - probs >= batch.top_p[:, None]
     outside_top_p[:, 0] = False
     return values.masked_fill(outside_top_p, float("-inf")), indices
+
+
+def _kept_sets_inside(batch: SamplingBatch, k: int, mass: torch.Tensor) -> bool:
+    """Whether every truncated row keeps only tokens among its top `k` candidates, whose
+    cumulative probabilities are `mass` (a read on the host): its top-k fits in them, or their
+    mass reaches its top_p."""
+    covered = ~batch.truncated | (mass[:, -1] >= batch.top_p)
+    if batch.top_k is not None:
+        covered |= batch.top_k <= k
+    return bool(covered.all())
 
 
 def draw(scaled: torch.Tensor, batch: SamplingBatch,
