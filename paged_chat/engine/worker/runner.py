@@ -283,16 +283,21 @@ class ModelRunner:
         raise GraphMismatch where a row's replayed token is not the eager step's (but for a
         near-tie, `_GRAPH_CHECK_TOLERANCE`). Each step is one row short of its bucket (but
         in bucket 1), so the padding runs too; each row's context spans a few blocks of its
-        own in the empty pool, so both ways read and write the same KV."""
+        own in the empty pool, so both ways read and write the same KV; the first row's
+        runs to max_model_len where the pool has room, so the splits planned for it run too."""
         num_blocks = self.kv_cache.shape[_BLOCK_AXIS] - 1
         for batch in sorted(self._graphs):
             rows = max(1, batch - 1)
             blocks_per_row = max(1, min(4, num_blocks // rows))
             longest = min(self.max_model_len, blocks_per_row * self.block_size)
             seq_lens = [1 + (37 * row + 5) % longest for row in range(rows)]
-            tables = [[1 + (row * blocks_per_row + block) % num_blocks
+            starts = [row * blocks_per_row for row in range(rows)]
+            long = min(self.max_model_len, (num_blocks - rows * blocks_per_row) * self.block_size)
+            if long > seq_lens[0]:  # in the blocks no other row has
+                seq_lens[0], starts[0] = long, rows * blocks_per_row
+            tables = [[1 + (start + block) % num_blocks
                        for block in range(-(-length // self.block_size))]
-                      for row, length in enumerate(seq_lens)]
+                      for start, length in zip(starts, seq_lens)]
             tokens = [(7919 * row + 11) % self.vocab_size for row in range(rows)]
             meta = AttentionMetadata.build(
                 [1] * rows, seq_lens, tables, self.block_size, self.device,
