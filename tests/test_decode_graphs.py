@@ -10,6 +10,7 @@ import logging
 from collections.abc import Callable
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from helpers import random_prompts
@@ -69,6 +70,13 @@ def test_decode_graph_inputs_keep_their_addresses_across_steps(make_engine):
         assert a.data_ptr() == b.data_ptr()
     assert second.extra[0].tolist() == [13, 14, 15, 0, 0, 0, 0, 0]
     assert second.slot_mapping.tolist()[3:] == [-1] * 5
+    as_lists = (second.block_tables.clone(), second.slot_mapping.clone())
+    # the tables as the runner has them (BlockIdRows' array): the same layout, same addresses
+    third = runner._graph_meta(8, [6, 10, 2], np.array([[3, 1], [2, 0], [4, 0]], dtype=np.int32),
+                               [13, 14, 15])
+    assert third.block_tables.data_ptr() == first.block_tables.data_ptr()
+    assert torch.equal(third.block_tables, as_lists[0])
+    assert torch.equal(third.slot_mapping, as_lists[1])
     runner._graphs = {1: None, 4: None, 8: None}
     decode = SimpleNamespace(num_new_tokens=1)
     assert runner._graph_batch([decode] * 3) == 4
