@@ -67,8 +67,8 @@ class SamplingRows:
 
     def batch(self, rows: np.ndarray, output_indices: np.ndarray, host_reads: bool
               ) -> SamplingBatch:
-        """The SamplingBatch of `rows` (from `rows`), each at its output index (int64): one
-        gather from the device tables, and one copy of the indices to the device."""
+        """The SamplingBatch of `rows` (as `rows` gave them), each at its output index (int64):
+        one gather from the device tables, and one copy of the indices to the device."""
         if self._changed and self.device.type == "cuda":
             self._table.copy_(self._host_table, non_blocking=True)
             self._streams.copy_(self._host_streams, non_blocking=True)
