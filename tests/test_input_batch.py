@@ -58,7 +58,8 @@ def test_a_finished_request_s_row_goes_to_a_new_request(writes):
     assert table.rows([newcomer, running]).tolist() == [rows[0], rows[1]]
     torch.manual_seed(1)
     logits = torch.randn(2, VOCAB)
-    batch = table.batch(np.array([rows[0]]), np.array([4]), host_reads=True)
+    batch = table.batch(np.array([rows[0]]), torch.tensor([rows[0]]), torch.tensor([4]),
+                        host_reads=True)
     alone = SamplingBatch.build([SETTINGS[2]], [newcomer.sampling_seed], [4], None, None,
                                 VOCAB, CPU)
     assert torch.equal(sample(logits[:1].clone(), batch), sample(logits[:1].clone(), alone))
@@ -75,7 +76,7 @@ def test_a_step_s_batch_samples_as_the_built_one(host_reads):
     for trial in range(10):
         logits = torch.randn(len(order), VOCAB) * (1 + trial)
         rows = table.rows([requests[i] for i in order])
-        batch = table.batch(rows, outputs, host_reads)
+        batch = table.batch(rows, torch.from_numpy(rows), torch.from_numpy(outputs), host_reads)
         built = SamplingBatch.build([SETTINGS[i] for i in order],
                                     [requests[i].sampling_seed for i in order], outputs.tolist(),
                                     [[1, 2, 3]] * 3, [3] * 3, VOCAB, CPU, host_reads)

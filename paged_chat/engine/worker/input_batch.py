@@ -10,7 +10,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from paged_chat.engine.attention.metadata import StagingBuffer
 from paged_chat.engine.core.request import Request
 from paged_chat.engine.worker.sampler import (
     NUM_COLUMNS,
@@ -38,7 +37,6 @@ class SamplingRows:
         self._free: list[int] = []
         self._changed = False
         self._copied: torch.cuda.Event | None = None
-        self._staging = StagingBuffer(device)
         self._allocate(capacity)
 
     def _allocate(self, capacity: int) -> None:
@@ -65,20 +63,19 @@ class SamplingRows:
             rows[index] = self._add(request) if row is None else row
         return rows
 
-    def batch(self, rows: np.ndarray, output_indices: np.ndarray, host_reads: bool
-              ) -> SamplingBatch:
-        """The SamplingBatch of `rows` (as `rows` gave them), each at its output index (int64):
-        one gather from the device tables, and one copy of the indices to the device."""
+    def batch(self, rows: np.ndarray, rows_on_device: torch.Tensor,
+              output_indices: torch.Tensor, host_reads: bool) -> SamplingBatch:
+        """The SamplingBatch of `rows` (as `rows` gave them; the same on the device), each at
+        its output index (int64, on the device): one gather from the device tables."""
         if self._changed and self.device.type == "cuda":
             self._table.copy_(self._host_table, non_blocking=True)
             self._streams.copy_(self._host_streams, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
         self._changed = False
-        on_device, indices = self._staging.transfer([rows, output_indices])
-        return SamplingBatch.from_columns(self._host_array[rows], self._table[on_device],
-                                          self._streams[on_device], indices, self.vocab_size,
-                                          host_reads)
+        return SamplingBatch.from_columns(self._host_array[rows], self._table[rows_on_device],
+                                          self._streams[rows_on_device], output_indices,
+                                          self.vocab_size, host_reads)
 
     def _add(self, request: Request) -> int:
         if not self._free:

@@ -39,8 +39,6 @@ from paged_chat.engine.attention.selector import select_attention
 from paged_chat.engine.core.config import EngineConfig
 from paged_chat.engine.core.errors import out_of_memory
 from paged_chat.engine.core.outputs import ModelRunnerOutput, TokenLogprob
-from paged_chat.engine.core.request import Request
-from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.core.scheduler import ScheduledRequest
 from paged_chat.engine.kv.block_id_rows import BlockIdRows
 from paged_chat.engine.kv.pool_sizing import (
@@ -158,6 +156,7 @@ class ModelRunner:
         self.sample_on_host = device.type == "cpu"
         self._to_host = DeviceToHost(device)
         self._sampling_rows = SamplingRows(self.vocab_size, device)
+        self._sampling_staging = StagingBuffer(device)
         # Every request's block table as ids, written by the KV manager as tables change.
         self.block_id_rows = BlockIdRows()
         self._staging = StagingBuffer(self.device)
@@ -342,7 +341,8 @@ class ModelRunner:
         samples = [row for row, item in enumerate(scheduled) if item.samples]
         if len(samples) == len(scheduled):
             return logits[:len(samples)]
-        return logits[torch.tensor(samples, device=self.device)]
+        rows = torch.from_numpy(np.array(samples, dtype=np.int64))
+        return logits[rows.to(self.device, non_blocking=True)]  # the host does not wait
 
     def _replay_decode(self, batch: int, seq_lens: list[int],
                        block_tables: Sequence[Sequence[int]], token_ids: list[int]
@@ -440,33 +440,38 @@ class ModelRunner:
             staging=self._staging)
 
     def _sampling_batch(self, samplers: list[ScheduledRequest], vocab_size: int) -> SamplingBatch:
+        """The sampling items' batch. Its small index arrays (the constrained rows, the rows
+        that want logprobs, the rows of the persistent settings and their output positions)
+        reach the device in one asynchronous copy: from a Python list, each would be a copy
+        the host waits on behind the forward."""
         requests = [item.request for item in samplers]
         params = [request.params for request in requests]
-        batch = self._base_sampling_batch(requests, params, vocab_size)
-        constrained = [row for row, request in enumerate(requests) if request.grammar is not None]
-        if constrained:
-            batch.bitmask_rows = torch.tensor(constrained, device=self.device)
+        constrained = np.array([row for row, request in enumerate(requests)
+                                if request.grammar is not None], dtype=np.int64)
+        wanting = np.array([row for row, p in enumerate(params) if p.wants_logprobs],
+                           dtype=np.int64)
+        batch = SamplingBatch.greedy_only(params, self.sample_on_host)
+        if batch is None:  # the other columns are read: gather them
+            assert vocab_size == self._sampling_rows.vocab_size, "the logits are not the model's"
+            rows = self._sampling_rows.rows(requests)
+            output_indices = np.fromiter((request.num_output_tokens for request in requests),
+                                         dtype=np.int64, count=len(requests))
+            constrained_rows, logprob_rows, on_device, indices = self._sampling_staging.transfer(
+                [constrained, wanting, rows, output_indices])
+            batch = self._sampling_rows.batch(rows, on_device, indices, self.sample_on_host)
+            if batch.repetition_penalty is not None:
+                batch.count_tokens([request.all_token_ids for request in requests],
+                                   [request.num_prompt_tokens for request in requests],
+                                   vocab_size, self.device)
+        elif len(constrained) or len(wanting):
+            constrained_rows, logprob_rows = self._sampling_staging.transfer([constrained, wanting])
+        if len(constrained):
+            batch.bitmask_rows = constrained_rows
             batch.token_bitmask = fill_token_bitmask([requests[row].grammar for row in constrained],
                                                      vocab_size, self.device)
-        wanting = [row for row, p in enumerate(params) if p.wants_logprobs]
-        if wanting:
-            batch.logprob_rows = torch.tensor(wanting, device=self.device)
+        if len(wanting):
+            batch.logprob_rows = logprob_rows
             batch.num_top_logprobs = max(params[row].top_logprobs for row in wanting)
-        return batch
-
-    def _base_sampling_batch(self, requests: list[Request], params: list[SamplingParams],
-                             vocab_size: int) -> SamplingBatch:
-        if (greedy_only := SamplingBatch.greedy_only(params, self.sample_on_host)) is not None:
-            return greedy_only  # the other columns are not read: do not gather them
-        assert vocab_size == self._sampling_rows.vocab_size, "the logits are not the model's"
-        output_indices = np.fromiter((request.num_output_tokens for request in requests),
-                                     dtype=np.int64, count=len(requests))
-        batch = self._sampling_rows.batch(self._sampling_rows.rows(requests), output_indices,
-                                          self.sample_on_host)
-        if batch.repetition_penalty is not None:
-            batch.count_tokens([request.all_token_ids for request in requests],
-                               [request.num_prompt_tokens for request in requests],
-                               vocab_size, self.device)
         return batch
 
 

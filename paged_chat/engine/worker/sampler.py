@@ -234,17 +234,19 @@ def sampling_columns(params: list[SamplingParams], vocab_size: int) -> np.ndarra
 def _token_stats(histories: list[list[int]], prompt_lens: list[int], vocab_size: int,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Seen-mask (prompt + output) and output counts, scattered from all histories at once
-    (no mask indexing, which would read a count on the host)."""
+    (no mask indexing, which would read a count on the host; the ids go to the device
+    without the host waiting for it)."""
     lengths = [len(history) for history in histories]
-    rows = torch.tensor(np.repeat(np.arange(len(histories)), lengths), device=device)
-    tokens = torch.tensor(list(itertools.chain.from_iterable(histories)), dtype=torch.int64,
-                          device=device)
-    is_output = torch.tensor(np.concatenate([np.arange(length) >= prompt_len for length, prompt_len
-                                             in zip(lengths, prompt_lens)]), device=device)
+    rows = np.repeat(np.arange(len(histories), dtype=np.int64), lengths)
+    tokens = np.fromiter(itertools.chain.from_iterable(histories), dtype=np.int64, count=len(rows))
+    is_output = np.concatenate([np.arange(length) >= prompt_len
+                                for length, prompt_len in zip(lengths, prompt_lens)])
+    rows_t, tokens_t, is_output_t = (torch.from_numpy(array).to(device, non_blocking=True)
+                                     for array in (rows, tokens, is_output.astype(np.float32)))
     seen = torch.zeros(len(histories), vocab_size, dtype=torch.bool, device=device)
-    seen[rows, tokens] = True
+    seen[rows_t, tokens_t] = True
     counts = torch.zeros(len(histories), vocab_size, device=device)
-    counts.index_put_((rows, tokens), is_output.float(), accumulate=True)
+    counts.index_put_((rows_t, tokens_t), is_output_t, accumulate=True)
     return seen, counts
 
 
