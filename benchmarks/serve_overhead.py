@@ -119,8 +119,9 @@ def main() -> None:
     with _served(args.model) as url:
         asyncio.run(over_http(url, client.info.name, 2, 4))
         remote = asyncio.run(over_http(url, client.info.name, args.chats, args.max_tokens))
+    max_num_seqs = config.for_device(client.info.device).max_num_seqs
     print(f"{args.chats} chats x {args.max_tokens} tokens on {client.info.name} ({client.info.device}, "
-          f"{client.info.dtype}, max_num_seqs {config.max_num_seqs})")
+          f"{client.info.dtype}, max_num_seqs {max_num_seqs})")
     for name, result in (("in-process", local), ("HTTP API", remote)):
         print(f"  {name:<10}  {result.tokens_per_s:8.1f} output tok/s  "
               f"mean TTFT {result.mean_ttft_s * 1000:7.1f} ms  ({result.tokens} tokens, {result.seconds:.2f} s)")

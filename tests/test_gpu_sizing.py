@@ -36,27 +36,3 @@ def test_worst_case_sampling_turns_every_buffer_on():
     assert batch.seen is not None and batch.output_counts is not None
     assert batch.top_k is not None and batch.top_p is not None and batch.min_p is not None
     assert sample(torch.zeros(4, 100), batch).shape == (4,)
-
-
-def test_decode_graph_inputs_keep_their_addresses_across_steps(make_engine):
-    """What a captured CUDA graph relies on, checked on the CPU: a bucket's inputs are laid
-    out at the same addresses whatever the step's real batch, padded with decodes that store
-    nothing; steps pick the smallest captured bucket, and only all-decode steps replay."""
-    from types import SimpleNamespace
-
-    from paged_chat.engine.attention.metadata import StagingBuffer
-
-    runner = make_engine().runner
-    runner._graph_width, runner._graph_staging = 8, StagingBuffer(torch.device("cpu"))
-    first = runner._graph_meta(8, [5, 9], [[3, 1], [2]], [11, 12])
-    second = runner._graph_meta(8, [6, 10, 2], [[3, 1], [2], [4]], [13, 14, 15])
-    for a, b in ((first.block_tables, second.block_tables), (first.seq_lens, second.seq_lens),
-                 (first.slot_mapping, second.slot_mapping), (first.extra[0], second.extra[0])):
-        assert a.data_ptr() == b.data_ptr()
-    assert second.extra[0].tolist() == [13, 14, 15, 0, 0, 0, 0, 0]
-    assert second.slot_mapping.tolist()[3:] == [-1] * 5
-    runner._graphs = {1: None, 4: None, 8: None}
-    decode = SimpleNamespace(num_new_tokens=1)
-    assert runner._graph_batch([decode] * 3) == 4
-    assert runner._graph_batch([decode] * 9) is None
-    assert runner._graph_batch([decode, SimpleNamespace(num_new_tokens=5)]) is None

@@ -16,7 +16,7 @@ from helpers import wait_for
 from paged_chat.engine import SamplingParams
 from paged_chat.engine.core.detokenizer import IncrementalDetokenizer
 from paged_chat.engine.core.outputs import TokenLogprob
-from paged_chat.engine.worker.sampler import SamplingBatch, sample
+from paged_chat.engine.worker.sampler import SamplingBatch, logprob_entries, sample
 from paged_chat.server.structured_request import chat_logprobs, completion_logprobs
 
 
@@ -30,7 +30,7 @@ def test_logprobs_are_the_model_s_own_whatever_the_sampling() -> None:
                                 torch.device("cpu"))
     batch.logprob_rows, batch.num_top_logprobs = torch.tensor([0, 1, 2, 3]), 5
     tokens = sample(logits.clone(), batch)
-    for row, entry in enumerate(batch.logprobs):
+    for row, entry in enumerate(logprob_entries(*(part.numpy() for part in batch.logprobs))):
         own = logits[row].log_softmax(-1)
         assert entry.logprob == pytest.approx(own[tokens[row]].item(), abs=1e-5)
         assert entry.top_token_ids == own.topk(5).indices.tolist()

@@ -35,6 +35,10 @@ class AttentionBackend:
         """Shape of one layer's key (or value) cache."""
         return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
 
+    def plan_graph(self, meta: AttentionMetadata, cache: torch.Tensor, longest: int) -> None:
+        """Fix what a decode step about to be captured in a CUDA graph launches, for contexts
+        up to `longest`; a backend that plans nothing per step has nothing to fix."""
+
     def native_attends_step(self, meta: AttentionMetadata) -> bool:
         """Whether this backend is the native library's paged attention and attends every
         sequence of the step `meta` describes (then the fused decode step may run the

@@ -36,6 +36,7 @@ class StagingBuffer:
     def _allocate(self, capacity: int) -> None:
         cuda = self.device.type == "cuda"
         self.host = torch.empty(capacity, dtype=torch.uint8, pin_memory=cuda)
+        self._host_bytes = self.host.numpy()
         self.on_device = torch.empty(capacity, dtype=torch.uint8, device=self.device) if cuda \
             else self.host
 
@@ -49,7 +50,7 @@ class StagingBuffer:
             self._allocate(max(total, 2 * self.host.numel()))
         if self._copied is not None:  # the last step's copy may still read the host buffer
             self._copied.synchronize()
-        host = self.host.numpy()
+        host = self._host_bytes
         for array, offset in zip(arrays, offsets):
             host[offset:offset + array.nbytes] = np.ascontiguousarray(array).view(np.uint8).ravel()
         if self.on_device is not self.host:
@@ -124,7 +125,7 @@ class AttentionMetadata:
             assert padding >= 0 and slot_mapping is None
             query_lens = [*query_lens, *[1] * padding]
             seq_lens = [*seq_lens, *[1] * padding]
-            block_tables = [*map(list, block_tables), *[[0]] * padding]
+            block_tables = _padded_rows(block_tables, padding)
         query_lens_np = np.asarray(query_lens, dtype=np.int64)
         seq_lens_np = np.asarray(seq_lens, dtype=np.int64)
         assert (query_lens_np >= 1).all() and (seq_lens_np >= query_lens_np).all()
@@ -153,6 +154,18 @@ class AttentionMetadata:
             num_decodes=int(not_decode[0]) if not_decode.size else len(query_lens_np),
             query_start_loc_list=starts.tolist(), seq_lens_list=seq_lens_np.tolist(),
             block_size=block_size, positions=positions_t, extra=tuple(rest))
+
+
+def _padded_rows(block_tables: Sequence[Sequence[int]] | np.ndarray | torch.Tensor,
+                 padding: int) -> Sequence[Sequence[int]] | np.ndarray:
+    """`block_tables` with `padding` more rows of block 0; an array stays an array (a graph's
+    step pads every step: no Python list per row)."""
+    if isinstance(block_tables, torch.Tensor):
+        block_tables = block_tables.to("cpu", torch.int32).numpy()
+    if isinstance(block_tables, np.ndarray):  # [rows, width]
+        padding_rows = np.zeros((padding, block_tables.shape[1]), dtype=np.int32)
+        return np.concatenate([block_tables.astype(np.int32, copy=False), padding_rows])
+    return [*map(list, block_tables), *[[0]] * padding]
 
 
 def _table_array(block_tables: Sequence[Sequence[int]] | np.ndarray | torch.Tensor,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -11,6 +12,14 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 WEIGHTS = ("quantized", "dequantize")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
+# What `max_num_seqs`, `max_num_batched_tokens` and `enforce_eager` are where left unset: a
+# CPU step's cost grows with every token of its batch, so it keeps batches chat-sized; a GPU
+# step costs about the same from one row to hundreds, so it takes vLLM's batch sizes, and
+# replays CUDA graphs (the runner falls back to eager, saying so, when they fail).
+DEVICE_DEFAULTS = {
+    "cpu": {"max_num_seqs": 32, "max_num_batched_tokens": 512, "enforce_eager": True},
+    "cuda": {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "enforce_eager": False},
+}
 _MEMORY_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20,
                  "mb": 10**6, "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30}
 
@@ -51,7 +60,10 @@ class EngineConfig:
     ops (the reference).
 
     `enforce_eager=False` captures CUDA graphs of decode steps (per batch-size bucket, Triton
-    backend on CUDA only). It stays True by default until the capture path has run on a GPU.
+    backend on CUDA only), checked against eager steps at start-up.
+
+    `max_num_seqs`, `max_num_batched_tokens` and `enforce_eager` left None take the device's
+    defaults (DEVICE_DEFAULTS), filled in by `for_device` once the device is known.
     """
 
     model: str = "smollm2-135m"
@@ -62,13 +74,13 @@ class EngineConfig:
     kv_cache_memory: int | str | None = None
     gpu_memory_utilization: float = 0.90
     max_model_len: int | None = None
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     seed: int = 0
     cache_dir: str | None = None
-    enforce_eager: bool = True
+    enforce_eager: bool | None = None
     fused_ops: bool = True
     weight_cache_size: int | str = "4GiB"
     weights: str = "quantized"
@@ -82,8 +94,10 @@ class EngineConfig:
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("weights", self.weights, WEIGHTS)
         _choice("block_size", self.block_size, _BLOCK_SIZES)
-        _positive("max_num_seqs", self.max_num_seqs)
-        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_num_seqs is not None:
+            _positive("max_num_seqs", self.max_num_seqs)
+        if self.max_num_batched_tokens is not None:
+            _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.num_blocks is not None:
             _positive("num_blocks", self.num_blocks)
         if self.max_model_len is not None:
@@ -113,7 +127,7 @@ class EngineConfig:
                              "(None) to adapt to the machine")
         if not isinstance(self.model, str) or not self.model.strip():
             raise ValueError("EngineConfig.model is empty: expected an alias, a path or a hub id")
-        if not isinstance(self.enforce_eager, bool):
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ValueError(f"EngineConfig.enforce_eager={self.enforce_eager!r} is invalid: "
                              "expected true or false")
         if not isinstance(self.fused_ops, bool):
@@ -121,6 +135,14 @@ class EngineConfig:
                              "expected true or false")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"EngineConfig.seed={self.seed!r} is invalid: expected an integer >= 0")
+
+
+    def for_device(self, device_type: str) -> EngineConfig:
+        """This config with every field left None for the device (DEVICE_DEFAULTS) set to
+        `device_type`'s ("cpu" or "cuda") default."""
+        unset = {name: value for name, value in DEVICE_DEFAULTS[device_type].items()
+                 if getattr(self, name) is None}
+        return dataclasses.replace(self, **unset)
 
 
 def parse_memory(name: str, value: int | str, allow_zero: bool = False) -> int:

@@ -72,10 +72,10 @@ class Engine:
         needs it (an engine child whose app loads its own copy from
         `source.tokenizer_source.saved_folder`); `info` then has no tokenizer and no chat
         template, and EOS is the model config's, which has a GGUF's converted tokenizer's."""
-        self.config = config
         # First, so its first look at the machine's load spans the model's loading.
         self.threads = StepThreads.from_setting(config.threads)
         self.device = resolve_device(config.device)
+        self.config = config = config.for_device(self.device.type)
         source = source or load_model_source(config.model, config.cache_dir, on_progress)
         self.dtype = resolve_dtype(config.dtype, self.device,
                                    holds_quantized(source, self.device, config.weights))

@@ -168,7 +168,8 @@ def worst_case_sampling(rows: int, vocab_size: int, device: torch.device) -> Sam
                             repetition_penalty=1.1, frequency_penalty=0.1, presence_penalty=0.1)
     return SamplingBatch.build(params=[params] * rows, seeds=list(range(rows)),
                                output_indices=[1] * rows, token_histories=[[0, 1]] * rows,
-                               prompt_lens=[1] * rows, vocab_size=vocab_size, device=device)
+                               prompt_lens=[1] * rows, vocab_size=vocab_size, device=device,
+                               host_reads=device.type == "cpu")
 
 
 def available_ram() -> int:

@@ -24,9 +24,11 @@ row by row to find the culprits) and the engine finishes only those requests wit
 
 from __future__ import annotations
 
+import functools
 import itertools
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,8 +39,6 @@ from paged_chat.engine.attention.selector import select_attention
 from paged_chat.engine.core.config import EngineConfig
 from paged_chat.engine.core.errors import out_of_memory
 from paged_chat.engine.core.outputs import ModelRunnerOutput, TokenLogprob
-from paged_chat.engine.core.request import Request
-from paged_chat.engine.core.sampling_params import SamplingParams
 from paged_chat.engine.core.scheduler import ScheduledRequest
 from paged_chat.engine.kv.block_id_rows import BlockIdRows
 from paged_chat.engine.kv.pool_sizing import (
@@ -49,13 +49,15 @@ from paged_chat.engine.kv.pool_sizing import (
 )
 from paged_chat.engine.models.loader import ModelSource, ProgressHook
 from paged_chat.engine.native.build import use_cache_dir
+from paged_chat.engine.worker.device_to_host import DeviceToHost
+from paged_chat.engine.worker.input_batch import SamplingRows
 from paged_chat.engine.worker.model_loading import (
     LoadedModel,
     load_weights,
     prepare_for_cpu,
     use_triton_ops,
 )
-from paged_chat.engine.worker.sampler import SamplingBatch, sample
+from paged_chat.engine.worker.sampler import SamplingBatch, logprob_entries, sample
 from paged_chat.engine.worker.structured_output import fill_token_bitmask
 
 # Batch sizes a decode step's CUDA graph is captured for (plus max_num_seqs); a step runs in
@@ -63,13 +65,48 @@ from paged_chat.engine.worker.structured_output import fill_token_bitmask
 GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 
 
+# How far under the eager step's best logit a replayed step's pick may sit and still count as
+# the same token, relative to the row's largest logit: a graph plans its attention splits for
+# the longest context, so its sums run in another order than an eager step's, and a near-tie
+# may flip in half precision.
+_GRAPH_CHECK_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+logger = logging.getLogger(__name__)
+
+
 @dataclass(slots=True)
 class _DecodeGraph:
-    """A captured decode step: `meta`'s tensors are its inputs, `logits` its output."""
+    """A captured decode step: `meta`'s tensors are its inputs, `logits` its output, which
+    each `replay()` rewrites."""
 
-    graph: torch.cuda.CUDAGraph
+    replay: Callable[[], object]
     meta: AttentionMetadata
     logits: torch.Tensor
+
+
+class GraphMismatch(Exception):
+    """A decode step replayed from its CUDA graph picks other tokens than the eager step."""
+
+
+class CudaGraphCapture:
+    """Captures forwards as CUDA graphs that share one memory pool."""
+
+    def __init__(self) -> None:
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def __call__(self, forward: Callable[[], torch.Tensor]
+                 ) -> tuple[Callable[[], object], torch.Tensor]:
+        """The replay of `forward` captured, and the output tensor each replay rewrites.
+        `forward` runs eagerly first: lazy initialisation (cuBLAS handles, the split
+        workspace, which the graph then reuses) must not happen during a capture."""
+        forward()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = forward()
+        return graph.replay, output
+
+
 # The cache is [layers, 2, kv_heads, blocks, block_size, head_dim] (AttentionBackend.kv_cache_shape).
 _BLOCK_AXIS = 3
 
@@ -92,6 +129,7 @@ class ModelRunner:
         self.loaded: LoadedModel = loaded
         model_config = source.config
         self.model = model
+        self.vocab_size = model_config.vocab_size
         self.block_size = config.block_size
         self.attention = select_attention(
             config.attention_backend, num_heads=model_config.num_heads,
@@ -121,6 +159,11 @@ class ModelRunner:
         # The last step's TokenLogprobs per sampled item (as `execute` returns tokens), None
         # for one that asked for none; None when none did.
         self._step_logprobs: list[TokenLogprob | None] | None = None
+        # Whether sampling may read tensors on the host (sampler.SamplingBatch.host_reads).
+        self.sample_on_host = device.type == "cpu"
+        self._to_host = DeviceToHost(device)
+        self._sampling_rows = SamplingRows(self.vocab_size, device)
+        self._sampling_staging = StagingBuffer(device)
         # Every request's block table as ids, written by the KV manager as tables change.
         self.block_id_rows = BlockIdRows()
         self._staging = StagingBuffer(self.device)
@@ -130,7 +173,7 @@ class ModelRunner:
         if self.attention.compiles_kernels and device.type == "cuda":
             self.warm_up(on_progress)
             if not config.enforce_eager:
-                self.capture_decode_graphs(config.max_num_seqs, on_progress or _no_progress)
+                self.use_decode_graphs(config.max_num_seqs, on_progress or _no_progress)
         if device.type == "cpu":
             prepare_for_cpu(model, config.fused_ops)
 
@@ -199,6 +242,19 @@ class ModelRunner:
 
     # ---- CUDA graphs of decode steps -------------------------------------------------
 
+    def use_decode_graphs(self, max_batch: int, on_progress: ProgressHook) -> bool:
+        """Capture the decode graphs (`capture_decode_graphs`) and check them against eager
+        steps (`check_decode_graphs`); when a capture raises or a check fails, drop them,
+        log why, and run every step eagerly. Returns whether graphs are on."""
+        try:
+            self.capture_decode_graphs(max_batch, on_progress)
+            self.check_decode_graphs()
+        except (RuntimeError, GraphMismatch) as error:
+            self._graphs.clear()
+            logger.warning("CUDA graphs are off, every step runs eagerly: %s", error)
+            return False
+        return True
+
     def capture_decode_graphs(self, max_batch: int, on_progress: ProgressHook) -> None:
         """Capture one CUDA graph of a whole decode step (every layer, logits of every row) per
         batch-size bucket up to `max_batch`, largest first, in one shared memory pool.
@@ -207,33 +263,63 @@ class ModelRunner:
         staging buffer of its own (`_graph_meta` lays a bucket's arrays out the same way at
         every step, the tables `ceil(max_model_len / block_size)` wide, the batch padded
         with decodes that store nothing), and its splits are planned for `max_model_len`.
-        Only the Triton backend qualifies (its launches read lengths on the device; the
-        torch backend reads them on the host). Not yet run on a GPU: off by default
-        (`EngineConfig.enforce_eager`).
+        Only a backend that reads a step's lengths on the device qualifies (Triton on CUDA;
+        the torch backend reads them on the host).
         """
-        assert self.device.type == "cuda" and self.attention.compiles_kernels
         self._graph_width = -(-self.max_model_len // self.block_size)
         self._graph_staging = StagingBuffer(self.device)
         buckets = sorted({b for b in GRAPH_BATCH_SIZES if b < max_batch} | {max_batch},
                          reverse=True)
-        pool = torch.cuda.graph_pool_handle()
+        capture = CudaGraphCapture()
         for done, batch in enumerate(buckets):
             on_progress("capturing CUDA graphs", done, len(buckets))
             meta = self._graph_meta(batch, [], [], [])
             self.attention.plan_graph(meta, self.kv_cache, self.max_model_len)
             input_ids, logits_indices = meta.extra
             with torch.inference_mode():
-                # An eager run first: lazy initialisation (cuBLAS handles, the split
-                # workspace, which the graph then reuses) must not happen during capture.
-                self.model(input_ids, meta.positions, self.kv_cache, meta, self.attention,
-                           logits_indices)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self.model(input_ids, meta.positions, self.kv_cache, meta,
-                                        self.attention, logits_indices)
-            self._graphs[batch] = _DecodeGraph(graph, meta, logits)
+                replay, logits = capture(functools.partial(
+                    self.model, input_ids, meta.positions, self.kv_cache, meta, self.attention,
+                    logits_indices))
+            self._graphs[batch] = _DecodeGraph(replay, meta, logits)
         on_progress("capturing CUDA graphs", len(buckets), len(buckets))
+
+    @torch.inference_mode()
+    def check_decode_graphs(self) -> None:
+        """Run a made-up decode step in every captured bucket both ways, replayed and eager;
+        raise GraphMismatch where a row's replayed token is not the eager step's (but for a
+        near-tie, `_GRAPH_CHECK_TOLERANCE`). Each step is one row short of its bucket (but
+        in bucket 1), so the padding runs too; each row's context spans a few blocks of its
+        own in the empty pool, so both ways read and write the same KV; the first row's
+        runs to max_model_len where the pool has room, so the splits planned for it run too."""
+        num_blocks = self.kv_cache.shape[_BLOCK_AXIS] - 1
+        for batch in sorted(self._graphs):
+            rows = max(1, batch - 1)
+            blocks_per_row = max(1, min(4, num_blocks // rows))
+            longest = min(self.max_model_len, blocks_per_row * self.block_size)
+            seq_lens = [1 + (37 * row + 5) % longest for row in range(rows)]
+            starts = [row * blocks_per_row for row in range(rows)]
+            long = min(self.max_model_len, (num_blocks - rows * blocks_per_row) * self.block_size)
+            if long > seq_lens[0]:  # in the blocks no other row has
+                seq_lens[0], starts[0] = long, rows * blocks_per_row
+            tables = [[1 + (start + block) % num_blocks
+                       for block in range(-(-length // self.block_size))]
+                      for start, length in zip(starts, seq_lens)]
+            tokens = [(7919 * row + 11) % self.vocab_size for row in range(rows)]
+            meta = AttentionMetadata.build(
+                [1] * rows, seq_lens, tables, self.block_size, self.device,
+                extra=(np.array(tokens, dtype=np.int64), np.arange(rows, dtype=np.int64)),
+                staging=self._staging)
+            input_ids, logits_indices = meta.extra
+            eager = self.model(input_ids, meta.positions, self.kv_cache, meta, self.attention,
+                               logits_indices).float()
+            replayed = self._replay_decode(batch, seq_lens, tables, tokens)[:rows].float()
+            picked = eager.gather(1, replayed.argmax(dim=-1, keepdim=True)).squeeze(1)
+            slack = _GRAPH_CHECK_TOLERANCE[self.kv_cache.dtype] * eager.abs().amax(dim=-1)
+            off = picked < eager.amax(dim=-1) - slack
+            if bool(off.any()):  # once per bucket, at start-up
+                raise GraphMismatch(
+                    f"the decode graph of batch {batch} picks other tokens than an eager step "
+                    f"in rows {off.nonzero().flatten().tolist()}")
 
     def _graph_batch(self, scheduled: list[ScheduledRequest]) -> int | None:
         """The captured bucket this step replays in: every item a single token, and few enough."""
@@ -255,18 +341,27 @@ class ModelRunner:
     def _replay(self, batch: int, scheduled: list[ScheduledRequest],
                 block_tables: Sequence[Sequence[int]]) -> torch.Tensor:
         """Logits of the sampling rows of a decode step, by replaying its bucket's graph."""
-        captured = self._graphs[batch]
         requests = [item.request for item in scheduled]
-        meta = self._graph_meta(batch, [r.num_computed_tokens + 1 for r in requests],
-                                block_tables,
-                                [r.all_token_ids[r.num_computed_tokens] for r in requests])
-        assert meta.block_tables.data_ptr() == captured.meta.block_tables.data_ptr(), \
-            "a graph's inputs moved: the staging buffer grew after capture"
-        captured.graph.replay()
+        logits = self._replay_decode(batch, [r.num_computed_tokens + 1 for r in requests],
+                                     block_tables,
+                                     [r.all_token_ids[r.num_computed_tokens] for r in requests])
         samples = [row for row, item in enumerate(scheduled) if item.samples]
         if len(samples) == len(scheduled):
-            return captured.logits[:len(samples)]
-        return captured.logits[torch.tensor(samples, device=self.device)]
+            return logits[:len(samples)]
+        rows = torch.from_numpy(np.array(samples, dtype=np.int64))
+        return logits[rows.to(self.device, non_blocking=True)]  # the host does not wait
+
+    def _replay_decode(self, batch: int, seq_lens: list[int],
+                       block_tables: Sequence[Sequence[int]], token_ids: list[int]
+                       ) -> torch.Tensor:
+        """The logits of every row of bucket `batch`'s graph replayed over these decodes
+        (the rows past them are padding)."""
+        captured = self._graphs[batch]
+        meta = self._graph_meta(batch, seq_lens, block_tables, token_ids)
+        assert meta.block_tables.data_ptr() == captured.meta.block_tables.data_ptr(), \
+            "a graph's inputs moved: the staging buffer grew after capture"
+        captured.replay()
+        return captured.logits
 
     # ---- whole blocks, for the KV tier (kv_transfer) ---------------------------------
 
@@ -306,22 +401,34 @@ class ModelRunner:
         give an id past the vocabulary), and fed back as input it would fail the next forward
         for the whole batch. Checking the chosen logit finds it at the cost of one gather:
         argmax picks a NaN or +inf when there is one, and a draw over NaN leaves the vocabulary.
+
+        The tokens (-1 for such a row) and the logprobs asked for come to the host in the
+        step's one device-to-host copy (`DeviceToHost.fetch`).
         """
         vocab_size = logits.shape[-1]
         batch = self._sampling_batch(samplers, vocab_size)
         started = time.thread_time()
         tokens = sample(logits, batch)
-        self.last_sample_cpu_s = time.thread_time() - started
-        if batch.logprobs is not None:
-            self._step_logprobs = [None] * len(samplers)
-            for row, logprob in zip(batch.logprob_rows.tolist(), batch.logprobs):
-                self._step_logprobs[row] = logprob
         chosen = logits.gather(1, tokens.clamp(max=vocab_size - 1)[:, None]).squeeze(1)
-        bad = (tokens >= vocab_size) | ~torch.isfinite(chosen)
-        if not bad.any():
-            return tokens.tolist()
+        tokens = tokens.masked_fill((tokens >= vocab_size) | ~torch.isfinite(chosen), -1)
+        parts = [tokens] if batch.logprobs is None else [tokens, *batch.logprobs]
+        packed = torch.cat([part.flatten().double() for part in parts])
+        self.last_sample_cpu_s = time.thread_time() - started
+        host = self._to_host.fetch(packed)
+        num_rows = len(samplers)
+        if batch.logprobs is not None:
+            wanting = [row for row, item in enumerate(samplers)
+                       if item.request.params.wants_logprobs]
+            width = batch.num_top_logprobs
+            chosen_at, top_at = num_rows + len(wanting), num_rows + len(wanting) * (1 + width)
+            entries = logprob_entries(
+                host[num_rows:chosen_at], host[chosen_at:top_at].reshape(len(wanting), width),
+                host[top_at:].reshape(len(wanting), width))
+            self._step_logprobs = [None] * num_rows
+            for row, entry in zip(wanting, entries):
+                self._step_logprobs[row] = entry
         return [SamplingError("the model's logits for this request are not finite (NaN or inf)")
-                if token < 0 else token for token in torch.where(bad, -1, tokens).tolist()]
+                if token < 0 else token for token in host[:num_rows].astype(np.int64).tolist()]
 
     def _prepare(self, scheduled: list[ScheduledRequest], block_tables: Sequence[Sequence[int]]
                  ) -> AttentionMetadata:
@@ -342,34 +449,39 @@ class ModelRunner:
             staging=self._staging)
 
     def _sampling_batch(self, samplers: list[ScheduledRequest], vocab_size: int) -> SamplingBatch:
+        """The sampling items' batch. Its small index arrays (the constrained rows, the rows
+        that want logprobs, the rows of the persistent settings and their output positions)
+        reach the device in one asynchronous copy: from a Python list, each would be a copy
+        the host waits on behind the forward."""
         requests = [item.request for item in samplers]
         params = [request.params for request in requests]
-        batch = self._base_sampling_batch(requests, params, vocab_size)
-        constrained = [row for row, request in enumerate(requests) if request.grammar is not None]
-        if constrained:
-            batch.bitmask_rows = torch.tensor(constrained, device=self.device)
+        constrained = np.array([row for row, request in enumerate(requests)
+                                if request.grammar is not None], dtype=np.int64)
+        wanting = np.array([row for row, p in enumerate(params) if p.wants_logprobs],
+                           dtype=np.int64)
+        batch = SamplingBatch.greedy_only(params, self.sample_on_host)
+        if batch is None:  # the other columns are read: gather them
+            assert vocab_size == self._sampling_rows.vocab_size, "the logits are not the model's"
+            rows = self._sampling_rows.rows(requests)
+            output_indices = np.fromiter((request.num_output_tokens for request in requests),
+                                         dtype=np.int64, count=len(requests))
+            constrained_rows, logprob_rows, on_device, indices = self._sampling_staging.transfer(
+                [constrained, wanting, rows, output_indices])
+            batch = self._sampling_rows.batch(rows, on_device, indices, self.sample_on_host)
+            if batch.repetition_penalty is not None:
+                batch.count_tokens([request.all_token_ids for request in requests],
+                                   [request.num_prompt_tokens for request in requests],
+                                   vocab_size, self.device)
+        elif len(constrained) or len(wanting):
+            constrained_rows, logprob_rows = self._sampling_staging.transfer([constrained, wanting])
+        if len(constrained):
+            batch.bitmask_rows = constrained_rows
             batch.token_bitmask = fill_token_bitmask([requests[row].grammar for row in constrained],
                                                      vocab_size, self.device)
-        wanting = [row for row, p in enumerate(params) if p.wants_logprobs]
-        if wanting:
-            batch.logprob_rows = torch.tensor(wanting, device=self.device)
+        if len(wanting):
+            batch.logprob_rows = logprob_rows
             batch.num_top_logprobs = max(params[row].top_logprobs for row in wanting)
         return batch
-
-    def _base_sampling_batch(self, requests: list[Request], params: list[SamplingParams],
-                             vocab_size: int) -> SamplingBatch:
-        if (greedy_only := SamplingBatch.greedy_only(params)) is not None:
-            return greedy_only  # the other columns are not read: do not gather them
-        penalised = any(p.uses_penalties for p in params)
-        return SamplingBatch.build(
-            params=params,
-            seeds=[request.sampling_seed for request in requests],
-            output_indices=[request.num_output_tokens for request in requests],
-            token_histories=[request.all_token_ids for request in requests] if penalised else None,
-            prompt_lens=[request.num_prompt_tokens for request in requests] if penalised else None,
-            vocab_size=vocab_size,
-            device=self.device,
-        )
 
 
 def _no_progress(stage: str, done: int, total: int) -> None:

@@ -1,10 +1,13 @@
 """Batched token sampling: penalties, greedy, temperature, min-p / top-k / top-p, seeded draws.
 
-One pass of torch ops over the whole batch, no Python loop over requests in `sample`. The
-order follows vLLM: penalties -> grammar bitmask (constrained rows) -> greedy argmax ->
-temperature -> min-p, top-k, top-p -> draw. The rows that ask for logprobs get the model's
-own: the log-softmax of their logits as the model gave them, before any of that (OpenAI's
-and vLLM's default), so a logprob never depends on the request's sampling settings.
+One pass of torch ops over the whole batch, no Python loop over requests in `sample`, and on
+a device no read of a tensor on the host (each would stall the step until the device caught
+up): what depends on the rows' settings is decided from them on the host, when the batch is
+built (`SamplingBatch.host_reads`). The order follows vLLM: penalties -> grammar bitmask
+(constrained rows) -> greedy argmax -> temperature -> min-p, top-k, top-p -> draw. The rows
+that ask for logprobs get the model's own: the log-softmax of their logits as the model gave
+them, before any of that (OpenAI's and vLLM's default), so a logprob never depends on the
+request's sampling settings.
 
 Randomness is counter-based: a row's draw is a splitmix64 hash of (seed, output_index), so a
 request's tokens depend only on its own seed and position, never on which other requests
@@ -16,6 +19,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -36,25 +40,29 @@ _GROWTH = 16  # then 1024 candidates, then (past a quarter of the vocabulary) al
 _EXP_FLOOR = -87.0
 
 
-def _int64(x: int) -> int:
+def as_int64(x: int) -> int:
     """Reinterpret the low 64 bits of `x` as a signed int64 (torch has no uint64 math)."""
     x &= (1 << 64) - 1
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-def _shr(z: torch.Tensor, bits: int) -> torch.Tensor:
+# 64-bit words: int64 tensors on any device, or int64 numpy arrays (a row's seed, once).
+Words = TypeVar("Words", torch.Tensor, np.ndarray)
+
+
+def _shr(z: Words, bits: int) -> Words:
     """Logical right shift: torch's `>>` on int64 is arithmetic, so mask off the sign copies."""
     return (z >> bits) & ((1 << (64 - bits)) - 1)
 
 
-def _mix64(z: torch.Tensor) -> torch.Tensor:
+def _mix64(z: Words) -> Words:
     """splitmix64's output function: a bijection on 64-bit words with full avalanche.
 
     int64 multiplication wraps modulo 2^64, which is exactly the unsigned arithmetic wanted.
     """
-    z = z + _int64(_GOLDEN)
-    z = (z ^ _shr(z, 30)) * _int64(_MUL1)
-    z = (z ^ _shr(z, 27)) * _int64(_MUL2)
+    z = z + as_int64(_GOLDEN)
+    z = (z ^ _shr(z, 30)) * as_int64(_MUL1)
+    z = (z ^ _shr(z, 27)) * as_int64(_MUL2)
     return z ^ _shr(z, 31)
 
 
@@ -64,7 +72,18 @@ def counter_uniforms(seeds: torch.Tensor, output_indices: torch.Tensor) -> torch
     Hashing twice keeps distinct pairs apart (seed s at index i+1 is not seed s+1 at index i).
     52 bits plus a half step give values in [2^-53, 1 - 2^-53], each exact in float64.
     """
-    bits = _shr(_mix64(_mix64(seeds) + output_indices), 12)
+    return stream_uniforms(_mix64(seeds), output_indices)
+
+
+def seed_streams(seeds: np.ndarray) -> np.ndarray:
+    """The first of `counter_uniforms`' two hashes, which depends on the seed alone (int64
+    words): worked out on the host once per request rather than on the device every step."""
+    return _mix64(seeds)
+
+
+def stream_uniforms(streams: torch.Tensor, output_indices: torch.Tensor) -> torch.Tensor:
+    """`counter_uniforms` of the seeds whose `seed_streams` are `streams`."""
+    bits = _shr(_mix64(streams + output_indices), 12)
     return (bits.double() + 0.5) * 2.0**-52
 
 
@@ -97,23 +116,34 @@ class SamplingBatch:
     # for; `sample` leaves their TokenLogprobs, in that order, in `logprobs`.
     logprob_rows: torch.Tensor | None = None
     num_top_logprobs: int = 0
-    logprobs: list[TokenLogprob] | None = None
+    # What `sample` leaves for the logprob rows, on the logits' device: each row's chosen
+    # token's logprob [r], its likeliest tokens [r, num_top_logprobs] and their logprobs.
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Whether sampling may read tensors on the host: on the CPU it may (numpy's argmax, the
+    # top-p candidates widened only as far as a row needs); on a device it reads nothing
+    # (torch's argmax, the candidates sized from the settings alone).
+    host_reads: bool = True
+    all_truncated: bool = False  # every row has top-k or top-p on, and none is greedy
+    num_candidates: int = 0  # the first number of top candidates `kept_candidates` sorts
 
     @classmethod
-    def greedy_only(cls, params: list[SamplingParams]) -> SamplingBatch | None:
+    def greedy_only(cls, params: list[SamplingParams], host_reads: bool = True
+                    ) -> SamplingBatch | None:
         """The batch of rows that are all greedy without penalties (the common case: `sample`
         then reads nothing but `all_greedy`), or None when some row needs more."""
         if not all(p.greedy and not p.uses_penalties for p in params):
             return None
         return cls(all_greedy=True, greedy=None, temperature=None, uniforms=None, min_p=None,
                    top_k=None, top_p=None, truncated=None, repetition_penalty=None,
-                   frequency_penalty=None, presence_penalty=None, seen=None, output_counts=None)
+                   frequency_penalty=None, presence_penalty=None, seen=None, output_counts=None,
+                   host_reads=host_reads)
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], output_indices: list[int],
               token_histories: list[list[int]] | None, prompt_lens: list[int] | None,
-              vocab_size: int, device: torch.device) -> SamplingBatch:
-        """Gather the rows' settings into tensors.
+              vocab_size: int, device: torch.device, host_reads: bool = True) -> SamplingBatch:
+        """Gather the rows' settings into tensors on `device`; `host_reads` False for logits
+        on an accelerator (see the field).
 
         `seeds` are the requests' `sampling_seed`; `output_indices` the number of tokens each
         has generated so far. `token_histories` (prompt + output ids) and `prompt_lens` are
@@ -122,58 +152,101 @@ class SamplingBatch:
         if not len(seeds) == len(output_indices) == len(params):
             raise ValueError(f"SamplingBatch.build: {len(params)} params, {len(seeds)} seeds, "
                              f"{len(output_indices)} output indices: expected equal lengths")
-
-        def column(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        if (greedy_only := cls.greedy_only(params)) is not None:
+        if (greedy_only := cls.greedy_only(params, host_reads)) is not None:
             return greedy_only
-        greedy = [p.greedy for p in params]
-        penalised = any(p.uses_penalties for p in params)
-        top_k = [min(p.top_k or vocab_size, vocab_size) for p in params]
-        batch = cls(
-            all_greedy=all(greedy),
-            greedy=column(greedy, torch.bool) if any(greedy) else None,
-            temperature=column([p.temperature or 1.0 for p in params], torch.float32),
-            uniforms=counter_uniforms(column([_int64(s) for s in seeds], torch.int64),
-                                      column(output_indices, torch.int64)),
-            min_p=(column([p.min_p for p in params], torch.float32)
-                   if any(p.min_p > 0 for p in params) else None),
-            top_k=column(top_k, torch.int64) if any(k < vocab_size for k in top_k) else None,
-            top_p=(column([p.top_p if p.top_p < 1 else math.inf for p in params], torch.float32)
-                   if any(p.top_p < 1 for p in params) else None),
-            truncated=column([not g and (k < vocab_size or p.top_p < 1)
-                              for p, g, k in zip(params, greedy, top_k)], torch.bool),
-            repetition_penalty=None, frequency_penalty=None, presence_penalty=None,
-            seen=None, output_counts=None,
-        )
-        if penalised:
+        host = sampling_columns(params, vocab_size)
+        streams = seed_streams(np.array([as_int64(s) for s in seeds], dtype=np.int64))
+        batch = cls.from_columns(
+            host, torch.from_numpy(host).to(device), torch.from_numpy(streams).to(device),
+            torch.tensor(output_indices, dtype=torch.int64, device=device), vocab_size,
+            host_reads)
+        if batch.repetition_penalty is not None:
             if token_histories is None or prompt_lens is None:
                 raise ValueError("SamplingBatch.build: a request uses penalties, so "
                                  "token_histories and prompt_lens are required")
-            batch.repetition_penalty = column([p.repetition_penalty for p in params],
-                                              torch.float32)
-            batch.frequency_penalty = column([p.frequency_penalty for p in params], torch.float32)
-            batch.presence_penalty = column([p.presence_penalty for p in params], torch.float32)
-            batch.seen, batch.output_counts = _token_stats(token_histories, prompt_lens,
-                                                           vocab_size, device)
+            batch.count_tokens(token_histories, prompt_lens, vocab_size, device)
         return batch
+
+    @classmethod
+    def from_columns(cls, host: np.ndarray, columns: torch.Tensor, streams: torch.Tensor,
+                     output_indices: torch.Tensor, vocab_size: int, host_reads: bool
+                     ) -> SamplingBatch:
+        """The batch of the rows whose settings are `columns` (`sampling_columns`' layout, on
+        the logits' device), their seeds' `seed_streams` (int64) and `output_indices` on the
+        device too.
+        `host` holds the same settings on the host: what it says decides what `sample` runs,
+        so nothing is read back. A batch that uses penalties still needs `count_tokens`."""
+        greedy, truncated = host[:, _GREEDY] > 0, host[:, _TRUNCATED] > 0
+        top_k = host[:, _TOP_K]
+        penalised = bool((host[:, _REPETITION] != 1).any() or host[:, _FREQUENCY].any()
+                         or host[:, _PRESENCE].any())
+        uses_top_p = bool(np.isfinite(host[:, _TOP_P]).any())
+        largest_top_k = int(top_k[top_k < vocab_size].max(initial=0))
+
+        def column(index: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+            values = columns[:, index]
+            return values if dtype is None else values.to(dtype)
+
+        return cls(
+            all_greedy=bool(greedy.all()),
+            greedy=column(_GREEDY, torch.bool) if greedy.any() and not greedy.all() else None,
+            temperature=column(_TEMPERATURE),
+            uniforms=stream_uniforms(streams, output_indices),
+            min_p=column(_MIN_P) if (host[:, _MIN_P] > 0).any() else None,
+            top_k=column(_TOP_K, torch.int64) if (top_k < vocab_size).any() else None,
+            top_p=column(_TOP_P) if uses_top_p else None,
+            truncated=column(_TRUNCATED, torch.bool),
+            repetition_penalty=column(_REPETITION) if penalised else None,
+            frequency_penalty=column(_FREQUENCY) if penalised else None,
+            presence_penalty=column(_PRESENCE) if penalised else None,
+            seen=None, output_counts=None, host_reads=host_reads,
+            all_truncated=bool(truncated.all()),
+            num_candidates=(vocab_size if uses_top_p and not host_reads
+                            else min(vocab_size, max(_MIN_CANDIDATES, largest_top_k))))
+
+    def count_tokens(self, histories: list[list[int]], prompt_lens: list[int], vocab_size: int,
+                     device: torch.device) -> None:
+        """Fill `seen` and `output_counts` from the rows' prompt + output ids (penalties)."""
+        self.seen, self.output_counts = _token_stats(histories, prompt_lens, vocab_size, device)
+
+
+# sampling_columns' layout: one float32 column per setting (top_k and the flags are exact).
+(_TEMPERATURE, _MIN_P, _TOP_K, _TOP_P, _GREEDY, _TRUNCATED, _REPETITION, _FREQUENCY,
+ _PRESENCE) = range(9)
+NUM_COLUMNS = 9
+
+
+def sampling_columns(params: list[SamplingParams], vocab_size: int) -> np.ndarray:
+    """Each row's settings as `SamplingBatch.from_columns` reads them, float32 [n, NUM_COLUMNS]:
+    temperature (1 on greedy rows), min_p (0 where off), top_k (vocab_size where off), top_p
+    (inf where off: rounding may make mass reach 1), greedy, truncated (a sampled row with
+    top-k or top-p on), and the repetition, frequency and presence penalties."""
+    columns = np.empty((len(params), NUM_COLUMNS), dtype=np.float32)
+    for row, p in enumerate(params):
+        top_k = min(p.top_k or vocab_size, vocab_size)
+        columns[row] = (p.temperature or 1.0, p.min_p, top_k,
+                        p.top_p if p.top_p < 1 else math.inf, p.greedy,
+                        not p.greedy and (top_k < vocab_size or p.top_p < 1),
+                        p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+    return columns
 
 
 def _token_stats(histories: list[list[int]], prompt_lens: list[int], vocab_size: int,
                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Seen-mask (prompt + output) and output counts, scattered from all histories at once."""
-    lengths = torch.tensor([len(h) for h in histories], dtype=torch.int64, device=device)
-    rows = torch.repeat_interleave(torch.arange(len(histories), device=device), lengths)
-    tokens = torch.tensor(list(itertools.chain.from_iterable(histories)), dtype=torch.int64,
-                          device=device)
-    position = torch.arange(len(tokens), device=device) - (lengths.cumsum(0) - lengths)[rows]
-    is_output = position >= torch.tensor(prompt_lens, dtype=torch.int64, device=device)[rows]
+    """Seen-mask (prompt + output) and output counts, scattered from all histories at once
+    (no mask indexing, which would read a count on the host; the ids go to the device
+    without the host waiting for it)."""
+    lengths = [len(history) for history in histories]
+    rows = np.repeat(np.arange(len(histories), dtype=np.int64), lengths)
+    tokens = np.fromiter(itertools.chain.from_iterable(histories), dtype=np.int64, count=len(rows))
+    is_output = np.concatenate([np.arange(length) >= prompt_len
+                                for length, prompt_len in zip(lengths, prompt_lens)])
+    rows_t, tokens_t, is_output_t = (torch.from_numpy(array).to(device, non_blocking=True)
+                                     for array in (rows, tokens, is_output.astype(np.float32)))
     seen = torch.zeros(len(histories), vocab_size, dtype=torch.bool, device=device)
-    seen[rows, tokens] = True
+    seen[rows_t, tokens_t] = True
     counts = torch.zeros(len(histories), vocab_size, device=device)
-    counts.index_put_((rows[is_output], tokens[is_output]),
-                      torch.ones(len(tokens), device=device)[is_output], accumulate=True)
+    counts.index_put_((rows_t, tokens_t), is_output_t, accumulate=True)
     return seen, counts
 
 
@@ -226,32 +299,42 @@ def kept_candidates(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.T
     on the CPU, while the kept set is almost always small. So sort only the top `k`
     candidates (`topk`) and widen `k` (in the end to the whole vocabulary: the plain sort)
     until every truncated row's kept set provably ends inside them: its top-k fits, or the
-    candidates' mass reaches its top_p.
+    candidates' mass reaches its top_p. Without host reads the first `k` holds every row's
+    kept set by construction (`num_candidates`: the whole vocabulary where top-p is on).
     """
     vocab = logits.shape[-1]
-    top_k = batch.top_k if batch.top_k is not None else torch.full_like(batch.truncated, vocab,
-                                                                         dtype=torch.int64)
-    top_p = (batch.top_p if batch.top_p is not None
-             else torch.full_like(batch.temperature, math.inf))
-    k = min(vocab, max(_MIN_CANDIDATES, int(top_k.masked_fill(top_k >= vocab, 0).max())))
-    full_log_z = _log_sum_exp(logits)
+    k = min(vocab, batch.num_candidates)
+    full_log_z = _log_sum_exp(logits) if batch.top_p is not None else None
     while True:
         values, indices = logits.topk(k, dim=-1)
-        outside_top_k = torch.arange(k, device=logits.device) >= top_k[:, None]
-        values = values.masked_fill(outside_top_k, float("-inf"))
+        if batch.top_k is not None:
+            outside_top_k = torch.arange(k, device=logits.device) >= batch.top_k[:, None]
+            values = values.masked_fill(outside_top_k, float("-inf"))
+        if batch.top_p is None:
+            return values, indices  # `num_candidates` is at least every row's top-k
         # rows with top-k on have it inside the candidates: renormalise over it, as vLLM does
-        log_z = torch.where(top_k < vocab, values.logsumexp(dim=-1), full_log_z)
+        log_z = (full_log_z if batch.top_k is None
+                 else torch.where(batch.top_k < vocab, values.logsumexp(dim=-1), full_log_z))
         probs = (values - log_z[:, None]).exp()
         mass = probs.cumsum(dim=-1)
-        covered = (top_k <= k) | (mass[:, -1] >= top_p)
-        if k == vocab or bool((covered | ~batch.truncated).all()):
+        if k == vocab or not batch.host_reads or _kept_sets_inside(batch, k, mass):
             break
         k = k * _GROWTH if k * _GROWTH <= vocab // 4 else vocab
     # The most probable token is always kept: a tiny top_p (1e-300 is 0 in float32) would
     # drop every token, and the draw over no token is NaN.
-    outside_top_p = mass - probs >= top_p[:, None]
+    outside_top_p = mass - probs >= batch.top_p[:, None]
     outside_top_p[:, 0] = False
     return values.masked_fill(outside_top_p, float("-inf")), indices
+
+
+def _kept_sets_inside(batch: SamplingBatch, k: int, mass: torch.Tensor) -> bool:
+    """Whether every truncated row keeps only tokens among its top `k` candidates, whose
+    cumulative probabilities are `mass` (a read on the host): its top-k fits in them, or their
+    mass reaches its top_p."""
+    covered = ~batch.truncated | (mass[:, -1] >= batch.top_p)
+    if batch.top_k is not None:
+        covered |= batch.top_k <= k
+    return bool(covered.all())
 
 
 def draw(scaled: torch.Tensor, batch: SamplingBatch,
@@ -268,7 +351,7 @@ def draw(scaled: torch.Tensor, batch: SamplingBatch,
     by_id = indices.argsort(dim=-1)
     ids = indices.gather(1, by_id)
     picked = ids.gather(1, _inverse_cdf(values.gather(1, by_id), batch.uniforms)[:, None]).squeeze(1)
-    if bool(batch.truncated.all()):
+    if batch.all_truncated:
         return picked
     return torch.where(batch.truncated, picked, _inverse_cdf(scaled, batch.uniforms))
 
@@ -299,15 +382,20 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
 
 
 def token_logprobs(logprobs: torch.Tensor, tokens: torch.Tensor, num_top: int
-                   ) -> list[TokenLogprob]:
-    """Each row's chosen token's log-probability and its `num_top` likeliest tokens:
-    `logprobs` [r, vocab] (a log-softmax), `tokens` int64 [r]."""
-    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-    if num_top == 0:
-        return [TokenLogprob(lp, [], []) for lp in chosen]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's chosen token's log-probability [r], its `num_top` likeliest tokens [r, num_top]
+    and their log-probabilities, on the device: `logprobs` [r, vocab] (a log-softmax),
+    `tokens` int64 [r]. `logprob_entries` makes TokenLogprobs of them on the host."""
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
     top = logprobs.topk(num_top, dim=-1)
-    return [TokenLogprob(lp, ids, values) for lp, ids, values
-            in zip(chosen, top.indices.tolist(), top.values.tolist())]
+    return chosen, top.indices, top.values
+
+
+def logprob_entries(chosen: np.ndarray, top_ids: np.ndarray, top_logprobs: np.ndarray
+                    ) -> list[TokenLogprob]:
+    """TokenLogprobs of what `token_logprobs` gave, on the host: [r], [r, k] and [r, k]."""
+    return [TokenLogprob(float(lp), ids, values) for lp, ids, values
+            in zip(chosen, top_ids.astype(np.int64).tolist(), top_logprobs.tolist())]
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -320,6 +408,10 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
+def _device_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Pick one token per row: `[num_seqs, vocab]` logits of any float dtype -> int64 `[num_seqs]`.
 
@@ -328,22 +420,23 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     one per vocabulary entry keeps the hashing negligible. A token with zero probability
     never owns a step of the CDF, so filtered tokens are never picked.
     The constrained rows' logits are masked in place (`apply_token_bitmask`); the logprob
-    rows' TokenLogprobs (of the logits as given) are left in `batch.logprobs`.
+    rows' logprobs (of the logits as given, `token_logprobs`) are left in `batch.logprobs`.
     """
     model_logprobs = (None if batch.logprob_rows is None
                       else logits[batch.logprob_rows].float().log_softmax(dim=-1))
     logits = apply_penalties(logits.float(), batch)
     if batch.token_bitmask is not None:
         logits = apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
+    argmax = greedy_tokens if batch.host_reads else _device_argmax
     if batch.all_greedy:
-        sampled = greedy_tokens(logits)
+        sampled = argmax(logits)
     else:
         scaled = apply_min_p(logits / batch.temperature[:, None], batch)
         kept = (None if batch.top_k is None and batch.top_p is None
                 else kept_candidates(scaled, batch))
         sampled = draw(scaled, batch, kept)
         if batch.greedy is not None:
-            sampled = torch.where(batch.greedy, greedy_tokens(logits), sampled)
+            sampled = torch.where(batch.greedy, argmax(logits), sampled)
     if model_logprobs is not None:
         chosen = sampled[batch.logprob_rows].clamp(max=logits.shape[-1] - 1)
         batch.logprobs = token_logprobs(model_logprobs, chosen, batch.num_top_logprobs)
