@@ -1,0 +1,138 @@
+"""Models that think: a tiny random Qwen3 with <think> tokens and Qwen3's thinking template,
+its replies scripted, through the conversation, the session and the store."""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+
+import pytest
+from helpers import assert_no_leaks, engine_config, scripted
+from tiny_models import EOS_ID, thinking_tokenizer
+
+from paged_chat.app.chat_session import ChatSession
+from paged_chat.app.chat_store import ChatStore
+from paged_chat.app.conversation import Conversation
+from paged_chat.engine import ClientSpec, SamplingParams, make_client
+
+REASONING = "The user says hi. I say hi back."
+ANSWER = "Hi there!"
+REPLY = f"<think>\n{REASONING}\n</think>\n\n{ANSWER}"
+PARAMS = SamplingParams(temperature=0.0, max_tokens=64)
+
+
+def reply_ids(tokenizer, text: str = REPLY) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False) + [EOS_ID]
+
+
+@pytest.fixture
+def client(thinking_model_dir, monkeypatch):
+    """A thread client on the tiny thinking Qwen3 whose every reply is REPLY."""
+    tokenizer = thinking_tokenizer()
+    scripted(monkeypatch, reply_ids(tokenizer))
+    client = make_client(ClientSpec("thread", engine_config(thinking_model_dir, block_size=8)))
+    yield client
+    client.shutdown()
+    assert_no_leaks(client.transport.engine)
+
+
+async def ask(session: ChatSession, client, text: str) -> None:
+    async for _ in session.send(client, text, PARAMS):
+        pass
+
+
+def test_the_next_prompt_keeps_the_generated_thinking_ids():
+    tokenizer = thinking_tokenizer()
+    conversation = Conversation(tokenizer, tokenizer.chat_template)
+    first = conversation.next_prompt_ids("Hello")
+    generated = reply_ids(tokenizer)
+    conversation.add_reply(first, generated, ANSWER, REASONING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "re-encoding" fallback
+        second = conversation.next_prompt_ids("And again")
+    # The template renders the first reply without its thinking; the prompt keeps it.
+    assert "<think>" not in tokenizer.apply_chat_template(
+        conversation.messages + [{"role": "user", "content": "x"}], tokenize=False)
+    assert second[:len(first) + len(generated)] == first + generated
+    assert tokenizer.decode(second[len(first) + len(generated):]) == \
+        "\n<|im_start|>user\nAnd again<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_changed_template_still_re_encodes_with_a_warning():
+    tokenizer = thinking_tokenizer()
+    conversation = Conversation(tokenizer, tokenizer.chat_template, "Be brief.")
+    first = conversation.next_prompt_ids("Hello")
+    conversation.add_reply(first, reply_ids(tokenizer), ANSWER, REASONING)
+    conversation.system_prompt = "Be verbose."
+    with pytest.warns(UserWarning, match="re-encoding"):
+        conversation.next_prompt_ids("Again")
+
+
+def test_a_session_splits_the_reply_and_the_next_turn_hits_the_cache(client, tmp_path):
+    store = ChatStore(tmp_path / "chats.db")
+    chat = store.create_chat("t", "m")
+    session = ChatSession(store, chat)
+    asyncio.run(ask(session, client, "Hello"))
+    first = session.turn
+    assert (first.text, first.reasoning, first.finish_reason) == (ANSWER, REASONING, "stop")
+    assert first.reasoning_tokens == len(thinking_tokenizer().encode(f"<think>\n{REASONING}\n</think>"))
+    asyncio.run(ask(session, client, "Again"))
+    second = session.turn
+    assert second.prompt_ids[:len(first.live_ids)] == first.live_ids
+    assert second.num_cached_tokens >= len(first.live_ids) - 8  # all but the last, partial block
+    stored = store.get_chat(chat.id).messages
+    assert [(m.role, m.content, m.reasoning) for m in stored] == [
+        ("user", "Hello", None), ("assistant", ANSWER, REASONING),
+        ("user", "Again", None), ("assistant", ANSWER, REASONING)]
+    assert stored[1].timings["reasoning_tokens"] == first.reasoning_tokens
+    # A new process rebuilds the same prompt from the store.
+    rebuilt = Conversation.from_chat(store.get_chat(chat.id), thinking_tokenizer(),
+                                     thinking_tokenizer().chat_template)
+    assert rebuilt.token_ids == second.live_ids
+
+
+def test_a_chat_with_thinking_off_says_so_to_the_template(client, tmp_path):
+    store = ChatStore(tmp_path / "chats.db")
+    chat = store.create_chat("t", "m")
+    session = ChatSession(store, chat)
+    assert session.can_switch_thinking(client)
+    session.set_thinking(False)
+    asyncio.run(ask(session, client, "Hello"))
+    tokenizer = thinking_tokenizer()
+    assert tokenizer.decode(session.turn.prompt_ids).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert store.get_chat(chat.id).thinking is False
+
+
+def test_a_prompt_that_opens_the_thinking_starts_the_reply_in_it(thinking_model_dir, monkeypatch):
+    """DeepSeek-R1 distills' templates end the generation prompt with <think>."""
+    tokenizer = thinking_tokenizer()
+    template = tokenizer.chat_template.replace("'<|im_start|>assistant\n' }}",
+                                               "'<|im_start|>assistant\n<think>\n' }}")
+    assert template != tokenizer.chat_template
+    scripted(monkeypatch, reply_ids(tokenizer, f"{REASONING}\n</think>\n\n{ANSWER}"))
+    client = make_client(ClientSpec("thread", engine_config(thinking_model_dir)))
+    try:
+        session = ChatSession(conversation=Conversation(tokenizer, template))
+        asyncio.run(ask(session, client, "Hello"))
+        assert (session.turn.text, session.turn.reasoning) == (ANSWER, REASONING)
+    finally:
+        client.shutdown()
+
+
+def test_a_store_from_before_thinking_migrates_in_place(tmp_path, monkeypatch):
+    from helpers import sqlite
+
+    from paged_chat.app import chat_store
+    path = tmp_path / "chats.db"
+    monkeypatch.setattr(chat_store, "MIGRATIONS", chat_store.MIGRATIONS[:-1])
+    ChatStore(path).close()
+    monkeypatch.undo()
+    sqlite(path, "INSERT INTO chats VALUES ('old', 'Old', 'm', NULL, '{}', 0, 0)")
+    sqlite(path, "INSERT INTO messages (chat_id, role, content, token_ids, finish_reason, created, "
+                 "timings) VALUES ('old', 'assistant', 'Hi', x'02000000', 'stop', 0, '{}')")
+    with ChatStore(path) as store:
+        chat = store.get_chat("old")
+        assert chat.thinking is None and chat.messages[0].reasoning is None
+        store.set_thinking("old", True)
+        fork = store.fork_chat("old")
+        assert fork.thinking is True and fork.messages[0].content == "Hi"
