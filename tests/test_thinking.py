@@ -4,9 +4,11 @@ its replies scripted, through the conversation, the session and the store."""
 from __future__ import annotations
 
 import asyncio
+import json
 import warnings
 
 import pytest
+from cli_fixtures import Cli
 from helpers import assert_no_leaks, engine_config, scripted
 from tiny_models import EOS_ID, thinking_tokenizer
 
@@ -136,3 +138,57 @@ def test_a_store_from_before_thinking_migrates_in_place(tmp_path, monkeypatch):
         store.set_thinking("old", True)
         fork = store.fork_chat("old")
         assert fork.thinking is True and fork.messages[0].content == "Hi"
+
+
+# ---- paged-chat ask ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def thinking_cli(tmp_path, monkeypatch, thinking_model_dir, new_engine) -> Cli:
+    """`paged-chat` on the tiny thinking Qwen3, every reply REPLY."""
+    scripted(monkeypatch, reply_ids(thinking_tokenizer()))
+    monkeypatch.setenv("PAGED_CHAT_DATA_DIR", str(tmp_path / "data"))
+    config = tmp_path / "config.toml"
+    config.write_text(f'[engine]\nmodel = "{thinking_model_dir}"\ndevice = "cpu"\n'
+                      'dtype = "float32"\nnum_blocks = 128\nblock_size = 8\n\n'
+                      '[chat]\ntemperature = 0.0\nmax_tokens = 64\n')
+    cli = Cli(config, thinking_model_dir, new_engine)
+    yield cli
+    for engine in cli.engines:
+        assert not engine.has_unfinished() and engine.stats().blocks_in_use == 0
+
+
+def test_ask_prints_only_the_answer(thinking_cli):
+    result = thinking_cli("ask", "Hello")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == ANSWER + "\n"
+
+
+def test_ask_show_thinking_prints_the_thinking_then_the_answer(thinking_cli):
+    result = thinking_cli("ask", "--show-thinking", "Hello")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout == f"{REASONING}\n\n{ANSWER}\n"
+
+
+def test_ask_json_has_the_reasoning_and_the_answer(thinking_cli):
+    answer = thinking_cli.json("Hello")
+    assert (answer["text"], answer["reasoning"]) == (ANSWER, REASONING)
+    assert answer["reasoning_tokens"] > 0 and answer["finish_reason"] == "stop"
+    # The next turn (-c) starts with the first turn's exact prompt and generated ids.
+    first = thinking_cli.store().get_chat(answer["chat_id"])
+    history = [i for message in first.messages for i in message.token_ids]
+    again = thinking_cli.json("-c", "Again")
+    assert again["cached_tokens"] >= len(history) - 8
+    second = thinking_cli.store().get_chat(answer["chat_id"]).messages
+    assert [i for message in second[:2] for i in message.token_ids] == history
+    assert (second[3].content, second[3].reasoning) == (ANSWER, REASONING)
+
+
+def test_ask_no_think_turns_the_thinking_off_and_keeps_it_with_the_chat(thinking_cli):
+    answer = thinking_cli.json("--no-think", "Hello")
+    chat = thinking_cli.store().get_chat(answer["chat_id"])
+    assert chat.thinking is False
+    assert thinking_tokenizer().decode(chat.messages[0].token_ids).endswith("<think>\n\n</think>\n\n")
+    continued = thinking_cli.json("-c", "Again")
+    messages = thinking_cli.store().get_chat(continued["chat_id"]).messages
+    assert thinking_tokenizer().decode(messages[2].token_ids).endswith("<think>\n\n</think>\n\n")
