@@ -8,8 +8,10 @@ import json
 import warnings
 
 import pytest
+import openai
 from cli_fixtures import Cli
-from helpers import assert_no_leaks, engine_config, scripted
+from helpers import assert_no_leaks, engine_config, scripted, wait_for
+from server_fixtures import start_server
 from tiny_models import EOS_ID, thinking_tokenizer
 
 from paged_chat.app.chat_session import ChatSession
@@ -192,3 +194,67 @@ def test_ask_no_think_turns_the_thinking_off_and_keeps_it_with_the_chat(thinking
     continued = thinking_cli.json("-c", "Again")
     messages = thinking_cli.store().get_chat(continued["chat_id"]).messages
     assert thinking_tokenizer().decode(messages[2].token_ids).endswith("<think>\n\n</think>\n\n")
+
+
+# ---- the API -----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def thinking_api(client, thinking_model_dir):
+    served = start_server(client, model_names=[str(thinking_model_dir)])
+    yield served
+    served.stop()
+    wait_for(lambda: client.stats().blocks_in_use == 0, what="every block back")
+
+
+def api_client(served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url, api_key="unused", max_retries=0)
+
+
+def test_the_api_returns_the_thinking_apart(thinking_api):
+    reply = api_client(thinking_api).chat.completions.create(
+        model=thinking_api.model, messages=[{"role": "user", "content": "Hello"}], max_tokens=64)
+    message = reply.choices[0].message
+    assert message.content == ANSWER
+    assert message.model_extra["reasoning_content"] == message.model_extra["reasoning"] == REASONING
+
+
+def test_the_api_streams_the_thinking_apart(thinking_api):
+    chunks = list(api_client(thinking_api).chat.completions.create(
+        model=thinking_api.model, messages=[{"role": "user", "content": "Hello"}], max_tokens=64,
+        stream=True))
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert "".join(d.content or "" for d in deltas) == ANSWER
+    for name in ("reasoning_content", "reasoning"):
+        assert "".join((d.model_extra or {}).get(name) or "" for d in deltas) == REASONING
+    # The thinking streams before the answer: no delta holds a marker as text.
+    assert not any("<" in (d.content or "") for d in deltas)
+
+
+@pytest.mark.parametrize("name", ["reasoning_content", "reasoning"])
+def test_the_api_takes_the_thinking_back_in_an_assistant_message(thinking_api, name):
+    """A Qwen3 template renders the thinking of a reply after the last user message only:
+    a request ending with an assistant message (a prefill to continue) shows it."""
+    tokenizer = thinking_tokenizer()
+    messages = [{"role": "user", "content": "Hello"},
+                {"role": "assistant", "content": ANSWER, name: REASONING}]
+    reply = api_client(thinking_api).chat.completions.create(
+        model=thinking_api.model, messages=messages, max_tokens=4,
+        extra_body={"return_token_ids": True, "chat_template_kwargs": {"enable_thinking": True}})
+    expected = tokenizer.apply_chat_template(
+        [messages[0], {"role": "assistant", "content": ANSWER, "reasoning_content": REASONING}],
+        tokenize=False, add_generation_prompt=True)
+    assert f"<think>\n{REASONING}\n</think>" in expected
+    assert reply.usage.prompt_tokens == len(tokenizer.encode(expected, add_special_tokens=False))
+
+
+def test_the_api_passes_enable_thinking_to_the_template(thinking_api):
+    tokenizer = thinking_tokenizer()
+    messages = [{"role": "user", "content": "Hello"}]
+    on = api_client(thinking_api).chat.completions.create(
+        model=thinking_api.model, messages=messages, max_tokens=2)
+    off = api_client(thinking_api).chat.completions.create(
+        model=thinking_api.model, messages=messages, max_tokens=2,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    closed = len(tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False))
+    assert off.usage.prompt_tokens == on.usage.prompt_tokens + closed
