@@ -10,7 +10,7 @@ import warnings
 import pytest
 import openai
 from cli_fixtures import Cli
-from helpers import assert_no_leaks, engine_config, scripted, wait_for
+from helpers import assert_no_leaks, engine_config, scripted, wait_for, wait_until
 from server_fixtures import start_server
 from tiny_models import EOS_ID, thinking_tokenizer
 
@@ -258,3 +258,55 @@ def test_the_api_passes_enable_thinking_to_the_template(thinking_api):
         extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     closed = len(tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False))
     assert off.usage.prompt_tokens == on.usage.prompt_tokens + closed
+
+
+# ---- the TUI -----------------------------------------------------------------------------
+
+
+async def test_the_tui_shows_the_thinking_collapsed_and_expands_it(client, tmp_path):
+    from tui_helpers import idle, make_app, make_settings, press, replies, text_of, type_prompt
+
+    from paged_chat.tui.app import PagedChatApp
+    from paged_chat.tui.message_widgets import ThinkingSection
+
+    def open_app():
+        return make_app(client, tmp_path, make_settings(max_tokens=64),
+                        app_class=PagedChatApp)  # the reply ends at its EOS
+
+    async with open_app().run_test(size=(100, 40)) as pilot:
+        app = pilot.app
+        await type_prompt(pilot, "Hello")
+        await wait_until(lambda: idle(app) and app.active_tab.session.turn is not None
+                         and app.active_tab.session.turn.finished)
+        [reply] = replies(app.active_tab)
+        await wait_until(lambda: reply.thinking is not None and reply.thinking.is_mounted)
+        tokens = app.active_tab.session.turn.reasoning_tokens
+        assert reply.text == ANSWER and tokens > 0
+        section = reply.query_one(ThinkingSection)
+        assert section.collapsed and section.title == f"thinking · {tokens} tokens"
+        assert "<think>" not in "".join(chunk.source for chunk in reply._chunks)
+        await press(pilot, "alt+t")
+        await wait_until(lambda: not section.collapsed)
+        body = section.query_one(".thinking-text")
+        await wait_until(lambda: text_of(body) == REASONING)
+        await pilot.pause()
+        assert await pilot.click("ThinkingSection CollapsibleTitle"), "the click missed the title"
+        await wait_until(lambda: section.collapsed)
+        app.active_tab.prompt.focus()   # the click focused the title
+        # F3: thinking off in this chat, from its next turn on.
+        await press(pilot, "f3")
+        await wait_until(lambda: app.active_tab.session.thinking is False)
+        await type_prompt(pilot, "Again")
+        await wait_until(lambda: idle(app) and len(replies(app.active_tab)) == 2
+                         and app.active_tab.session.turn.finished)
+        prompt = thinking_tokenizer().decode(app.active_tab.session.turn.prompt_ids)
+        assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    # After a restart, the stored reply shows its thinking the same way.
+    async with open_app().run_test(size=(100, 40)) as pilot:
+        app = pilot.app
+        await wait_until(lambda: app.active_tab is not None and len(replies(app.active_tab)) == 2)
+        first = replies(app.active_tab)[0]
+        await wait_until(lambda: first.thinking is not None and first.thinking.is_mounted)
+        assert first.thinking.collapsed and first.thinking.title == f"thinking · {tokens} tokens"
+        assert first.text == ANSWER
+        assert app.active_tab.session.thinking is False

@@ -295,6 +295,21 @@ class ChatTab(TabPane):
             self.workers.cancel_group(self, "turn")
         return True
 
+    def toggle_last_thinking(self) -> bool:
+        """Expand or collapse the last reply's thinking; False when it has none."""
+        replies = list(self.query(AssistantMessage))
+        return bool(replies) and replies[-1].toggle_thinking()
+
+    async def switch_thinking(self) -> bool | None:
+        """Turn the model's thinking on or off for this chat's next turns (from the
+        template's default, off); the new state, None where the template has no switch."""
+        client = await self.wait_for_engine()
+        if not self.session.can_switch_thinking(client):
+            return None
+        self.session.load()
+        self.session.set_thinking(self.session.thinking is False)
+        return self.session.thinking
+
     def replies(self) -> list[AssistantMessage]:
         """The tab's replies in order, those a hidden tab keeps back included."""
         return [*self.query(AssistantMessage),
@@ -342,7 +357,8 @@ class ChatTab(TabPane):
             while shown and not isinstance(shown[-1], UserMessage):
                 view = shown.pop()
                 if isinstance(view, AssistantMessage) and replaced is None:
-                    replaced = AssistantMessage(view.text, footer=view.footer)
+                    replaced = AssistantMessage(view.text, view.footer, view.reasoning,
+                                                view.reasoning_tokens)
                 await view.remove()
         else:
             sent = UserMessage(text)
@@ -365,7 +381,10 @@ class ChatTab(TabPane):
                     if self._streaming_reply is not reply:
                         await self._shown(mount, reply)
                     # Kept until the app's next frame (`render_frame`); a hidden tab's until it is shown.
-                    reply.write(output.new_text)
+                    turn = self.session.turn
+                    if turn.reasoning is not None:
+                        reply.write_thinking(turn.last.reasoning, turn.reasoning_tokens)
+                    reply.write(turn.last.answer)
         except asyncio.CancelledError:  # the tab closed, or Esc before the model was ready
             reply.footer = "stopped"
             self._streaming_reply = None
@@ -439,5 +458,6 @@ def _view_of(message) -> Static | AssistantMessage:
             footer = " · ".join(p for p in (f"ttft {timings['ttft_s']:.2f}s",
                                             f"{timings.get('tokens_per_s', 0):.1f} tok/s",
                                             footer) if p)
-        return AssistantMessage(message.content, footer=footer)
+        return AssistantMessage(message.content, footer, message.reasoning,
+                                timings.get("reasoning_tokens", 0))
     return Static(Text(clean(message.content)), classes="message system")
