@@ -186,6 +186,12 @@ def test_ask_json_has_the_reasoning_and_the_answer(thinking_cli):
     assert (second[3].content, second[3].reasoning) == (ANSWER, REASONING)
 
 
+def test_the_chat_loop_prints_only_the_answer(thinking_cli):
+    result = thinking_cli("chat", input="Hello\n/quit\n")
+    assert result.exit_code == 0, result.stderr
+    assert result.stdout.startswith(ANSWER + "\n") and "think" not in result.stdout
+
+
 def test_ask_no_think_turns_the_thinking_off_and_keeps_it_with_the_chat(thinking_cli):
     answer = thinking_cli.json("--no-think", "Hello")
     chat = thinking_cli.store().get_chat(answer["chat_id"])
