@@ -62,6 +62,19 @@ def test_the_next_prompt_keeps_the_generated_thinking_ids():
         "\n<|im_start|>user\nAnd again<|im_end|>\n<|im_start|>assistant\n"
 
 
+def test_a_reply_cut_in_its_thinking_keeps_its_ids_too():
+    tokenizer = thinking_tokenizer()
+    conversation = Conversation(tokenizer, tokenizer.chat_template)
+    first = conversation.next_prompt_ids("Hello")
+    cut = tokenizer.encode(f"<think>\n{REASONING}", add_special_tokens=False)  # max_tokens: no EOS
+    conversation.add_reply(first, cut, "", REASONING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = conversation.next_prompt_ids("Go on")
+    assert second[:len(first) + len(cut)] == first + cut
+    assert tokenizer.decode(second[len(first) + len(cut):]).startswith("\n<|im_end|>\n<|im_start|>user\nGo on")
+
+
 def test_a_changed_template_still_re_encodes_with_a_warning():
     tokenizer = thinking_tokenizer()
     conversation = Conversation(tokenizer, tokenizer.chat_template, "Be brief.")

@@ -38,8 +38,9 @@ class ChatTemplateError(PagedChatError):
     """The model's chat template refused the conversation (many refuse a system turn)."""
 
 
-# A thinking section, and the whitespace templates put or drop around it.
-_THINKING = re.compile(r"<think>.*?</think>|\s", re.DOTALL)
+# A thinking section (one a reply cut short never closed included), and the whitespace
+# templates put or drop around it.
+_THINKING = re.compile(r"<think>.*?(?:</think>|\Z)|\s", re.DOTALL)
 
 
 def switches_thinking(chat_template: str) -> bool:
@@ -72,8 +73,7 @@ class Conversation:
     _pending: list[dict[str, str]] = field(default_factory=list)
 
     @classmethod
-    def from_chat(cls, chat: StoredChat, tokenizer: Any, chat_template: str,
-                  enable_thinking: bool | None = None) -> Conversation:
+    def from_chat(cls, chat: StoredChat, tokenizer: Any, chat_template: str) -> Conversation:
         """Rebuild a stored chat: its messages, and its history ids as the concatenation of
         every row's ids (see paged_chat.app.chat_store). A user message with no reply after it (the
         reply never started) gets an empty one, so the turns keep alternating; the next
@@ -81,7 +81,7 @@ class Conversation:
         the engine refused outright (an error before any token, e.g. a prompt past
         max_model_len) stays in the store but out of the context, or every later turn would
         fail the same way."""
-        conversation = cls(tokenizer, chat_template, chat.system_prompt, enable_thinking)
+        conversation = cls(tokenizer, chat_template, chat.system_prompt)
         messages = chat.messages
         refused = {i for pair in range(len(messages) - 1) for i in (pair, pair + 1)
                    if messages[pair].role == "user" and messages[pair + 1].role == "assistant"
