@@ -94,11 +94,6 @@ class Turn:
     def reasoning(self) -> str | None:
         return self._splitter.reasoning if self._splitter.opened else None
 
-    @property
-    def thinking(self) -> bool:
-        """Whether the reply is in its thinking section now."""
-        return self._splitter.opened and self._splitter.thinking
-
     def add(self, output: RequestOutput, now: float) -> None:
         if output.new_token_ids and self.first_token_at is None:
             self.first_token_at = now
