@@ -4,11 +4,10 @@ its replies scripted, through the conversation, the session and the store."""
 from __future__ import annotations
 
 import asyncio
-import json
 import warnings
 
-import pytest
 import openai
+import pytest
 from cli_fixtures import Cli
 from helpers import assert_no_leaks, engine_config, scripted, wait_for, wait_until
 from server_fixtures import start_server
