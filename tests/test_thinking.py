@@ -328,3 +328,45 @@ async def test_the_tui_shows_the_thinking_collapsed_and_expands_it(client, tmp_p
         assert first.thinking.collapsed and first.thinking.title == f"thinking · {tokens} tokens"
         assert first.text == ANSWER
         assert app.active_tab.session.thinking is False
+
+
+async def test_the_thinking_streams_into_its_section_shown_or_hidden(chat_model_dir, tmp_path):
+    """The section shows while the model thinks, its count rising; a hidden tab's shows
+    once the tab is shown, with what streamed meanwhile."""
+    from test_tui_streaming import fed_app, shown_words
+    from tui_helpers import press
+
+    from paged_chat.tui.message_widgets import AssistantMessage
+
+    app, client = fed_app(chat_model_dir, tmp_path)
+    async with app.run_test(size=(120, 40)) as pilot:
+        shown = app.active_tab
+        assert shown.send("plan")
+        client.pieces.put_nowait("<think>\nFirst")
+        await wait_until(lambda: shown.query(AssistantMessage)
+                         and shown.query_one(AssistantMessage).thinking is not None
+                         and shown.query_one(AssistantMessage).thinking.title == "thinking · 1 token")
+        reply = shown.query_one(AssistantMessage)
+        assert shown_words(reply) == []
+        for piece in [" second\n</think>", "\n\nThe answer.", None]:
+            client.pieces.put_nowait(piece)
+        await wait_until(lambda: not shown.streaming and shown_words(reply) == ["The", "answer."])
+        assert reply.thinking.title == "thinking · 2 tokens" and reply.reasoning == "First second"
+
+        await press(pilot, "ctrl+n")
+        await wait_until(lambda: len(app.chat_tabs) == 2 and app.active_tab is not shown)
+        await press(pilot, "alt+left")
+        await wait_until(lambda: app.active_tab is shown)
+        hidden = app.chat_tabs[1]
+        assert hidden.send("again")
+        for piece in ["<think>\nQuietly", "</think>Later.", None]:
+            client.pieces.put_nowait(piece)
+        await wait_until(lambda: not hidden.streaming)
+        assert not hidden.query(AssistantMessage)
+        await press(pilot, "alt+right")
+        await wait_until(lambda: app.active_tab is hidden and hidden.query(AssistantMessage))
+        later = hidden.query_one(AssistantMessage)
+        await wait_until(lambda: later.thinking is not None and later.thinking.is_mounted
+                         and shown_words(later) == ["Later."])
+        assert later.thinking.title == "thinking · 2 tokens" and later.reasoning == "Quietly"
+        assert later.children[0] is later.thinking and reply.children[0] is reply.thinking  # above the answer
