@@ -314,6 +314,7 @@ async def test_the_tui_shows_the_thinking_collapsed_and_expands_it(client, tmp_p
         # F3: thinking off in this chat, from its next turn on.
         await press(pilot, "f3")
         await wait_until(lambda: app.active_tab.session.thinking is False)
+        assert "thinking=off" in text_of(app.active_tab.query_one(".chat-info"))
         await type_prompt(pilot, "Again")
         await wait_until(lambda: idle(app) and len(replies(app.active_tab)) == 2
                          and app.active_tab.session.turn.finished)
@@ -328,6 +329,7 @@ async def test_the_tui_shows_the_thinking_collapsed_and_expands_it(client, tmp_p
         assert first.thinking.collapsed and first.thinking.title == f"thinking · {tokens} tokens"
         assert first.text == ANSWER
         assert app.active_tab.session.thinking is False
+        await wait_until(lambda: "thinking=off" in text_of(app.active_tab.query_one(".chat-info")))
 
 
 async def test_the_thinking_streams_into_its_section_shown_or_hidden(chat_model_dir, tmp_path):

@@ -156,6 +156,8 @@ class ChatTab(TabPane):
         between two settings (the settings are never cut)."""
         # name=value, no space: a wrap falls between two settings; unset (None) ones are defaults
         overrides = [f"{k}={v}" for k, v in sorted(self.session.sampling.items()) if v is not None]
+        if self.session.thinking is not None:   # the chat's thinking switch (F3)
+            overrides.append(f"thinking={'on' if self.session.thinking else 'off'}")
         settings = "  ·  " + ", ".join(overrides) if overrides else ""
         mark, label = "█ ", "system: "
         shown = self.query(".chat-info")
@@ -308,6 +310,7 @@ class ChatTab(TabPane):
             return None
         self.session.load()
         self.session.set_thinking(self.session.thinking is False)
+        self.refresh_info()
         return self.session.thinking
 
     def replies(self) -> list[AssistantMessage]:
