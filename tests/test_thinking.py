@@ -74,6 +74,29 @@ def test_a_reply_cut_in_its_thinking_keeps_its_ids_too():
     assert tokenizer.decode(second[len(first) + len(cut):]).startswith("\n<|im_end|>\n<|im_start|>user\nGo on")
 
 
+def r1_template() -> str:
+    """The thinking template with its generation prompt opening the thinking, as
+    DeepSeek-R1 distills' does."""
+    template = thinking_tokenizer().chat_template.replace(
+        "'<|im_start|>assistant\n' }}", "'<|im_start|>assistant\n<think>\n' }}")
+    assert "<think>\n' }}" in template
+    return template
+
+
+def test_the_next_prompt_keeps_the_ids_where_the_prompt_opened_the_thinking():
+    tokenizer = thinking_tokenizer()
+    conversation = Conversation(tokenizer, r1_template())
+    first = conversation.next_prompt_ids("Hello")
+    generated = reply_ids(tokenizer, f"{REASONING}\n</think>\n\n{ANSWER}")
+    conversation.add_reply(first, generated, ANSWER, REASONING)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second = conversation.next_prompt_ids("And again")
+    assert second[:len(first) + len(generated)] == first + generated
+    assert tokenizer.decode(second[len(first) + len(generated):]) == \
+        "\n<|im_start|>user\nAnd again<|im_end|>\n<|im_start|>assistant\n<think>\n"
+
+
 def test_a_changed_template_still_re_encodes_with_a_warning():
     tokenizer = thinking_tokenizer()
     conversation = Conversation(tokenizer, tokenizer.chat_template, "Be brief.")
@@ -122,9 +145,7 @@ def test_a_chat_with_thinking_off_says_so_to_the_template(client, tmp_path):
 def test_a_prompt_that_opens_the_thinking_starts_the_reply_in_it(thinking_model_dir, monkeypatch):
     """DeepSeek-R1 distills' templates end the generation prompt with <think>."""
     tokenizer = thinking_tokenizer()
-    template = tokenizer.chat_template.replace("'<|im_start|>assistant\n' }}",
-                                               "'<|im_start|>assistant\n<think>\n' }}")
-    assert template != tokenizer.chat_template
+    template = r1_template()
     scripted(monkeypatch, reply_ids(tokenizer, f"{REASONING}\n</think>\n\n{ANSWER}"))
     client = make_client(ClientSpec("thread", engine_config(thinking_model_dir)))
     try:
