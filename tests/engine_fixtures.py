@@ -16,7 +16,7 @@ import pytest
 import torch
 import transformers
 from helpers import assert_no_leaks
-from tiny_models import build_tiny_model
+from tiny_models import build_tiny_model, thinking_qwen3_folder
 
 from paged_chat.engine import Engine, EngineConfig
 from paged_chat.engine.models.loader import ModelSource, load_model_source
@@ -65,6 +65,12 @@ def chat_model_dir(tmp_path_factory, smollm2_source) -> Path:
     build_tiny_model("llama", folder, vocab_size=len(smollm2_source.tokenizer), tie_word_embeddings=True)
     smollm2_source.tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def thinking_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Qwen3 with <think> and </think> tokens and Qwen3's thinking template."""
+    return thinking_qwen3_folder(tmp_path_factory.mktemp("tiny-thinking-qwen3"))
 
 
 # A tiny Mistral's sliding window (every layer): not a multiple of any block size.

@@ -211,6 +211,19 @@ def sqlite(path: Path, statement: str) -> list[tuple]:
         connection.close()
 
 
+def insert_old_chat(path: Path, chat_id: str, title: str) -> None:
+    """A chat row as every schema version writes it (no column a later one added): for
+    stores built at an old version, which today's ChatStore no longer writes to."""
+    connection = sqlite3.connect(path)
+    try:
+        connection.execute(
+            "INSERT INTO chats (id, title, model, system_prompt, sampling, created, updated) "
+            "VALUES (?, ?, 'm', NULL, '{}', 0, 0)", (chat_id, title))
+        connection.commit()
+    finally:
+        connection.close()
+
+
 def insert_old_message(path: Path, chat_id: str, role: str, content: str,
                        token_ids: list[int]) -> None:
     """A message row as every schema version writes it (no column a later one added): for

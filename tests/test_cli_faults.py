@@ -390,8 +390,8 @@ def test_a_search_of_a_repeated_word_takes_the_time_of_one(cli):
     ('[tui.keys]\nnew_chatt = "ctrl+t"', "line 2: unknown action 'tui.keys.new_chatt': did you mean "
      "'new_chat'? actions: broadcast, chat_settings, close_chat, copy_code, copy_reply, "
      "edit_message, fork_chat, help, new_chat, next_branch, next_chat, prev_branch, prev_chat, "
-     "regenerate, rename_chat, restart_engine, select_next_message, select_prev_message, stop, "
-     "toggle_panel"),
+     "regenerate, rename_chat, restart_engine, select_next_message, select_prev_message, "
+     "show_thinking, stop, switch_thinking, toggle_panel"),
     ('[tui.keys]\nnew_chat = "ctrl+nonsense+q"', 'line 2: tui.keys.new_chat = "ctrl+nonsense+q" is '
      "invalid: 'nonsense' is not a modifier (modifiers: ctrl, shift, alt, meta, super, hyper); "
      'expected a key like "ctrl+n" (several: "f2,ctrl+e")'),

@@ -65,11 +65,11 @@ async def test_a_store_that_fails_mid_reply_costs_one_warning_not_the_reply(clie
     session = new_session(store, warnings)
     update, failures = store.update_message, []
 
-    def full_disk(message_id, content, token_ids, finish_reason, timings=None):
+    def full_disk(message_id, content, token_ids, finish_reason, timings=None, **rest):
         if content and len(failures) < 3:
             failures.append(content)
             raise sqlite3.OperationalError("database or disk is full")
-        return update(message_id, content, token_ids, finish_reason, timings)
+        return update(message_id, content, token_ids, finish_reason, timings, **rest)
 
     monkeypatch.setattr(store, "update_message", full_disk)
     text = await asyncio.wait_for(run(session.send(client, "Tell me more", GREEDY)), 60)
@@ -86,9 +86,9 @@ async def test_streaming_saves_are_written_off_the_event_loop(client, store, mon
     session = new_session(store)
     update, saves = store.update_message, []
 
-    def recording(message_id, content, token_ids, finish_reason, timings=None):
+    def recording(message_id, content, token_ids, finish_reason, timings=None, **rest):
         saves.append((finish_reason, threading.get_ident()))
-        return update(message_id, content, token_ids, finish_reason, timings)
+        return update(message_id, content, token_ids, finish_reason, timings, **rest)
 
     monkeypatch.setattr(store, "update_message", recording)
     text = await asyncio.wait_for(run(session.send(client, "Tell me more", GREEDY)), 60)

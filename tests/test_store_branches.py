@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import insert_old_message, sqlite
+from helpers import insert_old_chat, insert_old_message, sqlite
 from typer.testing import CliRunner
 
 from paged_chat.app import chat_store as store_module
@@ -104,23 +104,24 @@ def test_a_store_from_before_branches_is_migrated_in_place(tmp_path, monkeypatch
     each message follows the one before it and the chat's leaf is its last message."""
     path = tmp_path / "chats.db"
     monkeypatch.setattr(store_module, "MIGRATIONS", store_module.MIGRATIONS[:BRANCHES_VERSION])
-    with ChatStore(path) as old:
-        first, second = old.create_chat("first", "m"), old.create_chat("second", "m")
+    ChatStore(path).close()
+    insert_old_chat(path, "first", "first")
+    insert_old_chat(path, "second", "second")
     for index in range(3):   # interleaved: a chat's parent is its own previous message
-        insert_old_message(path, first.id, ("user", "assistant")[index % 2], f"first {index}", [index])
-        insert_old_message(path, second.id, ("user", "assistant")[index % 2], f"second {index}", [index])
+        insert_old_message(path, "first", ("user", "assistant")[index % 2], f"first {index}", [index])
+        insert_old_message(path, "second", ("user", "assistant")[index % 2], f"second {index}", [index])
     assert sqlite(path, "PRAGMA user_version") == [(BRANCHES_VERSION,)]
     monkeypatch.undo()
     with ChatStore(path) as new:
         assert sqlite(path, "PRAGMA user_version") == [(len(store_module.MIGRATIONS),)]
-        chat = new.get_chat(first.id)
+        chat = new.get_chat("first")
         assert contents(chat) == ["first 0", "first 1", "first 2"]
         assert [m.token_ids for m in chat.messages] == [[0], [1], [2]]
         ids = [m.id for m in chat.messages]
         assert [m.parent_id for m in chat.messages] == [None, *ids[:-1]]
         assert chat.leaf_id == ids[-1] and chat.branches == {}
-        new.add_message(second.id, "user", "second 3", [3])
-        assert contents(new.get_chat(second.id)) == [f"second {i}" for i in range(4)]
+        new.add_message("second", "user", "second 3", [3])
+        assert contents(new.get_chat("second")) == [f"second {i}" for i in range(4)]
 
 
 def test_chats_show_and_export_read_the_branch_last_used(tmp_path, monkeypatch):

@@ -4,7 +4,7 @@ step with the store by triggers, and built for stores from before it existed."""
 from __future__ import annotations
 
 import pytest
-from helpers import insert_old_message, sqlite
+from helpers import insert_old_chat, insert_old_message, sqlite
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -127,18 +127,18 @@ def test_a_store_from_before_search_is_indexed_when_opened(tmp_path, monkeypatch
     built from the rows already there, and kept in step from then on."""
     path = tmp_path / "chats.db"
     monkeypatch.setattr(store_module, "MIGRATIONS", store_module.MIGRATIONS[:SEARCH_VERSION])
-    with ChatStore(path) as old:
-        chat = old.create_chat("Old chat about tides", "m")
-        insert_old_message(path, chat.id, "user", "How do the moon and tides relate?", [1, 2])
+    with ChatStore(path):
         assert sqlite(path, "PRAGMA user_version") == [(SEARCH_VERSION,)]
     monkeypatch.undo()
+    insert_old_chat(path, "old", "Old chat about tides")
+    insert_old_message(path, "old", "user", "How do the moon and tides relate?", [1, 2])
     with ChatStore(path) as new:
         assert sqlite(path, "PRAGMA user_version") == [(len(store_module.MIGRATIONS),)]
         assert found(new, "tides") == ["Old chat about tides"]
         assert found(new, "moon") == ["Old chat about tides"]
-        new.add_message(chat.id, "assistant", "Gravity pulls the oceans", [3])
+        new.add_message("old", "assistant", "Gravity pulls the oceans", [3])
         assert found(new, "gravity") == ["Old chat about tides"]
-        assert new.get_chat(chat.id).messages[0].token_ids == [1, 2]
+        assert new.get_chat("old").messages[0].token_ids == [1, 2]
 
 
 def test_chats_list_search_on_the_command_line(tmp_path, monkeypatch):

@@ -159,6 +159,56 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
                                    eos_token=VOCAB[EOS_ID])
 
 
+# Qwen3's chat template, tools left out: an assistant turn's thinking (its
+# reasoning_content, or what its content holds before </think>) is rendered only after the
+# last user message, and `enable_thinking=False` closes an empty thinking section in the
+# generation prompt.
+QWEN3_THINKING_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}"
+    "{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}{%- endif %}"
+    "{%- set ns = namespace(last_query_index=messages|length - 1) %}"
+    "{%- for message in messages %}{%- if message.role == 'user' %}"
+    "{%- set ns.last_query_index = loop.index0 %}{%- endif %}{%- endfor %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{%- set content = message.content %}{%- set reasoning_content = '' %}"
+    "{%- if message.reasoning_content is defined and message.reasoning_content is not none %}"
+    "{%- set reasoning_content = message.reasoning_content %}"
+    "{%- elif '</think>' in message.content %}"
+    "{%- set content = message.content.split('</think>')[-1].lstrip('\n') %}"
+    "{%- set reasoning_content = message.content.split('</think>')[0].rstrip('\n')"
+    ".split('<think>')[-1].lstrip('\n') %}{%- endif %}"
+    "{%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}"
+    "{{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n')"
+    " + '\n</think>\n\n' + content.lstrip('\n') }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\n' + content }}{%- endif %}"
+    "{{- '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"
+)
+THINK_TOKENS = ["<think>", "</think>"]  # added tokens, not special: they stay in the text
+
+
+def thinking_tokenizer() -> PreTrainedTokenizerFast:
+    """The VOCAB tokenizer with <think> and </think> as tokens of their own and Qwen3's
+    thinking chat template."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_tokens(THINK_TOKENS)
+    tokenizer.chat_template = QWEN3_THINKING_TEMPLATE
+    return tokenizer
+
+
+def thinking_qwen3_folder(folder: Path) -> Path:
+    """A tiny random Qwen3 whose tokenizer is `thinking_tokenizer()`."""
+    tokenizer = thinking_tokenizer()
+    build_tiny_model("qwen3", folder, **(TINY | {"vocab_size": len(tokenizer)}))
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def hf_folder(folder: Path, arch: str, **overrides: Any) -> dict[str, torch.Tensor]:
     """A tiny random HF model folder with a template-less tokenizer; returns its state dict."""
     model = build_tiny_model(arch, folder, **(TINY | overrides))

@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from paged_chat.app.chat_store import StoreError, StoreWriteError
-from paged_chat.app.conversation import Conversation
+from paged_chat.app.conversation import Conversation, switches_thinking
+from paged_chat.app.reasoning import ReasoningSplitter, SplitText, opens_thinking
 from paged_chat.app.text import sanitize_for_terminal
 from paged_chat.engine.core.errors import EngineDeadError, PagedChatError, describe_error
 
@@ -53,6 +54,7 @@ if TYPE_CHECKING:
     from paged_chat.engine import EngineClient, RequestOutput, SamplingParams
 
 SAVE_INTERVAL_S = 0.5   # how often a streaming reply is written to the store
+_PROMPT_END_IDS = 8     # a prompt's last ids, enough to hold a generation prompt's <think>
 TITLE_LENGTH = 60
 
 
@@ -67,12 +69,19 @@ def chat_title(text: str) -> str:
 
 @dataclass(slots=True, eq=False)
 class Turn:
-    """One reply as it streams: what it answers, what came back so far, and when."""
+    """One reply as it streams: what it answers, what came back so far, and when.
+
+    `text` is the answer; a reasoning model's thinking is apart in `reasoning` (None while
+    the reply has none) and `reasoning_tokens` counts its tokens; `last` is what the
+    latest output added to each. `in_thinking`: the prompt opened the thinking (R1)."""
 
     user_text: str
     prompt_ids: list[int]
     request_id: str | None = None
+    in_thinking: bool = False
     text: str = ""
+    reasoning_tokens: int = 0
+    last: SplitText = field(default_factory=SplitText)
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
@@ -85,6 +94,14 @@ class Turn:
     priority: int = 0                  # its request's in the engine (the lower served first)
     user_message_id: int | None = None   # the turn's rows in the chat store (None: not there;
     reply_message_id: int | None = None  # a regenerate has no user row of its own)
+    _splitter: ReasoningSplitter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._splitter = ReasoningSplitter(self.in_thinking)
+
+    @property
+    def reasoning(self) -> str | None:
+        return self._splitter.reasoning if self._splitter.opened else None
 
     def add(self, output: RequestOutput, now: float) -> None:
         if output.new_token_ids and self.first_token_at is None:
@@ -94,7 +111,15 @@ class Turn:
             self.num_cached_tokens = (None if output.num_cached_tokens is None
                                       else max(self.num_cached_tokens or 0, output.num_cached_tokens))
         self.num_tier_cached_tokens = max(self.num_tier_cached_tokens, output.num_tier_cached_tokens)
-        self.text = output.text
+        was_thinking = self._splitter.thinking
+        split = self._splitter.feed(output.new_text)
+        if self._splitter.opened and (was_thinking or self._splitter.thinking):
+            self.reasoning_tokens += len(output.new_token_ids)
+        if output.finished:
+            rest = self._splitter.finish()
+            split = SplitText(split.reasoning + rest.reasoning, split.answer + rest.answer)
+        self.last = split
+        self.text = self._splitter.answer
         if output.finished:
             self.token_ids = list(output.token_ids)
             self.finish(output.finish_reason, output.error, now)
@@ -102,6 +127,8 @@ class Turn:
             self.token_ids += output.new_token_ids
 
     def finish(self, reason: str | None, error: str | None, now: float) -> None:
+        self._splitter.finish()   # what it held back is the reply's too
+        self.text = self._splitter.answer
         self.finished_at = now
         self.finish_reason, self.error = reason, error
 
@@ -134,7 +161,8 @@ class Turn:
                 "total_s": round(end - self.submitted_at, 3),
                 "tokens_per_s": round(self.tokens_per_s, 1),
                 "prompt_tokens": len(self.prompt_ids), "cached_tokens": self.num_cached_tokens,
-                "tier_cached_tokens": self.num_tier_cached_tokens}
+                "tier_cached_tokens": self.num_tier_cached_tokens,
+                **({"reasoning_tokens": self.reasoning_tokens} if self.reasoning is not None else {})}
 
 
 class ChatSession:
@@ -149,13 +177,15 @@ class ChatSession:
 
     def __init__(self, store: ChatStore | None = None, chat: StoredChat | None = None, *,
                  loaded: bool = True, in_store: bool = True, system_prompt: str | None = None,
-                 conversation: Conversation | None = None,
+                 conversation: Conversation | None = None, thinking: bool | None = None,
                  on_warning: Callable[[str], None] | None = None) -> None:
         assert (store is None) == (chat is None), "a kept chat needs both a store and a chat"
         self.store = store
         self.chat = chat
         self.system_prompt = chat.system_prompt if chat is not None else system_prompt
         self.sampling: dict[str, Any] = dict(chat.sampling or {}) if chat is not None else {}
+        # Whether the model thinks, where its template can say (None: as the template has it).
+        self.thinking = chat.thinking if chat is not None else thinking
         self.conversation = conversation
         self.turn: Turn | None = None
         self.on_warning = on_warning or (lambda message: None)
@@ -184,6 +214,7 @@ class ChatSession:
             self._loaded = True
             self.chat = self.store.get_chat(self.chat.id)
             self.system_prompt, self.sampling = self.chat.system_prompt, dict(self.chat.sampling or {})
+            self.thinking = self.chat.thinking
             self._last_message_id = self.chat.messages[-1].id if self.chat.messages else 0
         return self.chat.messages
 
@@ -233,6 +264,20 @@ class ChatSession:
             self.store.update_chat_settings(self.chat.id, system_prompt, self.sampling)
             self.chat.system_prompt, self.chat.sampling = system_prompt, dict(sampling)
         return restarted
+
+    @staticmethod
+    def can_switch_thinking(client: EngineClient) -> bool:
+        """Whether the model's template turns its thinking on and off."""
+        return switches_thinking(client.info.chat_template or "")
+
+    def set_thinking(self, thinking: bool | None) -> None:
+        """Turn the model's thinking on or off for this chat's next turns (None: as the
+        template has it). Earlier turns keep their ids, so the prefix cache still holds."""
+        self.thinking = thinking
+        if self.chat is not None:
+            if self.in_store:
+                self.store.set_thinking(self.chat.id, thinking)
+            self.chat.thinking = thinking
 
     def fork(self, title: str) -> ChatSession:
         """A copy of this chat (in the store too) whose next prompt shares every full KV
@@ -334,10 +379,13 @@ class ChatSession:
                    parent: int | None
                    ) -> AsyncIterator[RequestOutput]:
         working = _copy(base)
+        working.enable_thinking = self.thinking
         prompt_ids = working.next_prompt_ids(text)
         self._turns += 1
         request_id = f"{self.chat.id}/{self._turns}" if self.chat is not None else None
-        self.turn = turn = Turn(text, prompt_ids, request_id, priority=priority)
+        prompt_end = working.tokenizer.decode(prompt_ids[-_PROMPT_END_IDS:], skip_special_tokens=False)
+        self.turn = turn = Turn(text, prompt_ids, request_id, priority=priority,
+                                in_thinking=opens_thinking(prompt_end))
         self._save_failed = False
         self.unsaved = None
         try:
@@ -418,7 +466,7 @@ class ChatSession:
     def _end_turn(self, base: Conversation, working: Conversation, turn: Turn) -> None:
         refused = turn.finish_reason == "error" and not turn.token_ids
         if not refused:
-            working.add_reply(turn.prompt_ids, turn.token_ids, turn.text)
+            working.add_reply(turn.prompt_ids, turn.token_ids, turn.text, turn.reasoning)
             self.conversation = working
         self._save_reply(turn, final=True)
         self._turn_base = base
@@ -438,7 +486,7 @@ class ChatSession:
         try:
             self.store.update_message(self._reply_id, turn.text, turn.token_ids,
                                       turn.finish_reason if final else None,
-                                      timings if final else None)
+                                      timings if final else None, reasoning=turn.reasoning)
             self.unsaved = None
         except (StoreError, sqlite3.Error) as error:
             self.unsaved = error

@@ -8,7 +8,8 @@ it left off with its prompt ids unchanged and the engine's prefix cache hits:
 - a user row holds the ids that turn added to the prompt: the template's tail after the
   previous reply, the new user turn and the generation prompt (for the first turn, the
   whole rendered prompt, system prompt included);
-- an assistant row holds exactly the generated ids, end-of-turn token included.
+- an assistant row holds exactly the generated ids, end-of-turn token included; its
+  content is the answer, and a reasoning model's thinking is apart in `reasoning`.
 Concatenating the ids of every row of a branch in order gives its history (see
 `Conversation.from_chat`). A reply is written when it starts (finish_reason None) and
 updated as it streams; a row still None when loaded was cut by a crash or kill, and reads
@@ -174,6 +175,12 @@ MIGRATIONS: list[tuple[str, ...]] = [
         "UPDATE chats SET leaf_id = (SELECT max(id) FROM messages WHERE chat_id = chats.id)",
         "CREATE INDEX messages_by_parent ON messages (parent_id)",
     ),
+    # Models that think: a reply's thinking apart from its answer (NULL: it had none), and
+    # a chat's thinking switch (NULL: as the template has it).
+    (
+        "ALTER TABLE messages ADD COLUMN reasoning TEXT",
+        "ALTER TABLE chats ADD COLUMN thinking INTEGER",
+    ),
 ]
 
 _CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
@@ -181,8 +188,9 @@ _CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
 # not grow to the size a connection needs.
 _FULL = ("SQLITE_FULL", "SQLITE_IOERR_SHMSIZE")
 _BUSY_TIMEOUT_S = 5.0   # how long a connection waits for another process's lock
-_CHAT_COLUMNS = "id, title, model, system_prompt, sampling, created, updated"
-_MESSAGE_COLUMNS = "id, chat_id, role, content, token_ids, finish_reason, created, timings, parent_id"
+_CHAT_COLUMNS = "id, title, model, system_prompt, sampling, created, updated, thinking"
+_MESSAGE_COLUMNS = ("id, chat_id, role, content, token_ids, finish_reason, created, timings, "
+                    "parent_id, reasoning")
 # The messages of one branch: the path from the leaf ?1 up to its root, in chat ?2.
 _BRANCH = ("WITH RECURSIVE branch (id) AS (SELECT ?1 UNION ALL SELECT messages.parent_id "
            "FROM messages JOIN branch ON messages.id = branch.id "
@@ -247,6 +255,7 @@ class Message:
     created: float
     timings: dict
     parent_id: int | None = None   # the message this one follows; None for a first message
+    reasoning: str | None = None   # a reasoning model's thinking, apart from its answer
 
 
 @dataclass(slots=True)
@@ -266,6 +275,7 @@ class StoredChat:
     messages: list[Message] = field(default_factory=list)  # empty unless loaded
     leaf_id: int | None = None
     branches: dict[int, list[int]] = field(default_factory=dict)
+    thinking: bool | None = None   # the model thinks (where its template can say); None: as it will
 
 
 class _CorruptDatabase(Exception):
@@ -389,6 +399,9 @@ class ChatStore:
     def update_chat_settings(self, chat_id: str, system_prompt: str | None, sampling: dict) -> None:
         self._update_chat(chat_id, "system_prompt = ?, sampling = ?", (system_prompt, json.dumps(sampling)))
 
+    def set_thinking(self, chat_id: str, thinking: bool | None) -> None:
+        self._update_chat(chat_id, "thinking = ?", (thinking,))
+
     def fork_chat(self, chat_id: str, title: str | None = None) -> StoredChat:
         """A new chat with a copy of every message of the branch last used, token ids
         included, so the fork's next prompt shares the original's cached blocks."""
@@ -398,14 +411,14 @@ class ChatStore:
             if source is None:
                 raise ChatNotFound(f"no chat with id {chat_id!r} to fork")
             db.execute(f"INSERT INTO chats ({_CHAT_COLUMNS}) SELECT ?, ?, model, system_prompt, "
-                       "sampling, ?, ? FROM chats WHERE id = ?",
+                       "sampling, ?, ?, thinking FROM chats WHERE id = ?",
                        (new_id, title or f"{source[0]} (fork)", now, now, chat_id))
             parent = None
             for message in self._load_chat(db, chat_id).messages:
                 parent = db.execute(
                     "INSERT INTO messages (chat_id, role, content, token_ids, finish_reason, "
-                    "created, timings, parent_id) SELECT ?, role, content, token_ids, "
-                    "finish_reason, created, timings, ? FROM messages WHERE id = ?",
+                    "created, timings, parent_id, reasoning) SELECT ?, role, content, token_ids, "
+                    "finish_reason, created, timings, ?, reasoning FROM messages WHERE id = ?",
                     (new_id, parent, message.id)).lastrowid
             self._set_leaf(db, new_id, parent)
         return self.get_chat(new_id)
@@ -473,14 +486,16 @@ class ChatStore:
             self._set_leaf(db, chat_id, leaf_id)
 
     def update_message(self, message_id: int, content: str, token_ids: list[int],
-                       finish_reason: str | None, timings: dict | None = None) -> None:
-        """Replace a message's content and ids (a streaming reply); timings=None keeps them."""
+                       finish_reason: str | None, timings: dict | None = None,
+                       reasoning: str | None = None) -> None:
+        """Replace a message's content, thinking and ids (a streaming reply); timings=None
+        keeps them."""
         with self._transaction() as db:
             cursor = db.execute(
                 "UPDATE messages SET content = ?, token_ids = ?, finish_reason = ?, "
-                "timings = coalesce(?, timings) WHERE id = ?",
+                "timings = coalesce(?, timings), reasoning = ? WHERE id = ?",
                 (content, _pack(token_ids), finish_reason,
-                 None if timings is None else json.dumps(timings), message_id))
+                 None if timings is None else json.dumps(timings), reasoning, message_id))
             if cursor.rowcount == 0:
                 raise MessageNotFound(f"no message with id {message_id}")
             self._touch(db, "id = (SELECT chat_id FROM messages WHERE id = ?)", message_id, time.time())
@@ -536,10 +551,10 @@ class ChatStore:
     def _insert_message(db: sqlite3.Connection, message: Message) -> int:
         """Insert `message` (its id is ignored); the id it got."""
         return db.execute(
-            f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT INTO messages ({_MESSAGE_COLUMNS}) VALUES (NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (message.chat_id, message.role, message.content, _pack(message.token_ids),
              message.finish_reason, message.created, json.dumps(message.timings),
-             message.parent_id)).lastrowid
+             message.parent_id, message.reasoning)).lastrowid
 
     @staticmethod
     def _touch(db: sqlite3.Connection, where: str, key: object, now: float) -> None:
@@ -737,9 +752,9 @@ def new_chat(title: str, model: str, system_prompt: str | None = None,
 
 
 def _insert_chat(db: sqlite3.Connection, chat: StoredChat) -> None:
-    db.execute(f"INSERT INTO chats ({_CHAT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+    db.execute(f"INSERT INTO chats ({_CHAT_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                (chat.id, chat.title, chat.model, chat.system_prompt, json.dumps(chat.sampling),
-                chat.created, chat.updated))
+                chat.created, chat.updated, chat.thinking))
 
 
 def _new_id() -> str:
@@ -785,16 +800,18 @@ def _holds_word(text: str, term: str) -> bool:
 
 
 def _chat(row: tuple) -> StoredChat:
-    chat_id, title, model, system_prompt, sampling, created, updated = row
-    return StoredChat(chat_id, title, model, system_prompt, json.loads(sampling), created, updated)
+    chat_id, title, model, system_prompt, sampling, created, updated, thinking = row
+    return StoredChat(chat_id, title, model, system_prompt, json.loads(sampling), created, updated,
+                      thinking=None if thinking is None else bool(thinking))
 
 
 def _message(row: tuple) -> Message:
-    message_id, chat_id, role, content, token_ids, finish_reason, created, timings, parent_id = row
+    (message_id, chat_id, role, content, token_ids, finish_reason, created, timings, parent_id,
+     reasoning) = row
     if role == "assistant" and finish_reason is None:
         finish_reason = INTERRUPTED
     return Message(message_id, chat_id, role, content, _unpack(token_ids), finish_reason,
-                   created, json.loads(timings), parent_id)
+                   created, json.loads(timings), parent_id, reasoning)
 
 
 def _pack(token_ids: list[int]) -> bytes:

@@ -37,6 +37,7 @@ import typer
 
 from paged_chat.app.chat_session import ChatSession, Turn, chat_title
 from paged_chat.app.settings import chat_sampling
+from paged_chat.app.reasoning import SplitText
 from paged_chat.app.text import StreamSanitizer
 from paged_chat.cli.plain_terminal import (
     MODEL_HELP,
@@ -216,11 +217,12 @@ class Answer:
     def to_json(self, load_s: float) -> dict[str, Any]:
         turn, timings = self.turn, self.turn.timings()
         chat = {"chat_id": self.chat_id} if self.names_chat else {}
-        return {**self.meta, **chat, "text": turn.text, "finish_reason": turn.finish_reason,
+        return {**self.meta, **chat, "text": turn.text, "reasoning": turn.reasoning,
+                "finish_reason": turn.finish_reason,
                 "error": turn.error, "prompt_tokens": len(turn.prompt_ids),
                 "cached_tokens": turn.num_cached_tokens,
                 "tier_cached_tokens": turn.num_tier_cached_tokens,
-                "completion_tokens": len(turn.token_ids),
+                "completion_tokens": len(turn.token_ids), "reasoning_tokens": turn.reasoning_tokens,
                 "timings": {"load_s": round(load_s, 3), "ttft_s": timings["ttft_s"],
                             "total_s": timings["total_s"], "tokens_per_s": timings["tokens_per_s"]}}
 
@@ -231,14 +233,29 @@ class OrderedOutput:
     On a terminal the text is sanitized as it streams, each answer on its own, so a
     sequence the model leaves open never reaches into the next answer."""
 
-    def __init__(self, count: int, as_json: bool, stdout: TextIO) -> None:
+    def __init__(self, count: int, as_json: bool, stdout: TextIO, show_thinking: bool = False) -> None:
         self.count = count
         self.as_json = as_json
+        self.show_thinking = show_thinking
+        self._thought: set[int] = set()   # the answers whose thinking was written
         self.stdout = stdout
         self.current = 0
         self.held: dict[int, list[str]] = {}
         self.done: dict[int, dict[str, Any]] = {}
         self.sanitizer = StreamSanitizer() if stdout.isatty() else None
+
+    def split_delta(self, index: int, split: SplitText) -> None:
+        """A turn's latest delta: its answer, after its thinking when that is shown (a
+        blank line between them)."""
+        text = split.answer
+        if self.show_thinking:
+            if split.reasoning:
+                self._thought.add(index)
+            if text and index in self._thought:
+                self._thought.discard(index)
+                text = "\n\n" + text
+            text = split.reasoning + text
+        self.delta(index, text)
 
     def delta(self, index: int, text: str) -> None:
         if self.as_json or not text:
@@ -315,7 +332,10 @@ def _run_turn(options: PlainTerminalOptions, settings: Settings, make_engine: En
             info = client.info
             conversation = (Conversation.from_chat(chat, info.tokenizer, info.chat_template)
                             if chat is not None else None)
-            session = ChatSession(system_prompt=system, conversation=conversation)
+            session = ChatSession(system_prompt=system, conversation=conversation,
+                                  thinking=chat.thinking if chat is not None else None)
+        if options.thinking is not None:
+            session.set_thinking(options.thinking)
         answer = Answer(0, session, user_text, params, {"model": config.model}, names_chat=True)
         code = _answer(client, [answer], options, load_s)
         unsaved = session.unsaved or store_error
@@ -359,7 +379,8 @@ def _run_batch(options: PlainTerminalOptions, settings: Settings, make_engine: E
         client, load_s = load_client(make_engine, config, options)
         params = model_sampling(settings, client, options.sampling)
         answers = [Answer(index, ChatSession(system_prompt=item.system or options.system
-                                             or settings.chat.system_prompt),
+                                             or settings.chat.system_prompt,
+                                             thinking=options.thinking),
                           item.prompt, params,
                           {"index": index, "prompt": item.prompt, "model": config.model})
                    for index, item in enumerate(prompts)]
@@ -368,7 +389,7 @@ def _run_batch(options: PlainTerminalOptions, settings: Settings, make_engine: E
 
 def _answer(client: EngineClient, answers: list[Answer], options: PlainTerminalOptions, load_s: float) -> int:
     """Stream every answer through the engine together; the exit status."""
-    output = OrderedOutput(len(answers), options.json, sys.stdout)
+    output = OrderedOutput(len(answers), options.json, sys.stdout, options.show_thinking)
     signals = ReceivedSignals()
     try:
         signals = asyncio.run(_stream_all(client, answers, output, load_s))
@@ -393,8 +414,8 @@ async def _stream_all(client: EngineClient, answers: list[Answer], output: Order
 
     async def answer_one(answer: Answer) -> None:
         async with aclosing(answer.session.send(client, answer.user_text, answer.params)) as deltas:
-            async for delta in deltas:
-                output.delta(answer.index, delta.new_text)
+            async for _ in deltas:
+                output.split_delta(answer.index, answer.turn.last)
         output.finished(answer.index, answer.to_json(load_s))
 
     def stop_all() -> None:
@@ -449,8 +470,14 @@ def ask(ctx: typer.Context,
             "--stats", help="Print prompt tokens, prefix-cache hits, time to first token and "
                             "tokens/s to stderr.")] = False,
         json_output: Annotated[bool, typer.Option(
-            "--json", help="Print one JSON object (text, token counts, timings, finish reason) "
-                           "instead of streaming text; JSONL with --file.")] = False,
+            "--json", help="Print one JSON object (text, reasoning, token counts, timings, "
+                           "finish reason) instead of streaming text; JSONL with --file.")] = False,
+        show_thinking: Annotated[bool, typer.Option(
+            "--show-thinking", help="Print a reasoning model's thinking before its answer.")] = False,
+        thinking: Annotated[bool | None, typer.Option(
+            "--think/--no-think", help="Turn the model's thinking on or off, where its template "
+                                       "can (Qwen3); saved with the chat.",
+            show_default=False)] = None,
         continue_chat: Annotated[bool, typer.Option(
             "--continue", "-c",
             help="Continue the most recent chat, reusing its exact token history.")] = False,
@@ -489,6 +516,7 @@ def ask(ctx: typer.Context,
     options = PlainTerminalOptions(
         prompt=prompt if prompt and prompt.strip() else None, system=system, stats=stats,
         json=json_output, continue_chat=continue_chat, chat_id=chat, save=not no_save,
+        show_thinking=show_thinking, thinking=thinking,
         engine={"model": model, "device": device, "dtype": dtype},
         sampling={"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                   "top_k": top_k, "seed": seed})

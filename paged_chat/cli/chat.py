@@ -258,9 +258,9 @@ class Repl:
         with stop_signals(session.stop) as received:
             try:
                 async with aclosing(session.send(self.client, text, self.params)) as deltas:
-                    async for delta in deltas:
+                    async for _ in deltas:
                         if not received:  # after ^C the terminal shows the reply as it stopped
-                            self._write(delta.new_text)
+                            self._write(session.turn.last.answer)  # the thinking stays out
             except asyncio.CancelledError:  # a second signal: the turn was saved as stopped
                 if not received:
                     raise

@@ -59,6 +59,8 @@ class PlainTerminalOptions:
     server: str | None = None       # an OpenAI-compatible server's URL instead of the engine
     api_key: str | None = None
     remote_model: str | None = None  # the --server's tokenizer to try: --model, else [engine] model
+    show_thinking: bool = False     # print a reasoning model's thinking before its answer
+    thinking: bool | None = None    # turn the model's thinking on or off (None: as the template has it)
 
 
 def configure(settings: Settings, engine: dict[str, Any], sampling: dict[str, Any]

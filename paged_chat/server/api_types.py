@@ -118,9 +118,12 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None    # an assistant's calls
     tool_call_id: str | None = None             # a tool message's: the call it answers
+    reasoning_content: str | None = None        # an assistant's thinking (DeepSeek's name)
+    reasoning: str | None = None                # the same, by vLLM's newer name
 
     def template_message(self) -> dict[str, Any]:
-        """The message as a chat template takes it (a developer message is a system one)."""
+        """The message as a chat template takes it (a developer message is a system one;
+        an assistant's thinking, by either name, is its `reasoning_content`)."""
         content = self.content if isinstance(self.content, str) else \
             "".join(part.text for part in self.content or [])
         message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
@@ -129,6 +132,9 @@ class ChatMessage(BaseModel):
             message["tool_calls"] = [template_tool_call(call) for call in self.tool_calls]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
+        reasoning = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if self.role == "assistant" and reasoning is not None:
+            message["reasoning_content"] = reasoning
         return message
 
 
@@ -137,6 +143,8 @@ class ChatCompletionRequest(ChatLogprobsFields, SamplingRequest):
     max_completion_tokens: int | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
+    # vLLM's: values the chat template reads, such as Qwen3's enable_thinking
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @property
     def token_limit(self) -> int | None:

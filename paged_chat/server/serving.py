@@ -11,6 +11,10 @@ prefixes never hit the blocks of requests that did not come through the API (a T
 tabs under `--serve`), and `cached_tokens` tells a caller nothing of another key's
 prompts; callers of one key still share their prefixes (a system prompt, n choices).
 
+A chat reply's thinking (a reasoning model's `<think>` section, or all it says after a
+prompt that opened one) goes apart as `reasoning_content` and `reasoning` (vLLM's newer
+name), in messages and in streamed deltas, and only where the reply had thinking.
+
 Errors before the first token (a bad prompt, a dead engine) are raised before any byte
 is sent, so a streaming request gets a proper HTTP status too. A stream the caller stops
 reading (the client went away) closes its engine streams, which aborts their requests and
@@ -29,6 +33,7 @@ from typing import Any
 
 import jinja2
 
+from paged_chat.app.reasoning import ReasoningSplitter, SplitText, opens_thinking
 from paged_chat.engine.clients.client_protocol import EngineClient
 from paged_chat.engine.core.detokenizer import IncrementalDetokenizer
 from paged_chat.engine.core.outputs import RequestOutput
@@ -82,6 +87,19 @@ class Job:
     parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per streamed choice
     # per streamed choice, its text so far: where completions' logprobs' text_offset counts from
     texts: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    in_thinking: bool = False              # the chat prompt opened the reply's thinking (R1)
+    splitters: dict[int, ReasoningSplitter] = field(default_factory=dict)  # per streamed choice
+
+    def split(self, index: int, text: str, output: RequestOutput, final: bool) -> tuple[SplitText, bool]:
+        """A chat choice's text (whole, or this delta) as reasoning and answer; whether the
+        reply has thinking (so far)."""
+        splitter = (ReasoningSplitter(self.in_thinking) if final
+                    else self.splitters.setdefault(index, ReasoningSplitter(self.in_thinking)))
+        split = splitter.feed(text)
+        if output.finished:
+            rest = splitter.finish()
+            split = SplitText(split.reasoning + rest.reasoning, split.answer + rest.answer)
+        return split, splitter.opened
 
     def tool_parser(self, index: int) -> ToolCallParser | None:
         """The choice's stream parser, where the reply may hold tool calls."""
@@ -142,27 +160,30 @@ class OpenAIServing:
             forced = forced_call_schema(tools, choice) if tools else None
         except ValueError as error:
             raise ApiError(400, str(error), "tool_choice") from error
-        prompt_ids = self.client.info.tokenizer.encode(self._render_chat(messages, tools),
-                                                       add_special_tokens=False)
+        prompt = self._render_chat(messages, tools, request.chat_template_kwargs or {})
+        prompt_ids = self.client.info.tokenizer.encode(prompt, add_special_tokens=False)
         output = request.output_fields()
         if forced is not None:  # the call's grammar replaces any response_format
             output = {**{k: v for k, v in output.items() if "logprobs" in k}, "json_schema": forced}
         job = self._job("chat.completion", request, prompt_ids, output)
+        job.in_thinking = opens_thinking(prompt)
         if tools:
             job.tool_names = {tool.function.name for tool in tools}
             job.forced_tool_call = forced is not None
         return job
 
-    def _render_chat(self, messages: list[dict[str, Any]], tools: list | None) -> str:
+    def _render_chat(self, messages: list[dict[str, Any]], tools: list | None,
+                     template_kwargs: dict[str, Any]) -> str:
         """The prompt text: the tools through the template's tool section, or in the system
-        message where the template has none (tool_calls.py)."""
+        message where the template has none (tool_calls.py); `template_kwargs` are the
+        request's values for the template (chat_template_kwargs)."""
         info = self.client.info
 
         def render(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
             try:
                 return info.tokenizer.apply_chat_template(
                     messages, chat_template=info.chat_template, tools=tools, tokenize=False,
-                    add_generation_prompt=True)
+                    add_generation_prompt=True, **template_kwargs)
             except (jinja2.TemplateError, TypeError) as error:
                 raise ApiError(400, f"the model's chat template refused the messages: {error}",
                                "messages") from error
@@ -275,7 +296,10 @@ class OpenAIServing:
                 ) -> dict[str, Any]:
         reason = output.finish_reason if output.finished else None
         if job.chat:
-            message, called = self._chat_content(job, index, text, output, final)
+            split, thinks = job.split(index, text, output, final)
+            message, called = self._chat_content(job, index, split.answer, output, final)
+            if split.reasoning or (final and thinks):
+                message["reasoning_content"] = message["reasoning"] = split.reasoning
             reason = "tool_calls" if called and output.finished else reason
             choice = {"index": index, ("message" if final else "delta"): message}
         else:

@@ -48,6 +48,8 @@ ACTIONS: list[tuple[str, str, str, str, bool]] = [
     ("copy_reply", "alt+c", "Copy", "Copy the last reply", False),
     ("copy_code", "alt+x", "Copy code", "Copy the last code block", False),
     ("broadcast", "ctrl+b", "Broadcast", "Broadcast the prompt to every tab", True),
+    ("show_thinking", "alt+t", "Thinking", "Show or hide the last reply's thinking", False),
+    ("switch_thinking", "f3", "Think", "Turn the model's thinking on or off in this chat", False),
     ("toggle_panel", "f8", "Panel", "Show or hide the engine panel", False),
     ("restart_engine", "f5", "Restart engine", "Restart the engine (the model loads again)", False),
     ("help", "f1", "Help", "Help and keys", False),
@@ -221,6 +223,24 @@ class ChatActions:
         busy = len(self.chat_tabs) - len(sent)
         self.notify(f"sent to {len(sent)} tabs" + (f" ({busy} busy, skipped)" if busy else ""),
                     markup=False)
+
+    def action_show_thinking(self) -> None:
+        tab = self._need_tab()
+        if tab is not None and not tab.toggle_last_thinking():
+            self.notify("the last reply has no thinking to show", severity="warning", markup=False)
+
+    @work(group="dialog")
+    async def action_switch_thinking(self) -> None:
+        tab = self._need_tab()
+        if tab is None:
+            return
+        thinking = await tab.switch_thinking()
+        if thinking is None:
+            self.notify("this model's chat template cannot turn its thinking on or off",
+                        severity="warning", markup=False)
+        else:
+            self.notify(f"thinking {'on' if thinking else 'off'} in {tab.title!r} from its next "
+                        "turn", markup=False)
 
     def action_toggle_panel(self) -> None:
         """Hide the panel if it is shown, else show it (also on a narrow terminal)."""

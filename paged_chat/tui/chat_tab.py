@@ -178,6 +178,8 @@ class ChatTab(TabPane):
         between two settings (the settings are never cut)."""
         # name=value, no space: a wrap falls between two settings; unset (None) ones are defaults
         overrides = [f"{k}={v}" for k, v in sorted(self.session.sampling.items()) if v is not None]
+        if self.session.thinking is not None:   # the chat's thinking switch (F3)
+            overrides.append(f"thinking={'on' if self.session.thinking else 'off'}")
         settings = "  ·  " + ", ".join(overrides) if overrides else ""
         mark, label = "█ ", "system: "
         shown = self.query(".chat-info")
@@ -433,6 +435,22 @@ class ChatTab(TabPane):
             self.workers.cancel_group(self, "turn")
         return True
 
+    def toggle_last_thinking(self) -> bool:
+        """Expand or collapse the last reply's thinking; False when it has none."""
+        replies = list(self.query(AssistantMessage))
+        return bool(replies) and replies[-1].toggle_thinking()
+
+    async def switch_thinking(self) -> bool | None:
+        """Turn the model's thinking on or off for this chat's next turns (from the
+        template's default, off); the new state, None where the template has no switch."""
+        client = await self.wait_for_engine()
+        if not self.session.can_switch_thinking(client):
+            return None
+        self.session.load()
+        self.session.set_thinking(self.session.thinking is False)
+        self.refresh_info()
+        return self.session.thinking
+
     def replies(self) -> list[AssistantMessage]:
         """The tab's replies in order, those a hidden tab keeps back included."""
         return [*self.query(AssistantMessage),
@@ -490,7 +508,8 @@ class ChatTab(TabPane):
             while shown and not isinstance(shown[-1], UserMessage):
                 view = shown.pop()
                 if isinstance(view, AssistantMessage) and replaced is None:
-                    replaced = AssistantMessage(view.text, footer=view.footer)
+                    replaced = AssistantMessage(view.text, view.footer, view.reasoning,
+                                                view.reasoning_tokens)
                 await view.remove()
         if text is not None:
             sent = UserMessage(text)
@@ -520,7 +539,10 @@ class ChatTab(TabPane):
                     if self._streaming_reply is not reply:
                         await self._shown(mount, reply)
                     # Kept until the app's next frame (`render_frame`); a hidden tab's until it is shown.
-                    reply.write(output.new_text)
+                    turn = self.session.turn
+                    if turn.reasoning is not None:
+                        reply.write_thinking(turn.last.reasoning, turn.reasoning_tokens)
+                    reply.write(turn.last.answer)
         except asyncio.CancelledError:  # the tab closed, or Esc before the model was ready
             reply.footer = "stopped"
             self._streaming_reply = None
@@ -609,5 +631,7 @@ def _view_of(message, branch: tuple[int, int] | None = None) -> Static | Assista
             footer = " · ".join(p for p in (f"ttft {timings['ttft_s']:.2f}s",
                                             f"{timings.get('tokens_per_s', 0):.1f} tok/s",
                                             footer) if p)
-        return AssistantMessage(message.content, footer=footer, message_id=message.id, branch=branch)
+        return AssistantMessage(message.content, footer, message.reasoning,
+                                timings.get("reasoning_tokens", 0), message_id=message.id,
+                                branch=branch)
     return Static(Text(clean(message.content)), classes="message system")

@@ -9,7 +9,8 @@ as one append beside the panel's redraw, so the terminal gets one screen
 update per frame however many tabs stream; a hidden tab renders nothing until it is shown.
 A frame re-lays the screen out only when the reply's last paragraph grows a line
 (`ReplyParagraph`) or its code block a line or a column (`ReplyFence`): most frames only
-add words to one.
+add words to one. A reasoning model's thinking shows apart, above the answer, collapsed to
+one line (`ThinkingSection`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from textual.containers import Vertical
 from textual.content import Content
 from textual.geometry import Region
 from textual.visual import VisualType
-from textual.widgets import Label, Markdown, Static
+from textual.widgets import Collapsible, Label, Markdown, Static
 from textual.widgets.markdown import MarkdownBlock, MarkdownStream
 
 from paged_chat.app.text import sanitize_for_terminal as clean
@@ -130,17 +131,56 @@ class ErrorMessage(Static):
         self.border_title = "error"
 
 
+def thinking_title(tokens: int) -> str:
+    return f"thinking · {tokens} token{'' if tokens == 1 else 's'}"
+
+
+class ThinkingSection(Collapsible):
+    """A reply's thinking, collapsed to one line (`thinking · 412 tokens`) that expands
+    on a click, Enter on it, or the app's show_thinking key. Its text is rendered only
+    while it is expanded: a collapsed one costs a title per frame, however long it gets."""
+
+    def __init__(self, text: str, tokens: int) -> None:
+        self._body = Static(classes="thinking-text")
+        super().__init__(self._body, title=thinking_title(tokens), collapsed=True,
+                         classes="thinking")
+        self.text = text
+        self._rendered: str | None = None   # the text the body shows
+
+    def show(self, text: str, tokens: int) -> None:
+        """The thinking so far and its token count."""
+        self.text = text
+        self.title = thinking_title(tokens)
+        if not self.collapsed:
+            self._render_body()
+
+    def on_collapsible_expanded(self) -> None:
+        self._render_body()
+
+    def _render_body(self) -> None:
+        if self._rendered != self.text:
+            self._rendered = self.text
+            self._body.update(Text(clean(self.text)))
+
+
 class AssistantMessage(Vertical):
-    """A reply: Markdown chunks plus a one-line footer (finish reason, timings).
+    """A reply: its thinking (a ThinkingSection, where it has one), Markdown chunks plus a
+    one-line footer (finish reason, timings).
 
-    `text` is the reply exactly (copy, code blocks); what is shown has escape sequences
-    and control characters removed (`sanitize_for_terminal`), piece by piece.
-    `message_id` and `branch` are as for UserMessage."""
+    `text` is the reply's answer exactly (copy, code blocks), `reasoning` its thinking (None:
+    it has none); what is shown has escape sequences and control characters removed
+    (`sanitize_for_terminal`), piece by piece. `message_id` and `branch` are as for
+    UserMessage."""
 
-    def __init__(self, text: str = "", footer: str = "", message_id: int | None = None,
+    def __init__(self, text: str = "", footer: str = "", reasoning: str | None = None,
+                 reasoning_tokens: int = 0, message_id: int | None = None,
                  branch: tuple[int, int] | None = None) -> None:
         super().__init__(classes="message assistant")
         self.text = text
+        self.reasoning = reasoning
+        self.reasoning_tokens = reasoning_tokens
+        self.thinking: ThinkingSection | None = None
+        self._thinking_stale = False   # thinking written since the last frame
         self.message_id = message_id
         self.show_branch(branch)
         self._footer = footer   # " · "-joined parts (timings, how the reply ended)
@@ -155,6 +195,9 @@ class AssistantMessage(Vertical):
     def compose(self):
         # Not from `text`: a reply written before it mounts (a hidden tab's) keeps that in
         # its backlog, for its first frame.
+        if self.reasoning is not None and not self._thinking_stale:
+            self.thinking = ThinkingSection(self.reasoning, self.reasoning_tokens)
+            yield self.thinking
         markdown = ReplyMarkdown(self._chunk_text or None)
         self._chunks.append(markdown)
         yield markdown
@@ -200,6 +243,30 @@ class AssistantMessage(Vertical):
         self.text += fragment
         self._backlog += hard_line_breaks(clean(fragment), self._chunk_text + self._backlog)
 
+    def write_thinking(self, fragment: str, tokens: int) -> None:
+        """Stream a fragment of the reply's thinking, `tokens` long so far: kept, like
+        `write`'s, until the next frame."""
+        self.reasoning = (self.reasoning or "") + fragment
+        self.reasoning_tokens = tokens
+        self._thinking_stale = True
+
+    def toggle_thinking(self) -> bool:
+        """Expand or collapse the thinking; False when the reply has none shown."""
+        if self.thinking is None:
+            return False
+        self.thinking.collapsed = not self.thinking.collapsed
+        return True
+
+    async def _render_thinking(self) -> None:
+        if not self._thinking_stale:
+            return
+        self._thinking_stale = False
+        if self.thinking is None:
+            self.thinking = ThinkingSection(self.reasoning or "", self.reasoning_tokens)
+            await self.mount(self.thinking, before=self._chunks[0])
+        else:
+            self.thinking.show(self.reasoning or "", self.reasoning_tokens)
+
     async def _render_backlog(self) -> None:
         """Append the backlog to the stream: Markdown.append re-parses from the start of the
         last block it has, so lines a hidden tab kept back join their paragraph whole."""
@@ -243,6 +310,7 @@ class AssistantMessage(Vertical):
         its whole text. With render=False (a hidden tab) that waits for `catch_up`."""
         async with self._rendering:
             if render:
+                await self._render_thinking()
                 await self._render_backlog()
             await self._stop_stream(render)
 
@@ -268,6 +336,7 @@ class AssistantMessage(Vertical):
         streaming reply's backlog goes through its stream, a finished one's last chunk is
         re-rendered."""
         async with self._rendering:
+            await self._render_thinking()
             if self._stale:
                 await self._stop_stream(render=True)
             else:
