@@ -31,4 +31,6 @@ if not torch.cuda.is_available():
     # kernel (its own helpers included), so it is set before anything imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest_plugins = ["engine_fixtures", "tui_helpers", "server_fixtures", "cli_fixtures"]
+# None of these imports textual or fastapi (the TUI's helpers are imported by its tests):
+# tests/gpu collects on a GPU image that has neither (tests/test_gpu_collection.py).
+pytest_plugins = ["engine_fixtures", "server_fixtures", "cli_fixtures"]
