@@ -152,7 +152,7 @@ class RandomModel:
             tokenizer_object=words, bos_token="t1", eos_token="t2", pad_token="t0",
         ).save_pretrained(self.folder)
         self.vocab_size = config.vocab_size
-        self.kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (
+        self.kv_elements_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
     @functools.cache  # noqa: B019 - one copy per dtype for the model's lifetime, on purpose
@@ -539,17 +539,18 @@ def throughput_stage(plan: EnginePlan, copy_gb_per_s: float | None) -> dict[str,
             key = f"batch {batch} {'eager' if eager else 'graphs'}"
             if eager:
                 result[key] = {"kernels_per_step": kernels_per_step(engine, plan)}
-            times = []
+            times = []  # steps that decode the whole batch (early requests finish first)
             while engine.has_unfinished():
                 synchronize(plan.device)
                 start = time.perf_counter()
                 engine.step()
                 synchronize(plan.device)
-                times.append(time.perf_counter() - start)
-            step_s = statistics.median(times[:-1] or times)  # the last step frees, no forward
+                if engine.stats().batch_tokens == batch:
+                    times.append(time.perf_counter() - start)
+            step_s = statistics.median(times)
             weight_bytes = engine.info.weight_bytes
             kv_bytes = (batch * (plan.throughput_context + plan.throughput_tokens // 2)
-                        * model.kv_bytes_per_token * 2)  # bf16
+                        * model.kv_elements_per_token * 2)  # bf16
             entry = result.setdefault(key, {})
             entry |= {"step_ms": round(step_s * 1e3, 3),
                       "tokens_per_s": round(batch / step_s, 1),

@@ -13,6 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import device_check
 
@@ -117,3 +118,23 @@ def test_the_gpu_tests_collect_without_textual_and_fastapi(tmp_path):
                             timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "test_engine_stage_passes_on_the_gpu" in result.stdout
+
+
+def test_the_transformers_stage_fails_an_engine_that_computes_another_model():
+    from benchmarks import engine_checks
+
+    plan = engine_checks.DRY_ENGINE_PLAN
+    model = engine_checks.random_model(engine_checks.TINY_LLAMA_SHAPE, "cpu")
+    assert all(c["ok"] for c in engine_checks.compare_with_transformers(
+        plan, model, "float32")["checks"])
+    reference = model.reference(torch.float32)
+    original = reference.model.layers[0].mlp.down_proj.weight.clone()
+    try:
+        with torch.no_grad():  # the reference now differs from the weights the engine loads
+            reference.model.layers[0].mlp.down_proj.weight.mul_(3.0)
+        failed = [c["check"] for c in engine_checks.compare_with_transformers(
+            plan, model, "float32")["checks"] if not c["ok"]]
+    finally:
+        with torch.no_grad():
+            reference.model.layers[0].mlp.down_proj.weight.copy_(original)
+    assert "logprobs within 0.002" in failed
