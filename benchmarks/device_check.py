@@ -131,7 +131,7 @@ SHAPES = [
     Shape("d80-gqa5", 20, 4, 80, 32),
     Shape("phi3-mini", 32, 32, 96, 16),       # MHA, head dim 96
 ]
-TINY_SHAPES = [Shape("tiny-d80-gqa3", 6, 2, 80, 16), Shape("tiny-d96-mha", 2, 2, 96, 32)]
+TINY_SHAPES = [Shape("tiny-d80-gqa3", 6, 2, 80, 16)]
 
 
 @dataclass(frozen=True)
@@ -176,7 +176,7 @@ DRY_PLAN = Plan(
     device=torch.device("cpu"), shapes=TINY_SHAPES,
     kernel_batches={"decode": [(37, 1), (15, 1), (0, 1)],
                     "mixed": [(20, 1), (21, 19), (0, 13)]},
-    timing_shapes=TINY_SHAPES[:1], decode_batches=(2,), decode_contexts=(40,),
+    timing_shapes=TINY_SHAPES, decode_batches=(2,), decode_contexts=(40,),
     sweep_cases={("tiny-d80-gqa3", "b2 ctx40")}, sweep_grid=((32,), (4,), (2,)), prefill_cases={"turn-5-after-33": [(33, 5)]},
     self_test_batch=[(70, 1), (45, 1)], big_pool_blocks=0,
     copy_bytes=2**24, iters=2, engine=DRY_ENGINE_PLAN, quantized_matrix=(72, 96), quantized_rows=(1, 17))
