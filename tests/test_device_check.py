@@ -138,3 +138,34 @@ def test_the_transformers_stage_fails_an_engine_that_computes_another_model():
         with torch.no_grad():
             reference.model.layers[0].mlp.down_proj.weight.copy_(original)
     assert "logprobs within 0.002" in failed
+
+
+HUNG_RUN = '''
+import signal, sys, time
+from dataclasses import replace
+from benchmarks import device_check
+
+def stuck(summary):
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})  # as a call that never returns
+    time.sleep(120)
+
+stage_list = device_check.stage_list
+device_check.stage_list = lambda *args: [
+    replace(s, run=stuck, cap_s=0.5) if s.name == "graphs" else
+    replace(s, run=lambda summary: {"checks": [{"check": "stub", "ok": True}]})
+    for s in stage_list(*args)]
+device_check.HANG_GRACE_S = 0.5
+sys.exit(device_check.main(["--cpu-dry-run", "--out", sys.argv[1]]))
+'''
+
+
+def test_a_stage_stuck_past_its_cap_ends_the_run_with_the_verdict_so_far(tmp_path):
+    summary_path = tmp_path / "summary.json"
+    result = subprocess.run([sys.executable, "-c", HUNG_RUN, str(summary_path)], cwd=REPO,
+                            env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
+                            text=True, timeout=110)
+    assert result.returncode == 3, result.stderr[-3000:]
+    stages = json.loads(summary_path.read_text())["stages"]
+    assert [(s["stage"], s["status"]) for s in stages] == [
+        ("bandwidth", "ok"), ("transformers", "ok"), ("graphs", "hung")]
+    assert result.stdout.splitlines()[-1] == "VERDICT so far: FAIL (graphs)"
