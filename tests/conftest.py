@@ -4,6 +4,7 @@ Set at import time, before any test module imports huggingface_hub or paged_chat
 that nothing a test does can reach the network or the real home directory.
 """
 
+import asyncio
 import atexit
 import os
 import shutil
@@ -26,9 +27,18 @@ from paged_chat.engine.native.build import use_cache_dir  # noqa: E402
 
 use_cache_dir(_TEST_HOME / "cache")  # the native build too, for engines given no cache_dir
 
+# pytest-asyncio asks the main thread for its event loop around each async test; with none
+# set, asyncio makes one there that nobody closes, and its "unclosed event loop" warning
+# lands wherever the garbage collector finds it (a CLI test's stderr, say). One, closed at exit.
+_MAIN_THREAD_LOOP = asyncio.new_event_loop()
+asyncio.set_event_loop(_MAIN_THREAD_LOOP)
+atexit.register(_MAIN_THREAD_LOOP.close)
+
 if not torch.cuda.is_available():
     # Without a GPU the Triton kernels run interpreted. Triton reads this when it defines a
     # kernel (its own helpers included), so it is set before anything imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-pytest_plugins = ["engine_fixtures", "tui_helpers", "server_fixtures", "cli_fixtures"]
+# None of these imports textual or fastapi (the TUI's helpers are imported by its tests):
+# tests/gpu collects on a GPU image that has neither (tests/test_gpu_collection.py).
+pytest_plugins = ["engine_fixtures", "server_fixtures", "cli_fixtures"]

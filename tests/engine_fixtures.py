@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from helpers import assert_no_leaks
+from helpers import assert_no_leaks, engine_config
 from tiny_models import build_tiny_model, thinking_qwen3_folder
 
-from paged_chat.engine import Engine, EngineConfig
+from paged_chat.engine import ClientSpec, Engine, EngineConfig, LocalClient, make_client
 from paged_chat.engine.models.loader import ModelSource, load_model_source
 
 NewEngine = Callable[..., Engine]
@@ -135,3 +135,25 @@ def smollm2_engine(smollm2_source) -> Engine:
     only run requests to completion on it (each leaves it without a request)."""
     return Engine(EngineConfig(device="cpu", dtype="float32", num_blocks=512, max_num_seqs=32),
                   source=smollm2_source)
+
+
+@pytest.fixture
+def make_async_engine(chat_model_dir, new_engine):
+    """Engine clients on the chat model, as the TUI and the server start them; shut down
+    and checked for leaks at teardown."""
+    engines: list[LocalClient] = []
+
+    def make(**overrides) -> LocalClient:
+        engine = make_client(ClientSpec(engine=new_engine(engine_config(chat_model_dir, **overrides))))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+        assert_no_leaks(engine.transport.engine)
+
+
+@pytest.fixture
+def engine(make_async_engine) -> LocalClient:
+    return make_async_engine()

@@ -13,13 +13,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 import pytest
 from helpers import engine_config, wait_for
 
 from paged_chat.engine import ClientSpec, EngineConfig, LocalClient, make_client
-from paged_chat.server import ApiServer
+
+if TYPE_CHECKING:
+    from paged_chat.server import ApiServer
 
 
 def free_port() -> int:
@@ -84,6 +87,9 @@ def engine_child(server: subprocess.Popen) -> int:
     return engine
 
 def start_server(client: LocalClient, **options) -> Served:
+    # Imported here: the server needs fastapi, which the GPU image's tests (tests/gpu) lack.
+    from paged_chat.server import ApiServer
+
     server = ApiServer(client, port=0, **options)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()

@@ -1,6 +1,5 @@
-"""What the TUI tests share: a tiny engine for the app, the app with a throwaway store, and
-keys sent the way a terminal sends them. Loaded as a pytest plugin (tests/conftest.py), so
-its fixtures serve every TUI test file."""
+"""What the TUI tests share: the app with a throwaway store, and keys sent the way a
+terminal sends them (the tiny engine for the app is engine_fixtures' `engine`)."""
 
 from __future__ import annotations
 
@@ -8,13 +7,12 @@ import asyncio
 from pathlib import Path
 
 import numpy as np
-import pytest
-from helpers import assert_no_leaks, engine_config, wait_until
+from helpers import wait_until
 from textual import events
 
 from paged_chat.app.chat_store import ChatStore
 from paged_chat.app.settings import ChatSettings, Settings, TuiSettings
-from paged_chat.engine import ClientSpec, LocalClient, make_client
+from paged_chat.engine import LocalClient
 from paged_chat.tui.app import PagedChatApp
 from paged_chat.tui.block_map import SHARED, TAB0, BlockMapView
 from paged_chat.tui.chat_tab import ChatTab
@@ -22,26 +20,6 @@ from paged_chat.tui.message_widgets import AssistantMessage
 
 SYSTEM = ("You are a careful assistant. You answer in short sentences, you check your facts, "
           "and you say when you do not know something. Keep every answer brief and friendly.")
-
-
-@pytest.fixture
-def make_async_engine(chat_model_dir, new_engine):
-    engines: list[LocalClient] = []
-
-    def make(**overrides) -> LocalClient:
-        engine = make_client(ClientSpec(engine=new_engine(engine_config(chat_model_dir, **overrides))))
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.shutdown()
-        assert_no_leaks(engine.transport.engine)
-
-
-@pytest.fixture
-def engine(make_async_engine) -> LocalClient:
-    return make_async_engine()
 
 
 class TuiTestApp(PagedChatApp):

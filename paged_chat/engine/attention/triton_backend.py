@@ -66,7 +66,7 @@ def tile_config(kind: str, head_dim: int, dtype: torch.dtype, arch: int) -> Tile
             ("decode", 16): (16, 32, 4), ("decode", 32): (16, 32, 4), ("decode", 64): (16, 32, 4),
             ("decode", 128): (16, 32, 8), ("decode", 256): (16, 16, 8),
             ("prefill", 16): (32, 32, 4), ("prefill", 32): (32, 32, 4),
-            ("prefill", 64): (32, 32, 4), ("prefill", 128): (32, 16, 8),
+            ("prefill", 64): (32, 32, 8), ("prefill", 128): (32, 16, 8),
             ("prefill", 256): (16, 16, 8)}[kind, dim_pad]
     else:
         wide = dim_pad > 128
