@@ -18,7 +18,7 @@ from helpers import wait_for
 from paged_chat.engine import Engine, SamplingParams
 from paged_chat.engine.core.outputs import EngineCoreOutput
 from paged_chat.engine.core.request import RequestStatus
-from paged_chat.engine.worker import structured_output
+from paged_chat.engine.worker import grammar_trial, structured_output
 from paged_chat.engine.worker.structured_output import REFUSED
 
 CHOICES = ["yes", "no"]
@@ -193,3 +193,30 @@ def test_a_compile_past_its_memory_limit_is_a_400_over_the_api(api, monkeypatch)
     response = httpx.post(f"{api.url}/chat/completions", json=body, timeout=120)
     assert response.status_code == 400, response.text
     assert "the limit on a grammar's compile memory" in response.json()["error"]["message"]
+
+
+def process_ended(pid: int) -> bool:
+    """Gone, or a zombie its parent has not reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_an_idle_trial_child_exits_and_the_next_compile_starts_another(make_engine,
+                                                                       monkeypatch) -> None:
+    monkeypatch.setattr(grammar_trial, "IDLE_EXIT_S", 0.5)
+    engine = make_engine()
+    first = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=16,
+                                                         choice=CHOICES))
+    compiling = engine.requests[first].pending_grammar.compile
+    wait_for(lambda: compiling.trial is not None, what="the trial compile to start")
+    child = compiling.trial.pid
+    finals: dict[str, EngineCoreOutput] = {}
+    step_until(engine, first, finals, {})
+    assert finals[first].finish_reason == "stop"
+    wait_for(lambda: process_ended(child), timeout=60, what="the idle child to exit")
+    second = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=16,
+                                                          choice=["maybe", "never"]))
+    step_until(engine, second, finals, {})
+    assert finals[second].finish_reason == "stop", finals[second].error

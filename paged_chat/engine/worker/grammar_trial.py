@@ -11,6 +11,9 @@ engine's process compiles it again for its matchers. (The compiled grammar does 
 back from the child: xgrammar's serialize_json and deserialize_json cost about a hundred
 compiles of it.)
 
+A child idle for IDLE_EXIT_S exits (exit code 0, which a trial sent to it as it leaves
+ends in: `TrialEnded.idle`), so a warm child costs memory only while grammars compile.
+
 The child compiles on one thread: past its limit, a compile then raises std::bad_alloc,
 where in xgrammar's thread pool it aborts or deadlocks the process. The child ends with
 the thread that started it (PR_SET_PDEATHSIG): start it on a thread that lives as long as
@@ -24,14 +27,18 @@ JSON, "memory_bytes": int}; the child answers each with {"ok": true} or
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
 import signal
 import struct
 import subprocess
 import sys
 from typing import BinaryIO
 
+# How long a child waits for its next trial before it exits.
+IDLE_EXIT_S = 120.0
 _LENGTH = struct.Struct(">I")
 _PR_SET_PDEATHSIG = 1
 
@@ -45,7 +52,12 @@ class TrialFailed(Exception):
 
 
 class TrialEnded(Exception):
-    """The child ended before it answered: killed (`kill`), or crashed."""
+    """The child ended before it answered: killed (`kill`), crashed, or it left idle
+    (`idle`: the trial was never started, a new child may take it)."""
+
+    def __init__(self, message: str, idle: bool) -> None:
+        super().__init__(message)
+        self.idle = idle
 
 
 class TrialCompiler:
@@ -53,10 +65,12 @@ class TrialCompiler:
 
     def __init__(self, tokenizer_info_json: str) -> None:
         self._process = subprocess.Popen(
-            [sys.executable, "-m", __name__, str(os.getpid())],
+            [sys.executable, "-m", __name__, str(os.getpid()), str(IDLE_EXIT_S)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        self._tokenizer_info = tokenizer_info_json.encode()
-        self._started = False
+        try:  # the child reads it first thing, before its imports
+            _write_frame(self._process.stdin, tokenizer_info_json.encode())
+        except BrokenPipeError:
+            pass  # it ended at once: its first trial says how
 
     @property
     def pid(self) -> int:
@@ -72,15 +86,12 @@ class TrialCompiler:
         library refuses, TrialEnded when the child ends first."""
         request = json.dumps({"grammar": grammar_json, "memory_bytes": memory_bytes}).encode()
         try:
-            if not self._started:  # here, not in __init__: the child reads it after its imports
-                self._started = True
-                _write_frame(self._process.stdin, self._tokenizer_info)
             _write_frame(self._process.stdin, request)
             reply = _read_frame(self._process.stdout)
         except (BrokenPipeError, ValueError) as error:  # ValueError: a pipe closed by kill
-            raise TrialEnded(self._ending()) from error
+            raise self._ended() from error
         if reply is None:
-            raise TrialEnded(self._ending())
+            raise self._ended()
         answer = json.loads(reply)
         if answer.get("error") == "memory":
             raise TrialOutOfMemory(answer["message"])
@@ -92,11 +103,22 @@ class TrialCompiler:
         self._process.kill()
         self._process.wait()
 
-    def _ending(self) -> str:
+    def close(self) -> None:
+        """Kill the child of a trial compiler nobody uses any more, and close its pipes."""
+        self.kill()
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        for pipe in (self._process.stdin, self._process.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+    def _ended(self) -> TrialEnded:
         code = self._process.wait()
+        self._close_pipes()
         if code < 0:
-            return f"its process was ended by {signal.Signals(-code).name}"
-        return f"its process exited with code {code}"
+            return TrialEnded(f"its process was ended by {signal.Signals(-code).name}", idle=False)
+        return TrialEnded(f"its process exited with code {code}", idle=code == 0)
 
 
 def _write_frame(stream: BinaryIO, payload: bytes) -> None:
@@ -106,12 +128,21 @@ def _write_frame(stream: BinaryIO, payload: bytes) -> None:
 
 def _read_frame(stream: BinaryIO) -> bytes | None:
     """The next frame; None at the end of the stream."""
-    header = stream.read(_LENGTH.size)
-    if len(header) < _LENGTH.size:
+    header = _read_exactly(stream, _LENGTH.size)
+    if header is None:
         return None
-    (length,) = _LENGTH.unpack(header)
-    payload = stream.read(length)
-    return payload if len(payload) == length else None
+    return _read_exactly(stream, _LENGTH.unpack(header)[0])
+
+
+def _read_exactly(stream: BinaryIO, size: int) -> bytes | None:
+    """`size` bytes (a raw stream returns what is there); None at the end of the stream."""
+    data = b""
+    while len(data) < size:
+        chunk = stream.read(size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
 
 
 def _address_space() -> int:
@@ -127,22 +158,26 @@ def _end_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _serve(parent_pid: int) -> None:
+def _serve(parent_pid: int, idle_exit_s: float) -> None:
     import resource
 
     _end_with_parent(parent_pid)
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # what a library prints goes to stderr, never into a reply
-    requests = sys.stdin.buffer
-    import xgrammar as xgr
-
+    # Unbuffered: a frame is read whole, so select() on the pipe tells whether one waits.
+    requests = os.fdopen(0, "rb", buffering=0)
     tokenizer_info = _read_frame(requests)
     if tokenizer_info is None:
         return
+    import xgrammar as xgr
+
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.deserialize_json(tokenizer_info.decode()),
                                    max_threads=1, cache_enabled=False)
     unlimited = resource.getrlimit(resource.RLIMIT_AS)
-    while (frame := _read_frame(requests)) is not None:
+    while select.select([requests], [], [], idle_exit_s)[0]:
+        frame = _read_frame(requests)
+        if frame is None:
+            return
         request = json.loads(frame)
         grammar = xgr.Grammar.deserialize_json(request["grammar"])
         resource.setrlimit(resource.RLIMIT_AS,
@@ -159,4 +194,4 @@ def _serve(parent_pid: int) -> None:
 
 
 if __name__ == "__main__":
-    _serve(int(sys.argv[1]))
+    _serve(int(sys.argv[1]), float(sys.argv[2]))

@@ -151,7 +151,7 @@ class StructuredOutputManager:
         self._tokenizer_info_json = info.serialize_json()
         self._idle_trials: list[TrialCompiler] = []
         self._trials_lock = threading.Lock()
-        weakref.finalize(self, _kill_all, self._idle_trials)
+        weakref.finalize(self, _close_all, self._idle_trials)
         # The first trial's child starts now, its imports beside the engine's work.
         self._compile_threads.submit(lambda: self._give_back(self._new_trial()))
 
@@ -236,6 +236,15 @@ class StructuredOutputManager:
 
     def _compile_bounded(self, compiling: GrammarCompile) -> xgrammar.CompiledGrammar:
         """On a compile thread: the trial in a child, then the compile for the matchers."""
+        try:
+            self._trial(compiling)
+        except TrialEnded as ended:
+            if not ended.idle:
+                raise
+            self._trial(compiling)  # its child had left idle: once more, in a new one
+        return self._compiler.compile_grammar(compiling.grammar)
+
+    def _trial(self, compiling: GrammarCompile) -> None:
         trial = self._take_trial()
         with compiling.lock:
             if compiling.stopped:
@@ -248,7 +257,6 @@ class StructuredOutputManager:
             with compiling.lock:
                 compiling.trial = None
             self._give_back(trial)
-        return self._compiler.compile_grammar(compiling.grammar)
 
     def _new_trial(self) -> TrialCompiler:
         return TrialCompiler(self._tokenizer_info_json)
@@ -322,9 +330,9 @@ def _mib(size: int) -> str:
     return f"{size / 2**20:g} MiB"
 
 
-def _kill_all(trials: list[TrialCompiler]) -> None:
+def _close_all(trials: list[TrialCompiler]) -> None:
     for trial in trials:
-        trial.kill()
+        trial.close()
 
 
 def _problem(kind: str, error: Exception) -> str:
