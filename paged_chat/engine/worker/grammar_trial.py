@@ -37,7 +37,8 @@ import subprocess
 import sys
 from typing import BinaryIO
 
-# How long a child waits for its next trial before it exits.
+# How long a child waits for its next trial before it exits: it holds a few hundred MB (its
+# imports, torch among them), and a new one takes seconds to start.
 IDLE_EXIT_S = 120.0
 _LENGTH = struct.Struct(">I")
 _PR_SET_PDEATHSIG = 1

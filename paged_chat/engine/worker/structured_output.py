@@ -152,8 +152,6 @@ class StructuredOutputManager:
         self._idle_trials: list[TrialCompiler] = []
         self._trials_lock = threading.Lock()
         weakref.finalize(self, _close_all, self._idle_trials)
-        # The first trial's child starts now, its imports beside the engine's work.
-        self._compile_threads.submit(lambda: self._give_back(self._new_trial()))
 
     @property
     def kept_bytes(self) -> int:
@@ -258,9 +256,6 @@ class StructuredOutputManager:
                 compiling.trial = None
             self._give_back(trial)
 
-    def _new_trial(self) -> TrialCompiler:
-        return TrialCompiler(self._tokenizer_info_json)
-
     def _take_trial(self) -> TrialCompiler:
         """An idle trial child, else a new one (started on this compile thread: it ends
         with the thread that started it)."""
@@ -269,7 +264,7 @@ class StructuredOutputManager:
                 trial = self._idle_trials.pop()
                 if trial.alive:
                     return trial
-        return self._new_trial()
+        return TrialCompiler(self._tokenizer_info_json)
 
     def _give_back(self, trial: TrialCompiler) -> None:
         if trial.alive:
