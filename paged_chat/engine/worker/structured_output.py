@@ -344,15 +344,9 @@ class _DaemonThreads:
         self._calls: queue.SimpleQueue[tuple[Future, Callable, tuple]] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
 
-    def submit(self, call: Callable, *args: object) -> Future:
-        """`call(*args)` on one of the threads (started on first use); its future."""
-        future: Future = Future()
-        self.run(future, call, *args)
-        return future
-
     def run(self, future: Future, call: Callable, *args: object) -> None:
-        """`call(*args)` on one of the threads, its result or exception set on `future`
-        (unless it is cancelled before the call starts)."""
+        """`call(*args)` on one of the threads (started on first use), its result or
+        exception set on `future` (unless it is cancelled before the call starts)."""
         if not self._threads:
             self._threads = [threading.Thread(target=self._run, name=f"{self._name}-{n}",
                                               daemon=True) for n in range(self._count)]
