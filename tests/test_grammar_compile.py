@@ -171,6 +171,20 @@ def test_an_abort_during_a_compile_ends_its_child_process(make_engine) -> None:
     assert engine.structured_output.kept_bytes == 0
 
 
+def test_a_compile_past_its_time_limit_ends_its_child_process(make_engine, monkeypatch) -> None:
+    monkeypatch.setattr(structured_output, "COMPILE_TIMEOUT_S", 0.5)
+    engine = make_engine()
+    slow = engine.add_request([1, 2, 3], SamplingParams(max_tokens=8,
+                                                        json_schema=patterned_object(400)))
+    compiling = engine.requests[slow].pending_grammar.compile
+    wait_for(lambda: compiling.trial is not None, what="the trial compile to start")
+    child = compiling.trial.pid
+    finals: dict[str, EngineCoreOutput] = {}
+    step_until(engine, slow, finals, {})
+    assert "did not compile within 0.5 s, the limit on a grammar's compile" in finals[slow].error
+    wait_for(lambda: process_ended(child), timeout=60, what="the trial's child process to end")
+
+
 def test_a_compile_past_its_memory_limit_fails_the_request_naming_the_limit(
         make_engine, monkeypatch) -> None:
     monkeypatch.setattr(structured_output, "COMPILE_MEMORY_BYTES", 2**20)
