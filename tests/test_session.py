@@ -13,7 +13,7 @@ import pytest
 from helpers import assert_no_leaks, engine_config, step_as_a_client
 
 from paged_chat.app.chat_session import ChatSession, Turn, chat_title
-from paged_chat.app.chat_store import ChatMovedOn, ChatStore, StoreFullError
+from paged_chat.app.chat_store import ChatMovedOn, ChatStore, StoreFullError, new_chat
 from paged_chat.engine import ClientSpec, Engine, SamplingParams, make_client
 from paged_chat.engine.core.errors import EngineDeadError
 
@@ -138,6 +138,37 @@ async def test_a_turn_whose_engine_stops_before_a_word_is_withdrawn(client, stor
     rows = store.get_chat(session.chat_id).messages
     assert [m.role for m in rows] == ["user", "assistant", "user", "assistant"]
     assert rows[2].content == "And now?" and rows[3].content and not session.turn.withdrawn
+
+
+async def test_a_new_chat_is_written_with_its_first_turn_and_leaves_with_it(
+        client, store, monkeypatch):
+    """A chat not yet in the store (a new TUI tab, `/new`) is written with its first turn,
+    renamed and set up in memory until then; a first turn withdrawn takes it out again,
+    so no empty chat is ever kept (issue 48, item 19)."""
+    session = ChatSession(store, new_chat("Chat 2", "tiny", "Be brief."), in_store=False)
+    session.rename("Renamed")
+    session.update_settings("Be terse.", {"temperature": 0.5})
+    assert store.list_chats() == []
+
+    async def killed(*args, **kwargs):
+        raise EngineDeadError("the engine process exited unexpectedly (exit code -9)")
+        yield  # an async generator, as EngineClient.stream is
+
+    monkeypatch.setattr(client, "stream", killed)
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(run(session.send(client, "Hello there", GREEDY)), 60)
+    assert session.turn.withdrawn and not session.in_store and store.list_chats() == []
+    monkeypatch.undo()
+    await asyncio.wait_for(run(session.send(client, "Hello there", GREEDY)), 60)
+    [chat] = store.list_chats()
+    assert (chat.id, chat.title, chat.system_prompt, chat.sampling) == (
+        session.chat_id, "Renamed", "Be terse.", {"temperature": 0.5})
+    assert [m.role for m in store.get_chat(chat.id).messages] == ["user", "assistant"]
+
+    session.start_over("tiny")
+    assert not session.in_store and [c.id for c in store.list_chats()] == [chat.id]
+    await asyncio.wait_for(run(session.send(client, "Hi again", GREEDY)), 60)
+    assert {c.id for c in store.list_chats()} == {chat.id, session.chat_id}
 
 
 async def test_a_regenerate_whose_engine_stops_before_a_word_keeps_the_old_reply(

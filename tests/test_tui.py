@@ -468,7 +468,7 @@ async def test_dialogs_rename_settings_close(engine, tmp_path):
         app.screen.query_one("#text").value = "Renamed"
         await press(pilot, "enter")
         await wait_until(lambda: "Renamed" in app.tabs.get_tab(tab.id).label.plain)
-        assert tab.title == app.store.get_chat(tab.chat_id).title == "Renamed"
+        assert tab.title == "Renamed"
         await press(pilot, "f4")
         await wait_until(lambda: isinstance(app.screen, ChatSettingsScreen)
                          and app.screen.query("#f-temperature"))
@@ -480,11 +480,13 @@ async def test_dialogs_rename_settings_close(engine, tmp_path):
         await press(pilot, "ctrl+s")
         await wait_until(lambda: not isinstance(app.screen, ChatSettingsScreen)
                          and tab.session.system_prompt == "Be terse.")
-        chat = app.store.get_chat(tab.chat_id)
-        assert chat.system_prompt == "Be terse." and chat.sampling == {"temperature": 0.5}
         # Closing a streaming tab asks first.
         await type_prompt(pilot, "long reply")
         await wait_until(lambda: tab.session.turn is not None and len(tab.session.turn.token_ids) > 2)
+        # The chat went to the store with its first turn, as renamed and set up.
+        chat = app.store.get_chat(tab.chat_id)
+        assert (chat.title, chat.system_prompt, chat.sampling) == (
+            "Renamed", "Be terse.", {"temperature": 0.5})
         await press(pilot, "ctrl+w")
         await wait_until(lambda: isinstance(app.screen, ConfirmScreen))
         declined = app.screen

@@ -8,7 +8,7 @@ import pytest
 from helpers import wait_until
 from textual.geometry import Region
 from textual.widgets import Label
-from tui_helpers import make_app, make_settings, new_tab, press, text_of
+from tui_helpers import idle, make_app, make_settings, new_tab, press, text_of, type_prompt
 
 from paged_chat.app.chat_session import chat_title
 from paged_chat.app.chat_store import ChatStore
@@ -73,17 +73,25 @@ async def test_the_legend_wraps_whole_entries_and_keeps_the_symbol_key_at_160x50
 
 @pytest.mark.timeout(60)
 async def test_an_empty_tab_is_not_saved_as_a_chat(engine, tmp_path):
+    """Not even while the app runs (a kill -9 deletes nothing): a chat's row is written
+    with its first message."""
     app = make_app(engine, tmp_path)
     async with app.run_test(size=(120, 40)) as pilot:
         await wait_until(lambda: len(app.tabs.chat_tabs) == 1, timeout=20)
         closed = await new_tab(pilot)
-        await new_tab(pilot)
-        await wait_until(lambda: len(app.store.list_chats()) == 3, timeout=20)
+        sent = await new_tab(pilot)
+        with ChatStore(tmp_path / "chats.db") as beside_the_app:  # as after a kill -9
+            assert beside_the_app.list_chats() == []
         await app.tabs.close_tab(closed)
-        assert closed.chat_id not in {chat.id for chat in app.store.list_chats()}
+        await type_prompt(pilot, "Hi")
+        await wait_until(lambda: sent.session.in_store, timeout=20)
+        with ChatStore(tmp_path / "chats.db") as beside_the_app:
+            [chat] = beside_the_app.list_chats()
+            assert (chat.id, chat.title) == (sent.chat_id, sent.title)
+        await wait_until(lambda: idle(app), timeout=30)
         await press(pilot, "ctrl+q")
     with ChatStore(tmp_path / "chats.db") as store:
-        assert store.list_chats() == []
+        assert [chat.id for chat in store.list_chats()] == [sent.chat_id]
 
 
 @pytest.mark.timeout(60)

@@ -43,7 +43,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from paged_chat.app.chat_store import StoreError, StoreWriteError
+from paged_chat.app.chat_store import StoreError, StoreWriteError, new_chat
 from paged_chat.app.conversation import Conversation, switches_thinking
 from paged_chat.app.reasoning import ReasoningSplitter, SplitText, opens_thinking
 from paged_chat.app.text import sanitize_for_terminal
@@ -200,6 +200,7 @@ class ChatSession:
         self.unsaved: Exception | None = None
         self._loaded = loaded
         self._chat_in_store = in_store   # False: a `new_chat`, written with its first turn
+        self._turn_created_chat = False  # the last turn's rows wrote the chat itself
         self._last_message_id = chat.messages[-1].id if chat is not None and chat.messages else 0
         # (the leaf before this turn's rows, the id of its first row): what a withdrawn turn
         # goes back to; None while the turn wrote no rows.
@@ -246,8 +247,9 @@ class ChatSession:
         return users[-1].content if users else None
 
     def rename(self, title: str) -> None:
-        if self.chat is not None:
+        if self.in_store:
             self.store.rename_chat(self.chat.id, title)
+        if self.chat is not None:
             self.chat.title = title
 
     def update_settings(self, system_prompt: str | None, sampling: dict[str, Any]) -> bool:
@@ -260,8 +262,9 @@ class ChatSession:
                                              self.conversation.chat_template, system_prompt,
                                              messages=list(self.conversation.messages))
         self.system_prompt, self.sampling = system_prompt, dict(sampling)
-        if self.chat is not None:
+        if self.in_store:
             self.store.update_chat_settings(self.chat.id, system_prompt, self.sampling)
+        if self.chat is not None:
             self.chat.system_prompt, self.chat.sampling = system_prompt, dict(sampling)
         return restarted
 
@@ -280,21 +283,25 @@ class ChatSession:
             self.chat.thinking = thinking
 
     def fork(self, title: str) -> ChatSession:
-        """A copy of this chat (in the store too) whose next prompt shares every full KV
-        block of this one's history."""
+        """A copy of this chat (in the store too, once this one is) whose next prompt
+        shares every full KV block of this one's history."""
         assert self.chat is not None and not self.streaming
+        if not self.in_store:
+            return ChatSession(self.store, new_chat(title, self.chat.model, self.system_prompt,
+                                                    self.sampling),
+                               in_store=False, on_warning=self.on_warning)
         chat = self.store.fork_chat(self.chat.id, title)
         conversation = _copy(self.conversation) if self.conversation is not None else None
         return ChatSession(self.store, chat, conversation=conversation, on_warning=self.on_warning)
 
     def start_over(self, model: str) -> None:
         """Forget the conversation and go on in a new chat with the same settings (the
-        old one stays in the store)."""
+        old one stays in the store; the new one is written with its first turn)."""
         assert not self.streaming
         self.conversation = self._turn_base = self.turn = None
         if self.chat is not None:
-            self.chat = self.store.create_chat(self.chat.title, model, self.system_prompt,
-                                               self.sampling)
+            self.chat = new_chat(self.chat.title, model, self.system_prompt, self.sampling)
+            self._chat_in_store = False
             self._last_message_id = 0
 
     # ---- turns ------------------------------------------------------------------------
@@ -433,11 +440,12 @@ class ChatSession:
         if self.chat is None:
             return
         before = self._last_message_id
+        self._turn_created_chat = not self._chat_in_store
         try:
             user = None if regenerate else (self.turn.user_text, base.added_ids(prompt_ids))
             first_id, reply_id = self.store.start_turn(self.chat, user, parent,
                                                        after=self._last_message_id,
-                                                       create=not self._chat_in_store)
+                                                       create=self._turn_created_chat)
         except StoreWriteError as error:
             self._reply_id = None   # its saves would land on the last turn's reply
             self.unsaved = error
@@ -456,10 +464,14 @@ class ChatSession:
             return
         last_message_id, first_id = self._rows_before
         try:
-            self.store.withdraw_turn(self.chat.id, first_id, last_message_id or None)
+            if self._turn_created_chat:  # the chat goes too: no empty chat is kept
+                self.store.delete_chat(self.chat.id)
+            else:
+                self.store.withdraw_turn(self.chat.id, first_id, last_message_id or None)
         except (StoreError, sqlite3.Error) as error:
             self.on_warning(f"the failed turn could not be taken out of the chat ({error})")
             return
+        self._chat_in_store = not self._turn_created_chat
         self._last_message_id, self._reply_id = last_message_id, None
         self.turn.user_message_id = self.turn.reply_message_id = None
 

@@ -264,9 +264,10 @@ class ChatActions:
         if not await self.push_screen_wait(ConfirmScreen(
                 f"Delete {tab.title!r} and its messages from the store?", "Delete")):
             return
-        chat_id = tab.chat_id
+        chat_id, in_store = tab.chat_id, tab.session.in_store
         await self.tabs.close_tab(tab)
-        self.store.delete_chat(chat_id)
+        if in_store:  # a chat with no message yet is in no store
+            self.store.delete_chat(chat_id)
 
     def keys_of(self, action: str) -> str:
         """The keys bound to `action` now (keymap applied), as the footer shows them."""

@@ -453,9 +453,6 @@ class PagedChatApp(ChatActions, App):
         loop = asyncio.get_running_loop()
         for signum in self._caught_signals:
             loop.remove_signal_handler(signum)
-        # The tabs' workers are cancelled by now: their rows got finish_reason "abort".
-        if self._chat_tabs is not None:
-            self._chat_tabs.delete_empty_chats()
         if self.api_server is not None:
             self.api_server.stop()
         if self._owns_engine and self.engine is not None:

