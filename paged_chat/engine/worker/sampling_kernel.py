@@ -78,6 +78,16 @@ def _weights(x, row_max, floor, above):
 
 
 @triton.jit
+def _cdf(row_ptr, start, below, temperature, row_max, floor, above, BLOCK: tl.constexpr,
+         VOCAB: tl.constexpr):
+    """The CDF (float64, unnormalised) of `_weights` over columns start..start+BLOCK, `below`
+    the CDF before them, and the columns' ids."""
+    x, cols = _chunk(row_ptr, start, temperature, BLOCK, VOCAB)
+    weights, alive = _weights(x, row_max, floor, above)
+    return below + tl.cumsum(weights.to(tl.float64), axis=0), cols
+
+
+@triton.jit
 def _threshold(row_ptr, temperature, row_max, floor, above, limit,
                BY_MASS: tl.constexpr, BLOCK: tl.constexpr, VOCAB: tl.constexpr,
                NUM_PIVOTS: tl.constexpr, VALUE_PASSES: tl.constexpr):
@@ -104,7 +114,7 @@ def _threshold(row_ptr, temperature, row_max, floor, above, limit,
         by_value = tl.minimum(tl.maximum(by_value, lo + pivot_index),
                               hi - NUM_PIVOTS + pivot_index)
         use_keys = (span < NUM_PIVOTS) | (passes >= VALUE_PASSES)
-        pivots = tl.where(use_keys, by_key, by_value)
+        pivots = tl.where(pivot_index == 0, lo, tl.where(use_keys, by_key, by_value))
         mass = tl.zeros([NUM_PIVOTS], dtype=tl.float32)
         count = tl.zeros([NUM_PIVOTS], dtype=tl.int32)
         for start in range(0, VOCAB, BLOCK):
@@ -189,26 +199,27 @@ def _sample_kernel(
         if top_p < 1.0:
             above = _threshold(row_ptr, temperature, row_max, floor, above, top_p,
                                True, BLOCK, VOCAB, NUM_PIVOTS, VALUE_PASSES)
-        total = tl.zeros([BLOCK], dtype=tl.float64)
+        # The total as the scan below sums it, to the last bit: the last CDF value reaches
+        # any target under it.
+        total = tl.full((), 0.0, tl.float64)
         for start in range(0, VOCAB, BLOCK):
-            x, cols = _chunk(row_ptr, start, temperature, BLOCK, VOCAB)
-            weights, alive = _weights(x, row_max, floor, above)
-            total += weights.to(tl.float64)
+            cdf, cols = _cdf(row_ptr, start, total, temperature, row_max, floor, above,
+                             BLOCK, VOCAB)
+            total = tl.max(cdf, axis=0)
         uniform = _uniform(tl.load(streams_ptr + tl.load(rows_ptr + row)),
                            tl.load(output_indices_ptr + row))
-        target = (uniform * tl.sum(total, axis=0).to(tl.float32).to(tl.float64)).to(tl.float32)
+        target = (uniform * total.to(tl.float32).to(tl.float64)).to(tl.float32)
         token = tl.full((), -1, tl.int64)
         below = tl.full((), 0.0, tl.float64)
         start = tl.full((), 0, tl.int32)
         while (token < 0) & (start < VOCAB):
-            x, cols = _chunk(row_ptr, start, temperature, BLOCK, VOCAB)
-            weights, alive = _weights(x, row_max, floor, above)
-            cdf = below + tl.cumsum(weights.to(tl.float64), axis=0)
+            cdf, cols = _cdf(row_ptr, start, below, temperature, row_max, floor, above,
+                             BLOCK, VOCAB)
             first = tl.min(tl.where((cdf.to(tl.float32) >= target) & (cols < VOCAB), cols,
                                     VOCAB), axis=0)
             if first < VOCAB:
                 token = first.to(tl.int64)
-            below = tl.sum(tl.where(tl.arange(0, BLOCK) == BLOCK - 1, cdf, 0.0), axis=0)
+            below = tl.max(cdf, axis=0)
             start += BLOCK
     tl.store(tokens_ptr + row, token)
 
