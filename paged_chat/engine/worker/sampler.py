@@ -12,6 +12,9 @@ request's sampling settings.
 Randomness is counter-based: a row's draw is a splitmix64 hash of (seed, output_index), so a
 request's tokens depend only on its own seed and position, never on which other requests
 share the batch, and a preempted request that recomputes a step draws the same token again.
+
+On CUDA one Triton launch does the filters and the draw (sampling_kernel.py, with
+`SamplingBatch.settings`), picking what these ops pick.
 """
 
 from __future__ import annotations
