@@ -41,7 +41,7 @@ _NUM_PIVOTS = 16
 # spacing ends any search within 32 bits / 4 = 8 more passes.
 _VALUE_PASSES = 6
 _MAX_BLOCK = 512  # columns a program holds at once, times _NUM_PIVOTS in a search pass
-_EXP_FLOOR_ = tl.constexpr(_EXP_FLOOR)
+_KERNEL_EXP_FLOOR = tl.constexpr(_EXP_FLOOR)  # the sampler's, as a constant a kernel reads
 
 
 @triton.jit
@@ -73,7 +73,7 @@ def _weights(x, row_max, floor, above):
     """exp(x - max) of the tokens a row may draw, 0 for the others: under its min-p `floor`,
     under exp(_EXP_FLOOR), at or under the key `above`."""
     shifted = x - row_max
-    alive = (shifted >= _EXP_FLOOR_) & (x >= floor) & (_key(x) > above)
+    alive = (shifted >= _KERNEL_EXP_FLOOR) & (x >= floor) & (_key(x) > above)
     return tl.where(alive, tl.exp(shifted), 0.0), alive
 
 
