@@ -142,7 +142,7 @@ def test_draws_follow_the_truncated_softmax():
     logits = torch.tensor([1.0, 0.7, 0.4, 0.1, -0.2, -0.5, -0.8, -1.1])
     draws = 800
     params = [SamplingParams(temperature=0.5, top_k=6)] * draws
-    host, settings = settings_rows(params, len(logits), [11] * draws, list(range(draws)))
+    _, settings = settings_rows(params, len(logits), [11] * draws, list(range(draws)))
     tokens = sample_in_kernel(logits.expand(draws, -1).contiguous().to(DEVICE), settings)
     counts = torch.bincount(tokens.cpu(), minlength=len(logits)).double()
     assert counts[6:].sum() == 0
@@ -198,7 +198,7 @@ def test_the_kernel_compiles_without_spills():
     PYTHONPATH too: the kernel must compile under every Triton the project meets."""
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
-                            text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent)
+                            text=True, timeout=600, check=False, cwd=Path(__file__).resolve().parent.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     compiled = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(compiled) == 3 * 2 * 2

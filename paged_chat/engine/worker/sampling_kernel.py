@@ -83,7 +83,7 @@ def _cdf(row_ptr, start, below, temperature, row_max, floor, above, BLOCK: tl.co
     """The CDF (float64, unnormalised) of `_weights` over columns start..start+BLOCK, `below`
     the CDF before them, and the columns' ids."""
     x, cols = _chunk(row_ptr, start, temperature, BLOCK, VOCAB)
-    weights, alive = _weights(x, row_max, floor, above)
+    weights, _ = _weights(x, row_max, floor, above)
     return below + tl.cumsum(weights.to(tl.float64), axis=0), cols
 
 
@@ -118,7 +118,7 @@ def _threshold(row_ptr, temperature, row_max, floor, above, limit,
         mass = tl.zeros([NUM_PIVOTS], dtype=tl.float32)
         count = tl.zeros([NUM_PIVOTS], dtype=tl.int32)
         for start in range(0, VOCAB, BLOCK):
-            x, cols = _chunk(row_ptr, start, temperature, BLOCK, VOCAB)
+            x, _ = _chunk(row_ptr, start, temperature, BLOCK, VOCAB)
             weights, alive = _weights(x, row_max, floor, above)
             counted = alive[:, None] & (_key(x)[:, None] > pivots[None, :])
             mass += tl.sum(tl.where(counted, weights[:, None], 0.0), axis=0)
@@ -174,7 +174,7 @@ def _sample_kernel(
     argmax = tl.full((), 0, tl.int32)
     unsampleable = tl.full((), 0, tl.int1)
     for start in range(0, VOCAB, BLOCK):
-        x, cols = _chunk(row_ptr, start, temperature, BLOCK, VOCAB)
+        x, _ = _chunk(row_ptr, start, temperature, BLOCK, VOCAB)
         unsampleable |= tl.max(((x != x) | (x == float("inf"))).to(tl.int32), axis=0) > 0
         chunk_max = tl.max(x, axis=0)
         if chunk_max > row_max:
