@@ -408,8 +408,8 @@ class ModelRunner:
         batch = self._sampling_batch(samplers, logits.shape[-1])
         started = time.thread_time()
         tokens = sample(logits, batch)
-        parts = [tokens] if batch.logprobs is None else [tokens, *batch.logprobs]
-        packed = torch.cat([part.flatten().double() for part in parts])
+        packed = (tokens.double() if batch.logprobs is None
+                  else torch.cat([part.flatten().double() for part in (tokens, *batch.logprobs)]))
         self.last_sample_cpu_s = time.thread_time() - started
         host = self._to_host.fetch(packed)
         num_rows = len(samplers)
