@@ -72,10 +72,10 @@ def sampling_runner(vocab_size: int, sampling_kernel: bool) -> ModelRunner:
     return runner
 
 
-def count_decode_step(model: LlamaForCausalLM, monkeypatch, sampling_kernel: bool = True
-                      ) -> KernelCounter:
-    """The kernels of one decode step of `model` with Triton attention, its rows sampled at
-    the chat defaults after a step that gave them their sampling rows, by region: "layer 0",
+def count_decode_step(model: LlamaForCausalLM, monkeypatch, sampling_kernel: bool = True,
+                      params: SamplingParams = CHAT_DEFAULTS) -> KernelCounter:
+    """The kernels of one decode step of `model` with Triton attention, its rows sampled with
+    `params` after a step that gave them their sampling rows, by region: "layer 0",
     "layer 1"... and "step" (everything outside the layers)."""
     monkeypatch.setattr(triton_backend, "_num_sms", lambda device: 132)
     monkeypatch.setattr(triton_kernels, "MIN_KEYS_PER_SPLIT", 16)
@@ -94,7 +94,7 @@ def count_decode_step(model: LlamaForCausalLM, monkeypatch, sampling_kernel: boo
     input_ids = torch.tensor([5, 6, 7], device=DEVICE)
     logits_indices = torch.arange(len(SEQ_LENS), device=DEVICE)
     runner = sampling_runner(config.vocab_size, sampling_kernel)
-    samplers = [ScheduledRequest(Request(f"chat-{row}", [1, 2, 3], CHAT_DEFAULTS, row, 0.0), 1, True)
+    samplers = [ScheduledRequest(Request(f"chat-{row}", [1, 2, 3], params, row, 0.0), 1, True)
                 for row in range(len(SEQ_LENS))]
     with torch.inference_mode():
         runner._sample(torch.zeros(len(SEQ_LENS), config.vocab_size, device=DEVICE), samplers)
@@ -107,13 +107,16 @@ def count_decode_step(model: LlamaForCausalLM, monkeypatch, sampling_kernel: boo
     return counter
 
 
+@pytest.mark.parametrize("params", [CHAT_DEFAULTS, SamplingParams(temperature=0.0)],
+                         ids=["chat-defaults", "greedy"])
 @pytest.mark.parametrize("architecture", ["llama", "qwen2", "qwen3", "gemma3_text"])
-def test_a_decode_step_on_the_cuda_path_is_a_few_kernels_a_layer(architecture, monkeypatch):
+def test_a_decode_step_on_the_cuda_path_is_a_few_kernels_a_layer(architecture, params,
+                                                                 monkeypatch):
     """llama: the default model's kind; qwen2 adds the QKV bias, qwen3 the q/k norms,
     Gemma 3 its norms after attention and the MLP and a sliding window."""
     model = tiny_model(architecture)
     assert use_triton_ops(model, TritonAttention(6, 2, 16, 0.25))
-    counter = count_decode_step(model, monkeypatch)
+    counter = count_decode_step(model, monkeypatch, params=params)
     regions = counter.by_region()
     for layer in range(model.config.num_layers):
         assert regions[f"layer {layer}"] <= MAX_KERNELS_PER_LAYER, counter.names(f"layer {layer}")

@@ -456,7 +456,10 @@ class ModelRunner:
                                 if request.grammar is not None], dtype=np.int64)
         wanting = np.array([row for row, p in enumerate(params) if p.wants_logprobs],
                            dtype=np.int64)
-        batch = SamplingBatch.greedy_only(params, self.sample_on_host)
+        # The sampling kernel takes greedy rows in its one launch; the torch ops' argmax alone
+        # needs no settings.
+        batch = None if self.sampling_kernel else SamplingBatch.greedy_only(params,
+                                                                            self.sample_on_host)
         if batch is None:  # the other columns are read: gather them
             assert vocab_size == self._sampling_rows.vocab_size, "the logits are not the model's"
             rows = self._sampling_rows.rows(requests)
