@@ -161,6 +161,8 @@ class ModelRunner:
         self._step_logprobs: list[TokenLogprob | None] | None = None
         # Whether sampling may read tensors on the host (sampler.SamplingBatch.host_reads).
         self.sample_on_host = device.type == "cpu"
+        # Whether the sampling kernel samples (sampling_kernel.py): the CUDA path's fused ops.
+        self.sampling_kernel = device.type == "cuda" and config.fused_ops
         self._to_host = DeviceToHost(device)
         self._sampling_rows = SamplingRows(self.vocab_size, device)
         self._sampling_staging = StagingBuffer(device)
@@ -397,22 +399,17 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, samplers: list[ScheduledRequest]
                 ) -> list[int | Exception]:
         """Sample the rows together. A row whose logits hold NaN or inf (an overflowing model)
-        gets a SamplingError instead of a token: its draw is meaningless (NaN probabilities
-        give an id past the vocabulary), and fed back as input it would fail the next forward
-        for the whole batch. Checking the chosen logit finds it at the cost of one gather:
-        argmax picks a NaN or +inf when there is one, and a draw over NaN leaves the vocabulary.
+        gets a SamplingError instead of a token (`sample` gives it -1): fed back as input it
+        would fail the next forward for the whole batch.
 
         The tokens (-1 for such a row) and the logprobs asked for come to the host in the
         step's one device-to-host copy (`DeviceToHost.fetch`).
         """
-        vocab_size = logits.shape[-1]
-        batch = self._sampling_batch(samplers, vocab_size)
+        batch = self._sampling_batch(samplers, logits.shape[-1])
         started = time.thread_time()
         tokens = sample(logits, batch)
-        chosen = logits.gather(1, tokens.clamp(max=vocab_size - 1)[:, None]).squeeze(1)
-        tokens = tokens.masked_fill((tokens >= vocab_size) | ~torch.isfinite(chosen), -1)
-        parts = [tokens] if batch.logprobs is None else [tokens, *batch.logprobs]
-        packed = torch.cat([part.flatten().double() for part in parts])
+        packed = (tokens.double() if batch.logprobs is None
+                  else torch.cat([part.flatten().double() for part in (tokens, *batch.logprobs)]))
         self.last_sample_cpu_s = time.thread_time() - started
         host = self._to_host.fetch(packed)
         num_rows = len(samplers)
@@ -459,7 +456,10 @@ class ModelRunner:
                                 if request.grammar is not None], dtype=np.int64)
         wanting = np.array([row for row, p in enumerate(params) if p.wants_logprobs],
                            dtype=np.int64)
-        batch = SamplingBatch.greedy_only(params, self.sample_on_host)
+        # The sampling kernel takes greedy rows in its one launch; the torch ops' argmax alone
+        # needs no settings.
+        batch = None if self.sampling_kernel else SamplingBatch.greedy_only(params,
+                                                                            self.sample_on_host)
         if batch is None:  # the other columns are read: gather them
             assert vocab_size == self._sampling_rows.vocab_size, "the logits are not the model's"
             rows = self._sampling_rows.rows(requests)
@@ -467,7 +467,9 @@ class ModelRunner:
                                          dtype=np.int64, count=len(requests))
             constrained_rows, logprob_rows, on_device, indices = self._sampling_staging.transfer(
                 [constrained, wanting, rows, output_indices])
-            batch = self._sampling_rows.batch(rows, on_device, indices, self.sample_on_host)
+            batch = (self._sampling_rows.kernel_batch(rows, on_device, indices)
+                     if self.sampling_kernel else
+                     self._sampling_rows.batch(rows, on_device, indices, self.sample_on_host))
             if batch.repetition_penalty is not None:
                 batch.count_tokens([request.all_token_ids for request in requests],
                                    [request.num_prompt_tokens for request in requests],
