@@ -37,7 +37,8 @@ import torch
 from paged_chat.engine.attention.metadata import AttentionMetadata, StagingBuffer
 from paged_chat.engine.attention.selector import select_attention
 from paged_chat.engine.core.config import EngineConfig
-from paged_chat.engine.core.errors import out_of_memory
+from paged_chat.engine.core.dtypes import dtype_name, resolve_kv_cache_dtype
+from paged_chat.engine.core.errors import PagedChatError, out_of_memory
 from paged_chat.engine.core.outputs import ModelRunnerOutput, TokenLogprob
 from paged_chat.engine.core.scheduler import ScheduledRequest
 from paged_chat.engine.kv.block_id_rows import BlockIdRows
@@ -139,7 +140,14 @@ class ModelRunner:
             use_triton_ops(model, self.attention)
         self.device = device
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        spec = KVCacheSpec(model_config.num_layers, self.block_size, self.attention, dtype, device)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+        if kv_dtype != dtype and self.attention.compiles_kernels:
+            raise PagedChatError(
+                f"kv_cache_dtype={config.kv_cache_dtype!r} differs from the model's dtype "
+                f"({dtype_name(dtype)}), which the Triton attention kernels need: use "
+                "kv_cache_dtype='auto', or attention_backend='torch'")
+        spec = KVCacheSpec(model_config.num_layers, self.block_size, self.attention, kv_dtype,
+                           device)
         model_len = min(config.max_model_len or model_config.max_position_embeddings,
                         model_config.max_position_embeddings)
         with out_of_memory("profiling a step to size the KV cache",
