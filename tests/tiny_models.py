@@ -98,7 +98,8 @@ class PagedSequence:
         self.attention = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim,
                                         config.attention_scale)
         self.cache = torch.zeros(config.num_layers, 2,
-                                 *self.attention.kv_cache_shape(num_blocks, PAGED_BLOCK_SIZE),
+                                 *self.attention.kv_cache_shape(num_blocks, PAGED_BLOCK_SIZE,
+                                                                kv_dtype),
                                  dtype=kv_dtype)
         self.table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))
         self.length = 0

@@ -446,7 +446,7 @@ def ask(ctx: typer.Context,
         device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
         dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
         kv_cache_dtype: Annotated[str | None, typer.Option(
-            help="The KV cache's: auto (the model's dtype) or bfloat16 (the CPU's default).")] = None,
+            help="The KV cache's: auto (the model's dtype), bfloat16 (the CPU's default) or int8.")] = None,
         stats: Annotated[bool, typer.Option(
             "--stats", help="Print prompt tokens, prefix-cache hits, time to first token and "
                             "tokens/s to stderr.")] = False,

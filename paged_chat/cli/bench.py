@@ -44,7 +44,7 @@ def bench(ctx: typer.Context,
           weights: Annotated[str, typer.Option(
               help="paged-chat's GGUF weights: quantized or dequantize.")] = "quantized",
           kv_cache_dtype: Annotated[str | None, typer.Option(
-              help="paged-chat's KV cache: auto (the model's dtype) or bfloat16 (default: as "
+              help="paged-chat's KV cache: auto (the model's dtype), bfloat16 or int8 (default: as "
                    "it ships).")] = None,
           ) -> None:
     """Run one seeded chat workload through paged-chat and the Hugging Face baselines, side

@@ -6,7 +6,7 @@ batched matrix products with no transpose copy.
 
 The cache may hold a narrower dtype than the model computes in (`kv_cache_dtype`): K/V
 are rounded to it as they are stored and widened back to the query's dtype as they are
-gathered, so every product runs in the model's dtype.
+gathered (kv_rows.py), so every product runs in the model's dtype.
 
 A step first writes the new tokens' K/V into their slots, then attends; so a sequence
 that reuses a block another sequence fills in this same step reads it after it was
@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_chat.engine.attention.backend import AttentionBackend
+from paged_chat.engine.attention.kv_rows import from_cache_rows, to_cache_rows
 from paged_chat.engine.attention.metadata import AttentionMetadata
 
 
@@ -53,16 +54,16 @@ class TorchAttention(AttentionBackend):
         return output
 
     def _store(self, new: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-        cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(
-            1, slots, new.transpose(0, 1).to(cache.dtype))
+        cache.view(self.num_kv_heads, -1, cache.shape[-1]).index_copy_(
+            1, slots, to_cache_rows(new.transpose(0, 1), cache.dtype))
 
     def _gather(self, cache: torch.Tensor, rows: torch.Tensor, num_seqs: int,
                 dtype: torch.dtype) -> torch.Tensor:
         """[kv_heads, num_seqs, blocks * block_size, head_dim] in `dtype` for the
         `block_rows` of a flat [num_seqs * blocks] index."""
-        kv_heads, _, block_size, head_dim = cache.shape
-        flat = cache.view(-1, block_size * head_dim).index_select(0, rows).to(dtype)
-        return flat.view(kv_heads, num_seqs, -1, head_dim)
+        kv_heads, _, block_size, width = cache.shape
+        flat = cache.view(-1, block_size * width).index_select(0, rows)
+        return from_cache_rows(flat.view(kv_heads, num_seqs, -1, width), dtype)
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:

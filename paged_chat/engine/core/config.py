@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 WEIGHTS = ("quantized", "dequantize")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -67,7 +67,8 @@ class EngineConfig:
 
     `kv_cache_dtype` is what the KV pool holds (vLLM's name): "auto" the model's dtype (the
     exact reference), "bfloat16" half of float32's bytes, K/V rounded to nearest even as
-    they are stored and widened to the model's dtype in attention. Left None: bfloat16 on
+    they are stored and widened to the model's dtype in attention; "int8" about a quarter
+    (a row of codes and its scale per token and KV head, as llama.cpp's q8_0). Left None: bfloat16 on
     the CPU, where a decode step reads more KV than weights at a few dozen chats; "auto" on
     CUDA (its model dtype is 16-bit already).
 

@@ -25,10 +25,10 @@ def resolve_dtype(dtype: str, device: torch.device, holds_quantized: bool = Fals
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str | None, model_dtype: torch.dtype) -> torch.dtype:
     """What the KV pool holds for a config's `kv_cache_dtype`: "auto" (or None) the model's
-    own dtype, else the dtype named."""
+    own dtype, else the dtype named (int8: rows of codes and a scale, attention/kv_rows.py)."""
     if kv_cache_dtype in (None, "auto"):
         return model_dtype
-    return TORCH_DTYPES[kv_cache_dtype]
+    return torch.int8 if kv_cache_dtype == "int8" else TORCH_DTYPES[kv_cache_dtype]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -23,7 +23,7 @@ MAX_PARTS = 3  # decode_layer.c's DL_MAX_PARTS
 _P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
 # paged_attention.h's PA_KV_*: the KV cache dtypes the kernels read and write, by name.
-KV_DTYPE_CODES = {"float32": 0, "bfloat16": 1}
+KV_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "int8": 2}
 
 
 class PagedAttentionProblem(ctypes.Structure):
