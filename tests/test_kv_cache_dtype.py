@@ -15,6 +15,7 @@ from paged_chat.engine.attention.cpu_backend import CpuAttention, cpu_kernels_av
 from paged_chat.engine.attention.kv_rows import to_cache_rows
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.torch_backend import TorchAttention
+from paged_chat.engine.core.errors import PagedChatError
 from paged_chat.engine.native import bindings
 from test_cpu_attention import STEPS, random_step
 from tiny_models import PagedSequence
@@ -173,8 +174,16 @@ def test_a_tier_written_at_one_kv_dtype_is_never_read_at_another(make_engine, tm
 
     assert tier_hits("bfloat16") == 0
     assert tier_hits("auto") == 0, "a float32 pool read blocks written in bf16"
+    assert tier_hits("int8") == 0
     assert tier_hits("auto") > 0
     assert tier_hits("bfloat16") > 0
+    assert tier_hits("int8") > 0
+
+
+def test_the_triton_kernels_refuse_a_kv_dtype_other_than_the_models(make_engine):
+    pytest.importorskip("triton")
+    with pytest.raises(PagedChatError, match="kv_cache_dtype='bfloat16' differs from the model"):
+        make_engine(attention_backend="triton", kv_cache_dtype="bfloat16")
 
 
 DEFAULT_MODEL_PROMPTS = ["The history of the Roman Empire", "def fibonacci(n):",
@@ -218,3 +227,13 @@ def test_narrow_kv_on_the_default_model_departs_only_at_near_ties(smollm2_source
                 f"{gaps[differ[0]]:.3f}, the largest error {errors.max():.3f}")
     if kv_cache_dtype == "bfloat16":
         assert departed == []
+
+
+def test_ask_takes_the_kv_cache_dtype_and_refuses_an_unknown_one(cli):
+    """A bad value is one line naming the setting and what it takes."""
+    assert cli("ask", "--no-save", "--kv-cache-dtype", "int8", "Hi").exit_code == 0
+    assert cli.engines[-1].runner.kv_cache.dtype == torch.int8
+    result = cli("ask", "--no-save", "--kv-cache-dtype", "fp4", "Hi")
+    assert result.exit_code == 2, "a bad setting, as a bad --dtype"
+    assert "kv_cache_dtype='fp4' is invalid" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
