@@ -68,9 +68,10 @@ class EngineConfig:
     `kv_cache_dtype` is what the KV pool holds (vLLM's name): "auto" the model's dtype (the
     exact reference), "bfloat16" half of float32's bytes, K/V rounded to nearest even as
     they are stored and widened to the model's dtype in attention; "int8" about a quarter
-    (a row of codes and its scale per token and KV head, as llama.cpp's q8_0). Left None: bfloat16 on
-    the CPU, where a decode step reads more KV than weights at a few dozen chats; "auto" on
-    CUDA (its model dtype is 16-bit already).
+    (a row of codes and its scale per token and KV head, as llama.cpp's q8_0). Left None:
+    bfloat16 on the CPU, where a decode step reads more KV than weights at a few dozen
+    chats; "auto" on CUDA (its model dtype is 16-bit already). A KV tier's blocks are kept
+    per KV dtype.
 
     `max_num_seqs`, `max_num_batched_tokens`, `enforce_eager` and `kv_cache_dtype` left None
     take the device's defaults (DEVICE_DEFAULTS), filled in by `for_device` once the device
