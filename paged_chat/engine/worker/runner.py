@@ -11,10 +11,10 @@ ops (`EngineConfig.fused_ops`).
 The KV cache is one preallocated tensor `[layers, 2, *attention.kv_cache_shape(...)]`
 (keys and values of every layer, in the attention backend's layout and
 `EngineConfig.kv_cache_dtype`) of `num_blocks + 1` blocks: block 0 is the null block
-(`block_pool.NULL_BLOCK`), where padding and released table entries point. Per step the runner builds, on the host with numpy and sent in one
-copy (`AttentionMetadata.build`): token ids, positions, slot mapping, query offsets, context
-lengths, block tables and the rows to compute logits for: the model computes them only for
-the rows that sample (the last token of each sequence whose known tokens are all computed
+(`block_pool.NULL_BLOCK`), where padding and released table entries point. Per step the
+runner builds, on the host with numpy and sent in one copy (`AttentionMetadata.build`):
+token ids, positions, slot mapping, query offsets, context lengths, block tables and the
+rows to compute logits for: the model computes them only for the rows that sample (the last token of each sequence whose known tokens are all computed
 after this step).
 
 Sampling faults stay with their request: a row whose logits are not finite, or a batch
