@@ -14,8 +14,8 @@ The KV cache is one preallocated tensor `[layers, 2, *attention.kv_cache_shape(.
 (`block_pool.NULL_BLOCK`), where padding and released table entries point. Per step the
 runner builds, on the host with numpy and sent in one copy (`AttentionMetadata.build`):
 token ids, positions, slot mapping, query offsets, context lengths, block tables and the
-rows to compute logits for: the model computes them only for the rows that sample (the last token of each sequence whose known tokens are all computed
-after this step).
+rows to compute logits for: the model computes them only for the rows that sample (the
+last token of each sequence whose known tokens are all computed after this step).
 
 Sampling faults stay with their request: a row whose logits are not finite, or a batch
 whose sampling raises, yields an exception in that row's place (the batch is then sampled
