@@ -474,6 +474,8 @@ def ask(ctx: typer.Context,
             min=0, help="Sampling seed, for repeatable output.")] = None,
         device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
         dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
+        kv_cache_dtype: Annotated[str | None, typer.Option(
+            help="The KV cache's: auto (the model's dtype), bfloat16 (the CPU's default) or int8.")] = None,
         stats: Annotated[bool, typer.Option(
             "--stats", help="Print prompt tokens, prefix-cache hits, time to first token and "
                             "tokens/s to stderr.")] = False,
@@ -526,7 +528,8 @@ def ask(ctx: typer.Context,
         json=json_output, continue_chat=continue_chat, chat_id=chat, save=not no_save,
         show_thinking=show_thinking,
         thinking=None if thinking is None else thinking is Switch.on,
-        engine={"model": model, "device": device, "dtype": dtype},
+        engine={"model": model, "device": device, "dtype": dtype,
+                "kv_cache_dtype": kv_cache_dtype},
         sampling={"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                   "top_k": top_k, "seed": seed})
     with state.reported(), ExitStack() as cleanup:

@@ -9,13 +9,13 @@ decode graphs; on the CPU, pack the weights for oneDNN and switch the model to i
 ops (`EngineConfig.fused_ops`).
 
 The KV cache is one preallocated tensor `[layers, 2, *attention.kv_cache_shape(...)]`
-(keys and values of every layer, in the attention backend's layout) of `num_blocks + 1`
-blocks: block 0 is the null block (`block_pool.NULL_BLOCK`), where padding and released
-table entries point. Per step the runner builds, on the host with numpy and sent in one
-copy (`AttentionMetadata.build`): token ids, positions, slot mapping, query offsets, context
-lengths, block tables and the rows to compute logits for: the model computes them only for
-the rows that sample (the last token of each sequence whose known tokens are all computed
-after this step).
+(keys and values of every layer, in the attention backend's layout and
+`EngineConfig.kv_cache_dtype`) of `num_blocks + 1` blocks: block 0 is the null block
+(`block_pool.NULL_BLOCK`), where padding and released table entries point. Per step the
+runner builds, on the host with numpy and sent in one copy (`AttentionMetadata.build`):
+token ids, positions, slot mapping, query offsets, context lengths, block tables and the
+rows to compute logits for: the model computes them only for the rows that sample (the
+last token of each sequence whose known tokens are all computed after this step).
 
 Sampling faults stay with their request: a row whose logits are not finite, or a batch
 whose sampling raises, yields an exception in that row's place (the batch is then sampled
@@ -37,7 +37,8 @@ import torch
 from paged_chat.engine.attention.metadata import AttentionMetadata, StagingBuffer
 from paged_chat.engine.attention.selector import select_attention
 from paged_chat.engine.core.config import EngineConfig
-from paged_chat.engine.core.errors import out_of_memory
+from paged_chat.engine.core.dtypes import dtype_name, resolve_kv_cache_dtype
+from paged_chat.engine.core.errors import PagedChatError, out_of_memory
 from paged_chat.engine.core.outputs import ModelRunnerOutput, TokenLogprob
 from paged_chat.engine.core.scheduler import ScheduledRequest
 from paged_chat.engine.kv.block_id_rows import BlockIdRows
@@ -139,7 +140,14 @@ class ModelRunner:
             use_triton_ops(model, self.attention)
         self.device = device
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        spec = KVCacheSpec(model_config.num_layers, self.block_size, self.attention, dtype, device)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+        if kv_dtype != dtype and self.attention.compiles_kernels:
+            raise PagedChatError(
+                f"kv_cache_dtype={config.kv_cache_dtype!r} differs from the model's dtype "
+                f"({dtype_name(dtype)}), which the Triton attention kernels need: use "
+                "kv_cache_dtype='auto', or attention_backend='torch'")
+        spec = KVCacheSpec(model_config.num_layers, self.block_size, self.attention, kv_dtype,
+                           device)
         model_len = min(config.max_model_len or model_config.max_position_embeddings,
                         model_config.max_position_embeddings)
         with out_of_memory("profiling a step to size the KV cache",
