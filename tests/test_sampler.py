@@ -178,7 +178,7 @@ def full_sort_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) ->
     return out
 
 
-# flat (huge nucleus) to peaked; 100: most of exp(x - max) would be denormal (_EXP_FLOOR)
+# flat (huge nucleus) to peaked; 100: most of exp(x - max) would be denormal (EXP_FLOOR)
 @pytest.mark.parametrize("scale", [0.05, 1.0, 8.0, 100.0])
 def test_candidate_top_k_top_p_equals_a_full_sort(scale: float) -> None:
     """The widening candidate search must keep exactly what a full sort keeps."""

@@ -26,15 +26,14 @@ pytest.importorskip("triton", reason="the sampling kernel needs the triton packa
 from paged_chat.engine import SamplingParams  # noqa: E402
 from paged_chat.engine.worker.sampler import (  # noqa: E402
     SamplingBatch,
-    SettingsRows,
     apply_min_p,
     apply_top_k_top_p,
     as_int64,
     sample,
-    sampling_columns,
     seed_streams,
 )
 from paged_chat.engine.worker.sampling_kernel import sample_in_kernel  # noqa: E402
+from paged_chat.engine.worker.sampling_settings import SettingsRows, sampling_columns  # noqa: E402
 from tests.test_triton_kernels import DEVICE  # noqa: E402
 
 SETTINGS = [SamplingParams(temperature=0.2, top_p=0.9),  # the chat defaults
@@ -165,7 +164,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from benchmarks.device_check import ptxas_usage, specialise
 from paged_chat.engine.worker import sampling_kernel
-from paged_chat.engine.worker.sampler import SettingsRows
+from paged_chat.engine.worker.sampling_settings import SettingsRows
 
 kernel = sampling_kernel._sample_kernel
 launches = []

@@ -11,18 +11,12 @@ import numpy as np
 import torch
 
 from paged_chat.engine.core.request import Request
-from paged_chat.engine.worker.sampler import (
-    NUM_COLUMNS,
-    SamplingBatch,
-    SettingsRows,
-    as_int64,
-    sampling_columns,
-    seed_streams,
-)
+from paged_chat.engine.worker.sampler import SamplingBatch, as_int64, seed_streams
+from paged_chat.engine.worker.sampling_settings import NUM_COLUMNS, SettingsRows, sampling_columns
 
 
 class SamplingRows:
-    """A row per request: its settings (`sampler.sampling_columns`' layout) and its seed's
+    """A row per request: its settings (`sampling_settings.sampling_columns`' layout) and its seed's
     stream (`sampler.seed_streams`), on the host and on the device.
 
     Invariants: a row belongs to at most one request, held while it has the row (so its

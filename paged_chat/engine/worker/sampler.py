@@ -20,7 +20,6 @@ On CUDA one Triton launch does the filters and the draw (sampling_kernel.py, wit
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -29,18 +28,26 @@ import torch
 
 from paged_chat.engine.core.outputs import TokenLogprob
 from paged_chat.engine.core.sampling_params import SamplingParams
+from paged_chat.engine.worker.sampling_settings import (
+    EXP_FLOOR,
+    FREQUENCY,
+    GREEDY,
+    MIN_P,
+    PRESENCE,
+    REPETITION,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    TRUNCATED,
+    SettingsRows,
+    sampling_columns,
+)
 
 _GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's stream increment
 _MUL1 = 0xBF58476D1CE4E5B9
 _MUL2 = 0x94D049BB133111EB
 _MIN_CANDIDATES = 64  # first guess at how many top tokens hold every row's top-p nucleus
 _GROWTH = 16  # then 1024 candidates, then (past a quarter of the vocabulary) all of them
-# exp() below this is a float32 denormal (or 0), which x86 computes ~100x slower (microcode
-# assists): at temperature 0.2 most of a 49,152-token vocabulary lands there, and one exp
-# over [8, vocab] took ~6 ms, two thirds of the sampler's time. Such a term is under float32's
-# resolution of any row's sum (whose largest term is 1): a sum takes it as exp(_EXP_FLOOR), a
-# CDF as 0.
-_EXP_FLOOR = -87.0
 
 
 def as_int64(x: int) -> int:
@@ -88,19 +95,6 @@ def stream_uniforms(streams: torch.Tensor, output_indices: torch.Tensor) -> torc
     """`counter_uniforms` of the seeds whose `seed_streams` are `streams`."""
     bits = _shr(_mix64(streams + output_indices), 12)
     return (bits.double() + 0.5) * 2.0**-52
-
-
-@dataclass(slots=True)
-class SettingsRows:
-    """Where the sampling kernel (sampling_kernel.py) reads a step's settings on the device:
-    the persistent tables of input_batch.SamplingRows (float32 [capacity, NUM_COLUMNS] in
-    `sampling_columns`' layout, and the `seed_streams`, int64 [capacity]), each sampled
-    row's index into them and its output index (int64 [n] each)."""
-
-    table: torch.Tensor
-    streams: torch.Tensor
-    rows: torch.Tensor
-    output_indices: torch.Tensor
 
 
 @dataclass(slots=True)
@@ -195,10 +189,10 @@ class SamplingBatch:
         device too.
         `host` holds the same settings on the host: what it says decides what `sample` runs,
         so nothing is read back. A batch that uses penalties still needs `count_tokens`."""
-        greedy, truncated = host[:, _GREEDY] > 0, host[:, _TRUNCATED] > 0
-        top_k = host[:, _TOP_K]
+        greedy, truncated = host[:, GREEDY] > 0, host[:, TRUNCATED] > 0
+        top_k = host[:, TOP_K]
         penalised = _penalised(host)
-        uses_top_p = bool(np.isfinite(host[:, _TOP_P]).any())
+        uses_top_p = bool(np.isfinite(host[:, TOP_P]).any())
         largest_top_k = int(top_k[top_k < vocab_size].max(initial=0))
 
         def column(index: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -207,16 +201,16 @@ class SamplingBatch:
 
         return cls(
             all_greedy=bool(greedy.all()),
-            greedy=column(_GREEDY, torch.bool) if greedy.any() and not greedy.all() else None,
-            temperature=column(_TEMPERATURE),
+            greedy=column(GREEDY, torch.bool) if greedy.any() and not greedy.all() else None,
+            temperature=column(TEMPERATURE),
             uniforms=stream_uniforms(streams, output_indices),
-            min_p=column(_MIN_P) if (host[:, _MIN_P] > 0).any() else None,
-            top_k=column(_TOP_K, torch.int64) if (top_k < vocab_size).any() else None,
-            top_p=column(_TOP_P) if uses_top_p else None,
-            truncated=column(_TRUNCATED, torch.bool),
-            repetition_penalty=column(_REPETITION) if penalised else None,
-            frequency_penalty=column(_FREQUENCY) if penalised else None,
-            presence_penalty=column(_PRESENCE) if penalised else None,
+            min_p=column(MIN_P) if (host[:, MIN_P] > 0).any() else None,
+            top_k=column(TOP_K, torch.int64) if (top_k < vocab_size).any() else None,
+            top_p=column(TOP_P) if uses_top_p else None,
+            truncated=column(TRUNCATED, torch.bool),
+            repetition_penalty=column(REPETITION) if penalised else None,
+            frequency_penalty=column(FREQUENCY) if penalised else None,
+            presence_penalty=column(PRESENCE) if penalised else None,
             seen=None, output_counts=None, host_reads=host_reads,
             all_truncated=bool(truncated.all()),
             num_candidates=(vocab_size if uses_top_p and not host_reads
@@ -233,10 +227,10 @@ class SamplingBatch:
         def penalty(index: int) -> torch.Tensor | None:
             return None if penalties is None else penalties[:, index]
 
-        return cls(all_greedy=bool((host[:, _GREEDY] > 0).all()), greedy=None, temperature=None,
+        return cls(all_greedy=bool((host[:, GREEDY] > 0).all()), greedy=None, temperature=None,
                    uniforms=None, min_p=None, top_k=None, top_p=None, truncated=None,
-                   repetition_penalty=penalty(_REPETITION), frequency_penalty=penalty(_FREQUENCY),
-                   presence_penalty=penalty(_PRESENCE), seen=None, output_counts=None,
+                   repetition_penalty=penalty(REPETITION), frequency_penalty=penalty(FREQUENCY),
+                   presence_penalty=penalty(PRESENCE), seen=None, output_counts=None,
                    host_reads=False, settings=settings)
 
     def count_tokens(self, histories: list[list[int]], prompt_lens: list[int], vocab_size: int,
@@ -245,31 +239,10 @@ class SamplingBatch:
         self.seen, self.output_counts = _token_stats(histories, prompt_lens, vocab_size, device)
 
 
-# sampling_columns' layout: one float32 column per setting (top_k and the flags are exact).
-(_TEMPERATURE, _MIN_P, _TOP_K, _TOP_P, _GREEDY, _TRUNCATED, _REPETITION, _FREQUENCY,
- _PRESENCE) = range(9)
-NUM_COLUMNS = 9
-
-
 def _penalised(host: np.ndarray) -> bool:
     """Whether some row of `host` (`sampling_columns`' layout) uses a penalty."""
-    return bool((host[:, _REPETITION] != 1).any() or host[:, _FREQUENCY].any()
-                or host[:, _PRESENCE].any())
-
-
-def sampling_columns(params: list[SamplingParams], vocab_size: int) -> np.ndarray:
-    """Each row's settings as `SamplingBatch.from_columns` reads them, float32 [n, NUM_COLUMNS]:
-    temperature (1 on greedy rows), min_p (0 where off), top_k (vocab_size where off), top_p
-    (inf where off: rounding may make mass reach 1), greedy, truncated (a sampled row with
-    top-k or top-p on), and the repetition, frequency and presence penalties."""
-    columns = np.empty((len(params), NUM_COLUMNS), dtype=np.float32)
-    for row, p in enumerate(params):
-        top_k = min(p.top_k or vocab_size, vocab_size)
-        columns[row] = (p.temperature or 1.0, p.min_p, top_k,
-                        p.top_p if p.top_p < 1 else math.inf, p.greedy,
-                        not p.greedy and (top_k < vocab_size or p.top_p < 1),
-                        p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
-    return columns
+    return bool((host[:, REPETITION] != 1).any() or host[:, FREQUENCY].any()
+                or host[:, PRESENCE].any())
 
 
 def _token_stats(histories: list[list[int]], prompt_lens: list[int], vocab_size: int,
@@ -310,9 +283,9 @@ def apply_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _log_sum_exp(x: torch.Tensor) -> torch.Tensor:
-    """logsumexp over each row, with no term under exp(_EXP_FLOOR)."""
+    """logsumexp over each row, with no term under exp(EXP_FLOOR)."""
     row_max = x.amax(dim=-1)
-    return (x - row_max[:, None]).clamp_(min=_EXP_FLOOR).exp_().sum(dim=-1).log_() + row_max
+    return (x - row_max[:, None]).clamp_(min=EXP_FLOOR).exp_().sum(dim=-1).log_() + row_max
 
 
 def apply_top_k_top_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -404,7 +377,7 @@ def _inverse_cdf(x: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     (fresh pages), and float32 moves < 1e-3 of the probability mass, far below bf16 logits'
     own error."""
     shifted = x - x.amax(dim=-1, keepdim=True)
-    cdf = shifted.masked_fill_(shifted < _EXP_FLOOR, float("-inf")).exp_().cumsum_(dim=-1)
+    cdf = shifted.masked_fill_(shifted < EXP_FLOOR, float("-inf")).exp_().cumsum_(dim=-1)
     targets = (uniforms * cdf[:, -1]).to(cdf.dtype)
     return torch.searchsorted(cdf, targets[:, None]).squeeze(1)
 

@@ -5,7 +5,7 @@ top-k and top-p, and the draw, one program per row.
 
 It picks what the torch ops of sampler.py pick from the same logits and uniforms: the
 greedy rows' first argmax; the others' inverse-CDF draw in token-id order over the tokens
-they keep (weights exp(x - max), none under exp(_EXP_FLOOR), the CDF summed in float64 and
+they keep (weights exp(x - max), none under exp(EXP_FLOOR), the CDF summed in float64 and
 compared in float32 as torch's CPU cumsum does). Top-k and top-p keep every token above a
 per-row threshold found without a sort: a search over the float32 values' order (as int32
 keys), each pass over the row counting the tokens and summing the weights above a few
@@ -23,13 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-from paged_chat.engine.worker.sampler import (
-    _EXP_FLOOR,
-    _GREEDY,
-    _MIN_P,
-    _TEMPERATURE,
-    _TOP_K,
-    _TOP_P,
+from paged_chat.engine.worker.sampling_settings import (
+    EXP_FLOOR,
+    GREEDY,
+    MIN_P,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
     SettingsRows,
 )
 
@@ -41,7 +41,7 @@ _NUM_PIVOTS = 16
 # spacing ends any search within 32 bits / 4 = 8 more passes.
 _VALUE_PASSES = 6
 _MAX_BLOCK = 512  # columns a program holds at once, times _NUM_PIVOTS in a search pass
-_KERNEL_EXP_FLOOR = tl.constexpr(_EXP_FLOOR)  # the sampler's, as a constant a kernel reads
+_KERNEL_EXP_FLOOR = tl.constexpr(EXP_FLOOR)  # the sampler's, as a constant a kernel reads
 
 
 @triton.jit
@@ -71,7 +71,7 @@ def _chunk(row_ptr, start, temperature, BLOCK: tl.constexpr,
 @triton.jit
 def _weights(x, row_max, floor, above):
     """exp(x - max) of the tokens a row may draw, 0 for the others: under its min-p `floor`,
-    under exp(_EXP_FLOOR), at or under the key `above`."""
+    under exp(EXP_FLOOR), at or under the key `above`."""
     shifted = x - row_max
     alive = (shifted >= _KERNEL_EXP_FLOOR) & (x >= floor) & (_key(x) > above)
     return tl.where(alive, tl.exp(shifted), 0.0), alive
@@ -238,6 +238,6 @@ def sample_in_kernel(logits: torch.Tensor, settings: SettingsRows,
         logits, logits.stride(0), settings.table, settings.table.stride(0), settings.streams,
         settings.rows, settings.output_indices, tokens,
         VOCAB=vocab, BLOCK=block, NUM_PIVOTS=_NUM_PIVOTS, VALUE_PASSES=_VALUE_PASSES,
-        TEMPERATURE=_TEMPERATURE, MIN_P=_MIN_P, TOP_K=_TOP_K, TOP_P=_TOP_P, GREEDY=_GREEDY,
+        TEMPERATURE=TEMPERATURE, MIN_P=MIN_P, TOP_K=TOP_K, TOP_P=TOP_P, GREEDY=GREEDY,
         num_warps=8)
     return tokens
