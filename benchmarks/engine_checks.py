@@ -159,8 +159,10 @@ class RandomModel:
         return copy.deepcopy(self._model).to(self.device, dtype)
 
     def config(self, plan: EnginePlan, dtype: str, **overrides: Any) -> EngineConfig:
+        # The KV pool in the model's dtype: the checks hold the engine to transformers'
+        # numbers, which a narrower pool (the CPU's bf16 default) only approaches.
         return EngineConfig(**({"model": str(self.folder), "device": plan.device, "dtype": dtype,
-                                "num_blocks": plan.num_blocks,
+                                "kv_cache_dtype": "auto", "num_blocks": plan.num_blocks,
                                 "attention_backend": plan.attention_backend,
                                 "max_num_seqs": max(plan.graph_batches),
                                 "kv_tier_disk_bytes": 0} | overrides))
