@@ -31,6 +31,7 @@ import torch
 
 from paged_chat.engine.core.config import EngineConfig
 from paged_chat.engine.core.dtypes import dtype_name, resolve_device, resolve_dtype
+from paged_chat.engine.core.ngram_proposer import NgramProposer
 from paged_chat.engine.core.output_processor import OutputProcessor
 from paged_chat.engine.core.outputs import EngineCoreOutput, FinishReason, ModelInfo, RequestOutput
 from paged_chat.engine.core.prompt import prompt_token_ids
@@ -94,8 +95,11 @@ class Engine:
                                        source.config.window_of_every_layer,
                                        self.runner.block_id_rows)
         self.kv_transfer = KVTransfer(self.kv_cache, self.runner)
+        proposer = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                  config.prompt_lookup_max)
+                    if config.num_speculative_tokens else None)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens, proposer)
         self.eos_token_ids = frozenset(source.config.eos_token_ids)
         if not tokenizer_on_demand and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids |= {self.tokenizer.eos_token_id}

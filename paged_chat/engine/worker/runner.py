@@ -57,6 +57,7 @@ from paged_chat.engine.worker.model_loading import (
     prepare_for_cpu,
     use_triton_ops,
 )
+from paged_chat.engine.worker.rejection_sampler import verify_greedy
 from paged_chat.engine.worker.sampler import SamplingBatch, logprob_entries, sample
 from paged_chat.engine.worker.structured_output import fill_token_bitmask
 
@@ -201,6 +202,8 @@ class ModelRunner:
         self.last_forward_s = time.perf_counter() - started
         if not samplers:
             return ModelRunnerOutput([])
+        if any(item.draft_token_ids for item in samplers):
+            return self._verify_drafts(logits, samplers)
         try:
             sampled = self._sample(logits, samplers)
         except Exception:  # find the rows at fault; the others keep their tokens
@@ -379,6 +382,38 @@ class ModelRunner:
         blocks = self.kv_cache.movedim(_BLOCK_AXIS, 0)
         blocks.index_copy_(0, index, kv.to(self.device, self.kv_cache.dtype))
 
+    def _verify_drafts(self, logits: torch.Tensor, samplers: list[ScheduledRequest]
+                       ) -> ModelRunnerOutput:
+        """`execute`'s output for a step with drafts: `logits` has 1 + len(drafts) rows per
+        sampling item (`_prepare`); the items with drafts are verified together
+        (rejection_sampler.verify_greedy), the others sampled as in any step."""
+        row_counts = np.array([1 + len(item.draft_token_ids) for item in samplers])
+        first_rows = np.cumsum(row_counts) - row_counts
+        drafting = row_counts > 1
+        verified_rows = np.repeat(first_rows[drafting], row_counts[drafting]) + _ragged_arange(
+            row_counts[drafting])
+        verified = verify_greedy(logits[torch.from_numpy(verified_rows).to(self.device)],
+                                 [item.draft_token_ids for item in samplers if item.draft_token_ids],
+                                 self._to_host.fetch)
+        sampled: list[int | list[int] | Exception] = [
+            SamplingError("the model's logits for this request are not finite (NaN or inf)")
+            if tokens is None else tokens for tokens in verified]
+        plain = [item for item in samplers if not item.draft_token_ids]
+        if not plain:
+            return ModelRunnerOutput(sampled)
+        plain_logits = logits[torch.from_numpy(first_rows[~drafting]).to(self.device)]
+        try:
+            plain_sampled = self._sample(plain_logits, plain)
+        except Exception:  # find the rows at fault; the others keep their tokens
+            plain_sampled = self._sample_rows(plain_logits, plain)
+        plain_logprobs = self._step_logprobs
+        by_item = iter(plain_sampled), iter(sampled), iter(plain_logprobs or ())
+        sampled = [next(by_item[1]) if draft else next(by_item[0]) for draft in drafting]
+        logprobs = (None if plain_logprobs is None else
+                    [None if draft else next(by_item[2]) for draft in drafting])
+        self._step_logprobs = logprobs
+        return ModelRunnerOutput(sampled, logprobs)
+
     def _sample_rows(self, logits: torch.Tensor, samplers: list[ScheduledRequest]
                      ) -> list[int | Exception]:
         """Sample row by row, each row's fault in its place; logprobs as `_sample`'s."""
@@ -438,11 +473,17 @@ class ModelRunner:
         starts = [item.request.num_computed_tokens for item in scheduled]
         counts = [item.num_new_tokens for item in scheduled]
         token_ids = np.fromiter(itertools.chain.from_iterable(
-            item.request.all_token_ids[start:start + count]
+            itertools.chain(item.request.all_token_ids[start:start + count
+                                                       - len(item.draft_token_ids)],
+                            item.draft_token_ids)
             for item, start, count in zip(scheduled, starts, counts)), dtype=np.int64)
         samples = np.fromiter((item.samples for item in scheduled), dtype=bool,
                               count=len(scheduled))
-        logits_indices = np.cumsum(counts)[samples] - 1
+        # A sampling item's last row, and for one with drafts the row before each draft.
+        num_rows = np.fromiter((1 + len(item.draft_token_ids) for item in scheduled),
+                               dtype=np.int64, count=len(scheduled))[samples]
+        ends = np.cumsum(counts)[samples]
+        logits_indices = np.repeat(ends - num_rows, num_rows) + _ragged_arange(num_rows)
         return AttentionMetadata.build(
             counts, [start + count for start, count in zip(starts, counts)], block_tables,
             self.block_size, self.device, extra=(token_ids, logits_indices),
@@ -482,6 +523,12 @@ class ModelRunner:
             batch.logprob_rows = logprob_rows
             batch.num_top_logprobs = max(params[row].top_logprobs for row in wanting)
         return batch
+
+
+def _ragged_arange(counts: np.ndarray) -> np.ndarray:
+    """0..count-1 for each count, concatenated."""
+    total = int(counts.sum())
+    return np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _no_progress(stage: str, done: int, total: int) -> None:

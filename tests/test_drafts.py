@@ -1,0 +1,108 @@
+"""Drafts from a request's own history (prompt lookup): proposing, verifying in one forward,
+greedy output unchanged, and no prefix hash on a block holding rejected drafts."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from engine_fixtures import MISTRAL_WINDOW
+from helpers import random_prompts
+from safetensors.torch import load_file, save_file
+
+from paged_chat.engine import SamplingParams
+from paged_chat.engine.core.ngram_proposer import DraftState, propose_ngram
+from paged_chat.engine.kv.kv_cache_manager import hash_block, salt_root
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+DRAFTS = dict(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
+def quiet_attention_copy(source: Path, folder: Path) -> Path:
+    """`source`'s tiny model with its attention outputs scaled down: its next token depends
+    mostly on the last one, so its greedy replies fall into cycles that drafts from its
+    history match, while attention (and so every KV slot) still moves its logits."""
+    shutil.copytree(source, folder)
+    weights = load_file(source / "model.safetensors")
+    weights = {name: tensor * 0.01 if "o_proj" in name else tensor
+               for name, tensor in weights.items()}
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cycling_dirs(tmp_path_factory, tiny_model_dir, mistral_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cycling")
+    return {"llama": quiet_attention_copy(tiny_model_dir, root / "llama"),
+            "mistral": quiet_attention_copy(mistral_dir, root / "mistral")}
+
+
+def test_the_longest_earlier_suffix_proposes_what_followed_its_last_occurrence():
+    tokens = np.array([1, 2, 3, 4, 9, 2, 3, 5, 6, 1, 2, 3], dtype=np.int64)
+    assert propose_ngram(tokens, 1, 3, 2).tolist() == [4, 9]        # [1, 2, 3] at 0
+    assert propose_ngram(tokens, 1, 2, 2).tolist() == [5, 6]        # [2, 3] last at 5
+    assert propose_ngram(tokens, 1, 2, 9).tolist() == [5, 6, 1, 2, 3]
+    assert propose_ngram(np.array([4, 5, 6], dtype=np.int64), 1, 3, 4).tolist() == []
+
+
+def test_drafting_pauses_while_acceptance_is_low_then_tries_again():
+    state = DraftState()
+    for _ in range(5):
+        state.record(num_drafted=4, num_accepted=0)
+    assert not state.may_propose()
+    paused = 1
+    while not state.may_propose():
+        paused += 1
+        assert paused < 100
+    assert paused > 1
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+@pytest.mark.parametrize("model", ["llama", "mistral"])
+def test_greedy_output_is_the_same_with_drafts(make_engine, cycling_dirs, batch, model):
+    prompts = random_prompts(8, seed=batch)
+    model_dir = str(cycling_dirs[model])
+    plain = make_engine(model=model_dir, max_num_seqs=batch).generate(prompts, GREEDY)
+    drafting = make_engine(model=model_dir, max_num_seqs=batch, **DRAFTS)
+    outputs = drafting.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    assert drafting.scheduler.num_accepted_draft_tokens > 0
+    if model == "mistral":
+        assert max(len(p) for p in prompts) + GREEDY.max_tokens > MISTRAL_WINDOW
+
+
+def test_greedy_output_is_the_same_with_drafts_under_preemption_and_chunked_prefill(
+        make_engine, cycling_dirs):
+    prompts = random_prompts(8, seed=11)
+    model = str(cycling_dirs["llama"])
+    expected = [o.token_ids for o in make_engine(model=model).generate(prompts, GREEDY)]
+    small_pool = make_engine(model=model, num_blocks=24, block_size=8,
+                             max_num_batched_tokens=40, **DRAFTS)
+    assert [o.token_ids for o in small_pool.generate(prompts, GREEDY)] == expected
+    assert small_pool.stats().num_preemptions > 0
+    assert small_pool.scheduler.num_accepted_draft_tokens > 0
+
+
+def test_a_block_holding_rejected_drafts_gets_no_prefix_hash(make_engine, cycling_dirs):
+    engine = make_engine(model=str(cycling_dirs["llama"]), block_size=8, **DRAFTS)
+    prompt = random_prompts(1, seed=5)[0]
+    request_id = engine.add_request(prompt, GREEDY)
+    request = engine.requests[request_id]
+    checked = 0
+    while engine.has_unfinished() and checked < 200:
+        engine.step()
+        if request_id not in engine.requests:
+            break
+        tokens, table = request.all_token_ids, engine.kv_cache.tables[request_id]
+        parent = salt_root(None)
+        for index, block in enumerate(table):
+            full = tokens[index * 8:(index + 1) * 8]
+            if len(full) < 8:   # past the request's tokens: only drafts, never hashed
+                assert block.block_hash is None
+                continue
+            parent = hash_block(parent, full)
+            assert block.block_hash in (None, parent)
+        checked += 1
+    assert engine.scheduler.num_draft_tokens > engine.scheduler.num_accepted_draft_tokens
