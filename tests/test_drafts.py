@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from engine_fixtures import MISTRAL_WINDOW
 from helpers import random_prompts
 from safetensors.torch import load_file, save_file
@@ -15,6 +16,8 @@ from safetensors.torch import load_file, save_file
 from paged_chat.engine import SamplingParams
 from paged_chat.engine.core.ngram_proposer import DraftState, propose_ngram
 from paged_chat.engine.kv.kv_cache_manager import hash_block, salt_root
+from paged_chat.engine.worker.rejection_sampler import rejection_sample
+from paged_chat.tui.engine_panel import format_numbers
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 DRAFTS = dict(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
@@ -106,3 +109,37 @@ def test_a_block_holding_rejected_drafts_gets_no_prefix_hash(make_engine, cyclin
             assert block.block_hash in (None, parent)
         checked += 1
     assert engine.scheduler.num_draft_tokens > engine.scheduler.num_accepted_draft_tokens
+
+
+def test_the_rejection_rule_emits_tokens_distributed_as_the_model_says():
+    probs = torch.tensor([[0.5, 0.2, 0.2, 0.1], [0.1, 0.6, 0.0, 0.3], [0.25, 0.25, 0.25, 0.25]])
+    draft = torch.tensor([1, 1])
+    generator = torch.Generator().manual_seed(7)
+    draws = 20000
+    first, second_after_kept = np.zeros(4), np.zeros(4)
+    for _ in range(draws):
+        uniforms = torch.rand(3, 2, generator=generator, dtype=torch.float64)
+        tokens = rejection_sample(probs, draft, uniforms)
+        first[tokens[0]] += 1
+        if tokens[0] == draft[0] and len(tokens) > 1:
+            second_after_kept[tokens[1]] += 1
+        assert len(tokens) >= 1 and all(t == d for t, d in zip(tokens[:-1], draft.tolist()))
+    assert np.abs(first / draws - probs[0].numpy()).max() < 0.015
+    kept = second_after_kept.sum()
+    assert kept == pytest.approx(draws * 0.2, rel=0.1)
+    assert np.abs(second_after_kept / kept - probs[1].numpy()).max() < 0.03
+    assert second_after_kept[2] == 0     # a token of probability 0 is never drawn
+
+
+def test_the_stats_and_the_engine_panel_count_drafts(make_engine, cycling_dirs):
+    plain = make_engine(model=str(cycling_dirs["llama"]))
+    plain.generate(random_prompts(4, seed=3), GREEDY)
+    assert "drafts" not in format_numbers(plain.stats()).plain    # drafting off: no row
+    engine = make_engine(model=str(cycling_dirs["llama"]), **DRAFTS)
+    engine.generate(random_prompts(4, seed=3), GREEDY)
+    stats = engine.stats()
+    assert stats.draft_tokens_total == engine.scheduler.num_draft_tokens > 0
+    assert stats.accepted_draft_tokens_total == engine.scheduler.num_accepted_draft_tokens > 0
+    accepted = f"{stats.draft_acceptance_rate:.0%}"
+    assert (f"drafts accepted {accepted} ({stats.accepted_draft_tokens_total}/"
+            f"{stats.draft_tokens_total} tok)") in format_numbers(stats).plain
