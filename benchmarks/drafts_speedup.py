@@ -1,0 +1,105 @@
+"""Output tokens/s with and without drafts from the chat's own history (prompt lookup), on
+two single chats: one asked to edit a 150-line code file it was given (its reply copies
+most of the file: drafts pay) and one free-form chat (little to copy: drafting must cost
+next to nothing). Greedy, so both runs of a chat must give the same tokens (checked).
+
+    python -m benchmarks.drafts_speedup [--model smollm2-135m] [--max-tokens 512]
+        [--speculative-tokens 4] [--lines 150]
+
+Each run builds its engine and generates on a thread of its own (bench.own_thread). Needs a
+quiet machine: one run each, ratios to compare, no pass or fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+from paged_chat.bench.own_thread import on_own_thread
+from paged_chat.engine import Engine, EngineConfig, SamplingParams
+from paged_chat.engine.models.loader import ModelSource, load_model_source
+
+FREE_FORM = "Tell me a story about a lighthouse keeper who finds a message in a bottle."
+
+
+def code_file(lines: int) -> str:
+    """A Python module of about `lines` lines: small functions over rows of a table."""
+    out = ['"""Rows of a ledger: parse, check and total them."""', "", "import csv", ""]
+    index = 0
+    while len(out) < lines:
+        out += [f"def parse_row_{index}(row):",
+                f'    """Parse row {index} of the ledger into (name, amount)."""',
+                "    name, amount = row[0].strip(), row[1].strip()",
+                f"    if not name:\n        raise ValueError('row {index}: no name')",
+                f"    return name, float(amount) * {index + 1}", ""]
+        index += 1
+    return "\n".join(out[:lines])
+
+
+def code_edit_prompt(lines: int) -> str:
+    return ("Here is a file:\n\n```python\n" + code_file(lines) + "\n```\n\nRename every "
+            "`parse_row_` function to `read_row_` and give me the whole file back.")
+
+
+@dataclass(frozen=True)
+class Run:
+    output_tokens: int
+    seconds: float
+    token_ids: list[int]
+    drafted: int
+    accepted: int
+
+
+def generate(source: ModelSource, model: str, prompt: list[int], max_tokens: int,
+             speculative_tokens: int) -> Run:
+    engine = Engine(EngineConfig(model=model, device="cpu",
+                                 num_speculative_tokens=speculative_tokens), source=source)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+        engine.generate([prompt[:8]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
+        started = time.perf_counter()
+        [output] = engine.generate([prompt], params)
+        seconds = time.perf_counter() - started
+        stats = engine.stats()
+        return Run(len(output.token_ids), seconds, output.token_ids, stats.draft_tokens_total,
+                   stats.accepted_draft_tokens_total)
+    finally:
+        engine.close()
+
+
+def compare(source: ModelSource, model: str, label: str, text: str, max_tokens: int,
+            speculative_tokens: int) -> str:
+    tokenizer = source.tokenizer
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                         add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer.encode(chat, add_special_tokens=False)
+    plain = on_own_thread(lambda: generate(source, model, prompt, max_tokens, 0))
+    drafting = on_own_thread(lambda: generate(source, model, prompt, max_tokens,
+                                              speculative_tokens))
+    same = "same tokens" if plain.token_ids == drafting.token_ids else "TOKENS DIFFER"
+    rate_plain = plain.output_tokens / plain.seconds
+    rate_drafting = drafting.output_tokens / drafting.seconds
+    accepted = drafting.accepted / drafting.drafted if drafting.drafted else 0.0
+    return (f"{label:<10} {len(prompt):5} prompt tok, {plain.output_tokens:4} out: "
+            f"{rate_plain:6.1f} tok/s without drafts, {rate_drafting:6.1f} with "
+            f"({rate_drafting / rate_plain:4.2f}x; {drafting.accepted}/{drafting.drafted} "
+            f"drafted accepted, {accepted:.0%}; {same})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--speculative-tokens", type=int, default=4)
+    parser.add_argument("--lines", type=int, default=150)
+    args = parser.parse_args()
+    source = load_model_source(args.model)
+    print(f"{args.model}: greedy, one chat at a time, drafts of up to "
+          f"{args.speculative_tokens} tokens")
+    for label, text in (("code edit", code_edit_prompt(args.lines)), ("free-form", FREE_FORM)):
+        print(compare(source, args.model, label, text, args.max_tokens, args.speculative_tokens))
+
+
+if __name__ == "__main__":
+    main()
