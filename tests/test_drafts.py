@@ -13,7 +13,8 @@ from engine_fixtures import MISTRAL_WINDOW
 from helpers import random_prompts
 from safetensors.torch import load_file, save_file
 
-from paged_chat.engine import SamplingParams
+from benchmarks.drafts_speedup import code_edit_prompt
+from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.core.ngram_proposer import DraftState, propose_ngram
 from paged_chat.engine.kv.kv_cache_manager import hash_block, salt_root
 from paged_chat.engine.worker.rejection_sampler import rejection_sample
@@ -143,3 +144,23 @@ def test_the_stats_and_the_engine_panel_count_drafts(make_engine, cycling_dirs):
     accepted = f"{stats.draft_acceptance_rate:.0%}"
     assert (f"drafts accepted {accepted} ({stats.accepted_draft_tokens_total}/"
             f"{stats.draft_tokens_total} tok)") in format_numbers(stats).plain
+
+
+@pytest.mark.slow
+def test_the_default_model_edits_code_with_drafts_as_it_does_without(smollm2_source):
+    tokenizer = smollm2_source.tokenizer
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": code_edit_prompt(40)}], add_generation_prompt=True,
+        tokenize=False)
+    prompt = tokenizer.encode(chat, add_special_tokens=False)
+    params = SamplingParams(temperature=0.0, max_tokens=96)
+    outputs = []
+    for speculative_tokens in (0, 4):
+        engine = Engine(EngineConfig(device="cpu", dtype="float32", num_blocks=128,
+                                     num_speculative_tokens=speculative_tokens),
+                        source=smollm2_source)
+        outputs.append(engine.generate([prompt], params)[0].token_ids)
+        accepted = engine.stats().accepted_draft_tokens_total
+        engine.close()
+    assert outputs[0] == outputs[1]
+    assert accepted > 0
