@@ -164,3 +164,44 @@ def test_the_default_model_edits_code_with_drafts_as_it_does_without(smollm2_sou
         engine.close()
     assert outputs[0] == outputs[1]
     assert accepted > 0
+
+
+def test_sampled_requests_verify_their_drafts_by_the_rejection_rule(make_engine, cycling_dirs):
+    engine = make_engine(model=str(cycling_dirs["llama"]), **DRAFTS)
+    params = SamplingParams(temperature=0.2, seed=3, max_tokens=40, ignore_eos=True)
+    outputs = engine.generate(random_prompts(8, seed=4), params)
+    assert all(o.finish_reason == "length" and len(o.token_ids) == 40 for o in outputs)
+    assert engine.scheduler.num_accepted_draft_tokens > 0
+    filtered = SamplingParams(temperature=0.2, top_k=5, max_tokens=8, ignore_eos=True)
+    before = engine.scheduler.num_draft_tokens
+    engine.generate(random_prompts(2, seed=4), filtered)
+    assert engine.scheduler.num_draft_tokens == before   # top-k: no drafts
+
+
+def test_a_stop_inside_the_accepted_drafts_ends_the_reply_there(make_engine, cycling_dirs):
+    model = str(cycling_dirs["llama"])
+    prompts = random_prompts(8, seed=1)
+    plain = make_engine(model=model)
+    drafting = make_engine(model=model, **DRAFTS)
+    full = plain.generate(prompts, GREEDY)
+    stop_ids = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                              stop_token_ids=[full[0].token_ids[30]])
+    stop_text = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True,
+                               stop=[plain.tokenizer.decode(full[1].token_ids[28:31])])
+    for params in (stop_ids, stop_text):
+        expected = plain.generate(prompts, params)
+        ours = drafting.generate(prompts, params)
+        assert [(o.token_ids, o.text, o.finish_reason) for o in ours] == [
+            (o.token_ids, o.text, o.finish_reason) for o in expected]
+        assert any(o.finish_reason == "stop" for o in ours)
+    assert drafting.scheduler.num_accepted_draft_tokens > 0
+
+
+def test_a_constrained_request_drafts_nothing_and_keeps_its_grammar(make_engine, cycling_dirs):
+    model = str(cycling_dirs["llama"])
+    params = SamplingParams(temperature=0.0, max_tokens=40, regex=r"(ab|cd){12}")
+    prompts = random_prompts(2, seed=6)
+    expected = [o.text for o in make_engine(model=model).generate(prompts, params)]
+    drafting = make_engine(model=model, **DRAFTS)
+    assert [o.text for o in drafting.generate(prompts, params)] == expected
+    assert drafting.scheduler.num_draft_tokens == 0

@@ -71,10 +71,12 @@ class DraftState:
 
 
 def verifiable(request: Request) -> bool:
-    """Whether the runner can verify drafts of `request` exactly: greedy, without penalties
-    (a draft's counts would shift them), a grammar or logprobs."""
+    """Whether the runner can verify drafts of `request` (rejection_sampler): greedy or
+    temperature alone (no top-k, top-p or min-p), without penalties (a draft's counts would
+    shift them), a grammar or logprobs."""
     params = request.params
-    return (params.greedy and not params.uses_penalties and not params.wants_logprobs
+    return ((params.greedy or (params.top_k == 0 and params.top_p == 1 and params.min_p == 0))
+            and not params.uses_penalties and not params.wants_logprobs
             and request.grammar is None)
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from paged_chat.engine.worker.sampler import greedy_tokens
+from paged_chat.engine.worker.sampler import as_int64, counter_uniforms, greedy_tokens
 
 
 def verify_greedy(logits: torch.Tensor, drafts: Sequence[Sequence[int]],
@@ -49,6 +49,24 @@ def verify_greedy(logits: torch.Tensor, drafts: Sequence[Sequence[int]],
         tokens = row[:accepted + 1]
         verified.append(None if min(tokens) < 0 else tokens)
     return verified
+
+
+def verify_sampled(logits: torch.Tensor, drafts: Sequence[int], temperature: float,
+                   seed: int, output_index: int) -> list[int] | None:
+    """One request's accepted drafts and drawn token (`rejection_sample`) from its
+    1 + len(drafts) rows of `logits`, at `temperature` (no other filter); its uniforms are
+    counter-based on (seed, position), as the sampler's, two per position from
+    `output_index` (the index of the row-0 token in its output) on. None when a row holds a
+    NaN or inf logit."""
+    if not bool(torch.isfinite(logits).all()):
+        return None
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    indices = 2 * (output_index + torch.arange(len(drafts) + 1, device=logits.device))
+    seeds = torch.full_like(indices, as_int64(seed))
+    uniforms = torch.stack([counter_uniforms(seeds, indices),
+                            counter_uniforms(seeds, indices + 1)], dim=1)
+    draft = torch.tensor(list(drafts), dtype=torch.int64, device=logits.device)
+    return rejection_sample(probs, draft, uniforms)
 
 
 def rejection_sample(probs: torch.Tensor, draft: torch.Tensor, uniforms: torch.Tensor

@@ -57,7 +57,7 @@ from paged_chat.engine.worker.model_loading import (
     prepare_for_cpu,
     use_triton_ops,
 )
-from paged_chat.engine.worker.rejection_sampler import verify_greedy
+from paged_chat.engine.worker.rejection_sampler import verify_greedy, verify_sampled
 from paged_chat.engine.worker.sampler import SamplingBatch, logprob_entries, sample
 from paged_chat.engine.worker.structured_output import fill_token_bitmask
 
@@ -392,9 +392,23 @@ class ModelRunner:
         drafting = row_counts > 1
         verified_rows = np.repeat(first_rows[drafting], row_counts[drafting]) + _ragged_arange(
             row_counts[drafting])
-        verified = verify_greedy(logits[torch.from_numpy(verified_rows).to(self.device)],
-                                 [item.draft_token_ids for item in samplers if item.draft_token_ids],
-                                 self._to_host.fetch)
+        drafted = [item for item in samplers if item.draft_token_ids]
+        greedy = np.array([item.request.params.greedy for item in drafted])
+        verified: list[list[int] | None] = [None] * len(drafted)
+        spans = np.split(verified_rows, np.cumsum(row_counts[drafting])[:-1])
+        if greedy.any():
+            greedy_rows = np.concatenate([rows for rows, g in zip(spans, greedy) if g])
+            for index, tokens in zip(np.flatnonzero(greedy), verify_greedy(
+                    logits[torch.from_numpy(greedy_rows).to(self.device)],
+                    [drafted[index].draft_token_ids for index in np.flatnonzero(greedy)],
+                    self._to_host.fetch)):
+                verified[index] = tokens
+        for index in np.flatnonzero(~greedy):   # one small verify per sampled request
+            request = drafted[index].request
+            verified[index] = verify_sampled(
+                logits[torch.from_numpy(spans[index]).to(self.device)],
+                drafted[index].draft_token_ids, request.params.temperature,
+                request.sampling_seed, request.num_output_tokens)
         sampled: list[int | list[int] | Exception] = [
             SamplingError("the model's logits for this request are not finite (NaN or inf)")
             if tokens is None else tokens for tokens in verified]
