@@ -205,3 +205,16 @@ def test_a_constrained_request_drafts_nothing_and_keeps_its_grammar(make_engine,
     drafting = make_engine(model=model, **DRAFTS)
     assert [o.text for o in drafting.generate(prompts, params)] == expected
     assert drafting.scheduler.num_draft_tokens == 0
+
+
+def test_greedy_output_is_the_same_with_drafts_over_the_kv_tier(make_engine, cycling_dirs):
+    prompts = random_prompts(8, seed=13)
+    model = str(cycling_dirs["llama"])
+    expected = [o.token_ids for o in make_engine(model=model).generate(prompts, GREEDY)]
+    tiered = make_engine(model=model, num_blocks=24, block_size=8, kv_tier_host_bytes="16MiB",
+                         **DRAFTS)
+    assert [o.token_ids for o in tiered.generate(prompts, GREEDY)] == expected
+    again = tiered.generate(prompts[:2], GREEDY)
+    assert [o.token_ids for o in again] == expected[:2]
+    assert tiered.stats().tier.hit_tokens > 0
+    assert tiered.scheduler.num_accepted_draft_tokens > 0

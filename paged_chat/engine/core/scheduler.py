@@ -21,6 +21,12 @@ given out in priority order:
    it joins once they are in, counting them as cached, as it would the pool's. Then each
    prefills what is left, chunked.
 
+With a `proposer` (EngineConfig.num_speculative_tokens), a decode may carry drafts from the
+request's own history (ngram_proposer): it is scheduled as 1 + k tokens when the budget,
+its token limit and the pool leave room (no request is preempted for a draft), and after
+the forward it keeps the drafts the runner accepted and the model's next token; the
+rejected drafts' slots count as not computed again (later tokens overwrite them).
+
 A request whose grammar compiles off the engine loop (WAITING_FOR_GRAMMAR) holds nothing
 and is never scheduled: it joins the waiting queue when the engine has its matcher
 (`grammar_ready`).
