@@ -51,16 +51,29 @@ def test_the_longest_earlier_suffix_proposes_what_followed_its_last_occurrence()
     assert propose_ngram(np.array([4, 5, 6], dtype=np.int64), 1, 3, 4).tolist() == []
 
 
-def test_drafting_pauses_while_acceptance_is_low_then_tries_again():
-    state = DraftState()
-    for _ in range(5):
-        state.record(num_drafted=4, num_accepted=0)
-    assert not state.may_propose()
-    paused = 1
+def steps_paused(state: DraftState) -> int:
+    paused = 0
     while not state.may_propose():
         paused += 1
-        assert paused < 100
-    assert paused > 1
+        assert paused < 1000
+    return paused
+
+
+def test_drafting_pauses_while_acceptance_is_low_longer_each_time_it_fails_again():
+    state = DraftState()
+    state.record(num_drafted=4, num_accepted=4)
+    assert steps_paused(state) == 0
+    for _ in range(2):
+        state.record(num_drafted=4, num_accepted=0)
+    first = steps_paused(state)
+    state.record(num_drafted=4, num_accepted=0)
+    second = steps_paused(state)
+    assert 0 < first < second
+    state.record(num_drafted=4, num_accepted=4)
+    assert steps_paused(state) == 0
+    state.record(num_drafted=4, num_accepted=0)
+    state.record(num_drafted=4, num_accepted=0)
+    assert steps_paused(state) == first     # an accepted step starts the pauses over
 
 
 @pytest.mark.parametrize("batch", [1, 8])

@@ -8,7 +8,8 @@ it, and the latest copy is the one most likely being rewritten.
 
 Each request also keeps how well its drafts have been doing (`DraftState`): when the
 share of drafted tokens accepted falls under a threshold, it stops proposing for a while,
-so a free-form reply pays for no drafts that keep failing.
+twice as long each time it fails again straight after, so a free-form reply pays for few
+drafts that keep failing (a step that verifies drafts costs several decodes on the CPU).
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ from numpy.lib.stride_tricks import sliding_window_view
 if TYPE_CHECKING:
     from paged_chat.engine.core.request import Request
 
-# The acceptance share below which a request stops proposing, the weight a step's share
-# gets in the running average, and how many steps a stopped request waits before trying
-# again (starting again from the threshold, so one bad step stops it again).
-_MIN_ACCEPTANCE = 0.2
-_EMA_WEIGHT = 0.3
-_PAUSE_STEPS = 16
+# The acceptance share below which a request stops proposing (a new request starts at
+# twice it: two steps of rejected drafts stop it), the weight a step's share gets in the
+# running average, and how many steps a stopped request first waits before trying again
+# (starting again from the threshold, so one bad step stops it again, for twice as long,
+# up to _MAX_PAUSE_STEPS).
+_MIN_ACCEPTANCE = 0.25
+_EMA_WEIGHT = 0.5
+_PAUSE_STEPS = 8
+_MAX_PAUSE_STEPS = 128
 
 
 def propose_ngram(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
@@ -50,8 +54,9 @@ def propose_ngram(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> np.n
 class DraftState:
     """A request's drafting: whether it proposes this step, from how its drafts fared."""
 
-    acceptance: float = 1.0    # running average of the share of drafted tokens accepted
+    acceptance: float = 2 * _MIN_ACCEPTANCE  # running average of the share accepted
     paused_steps: int = 0      # steps left without proposing
+    next_pause: int = _PAUSE_STEPS
 
     def may_propose(self) -> bool:
         """Whether to propose this step (a paused request counts one step down)."""
@@ -67,7 +72,10 @@ class DraftState:
         share = num_accepted / num_drafted
         self.acceptance += _EMA_WEIGHT * (share - self.acceptance)
         if self.acceptance < _MIN_ACCEPTANCE:
-            self.paused_steps = _PAUSE_STEPS
+            self.paused_steps = self.next_pause
+            self.next_pause = min(2 * self.next_pause, _MAX_PAUSE_STEPS)
+        elif num_accepted:
+            self.next_pause = _PAUSE_STEPS
 
 
 def verifiable(request: Request) -> bool:
