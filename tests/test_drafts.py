@@ -231,3 +231,20 @@ def test_greedy_output_is_the_same_with_drafts_over_the_kv_tier(make_engine, cyc
     assert [o.token_ids for o in again] == expected[:2]
     assert tiered.stats().tier.hit_tokens > 0
     assert tiered.scheduler.num_accepted_draft_tokens > 0
+
+
+def test_a_step_with_drafts_samples_its_other_requests_with_their_logprobs(make_engine,
+                                                                        cycling_dirs):
+    model = str(cycling_dirs["llama"])
+    prompts = random_prompts(6, seed=1)
+    wanting = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=True,
+                             top_logprobs=2)
+    params = [GREEDY] * 5 + [wanting]
+    expected = make_engine(model=model).generate(prompts, params)
+    drafting = make_engine(model=model, **DRAFTS)
+    outputs = drafting.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in expected]
+    ours, theirs = outputs[-1].logprobs, expected[-1].logprobs
+    assert [e.top_token_ids for e in ours] == [e.top_token_ids for e in theirs]
+    assert [e.logprob for e in ours] == pytest.approx([e.logprob for e in theirs], abs=1e-4)
+    assert drafting.scheduler.num_accepted_draft_tokens > 0

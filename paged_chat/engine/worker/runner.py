@@ -385,48 +385,53 @@ class ModelRunner:
     def _verify_drafts(self, logits: torch.Tensor, samplers: list[ScheduledRequest]
                        ) -> ModelRunnerOutput:
         """`execute`'s output for a step with drafts: `logits` has 1 + len(drafts) rows per
-        sampling item (`_prepare`); the items with drafts are verified together
-        (rejection_sampler.verify_greedy), the others sampled as in any step."""
+        sampling item (`_prepare`); the items with drafts are verified (`_verified`), the
+        others sampled as in any step."""
         row_counts = np.array([1 + len(item.draft_token_ids) for item in samplers])
         first_rows = np.cumsum(row_counts) - row_counts
         drafting = row_counts > 1
-        verified_rows = np.repeat(first_rows[drafting], row_counts[drafting]) + _ragged_arange(
-            row_counts[drafting])
-        drafted = [item for item in samplers if item.draft_token_ids]
-        greedy = np.array([item.request.params.greedy for item in drafted])
-        verified: list[list[int] | None] = [None] * len(drafted)
-        spans = np.split(verified_rows, np.cumsum(row_counts[drafting])[:-1])
-        if greedy.any():
-            greedy_rows = np.concatenate([rows for rows, g in zip(spans, greedy) if g])
-            for index, tokens in zip(np.flatnonzero(greedy), verify_greedy(
-                    logits[torch.from_numpy(greedy_rows).to(self.device)],
-                    [drafted[index].draft_token_ids for index in np.flatnonzero(greedy)],
-                    self._to_host.fetch)):
-                verified[index] = tokens
-        for index in np.flatnonzero(~greedy):   # one small verify per sampled request
-            request = drafted[index].request
-            verified[index] = verify_sampled(
-                logits[torch.from_numpy(spans[index]).to(self.device)],
-                drafted[index].draft_token_ids, request.params.temperature,
-                request.sampling_seed, request.num_output_tokens)
-        sampled: list[int | list[int] | Exception] = [
-            SamplingError("the model's logits for this request are not finite (NaN or inf)")
-            if tokens is None else tokens for tokens in verified]
+        verified = iter(self._verified(logits, [
+            (item, np.arange(first, first + count)) for item, first, count
+            in zip(samplers, first_rows, row_counts) if item.draft_token_ids]))
         plain = [item for item in samplers if not item.draft_token_ids]
-        if not plain:
-            return ModelRunnerOutput(sampled)
-        plain_logits = logits[torch.from_numpy(first_rows[~drafting]).to(self.device)]
-        try:
-            plain_sampled = self._sample(plain_logits, plain)
-        except Exception:  # find the rows at fault; the others keep their tokens
-            plain_sampled = self._sample_rows(plain_logits, plain)
-        plain_logprobs = self._step_logprobs
-        by_item = iter(plain_sampled), iter(sampled), iter(plain_logprobs or ())
-        sampled = [next(by_item[1]) if draft else next(by_item[0]) for draft in drafting]
-        logprobs = (None if plain_logprobs is None else
-                    [None if draft else next(by_item[2]) for draft in drafting])
-        self._step_logprobs = logprobs
-        return ModelRunnerOutput(sampled, logprobs)
+        plain_tokens: list[int | Exception] = []
+        plain_logprobs: list[TokenLogprob | None] | None = None
+        if plain:
+            plain_logits = logits[torch.from_numpy(first_rows[~drafting]).to(self.device)]
+            try:
+                plain_tokens = self._sample(plain_logits, plain)
+            except Exception:  # find the rows at fault; the others keep their tokens
+                plain_tokens = self._sample_rows(plain_logits, plain)
+            plain_logprobs = self._step_logprobs
+        tokens, logprobs = iter(plain_tokens), iter(plain_logprobs or ())
+        sampled = [next(verified) if draft else next(tokens) for draft in drafting]
+        self._step_logprobs = (None if plain_logprobs is None
+                               else [None if draft else next(logprobs) for draft in drafting])
+        return ModelRunnerOutput(sampled, self._step_logprobs)
+
+    def _verified(self, logits: torch.Tensor,
+                  drafted: list[tuple[ScheduledRequest, np.ndarray]]
+                  ) -> list[list[int] | Exception]:
+        """Each item's accepted drafts and next token, from its rows of `logits`: the
+        greedy items together (rejection_sampler.verify_greedy), each sampled one by the
+        rejection rule (verify_sampled); a SamplingError where its logits are not finite."""
+        results: list[list[int] | None] = [None] * len(drafted)
+        greedy = [index for index, (item, _) in enumerate(drafted) if item.request.params.greedy]
+        if greedy:
+            rows = np.concatenate([drafted[index][1] for index in greedy])
+            for index, tokens in zip(greedy, verify_greedy(
+                    logits[torch.from_numpy(rows).to(self.device)],
+                    [drafted[index][0].draft_token_ids for index in greedy],
+                    self._to_host.fetch)):
+                results[index] = tokens
+        for index, (item, rows) in enumerate(drafted):
+            request = item.request
+            if not request.params.greedy:
+                results[index] = verify_sampled(
+                    logits[torch.from_numpy(rows).to(self.device)], item.draft_token_ids,
+                    request.params.temperature, request.sampling_seed, request.num_output_tokens)
+        return [SamplingError("the model's logits for this request are not finite (NaN or inf)")
+                if tokens is None else tokens for tokens in results]
 
     def _sample_rows(self, logits: torch.Tensor, samplers: list[ScheduledRequest]
                      ) -> list[int | Exception]:
