@@ -75,12 +75,15 @@ def rejection_sample(probs: torch.Tensor, draft: torch.Tensor, uniforms: torch.T
     (rows sum to 1), `draft` [k] int64, `uniforms` [k + 1, 2] in (0, 1): column 0 decides
     whether row i's draft is kept, column 1 draws row i's own token where one is drawn."""
     num_drafts = draft.shape[0]
-    rows = torch.arange(num_drafts)
+    rows = torch.arange(num_drafts, device=probs.device)
     kept = uniforms[:num_drafts, 0] < probs[rows, draft].double()
     num_kept = int(torch.cumprod(kept.long(), 0).sum())
-    row = probs[num_kept].double().clone()
-    if num_kept < num_drafts:
-        row[draft[num_kept]] = 0.0     # the residual of a rejected deterministic draft
+    row = probs[num_kept].double()
+    if num_kept < num_drafts:       # the residual of a rejected deterministic draft
+        residual = row.clone()
+        residual[draft[num_kept]] = 0.0
+        if bool(residual.sum() > 0):   # else p is all on the draft, but for rounding
+            row = residual
     cdf = torch.cumsum(row, 0)
     drawn = int(torch.searchsorted(cdf, uniforms[num_kept, 1] * cdf[-1]))
     return [*draft[:num_kept].tolist(), min(drawn, row.shape[0] - 1)]
