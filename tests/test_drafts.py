@@ -21,7 +21,7 @@ from paged_chat.engine.worker.rejection_sampler import rejection_sample
 from paged_chat.tui.engine_panel import format_numbers
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-DRAFTS = dict(num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+DRAFTS = {"num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
 def quiet_attention_copy(source: Path, folder: Path) -> Path:
