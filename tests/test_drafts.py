@@ -150,8 +150,9 @@ def test_the_stats_and_the_engine_panel_count_drafts(make_engine, cycling_dirs):
     plain.generate(random_prompts(4, seed=3), GREEDY)
     assert "drafts" not in format_numbers(plain.stats()).plain    # drafting off: no row
     engine = make_engine(model=str(cycling_dirs["llama"]), **DRAFTS)
-    engine.generate(random_prompts(4, seed=3), GREEDY)
+    outputs = engine.generate(random_prompts(4, seed=3), GREEDY)
     stats = engine.stats()
+    assert stats.generation_tokens_total == sum(len(o.token_ids) for o in outputs)
     assert stats.draft_tokens_total == engine.scheduler.num_draft_tokens > 0
     assert stats.accepted_draft_tokens_total == engine.scheduler.num_accepted_draft_tokens > 0
     accepted = f"{stats.draft_acceptance_rate:.0%}"

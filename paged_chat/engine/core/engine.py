@@ -318,8 +318,9 @@ class Engine:
         update = self.scheduler.update_from_output(schedule, runner_output)
         outputs += update.outputs
         elapsed = time.perf_counter() - started
+        sampled_tokens = sum(len(output.new_token_ids) for output in update.outputs)  # drafts too
         self.metrics.record_step(len(schedule.scheduled), schedule.num_tokens,
-                                 update.num_prompt_tokens, len(runner_output.sampled), elapsed)
+                                 update.num_prompt_tokens, sampled_tokens, elapsed)
         policy.record(threads, schedule.num_tokens, elapsed)
         self.kv_transfer.offload()  # finished requests' blocks go down now, not a step later
         return outputs
