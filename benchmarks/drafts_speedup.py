@@ -4,7 +4,8 @@ most of the file: drafts pay) and one free-form chat (little to copy: drafting m
 next to nothing). Greedy, so both runs of a chat must give the same tokens (checked).
 
     python -m benchmarks.drafts_speedup [--model smollm2-135m] [--max-tokens 512]
-        [--speculative-tokens 4] [--lines 150]
+        [--speculative-tokens 4] [--lines 150] [--weights quantized|dequantize]
+        [--dtype auto]
 
 Each run builds its engine and generates on a thread of its own (bench.own_thread). Needs a
 quiet machine: one run each, ratios to compare, no pass or fail.
@@ -55,13 +56,15 @@ class Run:
         return (len(self.token_ids) - 1) / self.reply_seconds
 
 
-def generate(source: ModelSource, model: str, prompt: list[int], max_tokens: int,
+def generate(source: ModelSource, options: argparse.Namespace, prompt: list[int],
              speculative_tokens: int) -> Run:
-    engine = Engine(EngineConfig(model=model, device="cpu",
+    engine = Engine(EngineConfig(model=options.model, device="cpu", weights=options.weights,
+                                 dtype=options.dtype,
                                  num_speculative_tokens=speculative_tokens), source=source)
     try:
         engine.generate([prompt[:8]], SamplingParams(temperature=0.0, max_tokens=2))  # warm-up
-        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+        engine.add_request(prompt, SamplingParams(temperature=0.0,
+                                                  max_tokens=options.max_tokens))
         token_ids: list[int] = []
         first_token_at = 0.0
         while engine.has_unfinished():
@@ -76,15 +79,14 @@ def generate(source: ModelSource, model: str, prompt: list[int], max_tokens: int
         engine.close()
 
 
-def compare(source: ModelSource, model: str, label: str, text: str, max_tokens: int,
-            speculative_tokens: int) -> str:
+def compare(source: ModelSource, options: argparse.Namespace, label: str, text: str) -> str:
     tokenizer = source.tokenizer
     chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                          add_generation_prompt=True, tokenize=False)
     prompt = tokenizer.encode(chat, add_special_tokens=False)
-    plain = on_own_thread(lambda: generate(source, model, prompt, max_tokens, 0))
-    drafting = on_own_thread(lambda: generate(source, model, prompt, max_tokens,
-                                              speculative_tokens))
+    plain = on_own_thread(lambda: generate(source, options, prompt, 0))
+    drafting = on_own_thread(lambda: generate(source, options, prompt,
+                                              options.speculative_tokens))
     same = "same tokens" if plain.token_ids == drafting.token_ids else "TOKENS DIFFER"
     rate_plain, rate_drafting = plain.tokens_per_s, drafting.tokens_per_s
     accepted = drafting.accepted / drafting.drafted if drafting.drafted else 0.0
@@ -100,12 +102,14 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--speculative-tokens", type=int, default=4)
     parser.add_argument("--lines", type=int, default=150)
+    parser.add_argument("--weights", default="quantized", choices=("quantized", "dequantize"))
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
     source = load_model_source(args.model)
-    print(f"{args.model}: greedy, one chat at a time, drafts of up to "
-          f"{args.speculative_tokens} tokens")
+    print(f"{args.model} ({args.weights} weights, dtype {args.dtype}): greedy, one chat at a "
+          f"time, drafts of up to {args.speculative_tokens} tokens")
     for label, text in (("code edit", code_edit_prompt(args.lines)), ("free-form", FREE_FORM)):
-        print(compare(source, args.model, label, text, args.max_tokens, args.speculative_tokens))
+        print(compare(source, args, label, text))
 
 
 if __name__ == "__main__":
