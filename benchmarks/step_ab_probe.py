@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """One engine step on the reference path (torch attention, torch ops) against the default
-path (the CPU attention kernel and the fused C ops), on the same model in one process,
-A/B interleaved round by round so that the machine's load hits both alike.
+path (the CPU attention kernel and the fused C ops), or, with `--kv-cache-dtypes A,B`, the
+default path over two KV cache dtypes, on the same model in one process, A/B interleaved
+round by round so that the machine's load hits both alike.
 
 Per round and path: a prefill of `--batch` prompts of `--prompt` tokens, then `--decode`
 decode steps of the whole batch; it reports the median prefill time and decode step time
@@ -9,6 +10,7 @@ decode steps of the whole batch; it reports the median prefill time and decode s
 both paths sampled the same greedy tokens.
 
     HF_HUB_OFFLINE=1 python -m benchmarks.step_ab_probe [--batch 1] [--prompt 200] [--rounds 5]
+        [--kv-cache-dtypes auto,bfloat16]
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from paged_chat.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 
+# The speedups are the first path's times over the second's.
 PATHS = {"reference": dict(attention_backend="torch", fused_ops=False), "fused": {}}
 
 
@@ -56,11 +59,14 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kv-cache-dtypes", help="two, comma-separated: compare these")
     args = parser.parse_args()
+    paths = PATHS if args.kv_cache_dtypes is None else {
+        f"kv {name}": dict(kv_cache_dtype=name) for name in args.kv_cache_dtypes.split(",")}
     engines = {name: Engine(EngineConfig(model=args.model, device="cpu", dtype="float32",
                                          threads=args.threads, enable_prefix_caching=False,
                                          kv_cache_memory="1GiB", **overrides))
-               for name, overrides in PATHS.items()}
+               for name, overrides in paths.items()}
     load = os.getloadavg()[0]
     prefills: dict[str, list[float]] = {name: [] for name in engines}
     decodes: dict[str, list[float]] = {name: [] for name in engines}
@@ -71,19 +77,20 @@ def main() -> None:
                                                       args.decode)
             prefills[name].append(prefill)
             decodes[name].append(statistics.median(steps))
+    first, second = engines
     report = {"batch": args.batch, "prompt": args.prompt, "decode_steps": args.decode,
               "rounds": args.rounds, "threads": args.threads, "load_before": load,
               "load_after": os.getloadavg()[0],
-              "same_greedy_tokens": outputs["reference"] == outputs["fused"]}
+              "same_greedy_tokens": outputs[first] == outputs[second]}
     for name in engines:
         step = statistics.median(decodes[name])
         report[name] = {"prefill_ms": round(statistics.median(prefills[name]) * 1e3, 1),
                         "decode_step_ms": round(step * 1e3, 2),
                         "decode_tokens_per_s": round(args.batch / step, 1)}
-    report["decode_speedup"] = round(report["reference"]["decode_step_ms"]
-                                     / report["fused"]["decode_step_ms"], 2)
-    report["prefill_speedup"] = round(report["reference"]["prefill_ms"]
-                                      / report["fused"]["prefill_ms"], 2)
+    report["decode_speedup"] = round(report[first]["decode_step_ms"]
+                                     / report[second]["decode_step_ms"], 2)
+    report["prefill_speedup"] = round(report[first]["prefill_ms"]
+                                      / report[second]["prefill_ms"], 2)
     print(json.dumps(report))
 
 

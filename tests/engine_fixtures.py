@@ -119,7 +119,8 @@ def make_engine(tiny_model_dir, new_engine):
 
     def make(**overrides) -> Engine:
         settings = dict(model=str(tiny_model_dir), device="cpu", dtype="float32", num_blocks=256,
-                        block_size=16, max_num_seqs=32, max_num_batched_tokens=512)
+                        block_size=16, max_num_seqs=32, max_num_batched_tokens=512,
+                        kv_cache_dtype="auto")
         engine = new_engine(EngineConfig(**{**settings, **overrides}))
         engines.append(engine)
         return engine
@@ -133,7 +134,8 @@ def make_engine(tiny_model_dir, new_engine):
 def smollm2_engine(smollm2_source) -> Engine:
     """An engine on the default model, fp32 on the CPU, shared by the session's tests that
     only run requests to completion on it (each leaves it without a request)."""
-    return Engine(EngineConfig(device="cpu", dtype="float32", num_blocks=512, max_num_seqs=32),
+    return Engine(EngineConfig(device="cpu", dtype="float32", num_blocks=512, max_num_seqs=32,
+                               kv_cache_dtype="auto"),
                   source=smollm2_source)
 
 

@@ -79,7 +79,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 def engine_config(model_dir: Path | str, **overrides) -> EngineConfig:
     """A small CPU engine on a tiny model folder (the TUI's, the server's, a child's)."""
     values = dict(model=str(model_dir), device="cpu", dtype="float32", num_blocks=512,
-                  block_size=16, max_num_seqs=16, max_num_batched_tokens=512)
+                  block_size=16, max_num_seqs=16, max_num_batched_tokens=512,
+                  kv_cache_dtype="auto")
     return EngineConfig(**{**values, **overrides})
 
 

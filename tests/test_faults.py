@@ -250,10 +250,13 @@ def test_sampling_fault_fails_only_that_request(make_engine, monkeypatch):
     assert [final[rid].token_ids for rid in ids] == alone(make_engine, prompts)
 
 
+@pytest.mark.parametrize("sampling_kernel", [False, True], ids=["torch", "kernel"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
-def test_non_finite_logits_fail_only_that_request(make_engine, monkeypatch, value):
+def test_non_finite_logits_fail_only_that_request(make_engine, monkeypatch, value,
+                                                  sampling_kernel):
     """NaN probabilities would draw an id past the vocabulary, and the next forward of the
-    whole batch would fail on it: the row is failed instead, greedy or sampled."""
+    whole batch would fail on it: the row is failed instead, greedy or sampled, by the
+    torch ops on the host or the sampling kernel on the device path."""
     bad_ids: set[str] = set()
     original = ModelRunner._sample
 
@@ -265,6 +268,10 @@ def test_non_finite_logits_fail_only_that_request(make_engine, monkeypatch, valu
 
     monkeypatch.setattr(ModelRunner, "_sample", poisoned)
     engine = make_engine()
+    if sampling_kernel:
+        pytest.importorskip("triton", reason="the sampling kernel needs the triton package")
+        engine.runner.sample_on_host = False
+        engine.runner.sampling_kernel = True
     prompts = random_prompts(4, seed=15)
     ids = [engine.add_request(p, GREEDY) for p in prompts]
     bad_ids.update((engine.add_request([5, 6, 7], GREEDY),

@@ -119,7 +119,7 @@ import json, sys
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 model, cache_dir, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 engine = Engine(EngineConfig(model=model, device="cpu", dtype="float32", num_blocks=256,
-                             cache_dir=cache_dir))
+                             cache_dir=cache_dir, kv_cache_dtype="auto"))
 out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
 print(json.dumps(out.token_ids))
 """

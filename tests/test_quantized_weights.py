@@ -300,7 +300,8 @@ def test_greedy_tokens_of_the_default_model_equal_the_dequantize_path(smollm2_so
     """Teacher-forced: the dequantized model's argmax after every prefix of the quantized
     engine's output is its next token; a flip is reported with the dequantized logits'
     margin at that step."""
-    engine = Engine(EngineConfig(device="cpu", dtype="float32", num_blocks=128),
+    engine = Engine(EngineConfig(device="cpu", dtype="float32", num_blocks=128,
+                                 kv_cache_dtype="auto"),
                     source=smollm2_source)
     assert engine.info.weights.startswith("Q4_1+Q8_0, ")
     outputs = engine.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32,

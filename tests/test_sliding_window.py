@@ -17,7 +17,8 @@ def test_batched_windowed_decode_with_a_shared_prefix_matches_transformers(mistr
     prompts = [prefix + torch.randint(3, 512, (n,), generator=generator).tolist()
                for n in (3, 9, 17, 26)]
     engine = Engine(EngineConfig(model=str(mistral_dir), device="cpu", dtype="float32",
-                                 num_blocks=64, block_size=8, max_num_batched_tokens=24))
+                                 num_blocks=64, block_size=8, max_num_batched_tokens=24,
+                                 kv_cache_dtype="auto"))
     outputs = engine.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
                                                       ignore_eos=True))
     assert any(output.num_cached_tokens for output in outputs), "no prefix-cache hit"

@@ -122,7 +122,30 @@ def test_sampling_on_a_device_reads_nothing_on_the_host(host_reads):
     assert host_reads.reads
 
 
-def test_a_decode_step_reads_the_device_once(make_engine, host_reads, monkeypatch):
+def sampling_on_the_device(engine, sampling_kernel: bool, monkeypatch) -> list[int]:
+    """The engine's runner samples as on CUDA: no reads on the host, with the sampling
+    kernel (under TRITON_INTERPRET here) or the torch ops. Returns the rows of each launch
+    of the kernel, as they happen."""
+    engine.runner.sample_on_host = False
+    engine.runner.sampling_kernel = sampling_kernel
+    launches: list[int] = []
+    if sampling_kernel:
+        pytest.importorskip("triton", reason="the sampling kernel needs the triton package")
+        from paged_chat.engine.worker import sampling_kernel as kernel_module
+
+        launch = kernel_module.sample_in_kernel
+
+        def counted(logits, *args, **kwargs):
+            launches.append(len(logits))
+            return launch(logits, *args, **kwargs)
+
+        monkeypatch.setattr(kernel_module, "sample_in_kernel", counted)
+    return launches
+
+
+@pytest.mark.parametrize("sampling_kernel", [False, True], ids=["torch", "kernel"])
+def test_a_decode_step_reads_the_device_once(make_engine, host_reads, monkeypatch,
+                                             sampling_kernel):
     """Chats at the defaults, greedy ones, one asking for logprobs, one with penalties: each
     decode step makes one copy to the host, and no other read."""
     fetches: list[int] = []
@@ -135,7 +158,7 @@ def test_a_decode_step_reads_the_device_once(make_engine, host_reads, monkeypatc
 
     monkeypatch.setattr(DeviceToHost, "fetch", counted)
     engine = make_engine()
-    engine.runner.sample_on_host = False
+    sampling_on_the_device(engine, sampling_kernel, monkeypatch)
     engine.use_forward(paused_in(host_reads, engine.runner.model))
     params = [SamplingParams(temperature=0.2, top_p=0.9, seed=1),
               SamplingParams(temperature=0.0),
@@ -164,9 +187,12 @@ def test_a_decode_step_reads_the_device_once(make_engine, host_reads, monkeypatc
     assert decode_steps >= 4
 
 
-def test_the_device_path_gives_the_engine_the_host_path_s_outputs(make_engine):
+@pytest.mark.parametrize("sampling_kernel", [False, True], ids=["torch", "kernel"])
+def test_the_device_path_gives_the_engine_the_host_path_s_outputs(make_engine, sampling_kernel,
+                                                                   monkeypatch):
     """Seeded draws, penalties, a grammar and logprobs: an engine sampling as on a device
-    gives the same tokens and logprobs as one sampling on the host."""
+    (with the sampling kernel: its one launch a step) gives the same tokens and logprobs as
+    one sampling on the host."""
     params = [SamplingParams(temperature=0.2, top_p=0.9, seed=1, max_tokens=8, ignore_eos=True),
               SamplingParams(temperature=0.9, top_k=20, repetition_penalty=1.3,
                              frequency_penalty=0.2, seed=2, max_tokens=8, ignore_eos=True),
@@ -177,9 +203,11 @@ def test_the_device_path_gives_the_engine_the_host_path_s_outputs(make_engine):
     runs = []
     for on_host in (True, False):
         engine = make_engine()
-        engine.runner.sample_on_host = on_host
+        if not on_host:
+            launches = sampling_on_the_device(engine, sampling_kernel, monkeypatch)
         runs.append([(out.token_ids, out.logprobs) for out in engine.generate(prompts, params)])
     on_host, on_device = runs
+    assert bool(launches) == sampling_kernel
     assert [tokens for tokens, _ in on_device] == [tokens for tokens, _ in on_host]
     for (_, host_logprobs), (_, device_logprobs) in zip(on_host, on_device):
         assert (host_logprobs is None) == (device_logprobs is None)

@@ -227,8 +227,8 @@ def test_the_chat_loop_prints_only_the_answer(thinking_cli):
     assert result.stdout.startswith(ANSWER + "\n") and "think" not in result.stdout
 
 
-def test_ask_no_think_turns_the_thinking_off_and_keeps_it_with_the_chat(thinking_cli):
-    answer = thinking_cli.json("--no-think", "Hello")
+def test_ask_thinking_off_turns_the_thinking_off_and_keeps_it_with_the_chat(thinking_cli):
+    answer = thinking_cli.json("--thinking", "off", "Hello")
     chat = thinking_cli.store().get_chat(answer["chat_id"])
     assert chat.thinking is False
     assert thinking_tokenizer().decode(chat.messages[0].token_ids).endswith("<think>\n\n</think>\n\n")

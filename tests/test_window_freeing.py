@@ -49,7 +49,8 @@ def windowed_engine(new_engine):
     """An engine on `folder` in small blocks, prefilling in chunks."""
     def make(folder: Path, **overrides) -> Engine:
         config = dict(model=str(folder), device="cpu", dtype="float32", num_blocks=64,
-                      block_size=BLOCK_SIZE, max_num_batched_tokens=CHUNK) | overrides
+                      block_size=BLOCK_SIZE, max_num_batched_tokens=CHUNK,
+                      kv_cache_dtype="auto") | overrides
         return new_engine(EngineConfig(**config))
     return make
 

@@ -90,14 +90,17 @@ PAGED_BLOCK_SIZE = 8  # the paged sequences' blocks
 class PagedSequence:
     """One sequence run through the decoder with a shuffled (non-contiguous) block table."""
 
-    def __init__(self, model: LlamaForCausalLM, max_tokens: int) -> None:
+    def __init__(self, model: LlamaForCausalLM, max_tokens: int,
+                 kv_dtype: torch.dtype = torch.float32) -> None:
         config = model.config
         num_blocks = 2 * -(-max_tokens // PAGED_BLOCK_SIZE)
         self.model = model
         self.attention = TorchAttention(config.num_heads, config.num_kv_heads, config.head_dim,
                                         config.attention_scale)
         self.cache = torch.zeros(config.num_layers, 2,
-                                 *self.attention.kv_cache_shape(num_blocks, PAGED_BLOCK_SIZE))
+                                 *self.attention.kv_cache_shape(num_blocks, PAGED_BLOCK_SIZE,
+                                                                kv_dtype),
+                                 dtype=kv_dtype)
         self.table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(1))
         self.length = 0
 

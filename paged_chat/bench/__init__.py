@@ -58,6 +58,7 @@ class BenchOptions:
     roofline: bool = False
     engine_threads: int | None = None  # paged-chat's EngineConfig.threads (None: adapt)
     weights: str = "quantized"  # paged-chat's EngineConfig.weights
+    kv_cache_dtype: str | None = None  # paged-chat's EngineConfig.kv_cache_dtype (None: as it ships)
     hf_seq_requests: int | None = None  # hf-seq runs this many, the rest extrapolated (None: all)
 
 
@@ -88,7 +89,8 @@ def prepare_bench(options: BenchOptions, log: Callable[[str], None] = print) -> 
     config = EngineConfig(model=options.model, device="cpu", dtype=options.dtype,
                           block_size=options.block_size, max_num_seqs=options.num_chats,
                           max_num_batched_tokens=options.max_num_batched_tokens,
-                          threads=options.engine_threads, weights=options.weights)
+                          threads=options.engine_threads, weights=options.weights,
+                          kv_cache_dtype=options.kv_cache_dtype)
 
     def warmed_up_engine() -> Engine:
         engine = Engine(config, source=source)

@@ -30,14 +30,15 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, aclosing, contextmanager
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, TextIO
 
 import typer
 
 from paged_chat.app.chat_session import ChatSession, Turn, chat_title
-from paged_chat.app.settings import chat_sampling
 from paged_chat.app.reasoning import SplitText
+from paged_chat.app.settings import chat_sampling
 from paged_chat.app.text import StreamSanitizer
 from paged_chat.cli.plain_terminal import (
     MODEL_HELP,
@@ -225,6 +226,13 @@ class Answer:
                 "completion_tokens": len(turn.token_ids), "reasoning_tokens": turn.reasoning_tokens,
                 "timings": {"load_s": round(load_s, 3), "ttft_s": timings["ttft_s"],
                             "total_s": timings["total_s"], "tokens_per_s": timings["tokens_per_s"]}}
+
+
+class Switch(str, Enum):
+    """An on/off option's value (`--thinking on`)."""
+    on = "on"
+    off = "off"
+
 
 class OrderedOutput:
     """Writes answers to stdout in input order while they finish in any order: the earliest
@@ -466,6 +474,8 @@ def ask(ctx: typer.Context,
             min=0, help="Sampling seed, for repeatable output.")] = None,
         device: Annotated[str | None, typer.Option(help="auto, cpu or cuda.")] = None,
         dtype: Annotated[str | None, typer.Option(help="auto, float32, bfloat16 or float16.")] = None,
+        kv_cache_dtype: Annotated[str | None, typer.Option(
+            help="The KV cache's: auto (the model's dtype), bfloat16 (the CPU's default) or int8.")] = None,
         stats: Annotated[bool, typer.Option(
             "--stats", help="Print prompt tokens, prefix-cache hits, time to first token and "
                             "tokens/s to stderr.")] = False,
@@ -474,9 +484,9 @@ def ask(ctx: typer.Context,
                            "finish reason) instead of streaming text; JSONL with --file.")] = False,
         show_thinking: Annotated[bool, typer.Option(
             "--show-thinking", help="Print a reasoning model's thinking before its answer.")] = False,
-        thinking: Annotated[bool | None, typer.Option(
-            "--think/--no-think", help="Turn the model's thinking on or off, where its template "
-                                       "can (Qwen3); saved with the chat.",
+        thinking: Annotated[Switch | None, typer.Option(
+            "--thinking", help="Turn the model's thinking on or off, where its template can "
+                               "(Qwen3); saved with the chat.",
             show_default=False)] = None,
         continue_chat: Annotated[bool, typer.Option(
             "--continue", "-c",
@@ -516,8 +526,10 @@ def ask(ctx: typer.Context,
     options = PlainTerminalOptions(
         prompt=prompt if prompt and prompt.strip() else None, system=system, stats=stats,
         json=json_output, continue_chat=continue_chat, chat_id=chat, save=not no_save,
-        show_thinking=show_thinking, thinking=thinking,
-        engine={"model": model, "device": device, "dtype": dtype},
+        show_thinking=show_thinking,
+        thinking=None if thinking is None else thinking is Switch.on,
+        engine={"model": model, "device": device, "dtype": dtype,
+                "kv_cache_dtype": kv_cache_dtype},
         sampling={"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                   "top_k": top_k, "seed": seed})
     with state.reported(), ExitStack() as cleanup:

@@ -43,6 +43,9 @@ def bench(ctx: typer.Context,
               min=1, help="paged-chat's threads (default: adapt to the machine).")] = None,
           weights: Annotated[str, typer.Option(
               help="paged-chat's GGUF weights: quantized or dequantize.")] = "quantized",
+          kv_cache_dtype: Annotated[str | None, typer.Option(
+              help="paged-chat's KV cache: auto (the model's dtype), bfloat16 or int8 (default: as "
+                   "it ships).")] = None,
           ) -> None:
     """Run one seeded chat workload through paged-chat and the Hugging Face baselines, side
     by side in one process, and print absolute figures and ratios."""
@@ -58,7 +61,8 @@ def bench(ctx: typer.Context,
         options = BenchOptions(model=model, dtype=dtype, baseline_dtype=baseline_dtype,
                                threads=threads, seed=seed, block_size=block_size, scenarios=scenarios, roofline=roofline,
                                systems=tuple(name.strip() for name in systems.split(",") if name.strip()),
-                               engine_threads=engine_threads, weights=weights, **sizes)
+                               engine_threads=engine_threads, weights=weights,
+                               kv_cache_dtype=kv_cache_dtype, **sizes)
         report = run_bench(options, log=lambda line: typer.echo(line, err=True))
         typer.echo(format_report(report))
         if json_path is not None:

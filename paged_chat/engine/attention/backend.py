@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from paged_chat.engine.attention.kv_rows import row_width
 from paged_chat.engine.attention.metadata import AttentionMetadata
 
 
@@ -31,9 +32,11 @@ class AttentionBackend:
         self.head_dim = head_dim
         self.scale = scale
 
-    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
-        """Shape of one layer's key (or value) cache."""
-        return (self.num_kv_heads, num_blocks, block_size, self.head_dim)
+    def kv_cache_shape(self, num_blocks: int, block_size: int,
+                       dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
+        """Shape of one layer's key (or value) cache of `dtype` (an int8 cache's rows hold
+        their scale too: kv_rows.py)."""
+        return (self.num_kv_heads, num_blocks, block_size, row_width(self.head_dim, dtype))
 
     def plan_graph(self, meta: AttentionMetadata, cache: torch.Tensor, longest: int) -> None:
         """Fix what a decode step about to be captured in a CUDA graph launches, for contexts

@@ -1,6 +1,7 @@
 """Paged attention on the CPU by one C kernel per layer (native/csrc/paged_attention.c):
 the new K/V stored and the decodes attended in one call, each K/V block read once, in
-place, with an online softmax across blocks; float32 caches only.
+place, with an online softmax across blocks; float32 queries, over a float32 or bfloat16 cache
+(`bindings.KV_DTYPE_CODES`: rounded as stored, widened as read).
 
 Against the torch reference (torch_backend.py) it gathers nothing, builds no masks and
 pads no context to the batch's longest, so nothing is derived per step either: the
@@ -18,8 +19,9 @@ import torch
 
 from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.torch_backend import TorchAttention
+from paged_chat.engine.core.dtypes import dtype_name
 from paged_chat.engine.native import bindings
-from paged_chat.engine.native.bindings import PagedAttentionProblem
+from paged_chat.engine.native.bindings import KV_DTYPE_CODES, PagedAttentionProblem
 
 
 def cpu_kernels_available() -> bool:
@@ -29,7 +31,7 @@ def cpu_kernels_available() -> bool:
 
 class CpuAttention(TorchAttention):
     """Paged attention in one C call per layer (prefill chunks: see the module docstring);
-    float32 on the CPU."""
+    float32 on the CPU, over a float32 or bfloat16 KV cache."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  prefill_in_kernel: bool = False) -> None:
@@ -46,7 +48,7 @@ class CpuAttention(TorchAttention):
                  meta: AttentionMetadata, sliding_window: int | None = None) -> torch.Tensor:
         lib = bindings.library()
         assert lib is not None, "CpuAttention needs the C kernel: check cpu_kernels_available()"
-        assert key_cache.dtype == torch.float32 and key_cache.is_contiguous()
+        assert key_cache.is_contiguous()
         query, key, value = (_rows(t) for t in (query, key, value))
         out = torch.empty(query.shape)
         in_kernel = meta.num_seqs if self.prefill_in_kernel else meta.num_decodes
@@ -56,7 +58,7 @@ class CpuAttention(TorchAttention):
             query=query.data_ptr(), key=key.data_ptr(), value=value.data_ptr(),
             q_stride=query.stride(0), k_stride=key.stride(0), v_stride=value.stride(0),
             key_cache=key_cache.data_ptr(), value_cache=value_cache.data_ptr(),
-            num_blocks=key_cache.shape[1], block_size=key_cache.shape[2],
+            kv_dtype=KV_DTYPE_CODES[dtype_name(key_cache.dtype)], num_blocks=key_cache.shape[1], block_size=key_cache.shape[2],
             slot_mapping=meta.slot_mapping.data_ptr(), num_tokens=query.shape[0],
             query_start=meta.query_start_loc.data_ptr(), seq_lens=meta.seq_lens.data_ptr(),
             block_tables=tables.data_ptr(), table_width=tables.shape[1], num_seqs=in_kernel,

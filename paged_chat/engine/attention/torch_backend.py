@@ -4,6 +4,10 @@ The head-major cache layout (attention/backend.py) lets one `index_select` gathe
 batch's blocks into `[kv_heads, seqs, context, head_dim]`, contiguous and ready for
 batched matrix products with no transpose copy.
 
+The cache may hold a narrower dtype than the model computes in (`kv_cache_dtype`): K/V
+are rounded to it as they are stored and widened back to the query's dtype as they are
+gathered (kv_rows.py), so every product runs in the model's dtype.
+
 A step first writes the new tokens' K/V into their slots, then attends; so a sequence
 that reuses a block another sequence fills in this same step reads it after it was
 written (the scheduler relies on that when it caches blocks at schedule time).
@@ -27,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_chat.engine.attention.backend import AttentionBackend
+from paged_chat.engine.attention.kv_rows import from_cache_rows, to_cache_rows
 from paged_chat.engine.attention.metadata import AttentionMetadata
 
 
@@ -49,14 +54,16 @@ class TorchAttention(AttentionBackend):
         return output
 
     def _store(self, new: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-        cache.view(self.num_kv_heads, -1, self.head_dim).index_copy_(1, slots, new.transpose(0, 1))
+        cache.view(self.num_kv_heads, -1, cache.shape[-1]).index_copy_(
+            1, slots, to_cache_rows(new.transpose(0, 1), cache.dtype))
 
-    def _gather(self, cache: torch.Tensor, rows: torch.Tensor, num_seqs: int) -> torch.Tensor:
-        """[kv_heads, num_seqs, blocks * block_size, head_dim] for the `block_rows` of a flat
-        [num_seqs * blocks] index."""
-        kv_heads, _, block_size, head_dim = cache.shape
-        flat = cache.view(-1, block_size * head_dim).index_select(0, rows)
-        return flat.view(kv_heads, num_seqs, -1, head_dim)
+    def _gather(self, cache: torch.Tensor, rows: torch.Tensor, num_seqs: int,
+                dtype: torch.dtype) -> torch.Tensor:
+        """[kv_heads, num_seqs, blocks * block_size, head_dim] in `dtype` for the
+        `block_rows` of a flat [num_seqs * blocks] index."""
+        kv_heads, _, block_size, width = cache.shape
+        flat = cache.view(-1, block_size * width).index_select(0, rows)
+        return from_cache_rows(flat.view(kv_heads, num_seqs, -1, width), dtype)
 
     def _decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                 meta: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:
@@ -64,7 +71,7 @@ class TorchAttention(AttentionBackend):
         shared = None
         if layout.shared_rows is not None:
             # Cascade: the prefix every sequence shares is read once, for all their queries.
-            shared = tuple(self._gather(cache, layout.shared_rows, 1).view(
+            shared = tuple(self._gather(cache, layout.shared_rows, 1, query.dtype).view(
                 self.num_kv_heads, -1, self.head_dim) for cache in (key_cache, value_cache))
         if len(layout.groups) == 1:
             return self._decode_group(query, key_cache, value_cache, layout.groups[0], shared,
@@ -82,8 +89,9 @@ class TorchAttention(AttentionBackend):
         num_seqs, kv_heads, group, dim = query.shape[0], self.num_kv_heads, self.group_size, self.head_dim
         grouped = query.view(num_seqs, kv_heads, group, dim).transpose(0, 1).contiguous()
         batch = kv_heads * num_seqs
-        keys = self._gather(key_cache, decodes.unique_rows, num_seqs).view(batch, -1, dim)
-        values = self._gather(value_cache, decodes.unique_rows, num_seqs).view(batch, -1, dim)
+        keys = self._gather(key_cache, decodes.unique_rows, num_seqs, query.dtype).view(batch, -1, dim)
+        values = self._gather(value_cache, decodes.unique_rows, num_seqs, query.dtype).view(
+            batch, -1, dim)
         scores = torch.bmm(grouped.view(batch, group, dim), keys.transpose(1, 2))
         scores = scores.view(kv_heads, num_seqs, group, -1)
         if shared is not None:
@@ -106,8 +114,8 @@ class TorchAttention(AttentionBackend):
         seq_len = meta.seq_lens_list[seq]
         rows = block_rows(meta.block_tables[seq, :-(-seq_len // meta.block_size)],
                           key_cache.shape)
-        keys = self._gather(key_cache, rows, 1)[:, 0, :seq_len]        # [kvh, L, d]
-        values = self._gather(value_cache, rows, 1)[:, 0, :seq_len]
+        keys = self._gather(key_cache, rows, 1, query.dtype)[:, 0, :seq_len]   # [kvh, L, d]
+        values = self._gather(value_cache, rows, 1, query.dtype)[:, 0, :seq_len]
         # Query j sits at position seq_len - num_new + j and sees keys up to it.
         query_pos = torch.arange(seq_len - num_new, seq_len, device=query.device)
         key_pos = torch.arange(seq_len, device=query.device)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "bfloat16", "int8")
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "cpu")
 WEIGHTS = ("quantized", "dequantize")
 _BLOCK_SIZES = (8, 16, 32, 64, 128)
@@ -17,8 +18,10 @@ _BLOCK_SIZES = (8, 16, 32, 64, 128)
 # step costs about the same from one row to hundreds, so it takes vLLM's batch sizes, and
 # replays CUDA graphs (the runner falls back to eager, saying so, when they fail).
 DEVICE_DEFAULTS = {
-    "cpu": {"max_num_seqs": 32, "max_num_batched_tokens": 512, "enforce_eager": True},
-    "cuda": {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "enforce_eager": False},
+    "cpu": {"max_num_seqs": 32, "max_num_batched_tokens": 512, "enforce_eager": True,
+            "kv_cache_dtype": "bfloat16"},
+    "cuda": {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "enforce_eager": False,
+             "kv_cache_dtype": "auto"},
 }
 _MEMORY_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20,
                  "mb": 10**6, "mib": 2**20, "g": 2**30, "gb": 10**9, "gib": 2**30}
@@ -62,8 +65,17 @@ class EngineConfig:
     `enforce_eager=False` captures CUDA graphs of decode steps (per batch-size bucket, Triton
     backend on CUDA only), checked against eager steps at start-up.
 
-    `max_num_seqs`, `max_num_batched_tokens` and `enforce_eager` left None take the device's
-    defaults (DEVICE_DEFAULTS), filled in by `for_device` once the device is known.
+    `kv_cache_dtype` is what the KV pool holds (vLLM's name): "auto" the model's dtype (the
+    exact reference), "bfloat16" half of float32's bytes, K/V rounded to nearest even as
+    they are stored and widened to the model's dtype in attention; "int8" about a quarter
+    (a row of codes and its scale per token and KV head, as llama.cpp's q8_0). Left None:
+    bfloat16 on the CPU, where a decode step reads more KV than weights at a few dozen
+    chats; "auto" on CUDA (its model dtype is 16-bit already). A KV tier's blocks are kept
+    per KV dtype.
+
+    `max_num_seqs`, `max_num_batched_tokens`, `enforce_eager` and `kv_cache_dtype` left None
+    take the device's defaults (DEVICE_DEFAULTS), filled in by `for_device` once the device
+    is known.
 
     `num_speculative_tokens` > 0 drafts up to that many tokens a step for each greedy
     request from its own history (prompt lookup: the longest suffix of `prompt_lookup_min`
@@ -92,6 +104,7 @@ class EngineConfig:
     kv_tier_disk_bytes: int | str = 4 * 2**30
     kv_tier_host_bytes: int | str | None = None
     threads: int | str | None = None
+    kv_cache_dtype: str | None = None
     num_speculative_tokens: int = 0
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
@@ -101,6 +114,8 @@ class EngineConfig:
         _choice("dtype", self.dtype, DTYPES)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("weights", self.weights, WEIGHTS)
+        if self.kv_cache_dtype is not None:
+            _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _choice("block_size", self.block_size, _BLOCK_SIZES)
         if self.max_num_seqs is not None:
             _positive("max_num_seqs", self.max_num_seqs)

@@ -23,6 +23,14 @@ def resolve_dtype(dtype: str, device: torch.device, holds_quantized: bool = Fals
     return torch.bfloat16 if _cpu_has_native_bf16() and not holds_quantized else torch.float32
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str | None, model_dtype: torch.dtype) -> torch.dtype:
+    """What the KV pool holds for a config's `kv_cache_dtype`: "auto" (or None) the model's
+    own dtype, else the dtype named (int8: rows of codes and a scale, attention/kv_rows.py)."""
+    if kv_cache_dtype in (None, "auto"):
+        return model_dtype
+    return torch.int8 if kv_cache_dtype == "int8" else TORCH_DTYPES[kv_cache_dtype]
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 

@@ -33,7 +33,8 @@ _FRAGMENTATION_SLACK = 0.03
 
 @dataclass(slots=True, frozen=True)
 class KVCacheSpec:
-    """The layout of a KV cache: [num_layers, 2, *attention.kv_cache_shape(blocks, block_size)]."""
+    """The layout of a KV cache: [num_layers, 2, *attention.kv_cache_shape(blocks, block_size,
+    dtype)]."""
 
     num_layers: int
     block_size: int
@@ -42,7 +43,8 @@ class KVCacheSpec:
     device: torch.device
 
     def shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, *self.attention.kv_cache_shape(num_blocks, self.block_size))
+        return (self.num_layers, 2,
+                *self.attention.kv_cache_shape(num_blocks, self.block_size, self.dtype))
 
     @property
     def bytes_per_block(self) -> int:

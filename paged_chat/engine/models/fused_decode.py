@@ -21,10 +21,17 @@ import torch
 
 from paged_chat.engine.attention.backend import AttentionBackend
 from paged_chat.engine.attention.metadata import AttentionMetadata
+from paged_chat.engine.core.dtypes import dtype_name
 from paged_chat.engine.models.quant import kernels
 from paged_chat.engine.models.quant.linear import QuantizedLinear
 from paged_chat.engine.native import bindings
-from paged_chat.engine.native.bindings import MAX_PARTS, LayerStruct, LinearStruct, StepStruct
+from paged_chat.engine.native.bindings import (
+    KV_DTYPE_CODES,
+    MAX_PARTS,
+    LayerStruct,
+    LinearStruct,
+    StepStruct,
+)
 
 
 def linear_struct(layer: QuantizedLinear) -> LinearStruct:
@@ -88,7 +95,8 @@ class FusedDecode:
         pool is a new tensor."""
         if kv_cache.data_ptr() == self._kv_cache_address:
             return self._addresses
-        assert kv_cache.dtype == torch.float32 and kv_cache.is_contiguous()
+        assert kv_cache.is_contiguous()
+        kv_dtype = KV_DTYPE_CODES[dtype_name(kv_cache.dtype)]
         structs = []
         for layer, layer_cache in zip(self.layers, kv_cache):
             attn, mlp = layer.self_attn, layer.mlp
@@ -101,7 +109,7 @@ class FusedDecode:
                 heads=attention.num_heads, kv_heads=attention.num_kv_heads,
                 head_dim=attention.head_dim, window=attn.window or 0,
                 key_cache=layer_cache[0].data_ptr(), value_cache=layer_cache[1].data_ptr(),
-                num_blocks=layer_cache.shape[2], block_size=layer_cache.shape[3]))
+                kv_dtype=kv_dtype, num_blocks=layer_cache.shape[2], block_size=layer_cache.shape[3]))
         self._structs, self._kv_cache_address = structs, kv_cache.data_ptr()
         self._addresses[:] = [ctypes.addressof(struct) for struct in structs]
         return self._addresses

@@ -22,11 +22,15 @@ MAX_PARTS = 3  # decode_layer.c's DL_MAX_PARTS
 
 _P, _I, _F, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
 
+# paged_attention.h's PA_KV_*: the KV cache dtypes the kernels read and write, by name.
+KV_DTYPE_CODES = {"float32": 0, "bfloat16": 1, "int8": 2}
+
 
 class PagedAttentionProblem(ctypes.Structure):
     """paged_attention.h's pa_problem: one call's attention."""
     _fields_ = [("query", _P), ("key", _P), ("value", _P), ("q_stride", _I), ("k_stride", _I),
-                ("v_stride", _I), ("key_cache", _P), ("value_cache", _P), ("num_blocks", _I),
+                ("v_stride", _I), ("key_cache", _P), ("value_cache", _P), ("kv_dtype", _I),
+                ("num_blocks", _I),
                 ("block_size", _I), ("slot_mapping", _P), ("num_tokens", _I),
                 ("query_start", _P), ("seq_lens", _P), ("block_tables", _P),
                 ("table_width", _I), ("num_seqs", _I), ("heads", _I), ("kv_heads", _I),
@@ -47,7 +51,8 @@ class LayerStruct(ctypes.Structure):
                 ("down", LinearStruct),
                 ("input_norm", _P), ("post_norm", _P), ("eps", _F), ("scale", _F),
                 ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("window", _I),
-                ("key_cache", _P), ("value_cache", _P), ("num_blocks", _I), ("block_size", _I)]
+                ("key_cache", _P), ("value_cache", _P), ("kv_dtype", _I), ("num_blocks", _I),
+                ("block_size", _I)]
 
 
 class StepStruct(ctypes.Structure):

@@ -14,6 +14,7 @@ from paged_chat.engine.core.request import Request
 from paged_chat.engine.worker.sampler import (
     NUM_COLUMNS,
     SamplingBatch,
+    SettingsRows,
     as_int64,
     sampling_columns,
     seed_streams,
@@ -67,15 +68,28 @@ class SamplingRows:
               output_indices: torch.Tensor, host_reads: bool) -> SamplingBatch:
         """The SamplingBatch of `rows` (as `rows` gave them; the same on the device), each at
         its output index (int64, on the device): one gather from the device tables."""
+        self._update_device()
+        return SamplingBatch.from_columns(self._host_array[rows], self._table[rows_on_device],
+                                          self._streams[rows_on_device], output_indices,
+                                          self.vocab_size, host_reads)
+
+    def kernel_batch(self, rows: np.ndarray, rows_on_device: torch.Tensor,
+                     output_indices: torch.Tensor) -> SamplingBatch:
+        """`batch`, for the sampling kernel, which reads the device tables itself: nothing
+        gathered (but the penalties, where a row uses them)."""
+        self._update_device()
+        return SamplingBatch.for_kernel(
+            self._host_array[rows],
+            SettingsRows(self._table, self._streams, rows_on_device, output_indices))
+
+    def _update_device(self) -> None:
+        """Copy the host tables to the device if a row was written since the last copy."""
         if self._changed and self.device.type == "cuda":
             self._table.copy_(self._host_table, non_blocking=True)
             self._streams.copy_(self._host_streams, non_blocking=True)
             self._copied = torch.cuda.Event()
             self._copied.record()
         self._changed = False
-        return SamplingBatch.from_columns(self._host_array[rows], self._table[rows_on_device],
-                                          self._streams[rows_on_device], output_indices,
-                                          self.vocab_size, host_reads)
 
     def _add(self, request: Request) -> int:
         if not self._free:

@@ -9,13 +9,13 @@ decode graphs; on the CPU, pack the weights for oneDNN and switch the model to i
 ops (`EngineConfig.fused_ops`).
 
 The KV cache is one preallocated tensor `[layers, 2, *attention.kv_cache_shape(...)]`
-(keys and values of every layer, in the attention backend's layout) of `num_blocks + 1`
-blocks: block 0 is the null block (`block_pool.NULL_BLOCK`), where padding and released
-table entries point. Per step the runner builds, on the host with numpy and sent in one
-copy (`AttentionMetadata.build`): token ids, positions, slot mapping, query offsets, context
-lengths, block tables and the rows to compute logits for: the model computes them only for
-the rows that sample (the last token of each sequence whose known tokens are all computed
-after this step).
+(keys and values of every layer, in the attention backend's layout and
+`EngineConfig.kv_cache_dtype`) of `num_blocks + 1` blocks: block 0 is the null block
+(`block_pool.NULL_BLOCK`), where padding and released table entries point. Per step the
+runner builds, on the host with numpy and sent in one copy (`AttentionMetadata.build`):
+token ids, positions, slot mapping, query offsets, context lengths, block tables and the
+rows to compute logits for: the model computes them only for the rows that sample (the
+last token of each sequence whose known tokens are all computed after this step).
 
 Sampling faults stay with their request: a row whose logits are not finite, or a batch
 whose sampling raises, yields an exception in that row's place (the batch is then sampled
@@ -37,7 +37,8 @@ import torch
 from paged_chat.engine.attention.metadata import AttentionMetadata, StagingBuffer
 from paged_chat.engine.attention.selector import select_attention
 from paged_chat.engine.core.config import EngineConfig
-from paged_chat.engine.core.errors import out_of_memory
+from paged_chat.engine.core.dtypes import dtype_name, resolve_kv_cache_dtype
+from paged_chat.engine.core.errors import PagedChatError, out_of_memory
 from paged_chat.engine.core.outputs import ModelRunnerOutput, TokenLogprob
 from paged_chat.engine.core.scheduler import ScheduledRequest
 from paged_chat.engine.kv.block_id_rows import BlockIdRows
@@ -140,7 +141,14 @@ class ModelRunner:
             use_triton_ops(model, self.attention)
         self.device = device
         self.max_num_batched_tokens = config.max_num_batched_tokens
-        spec = KVCacheSpec(model_config.num_layers, self.block_size, self.attention, dtype, device)
+        kv_dtype = resolve_kv_cache_dtype(config.kv_cache_dtype, dtype)
+        if kv_dtype != dtype and self.attention.compiles_kernels:
+            raise PagedChatError(
+                f"kv_cache_dtype={config.kv_cache_dtype!r} differs from the model's dtype "
+                f"({dtype_name(dtype)}), which the Triton attention kernels need: use "
+                "kv_cache_dtype='auto', or attention_backend='torch'")
+        spec = KVCacheSpec(model_config.num_layers, self.block_size, self.attention, kv_dtype,
+                           device)
         model_len = min(config.max_model_len or model_config.max_position_embeddings,
                         model_config.max_position_embeddings)
         with out_of_memory("profiling a step to size the KV cache",
@@ -162,6 +170,8 @@ class ModelRunner:
         self._step_logprobs: list[TokenLogprob | None] | None = None
         # Whether sampling may read tensors on the host (sampler.SamplingBatch.host_reads).
         self.sample_on_host = device.type == "cpu"
+        # Whether the sampling kernel samples (sampling_kernel.py): the CUDA path's fused ops.
+        self.sampling_kernel = device.type == "cuda" and config.fused_ops
         self._to_host = DeviceToHost(device)
         self._sampling_rows = SamplingRows(self.vocab_size, device)
         self._sampling_staging = StagingBuffer(device)
@@ -451,22 +461,17 @@ class ModelRunner:
     def _sample(self, logits: torch.Tensor, samplers: list[ScheduledRequest]
                 ) -> list[int | Exception]:
         """Sample the rows together. A row whose logits hold NaN or inf (an overflowing model)
-        gets a SamplingError instead of a token: its draw is meaningless (NaN probabilities
-        give an id past the vocabulary), and fed back as input it would fail the next forward
-        for the whole batch. Checking the chosen logit finds it at the cost of one gather:
-        argmax picks a NaN or +inf when there is one, and a draw over NaN leaves the vocabulary.
+        gets a SamplingError instead of a token (`sample` gives it -1): fed back as input it
+        would fail the next forward for the whole batch.
 
         The tokens (-1 for such a row) and the logprobs asked for come to the host in the
         step's one device-to-host copy (`DeviceToHost.fetch`).
         """
-        vocab_size = logits.shape[-1]
-        batch = self._sampling_batch(samplers, vocab_size)
+        batch = self._sampling_batch(samplers, logits.shape[-1])
         started = time.thread_time()
         tokens = sample(logits, batch)
-        chosen = logits.gather(1, tokens.clamp(max=vocab_size - 1)[:, None]).squeeze(1)
-        tokens = tokens.masked_fill((tokens >= vocab_size) | ~torch.isfinite(chosen), -1)
-        parts = [tokens] if batch.logprobs is None else [tokens, *batch.logprobs]
-        packed = torch.cat([part.flatten().double() for part in parts])
+        packed = (tokens.double() if batch.logprobs is None
+                  else torch.cat([part.flatten().double() for part in (tokens, *batch.logprobs)]))
         self.last_sample_cpu_s = time.thread_time() - started
         host = self._to_host.fetch(packed)
         num_rows = len(samplers)
@@ -519,7 +524,10 @@ class ModelRunner:
                                 if request.grammar is not None], dtype=np.int64)
         wanting = np.array([row for row, p in enumerate(params) if p.wants_logprobs],
                            dtype=np.int64)
-        batch = SamplingBatch.greedy_only(params, self.sample_on_host)
+        # The sampling kernel takes greedy rows in its one launch; the torch ops' argmax alone
+        # needs no settings.
+        batch = None if self.sampling_kernel else SamplingBatch.greedy_only(params,
+                                                                            self.sample_on_host)
         if batch is None:  # the other columns are read: gather them
             assert vocab_size == self._sampling_rows.vocab_size, "the logits are not the model's"
             rows = self._sampling_rows.rows(requests)
@@ -527,7 +535,9 @@ class ModelRunner:
                                          dtype=np.int64, count=len(requests))
             constrained_rows, logprob_rows, on_device, indices = self._sampling_staging.transfer(
                 [constrained, wanting, rows, output_indices])
-            batch = self._sampling_rows.batch(rows, on_device, indices, self.sample_on_host)
+            batch = (self._sampling_rows.kernel_batch(rows, on_device, indices)
+                     if self.sampling_kernel else
+                     self._sampling_rows.batch(rows, on_device, indices, self.sample_on_host))
             if batch.repetition_penalty is not None:
                 batch.count_tokens([request.all_token_ids for request in requests],
                                    [request.num_prompt_tokens for request in requests],

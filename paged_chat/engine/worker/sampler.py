@@ -12,6 +12,9 @@ request's sampling settings.
 Randomness is counter-based: a row's draw is a splitmix64 hash of (seed, output_index), so a
 request's tokens depend only on its own seed and position, never on which other requests
 share the batch, and a preempted request that recomputes a step draws the same token again.
+
+On CUDA one Triton launch does the filters and the draw (sampling_kernel.py, with
+`SamplingBatch.settings`), picking what these ops pick.
 """
 
 from __future__ import annotations
@@ -88,6 +91,19 @@ def stream_uniforms(streams: torch.Tensor, output_indices: torch.Tensor) -> torc
 
 
 @dataclass(slots=True)
+class SettingsRows:
+    """Where the sampling kernel (sampling_kernel.py) reads a step's settings on the device:
+    the persistent tables of input_batch.SamplingRows (float32 [capacity, NUM_COLUMNS] in
+    `sampling_columns`' layout, and the `seed_streams`, int64 [capacity]), each sampled
+    row's index into them and its output index (int64 [n] each)."""
+
+    table: torch.Tensor
+    streams: torch.Tensor
+    rows: torch.Tensor
+    output_indices: torch.Tensor
+
+
+@dataclass(slots=True)
 class SamplingBatch:
     """Per-row sampling settings as tensors on the logits' device, built once per step.
 
@@ -125,6 +141,9 @@ class SamplingBatch:
     host_reads: bool = True
     all_truncated: bool = False  # every row has top-k or top-p on, and none is greedy
     num_candidates: int = 0  # the first number of top candidates `kept_candidates` sorts
+    # Set when the sampling kernel samples (the CUDA path): it reads the rows' settings
+    # itself, and the per-setting tensors above are None but for the penalties.
+    settings: SettingsRows | None = None
 
     @classmethod
     def greedy_only(cls, params: list[SamplingParams], host_reads: bool = True
@@ -178,8 +197,7 @@ class SamplingBatch:
         so nothing is read back. A batch that uses penalties still needs `count_tokens`."""
         greedy, truncated = host[:, _GREEDY] > 0, host[:, _TRUNCATED] > 0
         top_k = host[:, _TOP_K]
-        penalised = bool((host[:, _REPETITION] != 1).any() or host[:, _FREQUENCY].any()
-                         or host[:, _PRESENCE].any())
+        penalised = _penalised(host)
         uses_top_p = bool(np.isfinite(host[:, _TOP_P]).any())
         largest_top_k = int(top_k[top_k < vocab_size].max(initial=0))
 
@@ -204,6 +222,23 @@ class SamplingBatch:
             num_candidates=(vocab_size if uses_top_p and not host_reads
                             else min(vocab_size, max(_MIN_CANDIDATES, largest_top_k))))
 
+    @classmethod
+    def for_kernel(cls, host: np.ndarray, settings: SettingsRows) -> SamplingBatch:
+        """The batch the sampling kernel samples: of the rows whose settings are `host`
+        (`sampling_columns`' layout, as the tables in `settings` hold them), gathered on the
+        device only where penalties need them. A batch that uses penalties still needs
+        `count_tokens`."""
+        penalties = settings.table[settings.rows] if _penalised(host) else None
+
+        def penalty(index: int) -> torch.Tensor | None:
+            return None if penalties is None else penalties[:, index]
+
+        return cls(all_greedy=bool((host[:, _GREEDY] > 0).all()), greedy=None, temperature=None,
+                   uniforms=None, min_p=None, top_k=None, top_p=None, truncated=None,
+                   repetition_penalty=penalty(_REPETITION), frequency_penalty=penalty(_FREQUENCY),
+                   presence_penalty=penalty(_PRESENCE), seen=None, output_counts=None,
+                   host_reads=False, settings=settings)
+
     def count_tokens(self, histories: list[list[int]], prompt_lens: list[int], vocab_size: int,
                      device: torch.device) -> None:
         """Fill `seen` and `output_counts` from the rows' prompt + output ids (penalties)."""
@@ -214,6 +249,12 @@ class SamplingBatch:
 (_TEMPERATURE, _MIN_P, _TOP_K, _TOP_P, _GREEDY, _TRUNCATED, _REPETITION, _FREQUENCY,
  _PRESENCE) = range(9)
 NUM_COLUMNS = 9
+
+
+def _penalised(host: np.ndarray) -> bool:
+    """Whether some row of `host` (`sampling_columns`' layout) uses a penalty."""
+    return bool((host[:, _REPETITION] != 1).any() or host[:, _FREQUENCY].any()
+                or host[:, _PRESENCE].any())
 
 
 def sampling_columns(params: list[SamplingParams], vocab_size: int) -> np.ndarray:
@@ -413,31 +454,61 @@ def _device_argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Pick one token per row: `[num_seqs, vocab]` logits of any float dtype -> int64 `[num_seqs]`.
+    """Pick one token per row: `[num_seqs, vocab]` logits of any float dtype -> int64 `[num_seqs]`,
+    -1 for a row whose logits hold NaN or +inf, or nothing above -inf (no draw over them is
+    meaningful: NaN probabilities give an id past the vocabulary).
 
     The draw is inverse-CDF sampling with the row's counter-based uniform u: the first token
     whose cumulative probability reaches u * total (`draw`). One uniform per row instead of
     one per vocabulary entry keeps the hashing negligible. A token with zero probability
-    never owns a step of the CDF, so filtered tokens are never picked.
+    never owns a step of the CDF, so filtered tokens are never picked. With `batch.settings`
+    the sampling kernel does all of it but the penalties and the grammar bitmask, in one
+    launch (sampling_kernel.py).
     The constrained rows' logits are masked in place (`apply_token_bitmask`); the logprob
     rows' logprobs (of the logits as given, `token_logprobs`) are left in `batch.logprobs`.
     """
     model_logprobs = (None if batch.logprob_rows is None
                       else logits[batch.logprob_rows].float().log_softmax(dim=-1))
+    if batch.settings is not None:
+        sampled = _sample_in_kernel(logits, batch)
+    else:
+        sampled = _flag_unsampleable(logits, _sample_with_torch(logits, batch))
+    if model_logprobs is not None:
+        chosen = sampled[batch.logprob_rows].clamp(0, logits.shape[-1] - 1)
+        batch.logprobs = token_logprobs(model_logprobs, chosen, batch.num_top_logprobs)
+    return sampled
+
+
+def _sample_with_torch(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     logits = apply_penalties(logits.float(), batch)
     if batch.token_bitmask is not None:
         logits = apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
     argmax = greedy_tokens if batch.host_reads else _device_argmax
     if batch.all_greedy:
-        sampled = argmax(logits)
-    else:
-        scaled = apply_min_p(logits / batch.temperature[:, None], batch)
-        kept = (None if batch.top_k is None and batch.top_p is None
-                else kept_candidates(scaled, batch))
-        sampled = draw(scaled, batch, kept)
-        if batch.greedy is not None:
-            sampled = torch.where(batch.greedy, argmax(logits), sampled)
-    if model_logprobs is not None:
-        chosen = sampled[batch.logprob_rows].clamp(max=logits.shape[-1] - 1)
-        batch.logprobs = token_logprobs(model_logprobs, chosen, batch.num_top_logprobs)
+        return argmax(logits)
+    scaled = apply_min_p(logits / batch.temperature[:, None], batch)
+    kept = (None if batch.top_k is None and batch.top_p is None
+            else kept_candidates(scaled, batch))
+    sampled = draw(scaled, batch, kept)
+    if batch.greedy is not None:
+        sampled = torch.where(batch.greedy, argmax(logits), sampled)
     return sampled
+
+
+def _sample_in_kernel(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    # Imported here: triton is an optional extra (the batch has `settings` only on its path).
+    from paged_chat.engine.worker.sampling_kernel import sample_in_kernel
+
+    if batch.seen is not None:
+        logits = apply_penalties(logits.float(), batch)
+    if batch.token_bitmask is not None:
+        logits = apply_token_bitmask(logits, batch.token_bitmask, batch.bitmask_rows)
+    return sample_in_kernel(logits, batch.settings)
+
+
+def _flag_unsampleable(logits: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """`sampled` with -1 for the rows `sample` cannot sample, found at the cost of one gather:
+    argmax picks a NaN or +inf when there is one, and a draw over NaN leaves the vocabulary."""
+    vocab_size = logits.shape[-1]
+    chosen = logits.gather(1, sampled.clamp(max=vocab_size - 1)[:, None]).squeeze(1)
+    return sampled.masked_fill((sampled >= vocab_size) | ~torch.isfinite(chosen), -1)

@@ -101,7 +101,8 @@ static pa_problem dl_problem(const dl_layer *layer, const dl_step *step) {
     const int64_t kv_size = layer->kv_heads * layer->head_dim, width = layer->qkv.out_features;
     const pa_problem problem = {
         step->qkv, step->qkv + q_size, step->qkv + q_size + kv_size, width, width, width,
-        layer->key_cache, layer->value_cache, layer->num_blocks, layer->block_size,
+        layer->key_cache, layer->value_cache, layer->kv_dtype, layer->num_blocks,
+        layer->block_size,
         step->slot_mapping, step->tokens, step->query_start, step->seq_lens,
         step->block_tables, step->table_width, step->num_seqs, layer->heads,
         layer->kv_heads, layer->head_dim, layer->scale, layer->window, step->attended};

@@ -22,7 +22,8 @@ typedef struct {
     const float *input_norm, *post_norm;
     float eps, scale;
     int64_t heads, kv_heads, head_dim, window;
-    float *key_cache, *value_cache;
+    void *key_cache, *value_cache;
+    int64_t kv_dtype;   /* paged_attention.h's PA_KV_* */
     int64_t num_blocks, block_size;
 } dl_layer;
 

@@ -1,6 +1,10 @@
 /* Paged attention on the CPU, float32, over the head-major cache of attention/backend.py:
  * each layer's key (value) cache is [kv_heads, num_blocks, block_size, dim], so one KV
- * head's rows of a block are one contiguous run of block_size * dim floats.
+ * head's rows of a block are one contiguous run of block_size rows. A bfloat16 cache
+ * (PA_KV_BFLOAT16) holds half the bytes, an int8 one (PA_KV_INT8) about a quarter: K/V are
+ * rounded to it as they are stored, and an item widens each block it reads into its
+ * workspace once, then attends the floats as a float32 cache's (bfloat16's widening is
+ * exact: a bfloat16 is a float32's high half).
  *
  * pa_attention first stores the step's new K/V in their slots (slot -1: nothing stored),
  * then attends: one work item per (sequence, KV head, tile of up to QUERY_TILE query
@@ -19,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __AVX2__
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -34,6 +38,88 @@
  * 2 threads: 1.59 -> 1.22 ms at 400 tokens, 2.84 -> 2.14 ms at 1000, where 8192 kept such
  * a decode on one thread; benchmarks/cpu_attention_probe.py's shapes). */
 #define PARALLEL_MIN_KEYS 1024
+
+/* A float32's bfloat16, rounded to nearest even as torch rounds it (NaN: a quiet NaN). */
+static inline uint16_t to_bfloat16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    if (isnan(x)) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+/* n bfloat16 values widened to float32: each one's bits shifted into a float's high half. */
+static inline void widen_bfloat16(const uint16_t *from, float *to, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(from + i)));
+        _mm512_storeu_ps(to + i, _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+    }
+#elif defined(__AVX2__)
+    for (; i + 8 <= n; i += 8) {
+        const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(from + i)));
+        _mm256_storeu_ps(to + i, _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+    }
+#endif
+    for (; i < n; i++) {
+        const uint32_t bits = (uint32_t)from[i] << 16;
+        memcpy(to + i, &bits, sizeof bits);
+    }
+}
+
+/* n int8 codes times their row's scale, widened to float32. */
+static inline void widen_int8(const int8_t *from, float scale, float *to, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256 factor = _mm256_set1_ps(scale);
+    for (; i + 8 <= n; i += 8) {
+        const __m256i wide = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(from + i)));
+        _mm256_storeu_ps(to + i, _mm256_mul_ps(_mm256_cvtepi32_ps(wide), factor));
+    }
+#endif
+    for (; i < n; i++) to[i] = (float)from[i] * scale;
+}
+
+/* Bytes of one cached row of `dim` elements: an int8 row's codes, then its float32 scale. */
+static inline int64_t row_bytes(int64_t kv_dtype, int64_t dim) {
+    return kv_dtype == PA_KV_INT8 ? dim + (int64_t)sizeof(float)
+           : kv_dtype == PA_KV_BFLOAT16 ? dim * (int64_t)sizeof(uint16_t)
+           : dim * (int64_t)sizeof(float);
+}
+
+/* One row of `dim` K or V floats into its cache row of `kv_dtype`. int8: the codes are
+ * round-half-even(x / scale), scale = max |x| / 127 (1 where the row is all zeros, so no
+ * division by zero), as attention/torch_backend.py quantizes. */
+static inline void store_row(char *slot, const float *row, int64_t dim, int64_t kv_dtype) {
+    if (kv_dtype == PA_KV_BFLOAT16) {
+        uint16_t *to = (uint16_t *)slot;
+        for (int64_t d = 0; d < dim; d++) to[d] = to_bfloat16(row[d]);
+    } else if (kv_dtype == PA_KV_INT8) {
+        float top = 0.0f;
+        for (int64_t d = 0; d < dim; d++) top = fmaxf(top, fabsf(row[d]));
+        const float scale = top / 127.0f, divisor = scale > 0.0f ? scale : 1.0f;
+        int8_t *to = (int8_t *)slot;
+        for (int64_t d = 0; d < dim; d++) to[d] = (int8_t)nearbyintf(row[d] / divisor);
+        memcpy(slot + dim, &scale, sizeof scale);
+    } else {
+        memcpy(slot, row, (size_t)dim * sizeof(float));
+    }
+}
+
+/* `rows` cached rows of `kv_dtype` as float32 rows of `dim`. */
+static inline void widen_rows(const char *from, float *to, int64_t rows, int64_t dim,
+                              int64_t kv_dtype) {
+    if (kv_dtype == PA_KV_BFLOAT16) {
+        widen_bfloat16((const uint16_t *)from, to, rows * dim);
+        return;
+    }
+    const int64_t stride = row_bytes(kv_dtype, dim);
+    for (int64_t r = 0; r < rows; r++) {
+        float scale;
+        memcpy(&scale, from + r * stride + dim, sizeof scale);
+        widen_int8((const int8_t *)(from + r * stride), scale, to + r * dim, dim);
+    }
+}
 
 static inline float dot(const float *a, const float *b, int64_t dim) {
     float sum = 0.0f;
@@ -176,15 +262,16 @@ static inline void attend_block(const float *values, int64_t first, int64_t last
 }
 
 void pa_store(const pa_problem *p, int64_t first, int64_t last) {
-    const int64_t head_stride = p->num_blocks * p->block_size * p->dim;
+    const int64_t row = row_bytes(p->kv_dtype, p->dim);
+    const int64_t head_stride = p->num_blocks * p->block_size * row;
     for (int64_t t = first; t < last; t++) {
         if (p->slot_mapping[t] < 0) continue;
-        const int64_t at = p->slot_mapping[t] * p->dim;
+        const int64_t at = p->slot_mapping[t] * row;
         for (int64_t h = 0; h < p->kv_heads; h++) {
-            memcpy(p->key_cache + h * head_stride + at, p->key + t * p->k_stride + h * p->dim,
-                   (size_t)p->dim * sizeof(float));
-            memcpy(p->value_cache + h * head_stride + at,
-                   p->value + t * p->v_stride + h * p->dim, (size_t)p->dim * sizeof(float));
+            store_row((char *)p->key_cache + h * head_stride + at,
+                      p->key + t * p->k_stride + h * p->dim, p->dim, p->kv_dtype);
+            store_row((char *)p->value_cache + h * head_stride + at,
+                      p->value + t * p->v_stride + h * p->dim, p->dim, p->kv_dtype);
         }
     }
 }
@@ -203,7 +290,8 @@ int64_t pa_items(const pa_problem *p, int64_t *first_item) {
 
 int64_t pa_workspace_floats(const pa_problem *p) {
     const int64_t rows = QUERY_TILE * (p->heads / p->kv_heads);
-    return rows * p->dim + 2 * rows + (1 + p->dim) * p->block_size;
+    const int64_t widened = p->kv_dtype == PA_KV_FLOAT32 ? 0 : 2 * p->block_size * p->dim;
+    return rows * p->dim + 2 * rows + (1 + p->dim) * p->block_size + widened;
 }
 
 /* Work item `item` into p->out; `*seq` is where the search for its sequence starts (the
@@ -214,6 +302,8 @@ void pa_attend_item(const pa_problem *p, const int64_t *first_item, int64_t item
     const int64_t rows = QUERY_TILE * group, window = p->window;
     float *acc = workspace, *max = acc + rows * dim, *sum = max + rows, *scores = sum + rows;
     float *transposed = scores + block_size;
+    /* a narrow cache's block, widened: its keys, then its values */
+    float *widened = transposed + dim * block_size;
     int64_t s = *seq;
     while (first_item[s + 1] <= item) s++;
     while (first_item[s] > item) s--;
@@ -235,8 +325,17 @@ void pa_attend_item(const pa_problem *p, const int64_t *first_item, int64_t item
         memset(acc + r * dim, 0, (size_t)dim * sizeof(float));
     }
     for (int64_t b = lowest / block_size; b <= last_pos / block_size; b++) {
-        const int64_t at = (h * p->num_blocks + table[b]) * block_size * dim;
-        const float *keys = p->key_cache + at, *values = p->value_cache + at;
+        const int64_t at = (h * p->num_blocks + table[b]) * block_size
+                           * row_bytes(p->kv_dtype, dim);
+        const char *key_rows = (const char *)p->key_cache + at;
+        const char *value_rows = (const char *)p->value_cache + at;
+        const float *keys = (const float *)key_rows, *values = (const float *)value_rows;
+        if (p->kv_dtype != PA_KV_FLOAT32) {
+            widen_rows(key_rows, widened, block_size, dim, p->kv_dtype);
+            widen_rows(value_rows, widened + block_size * dim, block_size, dim, p->kv_dtype);
+            keys = widened;
+            values = widened + block_size * dim;
+        }
         const int64_t base = b * block_size;
         const float *keys_t = NULL;
         if (count * group >= TRANSPOSE_MIN_ROWS) {

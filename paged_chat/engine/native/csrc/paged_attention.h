@@ -5,13 +5,21 @@
 
 #include <stdint.h>
 
+/* What a KV cache's rows are (its kv_dtype): float32 as computed; bfloat16, rounded to
+ * nearest even as stored (as torch's conversion) and widened as read; or int8: dim codes
+ * then the row's float32 scale (dim + 4 bytes a row), dequantized as read. Mirrored by
+ * bindings.py's KV_DTYPE_CODES. */
+enum { PA_KV_FLOAT32 = 0, PA_KV_BFLOAT16 = 1, PA_KV_INT8 = 2 };
+
 /* One call's attention: query [T, heads, dim] (token stride q_stride), key/value
- * [T, kv_heads, dim] (token strides k_stride, v_stride), out [T, heads, dim] contiguous.
+ * [T, kv_heads, dim] (token strides k_stride, v_stride), out [T, heads, dim] contiguous;
+ * the caches hold kv_dtype rows.
  * Mirrored by bindings.py's PagedAttentionProblem (checked against pa_problem_size). */
 typedef struct {
     const float *query, *key, *value;
     int64_t q_stride, k_stride, v_stride;
-    float *key_cache, *value_cache;
+    void *key_cache, *value_cache;
+    int64_t kv_dtype;
     int64_t num_blocks, block_size;
     const int64_t *slot_mapping;
     int64_t num_tokens;
