@@ -229,7 +229,9 @@ def test_metrics_parse_with_vllm_names_and_types(api):
     kinds = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
              "vllm:kv_cache_usage_perc": "gauge", "vllm:prefix_cache_queries": "counter",
              "vllm:prefix_cache_hits": "counter", "vllm:prompt_tokens": "counter",
-             "vllm:generation_tokens": "counter", "vllm:num_preemptions": "counter"}
+             "vllm:generation_tokens": "counter", "vllm:num_preemptions": "counter",
+             "vllm:spec_decode_num_draft_tokens": "counter",
+             "vllm:spec_decode_num_accepted_tokens": "counter"}
     for name, kind in kinds.items():
         assert families[name].type == kind, name
         [sample] = [s for s in families[name].samples if not s.name.endswith("_created")]

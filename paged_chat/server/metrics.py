@@ -39,7 +39,11 @@ class EngineCollector(Collector):
              stats.num_preemptions),
             ("vllm:prompt_tokens", "Prompt tokens of the requests run, cached ones included.",
              stats.prompt_tokens_total),
-            ("vllm:generation_tokens", "Tokens generated.", stats.generation_tokens_total))
+            ("vllm:generation_tokens", "Tokens generated.", stats.generation_tokens_total),
+            ("vllm:spec_decode_num_draft_tokens", "Drafted tokens verified.",
+             stats.draft_tokens_total),
+            ("vllm:spec_decode_num_accepted_tokens", "Drafted tokens accepted.",
+             stats.accepted_draft_tokens_total))
         for family, rows in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, documentation, value in rows:
                 metric = family(name, documentation, labels=["model_name"])

@@ -51,6 +51,10 @@ def format_numbers(stats: EngineStats) -> Text:
         ("queue", f"running {stats.num_running} · waiting {stats.num_waiting} · "
                   f"preempted {stats.num_preemptions}"),
     ]
+    if stats.draft_tokens_total:
+        rows.append(("drafts", f"accepted {stats.draft_acceptance_rate:.0%} "
+                               f"({_n(stats.accepted_draft_tokens_total)}/"
+                               f"{_n(stats.draft_tokens_total)} tok)"))
     if stats.blocks_freed_by_window:
         rows.append(("window", f"freed {_n(stats.blocks_freed_by_window)} blocks behind it"))
     tier = stats.tier

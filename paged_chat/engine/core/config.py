@@ -76,6 +76,11 @@ class EngineConfig:
     `max_num_seqs`, `max_num_batched_tokens`, `enforce_eager` and `kv_cache_dtype` left None
     take the device's defaults (DEVICE_DEFAULTS), filled in by `for_device` once the device
     is known.
+
+    `num_speculative_tokens` > 0 drafts up to that many tokens a step for each greedy
+    request from its own history (prompt lookup: the longest suffix of `prompt_lookup_min`
+    to `prompt_lookup_max` tokens seen before; vLLM's names) and verifies them in the same
+    forward; 0 turns drafting off.
     """
 
     model: str = "smollm2-135m"
@@ -100,6 +105,9 @@ class EngineConfig:
     kv_tier_host_bytes: int | str | None = None
     threads: int | str | None = None
     kv_cache_dtype: str | None = None
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
 
     def __post_init__(self) -> None:
         _choice("device", self.device, DEVICES)
@@ -148,6 +156,17 @@ class EngineConfig:
         if not isinstance(self.fused_ops, bool):
             raise ValueError(f"EngineConfig.fused_ops={self.fused_ops!r} is invalid: "
                              "expected true or false")
+        if not (isinstance(self.num_speculative_tokens, int)
+                and not isinstance(self.num_speculative_tokens, bool)
+                and self.num_speculative_tokens >= 0):
+            raise ValueError(f"EngineConfig.num_speculative_tokens={self.num_speculative_tokens!r}"
+                             " is invalid: expected an integer >= 0 (0 turns drafting off)")
+        _positive("prompt_lookup_min", self.prompt_lookup_min)
+        _positive("prompt_lookup_max", self.prompt_lookup_max)
+        if self.prompt_lookup_max < self.prompt_lookup_min:
+            raise ValueError(f"EngineConfig.prompt_lookup_max={self.prompt_lookup_max!r} is "
+                             f"invalid: expected at least prompt_lookup_min "
+                             f"({self.prompt_lookup_min})")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"EngineConfig.seed={self.seed!r} is invalid: expected an integer >= 0")
 

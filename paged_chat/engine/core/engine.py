@@ -31,6 +31,7 @@ import torch
 
 from paged_chat.engine.core.config import EngineConfig
 from paged_chat.engine.core.dtypes import dtype_name, resolve_device, resolve_dtype
+from paged_chat.engine.core.ngram_proposer import NgramProposer
 from paged_chat.engine.core.output_processor import OutputProcessor
 from paged_chat.engine.core.outputs import EngineCoreOutput, FinishReason, ModelInfo, RequestOutput
 from paged_chat.engine.core.prompt import prompt_token_ids
@@ -94,8 +95,11 @@ class Engine:
                                        source.config.window_of_every_layer,
                                        self.runner.block_id_rows)
         self.kv_transfer = KVTransfer(self.kv_cache, self.runner)
+        proposer = (NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                  config.prompt_lookup_max)
+                    if config.num_speculative_tokens else None)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
+                                   config.max_num_batched_tokens, proposer)
         self.eos_token_ids = frozenset(source.config.eos_token_ids)
         if not tokenizer_on_demand and self.tokenizer.eos_token_id is not None:
             self.eos_token_ids |= {self.tokenizer.eos_token_id}
@@ -314,8 +318,9 @@ class Engine:
         update = self.scheduler.update_from_output(schedule, runner_output)
         outputs += update.outputs
         elapsed = time.perf_counter() - started
+        sampled_tokens = sum(len(output.new_token_ids) for output in update.outputs)  # drafts too
         self.metrics.record_step(len(schedule.scheduled), schedule.num_tokens,
-                                 update.num_prompt_tokens, len(runner_output.sampled), elapsed)
+                                 update.num_prompt_tokens, sampled_tokens, elapsed)
         policy.record(threads, schedule.num_tokens, elapsed)
         self.kv_transfer.offload()  # finished requests' blocks go down now, not a step later
         return outputs

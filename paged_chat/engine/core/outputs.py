@@ -37,10 +37,11 @@ class EngineCoreOutput:
 @dataclass(slots=True, frozen=True)
 class ModelRunnerOutput:
     """What one forward produced for the scheduler (`ModelRunner.execute`): per scheduled
-    item that samples, in order, its token or the exception sampling it raised; and, when
+    item that samples, in order, its token (for an item with drafts, the list of the drafts
+    accepted and the model's next token) or the exception sampling it raised; and, when
     any of them asked, their TokenLogprobs in the same order (None for one that did not)."""
 
-    sampled: list[int | Exception]
+    sampled: list[int | list[int] | Exception]
     logprobs: list[TokenLogprob | None] | None = None
 
 

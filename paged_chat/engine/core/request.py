@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from paged_chat.engine.core.ngram_proposer import DraftState
 from paged_chat.engine.core.outputs import FinishReason
 from paged_chat.engine.core.sampling_params import SamplingParams
 
@@ -62,6 +63,8 @@ class Request:
     grammar: GrammarMatcher | None = None
     # Its grammar's compile, while it waits for it (WAITING_FOR_GRAMMAR).
     pending_grammar: PendingGrammar | None = None
+    # How its drafts have fared (ngram_proposer.py): whether it proposes any.
+    drafts: DraftState = field(default_factory=DraftState)
 
     def __post_init__(self) -> None:
         if not self.all_token_ids:

@@ -21,6 +21,12 @@ given out in priority order:
    it joins once they are in, counting them as cached, as it would the pool's. Then each
    prefills what is left, chunked.
 
+With a `proposer` (EngineConfig.num_speculative_tokens), a decode may carry drafts from the
+request's own history (ngram_proposer): it is scheduled as 1 + k tokens when the budget,
+its token limit and the pool leave room (no request is preempted for a draft), and after
+the forward it keeps the drafts the runner accepted and the model's next token; the
+rejected drafts' slots count as not computed again (later tokens overwrite them).
+
 A request whose grammar compiles off the engine loop (WAITING_FOR_GRAMMAR) holds nothing
 and is never scheduled: it joins the waiting queue when the engine has its matcher
 (`grammar_ready`).
@@ -44,10 +50,12 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import NamedTuple
 
+from paged_chat.engine.core.ngram_proposer import NgramProposer
 from paged_chat.engine.core.outputs import (
     EngineCoreOutput,
     FinishReason,
@@ -66,6 +74,10 @@ class ScheduledRequest:
     # True when this step computes the request's last known token, so it yields logits;
     # set once at scheduling (the engine, the runner and the stats each read it).
     samples: bool
+    # Drafted tokens fed after the request's last token (a decode that verifies them):
+    # num_new_tokens is 1 + their count, and the runner returns the accepted ones and the
+    # model's next token.
+    draft_token_ids: Sequence[int] = ()
 
 
 @dataclass(slots=True)
@@ -85,8 +97,12 @@ class StepUpdate(NamedTuple):
 
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, proposer: NgramProposer | None = None) -> None:
+        """`proposer`: drafts for decodes to verify (None: no drafting)."""
         self.kv_cache = kv_cache
+        self.proposer = proposer
+        self.num_draft_tokens = 0           # drafted and verified, ever
+        self.num_accepted_draft_tokens = 0  # of those, accepted
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: list[Request] = []    # by priority, then arrival
@@ -170,6 +186,9 @@ class Scheduler:
         request to preempt first (`_victim`, never one of higher priority: it comes last
         itself) is preempted. Returns the tokens scheduled, 0 when it was preempted."""
         num_left = len(request.all_token_ids) - request.num_computed_tokens
+        if num_left == 1 and self.proposer is not None and (
+                num_new := self._schedule_drafts(request, budget, scheduled)):
+            return num_new
         num_new = num_left if num_left < budget else budget
         while not self.kv_cache.allocate(request, num_new):
             victim = self._victim()
@@ -180,6 +199,18 @@ class Scheduler:
                 return 0
         scheduled.append(ScheduledRequest(request, num_new, num_new == num_left))
         return num_new
+
+    def _schedule_drafts(self, request: Request, budget: int,
+                         scheduled: list[ScheduledRequest]) -> int:
+        """Schedule a decode with the proposer's drafts after it, as many as the budget, the
+        request's token limit and the pool leave room for (no request is preempted for a
+        draft). Returns the tokens scheduled, 0 when there are no drafts or no room."""
+        limit = min(budget, request.max_num_tokens - request.num_tokens) - 1
+        drafts = self.proposer.propose(request, limit)
+        if not drafts or not self.kv_cache.allocate(request, 1 + len(drafts)):
+            return 0
+        scheduled.append(ScheduledRequest(request, 1 + len(drafts), True, drafts))
+        return 1 + len(drafts)
 
     def _admit(self, request: Request, budget: int, scheduled: list[ScheduledRequest],
                preempted: list[Request]) -> int | None:
@@ -281,41 +312,61 @@ class Scheduler:
                 prompt_tokens += min(end, num_prompt) - start
         outputs: list[EngineCoreOutput] = []
         now = time.monotonic()
-        samplers = [item.request for item in output.scheduled if item.samples]
+        samplers = [item for item in output.scheduled if item.samples]
         logprobs = runner_output.logprobs or [None] * len(samplers)
-        for request, token, logprob in zip(samplers, runner_output.sampled, logprobs):
+        for item, token, logprob in zip(samplers, runner_output.sampled, logprobs):
+            request = item.request
             if isinstance(token, Exception):
                 if not self.recompute_after_fault(request):
                     outputs.append(self.finish_request(request, "error",
                                                        f"{type(token).__name__}: {token}"))
                 continue
+            if item.draft_token_ids:
+                tokens = token  # the accepted drafts, then the model's next token
+                self._count_drafts(item, len(tokens) - 1)
+            else:
+                tokens = [token]
             try:
-                outputs.append(self._append_token(request, token, now, logprob))
+                outputs.append(self._append_tokens(request, tokens, now, logprob))
             except Exception as error:  # the grammar library's, for this request alone
                 outputs.append(self.finish_request(request, "error",
                                                    f"{type(error).__name__}: {error}"))
         return StepUpdate(outputs, prompt_tokens)
 
-    def _append_token(self, request: Request, token_id: int, now: float,
-                      logprob: TokenLogprob | None) -> EngineCoreOutput:
+    def _count_drafts(self, item: ScheduledRequest, num_accepted: int) -> None:
+        """A verified item's rejected drafts' slots count as not computed (later tokens
+        overwrite them, and no block holding them is hashed before they are); the request's
+        and the engine's counts of drafts take the step's."""
+        request, num_drafted = item.request, len(item.draft_token_ids)
+        request.num_computed_tokens -= num_drafted - num_accepted
+        request.drafts.record(num_drafted, num_accepted)
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_draft_tokens += num_accepted
+
+    def _append_tokens(self, request: Request, token_ids: list[int], now: float,
+                       logprob: TokenLogprob | None) -> EngineCoreOutput:
+        """Append a step's tokens (one, or the accepted drafts and the next token), each
+        checked by the grammar and `check_stop`: the first that ends the request is its last."""
         if request.first_token_time is None:
             request.first_token_time = now
             self.prompt_tokens_total += request.num_prompt_tokens
-        request.all_token_ids.append(token_id)
-        request.output_token_ids.append(token_id)
         new_logprobs = None if logprob is None else [logprob]
         grammar = request.grammar
-        if grammar is not None and not grammar.accept_token(token_id):
-            return self.finish_request(request, "error",
-                                       f"the grammar refused the sampled token {token_id}",
-                                       [token_id], new_logprobs)
-        reason = check_stop(request)
-        if reason is None:
-            # EngineCoreOutput's fields in order: one per running request (its docstring)
-            return EngineCoreOutput(request.request_id, [token_id], False, None,
-                                    len(request.prompt_token_ids), request.num_cached_prompt_tokens,
-                                    request.num_tier_cached_tokens, None, new_logprobs)
-        return self.finish_request(request, reason, None, [token_id], new_logprobs)
+        for count, token_id in enumerate(token_ids, 1):
+            request.all_token_ids.append(token_id)
+            request.output_token_ids.append(token_id)
+            if grammar is not None and not grammar.accept_token(token_id):
+                return self.finish_request(request, "error",
+                                           f"the grammar refused the sampled token {token_id}",
+                                           token_ids[:count], new_logprobs)
+            reason = check_stop(request)
+            if reason is not None:
+                return self.finish_request(request, reason, None, token_ids[:count],
+                                           new_logprobs)
+        # EngineCoreOutput's fields in order: one per running request (its docstring)
+        return EngineCoreOutput(request.request_id, token_ids, False, None,
+                                len(request.prompt_token_ids), request.num_cached_prompt_tokens,
+                                request.num_tier_cached_tokens, None, new_logprobs)
 
     def finish_request(self, request: Request, reason: FinishReason, error: str | None = None,
                        new_token_ids: list[int] | None = None,

@@ -207,6 +207,10 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     blocks_freed_by_window: int = 0   # released behind a sliding window (every layer windowed)
+    # Drafted tokens verified since the engine started, and how many of them were accepted
+    # (EngineConfig.num_speculative_tokens; vLLM's spec_decode counters).
+    draft_tokens_total: int = 0
+    accepted_draft_tokens_total: int = 0
     # a pool-less client's figure for its engine's KV use (a remote's vLLM kv_cache_usage_perc)
     reported_kv_cache_usage: float | None = None
 
@@ -214,6 +218,11 @@ class EngineStats:
     def prefix_cache_hit_rate(self) -> float:
         queried = self.prefix_cache_queried_tokens
         return self.prefix_cache_hit_tokens / queried if queried else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        drafted = self.draft_tokens_total
+        return self.accepted_draft_tokens_total / drafted if drafted else 0.0
 
     @property
     def kv_cache_usage(self) -> float | None:
@@ -302,4 +311,6 @@ def snapshot(num_blocks: int, scheduler: Scheduler, metrics: StepMetrics,
         prompt_tokens_total=scheduler.prompt_tokens_total,
         generation_tokens_total=metrics.generation_tokens_total,
         blocks_freed_by_window=kv_cache.num_window_released,
+        draft_tokens_total=scheduler.num_draft_tokens,
+        accepted_draft_tokens_total=scheduler.num_accepted_draft_tokens,
     )

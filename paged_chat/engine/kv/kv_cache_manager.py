@@ -329,14 +329,16 @@ class KVCacheManager:
             self.pool.evicted = []
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Index the blocks that are full once this step's tokens are written.
+        """Index the blocks that are full of the request's tokens once this step's are written.
 
         Safe at schedule time: attention stores a step's K/V before it reads any, so a
         request that hits one of these blocks later in the same step reads written data.
         """
         if not self.pool.enable_caching:
             return
-        num_full = num_tokens // self.block_size
+        # Slots past the request's tokens hold drafts, which may yet be rejected: only the
+        # tokens accepted into the request count toward full blocks.
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
         first = self._num_hashed.get(request.request_id, 0)
         if num_full <= first:
             return

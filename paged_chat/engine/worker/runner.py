@@ -58,6 +58,7 @@ from paged_chat.engine.worker.model_loading import (
     prepare_for_cpu,
     use_triton_ops,
 )
+from paged_chat.engine.worker.rejection_sampler import verify_greedy, verify_sampled
 from paged_chat.engine.worker.sampler import SamplingBatch, logprob_entries, sample
 from paged_chat.engine.worker.structured_output import fill_token_bitmask
 
@@ -211,6 +212,8 @@ class ModelRunner:
         self.last_forward_s = time.perf_counter() - started
         if not samplers:
             return ModelRunnerOutput([])
+        if any(item.draft_token_ids for item in samplers):
+            return self._verify_drafts(logits, samplers)
         try:
             sampled = self._sample(logits, samplers)
         except Exception:  # find the rows at fault; the others keep their tokens
@@ -389,6 +392,57 @@ class ModelRunner:
         blocks = self.kv_cache.movedim(_BLOCK_AXIS, 0)
         blocks.index_copy_(0, index, kv.to(self.device, self.kv_cache.dtype))
 
+    def _verify_drafts(self, logits: torch.Tensor, samplers: list[ScheduledRequest]
+                       ) -> ModelRunnerOutput:
+        """`execute`'s output for a step with drafts: `logits` has 1 + len(drafts) rows per
+        sampling item (`_prepare`); the items with drafts are verified (`_verified`), the
+        others sampled as in any step."""
+        row_counts = np.array([1 + len(item.draft_token_ids) for item in samplers])
+        first_rows = np.cumsum(row_counts) - row_counts
+        drafting = row_counts > 1
+        verified = iter(self._verified(logits, [
+            (item, np.arange(first, first + count)) for item, first, count
+            in zip(samplers, first_rows, row_counts) if item.draft_token_ids]))
+        plain = [item for item in samplers if not item.draft_token_ids]
+        plain_tokens: list[int | Exception] = []
+        plain_logprobs: list[TokenLogprob | None] | None = None
+        if plain:
+            plain_logits = logits[torch.from_numpy(first_rows[~drafting]).to(self.device)]
+            try:
+                plain_tokens = self._sample(plain_logits, plain)
+            except Exception:  # find the rows at fault; the others keep their tokens
+                plain_tokens = self._sample_rows(plain_logits, plain)
+            plain_logprobs = self._step_logprobs
+        tokens, logprobs = iter(plain_tokens), iter(plain_logprobs or ())
+        sampled = [next(verified) if draft else next(tokens) for draft in drafting]
+        self._step_logprobs = (None if plain_logprobs is None
+                               else [None if draft else next(logprobs) for draft in drafting])
+        return ModelRunnerOutput(sampled, self._step_logprobs)
+
+    def _verified(self, logits: torch.Tensor,
+                  drafted: list[tuple[ScheduledRequest, np.ndarray]]
+                  ) -> list[list[int] | Exception]:
+        """Each item's accepted drafts and next token, from its rows of `logits`: the
+        greedy items together (rejection_sampler.verify_greedy), each sampled one by the
+        rejection rule (verify_sampled); a SamplingError where its logits are not finite."""
+        results: list[list[int] | None] = [None] * len(drafted)
+        greedy = [index for index, (item, _) in enumerate(drafted) if item.request.params.greedy]
+        if greedy:
+            rows = np.concatenate([drafted[index][1] for index in greedy])
+            for index, tokens in zip(greedy, verify_greedy(
+                    logits[torch.from_numpy(rows).to(self.device)],
+                    [drafted[index][0].draft_token_ids for index in greedy],
+                    self._to_host.fetch)):
+                results[index] = tokens
+        for index, (item, rows) in enumerate(drafted):
+            request = item.request
+            if not request.params.greedy:
+                results[index] = verify_sampled(
+                    logits[torch.from_numpy(rows).to(self.device)], item.draft_token_ids,
+                    request.params.temperature, request.sampling_seed, request.num_output_tokens)
+        return [SamplingError("the model's logits for this request are not finite (NaN or inf)")
+                if tokens is None else tokens for tokens in results]
+
     def _sample_rows(self, logits: torch.Tensor, samplers: list[ScheduledRequest]
                      ) -> list[int | Exception]:
         """Sample row by row, each row's fault in its place; logprobs as `_sample`'s."""
@@ -443,11 +497,17 @@ class ModelRunner:
         starts = [item.request.num_computed_tokens for item in scheduled]
         counts = [item.num_new_tokens for item in scheduled]
         token_ids = np.fromiter(itertools.chain.from_iterable(
-            item.request.all_token_ids[start:start + count]
+            itertools.chain(item.request.all_token_ids[start:start + count
+                                                       - len(item.draft_token_ids)],
+                            item.draft_token_ids)
             for item, start, count in zip(scheduled, starts, counts)), dtype=np.int64)
         samples = np.fromiter((item.samples for item in scheduled), dtype=bool,
                               count=len(scheduled))
-        logits_indices = np.cumsum(counts)[samples] - 1
+        # A sampling item's last row, and for one with drafts the row before each draft.
+        num_rows = np.fromiter((1 + len(item.draft_token_ids) for item in scheduled),
+                               dtype=np.int64, count=len(scheduled))[samples]
+        ends = np.cumsum(counts)[samples]
+        logits_indices = np.repeat(ends - num_rows, num_rows) + _ragged_arange(num_rows)
         return AttentionMetadata.build(
             counts, [start + count for start, count in zip(starts, counts)], block_tables,
             self.block_size, self.device, extra=(token_ids, logits_indices),
@@ -492,6 +552,12 @@ class ModelRunner:
             batch.logprob_rows = logprob_rows
             batch.num_top_logprobs = max(params[row].top_logprobs for row in wanting)
         return batch
+
+
+def _ragged_arange(counts: np.ndarray) -> np.ndarray:
+    """0..count-1 for each count, concatenated."""
+    total = int(counts.sum())
+    return np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
 def _no_progress(stage: str, done: int, total: int) -> None:
