@@ -8,8 +8,8 @@ import asyncio
 import json
 from contextlib import aclosing
 
-import pytest
 import numpy as np
+import pytest
 from helpers import assert_no_leaks, blocks_owned, engine_config
 
 from paged_chat.app.chat_session import ChatSession

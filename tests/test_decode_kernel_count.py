@@ -15,15 +15,15 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need the triton package (extra 'gpu')")
 
+from paged_chat.engine import SamplingParams  # noqa: E402
 from paged_chat.engine.attention import triton_backend  # noqa: E402
 from paged_chat.engine.attention import triton_paged_attention as triton_kernels  # noqa: E402
-from paged_chat.engine import SamplingParams  # noqa: E402
 from paged_chat.engine.attention.metadata import AttentionMetadata, StagingBuffer  # noqa: E402
 from paged_chat.engine.attention.triton_backend import TritonAttention  # noqa: E402
-from paged_chat.engine.models.llama import LlamaForCausalLM  # noqa: E402
-from paged_chat.engine.models.model_config import ModelConfig  # noqa: E402
 from paged_chat.engine.core.request import Request  # noqa: E402
 from paged_chat.engine.core.scheduler import ScheduledRequest  # noqa: E402
+from paged_chat.engine.models.llama import LlamaForCausalLM  # noqa: E402
+from paged_chat.engine.models.model_config import ModelConfig  # noqa: E402
 from paged_chat.engine.worker.device_to_host import DeviceToHost  # noqa: E402
 from paged_chat.engine.worker.input_batch import SamplingRows  # noqa: E402
 from paged_chat.engine.worker.model_loading import use_triton_ops  # noqa: E402

@@ -9,6 +9,8 @@ import platform
 
 import pytest
 import torch
+from test_cpu_attention import STEPS, random_step
+from tiny_models import PagedSequence
 
 from paged_chat.engine import Engine, EngineConfig, SamplingParams
 from paged_chat.engine.attention.cpu_backend import CpuAttention, cpu_kernels_available
@@ -17,8 +19,6 @@ from paged_chat.engine.attention.metadata import AttentionMetadata
 from paged_chat.engine.attention.torch_backend import TorchAttention
 from paged_chat.engine.core.errors import PagedChatError
 from paged_chat.engine.native import bindings
-from test_cpu_attention import STEPS, random_step
-from tiny_models import PagedSequence
 
 # The C kernels as built for this machine, the same source without AVX-512 (its AVX2
 # loops), and without AVX2 (its portable loops, what other CPUs run).

@@ -11,7 +11,13 @@ from pathlib import Path
 from helpers import wait_until
 from tui_helpers import make_app, new_tab, press
 
-from paged_chat.engine import ClientCapabilities, Engine, EngineConfig, RequestOutput, SamplingParams
+from paged_chat.engine import (
+    ClientCapabilities,
+    Engine,
+    EngineConfig,
+    RequestOutput,
+    SamplingParams,
+)
 from paged_chat.tui.chat_tab import HIDDEN_TAB_PRIORITY, SHOWN_TAB_PRIORITY
 
 
