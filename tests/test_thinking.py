@@ -381,8 +381,9 @@ async def test_the_thinking_streams_into_its_section_shown_or_hidden(chat_model_
         await press(pilot, "ctrl+n")
         await wait_until(lambda: len(app.chat_tabs) == 2 and app.active_tab is not shown)
         await press(pilot, "alt+left")
-        await wait_until(lambda: app.active_tab is shown)
         hidden = app.chat_tabs[1]
+        # Hidden as the switcher hides it (not displayed), not only no longer the active tab.
+        await wait_until(lambda: app.active_tab is shown and not hidden.display)
         assert hidden.send("again")
         for piece in ["<think>\nQuietly", "</think>Later.", None]:
             client.pieces.put_nowait(piece)
