@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 
 _TEST_HOME = Path(tempfile.mkdtemp(prefix="paged-chat-tests-"))
@@ -42,3 +43,13 @@ if not torch.cuda.is_available():
 # None of these imports textual or fastapi (the TUI's helpers are imported by its tests):
 # tests/gpu collects on a GPU image that has neither (tests/test_gpu_collection.py).
 pytest_plugins = ["engine_fixtures", "server_fixtures", "cli_fixtures"]
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    """A chat store of the test's own."""
+    # Imported here: tests/gpu collects without the app's dependencies.
+    from paged_chat.app.chat_store import ChatStore
+
+    with ChatStore(tmp_path / "chats.db") as chat_store:
+        yield chat_store

@@ -13,7 +13,6 @@ import pytest
 from helpers import assert_no_leaks, blocks_owned, engine_config
 
 from paged_chat.app.chat_session import ChatSession
-from paged_chat.app.chat_store import ChatStore
 from paged_chat.cli.state import CliState
 from paged_chat.engine import ClientSpec, SamplingParams, make_client
 from paged_chat.engine.core.errors import PagedChatError
@@ -28,12 +27,6 @@ def client(chat_model_dir, new_engine):
     yield engine
     engine.shutdown()
     assert_no_leaks(engine.transport.engine)
-
-
-@pytest.fixture
-def store(tmp_path):
-    with ChatStore(tmp_path / "chats.db") as store:
-        yield store
 
 
 async def run(deltas) -> str:

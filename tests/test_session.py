@@ -28,12 +28,6 @@ def client(chat_model_dir, new_engine):
     assert_no_leaks(engine.transport.engine)
 
 
-@pytest.fixture
-def store(tmp_path):
-    with ChatStore(tmp_path / "chats.db") as store:
-        yield store
-
-
 def new_session(store: ChatStore, warnings: list[str] | None = None) -> ChatSession:
     chat = store.create_chat("Chat 1", "tiny", "Be brief.", {})
     return ChatSession(store, chat, on_warning=(warnings if warnings is not None else []).append)

@@ -22,12 +22,6 @@ from paged_chat.app.chat_store import ChatNotFound, ChatStore, MessageNotFound, 
 from paged_chat.app.conversation import Conversation
 
 
-@pytest.fixture
-def store(tmp_path):
-    with ChatStore(tmp_path / "chats.db") as chat_store:
-        yield chat_store
-
-
 def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 

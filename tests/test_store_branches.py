@@ -18,12 +18,6 @@ from paged_chat.cli.state import CliState
 BRANCHES_VERSION = 3   # the schema version before branches
 
 
-@pytest.fixture
-def store(tmp_path):
-    with ChatStore(tmp_path / "chats.db") as chat_store:
-        yield chat_store
-
-
 def contents(chat) -> list[str]:
     return [message.content for message in chat.messages]
 

@@ -3,7 +3,6 @@ step with the store by triggers, and built for stores from before it existed."""
 
 from __future__ import annotations
 
-import pytest
 from helpers import insert_old_chat, insert_old_message, sqlite
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -12,12 +11,6 @@ from paged_chat.app import chat_store as store_module
 from paged_chat.app.chat_store import ChatStore
 
 SEARCH_VERSION = 1   # the schema version before the search index
-
-
-@pytest.fixture
-def store(tmp_path):
-    with ChatStore(tmp_path / "chats.db") as store:
-        yield store
 
 
 def found(store: ChatStore, text: str) -> list[str]:
